@@ -1,0 +1,1 @@
+"""Components outside the default stack: alternatives and baselines."""

@@ -1,0 +1,143 @@
+"""The engine's one typed configuration: TOML file, then CLI flags, then validation.
+
+Every field is flat so that each maps to one CLI flag (``max_num_seqs`` ->
+``--max-num-seqs``). Invalid values fail at start-up with the field's name and the
+allowed range. Plugin-specific settings go in the ``[plugin.NAME]`` tables.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A config value is invalid; the message names the field."""
+
+
+class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    # model
+    model: str = ""  # Hugging Face directory; "" = the built-in default model
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None  # None: from config.json
+    # components (kind = name)
+    scheduler: str = "continuous"
+    kv_cache: str = "paged"
+    attention: str = "auto"  # auto: triton on CUDA, torch elsewhere
+    quant: str = "none"
+    executor: str = "model"
+    proposer: str = "none"
+    frontends: list[str] = ["openai"]
+    # KV cache and scheduling
+    block_size: int = 16
+    num_blocks: int | None = None  # None: sized from memory
+    kv_cache_memory_gb: float = 1.0  # CPU budget for the KV pool
+    gpu_memory_utilization: float = 0.90
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    max_waiting_requests: int = 4096
+    # executor
+    enforce_eager: bool = False
+    num_speculative_tokens: int = 0
+    # serving
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    zmq_endpoint: str = "tcp://127.0.0.1:5557"
+    request_timeout_s: float | None = None
+    shutdown_grace_s: float = 5.0
+    engine_start_timeout_s: float = 600.0
+    # plugin settings: [plugin.NAME] tables
+    plugin: dict[str, dict[str, Any]] = {}
+
+    def __post_init__(self) -> None:
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("device", self.device, DEVICES)
+        _at_least("block_size", self.block_size, 1)
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size: must be a power of two, got {self.block_size}")
+        _at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _at_least("max_num_seqs", self.max_num_seqs, 1)
+        _at_least("max_waiting_requests", self.max_waiting_requests, 1)
+        _at_least("num_speculative_tokens", self.num_speculative_tokens, 0)
+        if self.num_blocks is not None:
+            _at_least("num_blocks", self.num_blocks, 1)
+        if self.max_model_len is not None:
+            _at_least("max_model_len", self.max_model_len, 1)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.kv_cache_memory_gb <= 0:
+            raise ConfigError(f"kv_cache_memory_gb: must be > 0, got {self.kv_cache_memory_gb}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port: must be in [0, 65535], got {self.port}")
+        if self.shutdown_grace_s < 0:
+            raise ConfigError(f"shutdown_grace_s: must be >= 0, got {self.shutdown_grace_s}")
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}: must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    if value < low:
+        raise ConfigError(f"{name}: must be >= {low}, got {value}")
+
+
+def field_names() -> tuple[str, ...]:
+    return EngineConfig.__struct_fields__
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> EngineConfig:
+    """Read a TOML file (if given), apply ``overrides`` (None values are skipped),
+    validate, and return the config. Raises ConfigError naming the bad field."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"config file {path}: {exc}") from exc
+        data = _flatten_sections(data)
+    for key, value in overrides.items():
+        if value is not None:
+            data[key] = value
+    return make_config(data)
+
+
+def make_config(data: dict[str, Any]) -> EngineConfig:
+    try:
+        return msgspec.convert(data, EngineConfig, strict=False)
+    except ConfigError:
+        raise
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_friendly(str(exc))) from exc
+
+
+def _flatten_sections(data: dict[str, Any]) -> dict[str, Any]:
+    """Allow ``[components]`` / ``[engine]`` / ``[server]`` tables as pure grouping."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and key in ("components", "engine", "server", "model_options"):
+            flat.update(value)
+        else:
+            flat[key] = value
+    return flat
+
+
+def _friendly(message: str) -> str:
+    # msgspec says "Expected `int`, got `str` - at `$.max_num_seqs`"; lead with the field.
+    if " - at `$." in message:
+        text, _, where = message.partition(" - at `$.")
+        return f"{where.rstrip('`')}: {text}"
+    return message

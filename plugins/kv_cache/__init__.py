@@ -1,0 +1,1 @@
+"""Default kv_cache components."""

@@ -1,0 +1,24 @@
+"""Proposer plugin ``none``: no speculative decoding."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tokenloom.protocols.components import ComponentSpec, Proposer
+from tokenloom.protocols.hookspecs import hookimpl
+
+
+class NoProposer(Proposer):
+    name = "none"
+
+    def __init__(self, config: Any = None) -> None:
+        self.config = config
+
+    def propose(self, token_histories: Sequence[Sequence[int]], k: int) -> list[list[int]]:
+        return [[] for _ in token_histories]
+
+
+@hookimpl
+def tokenloom_register_components() -> list[ComponentSpec]:
+    return [ComponentSpec("proposer", "none", NoProposer, "no speculative decoding")]

@@ -1,0 +1,23 @@
+"""Quant plugin ``none``: weights and KV cache stay in the model's dtype."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenloom.protocols.components import ComponentSpec, QuantMethod
+from tokenloom.protocols.hookspecs import hookimpl
+
+
+class NoQuant(QuantMethod):
+    name = "none"
+
+    def __init__(self, config: Any = None) -> None:
+        self.config = config
+
+    def quantize_model(self, model: Any) -> None:
+        return None
+
+
+@hookimpl
+def tokenloom_register_components() -> list[ComponentSpec]:
+    return [ComponentSpec("quant", "none", NoQuant, "no quantization")]

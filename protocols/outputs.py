@@ -1,0 +1,77 @@
+"""Engine-core -> frontend messages (socket ``engine-output``).
+
+One ``EngineOutputs`` batch per engine step carries a ``TokenDelta`` for every
+request that produced tokens or finished in that step.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class FinishReason:
+    """The values of ``TokenDelta.finish_reason``."""
+
+    STOP = "stop"  # EOS, a stop token id, or a stop string
+    LENGTH = "length"  # max_tokens or the model length
+    ABORT = "abort"  # aborted by the client or the frontend
+    TIMEOUT = "timeout"  # past its deadline
+    ERROR = "error"  # the engine failed it; see ErrorReply
+
+
+class TopLogprobs(msgspec.Struct, array_like=True, gc=False):
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list[float] | None = None  # one per new token: logprob of the sampled token
+    top_logprobs: list[TopLogprobs] | None = None  # one per new token
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True, gc=False):
+    outputs: list[TokenDelta]
+    timestamp: float = 0.0
+
+
+class ErrorReply(msgspec.Struct, tag="error", array_like=True, omit_defaults=True, gc=False):
+    code: int  # HTTP-like: 400 bad message, 413 too large, 503 overloaded, 500 internal
+    message: str
+    request_id: str | None = None
+
+
+class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    num_waiting: int = 0
+    num_running: int = 0
+    num_blocks_total: int = 0
+    num_blocks_free: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which found cached
+    num_preemptions: int = 0
+    prompt_tokens_total: int = 0  # prompt tokens computed
+    generation_tokens_total: int = 0
+    num_steps: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        if not self.num_blocks_total:
+            return 0.0
+        return 1.0 - self.num_blocks_free / self.num_blocks_total
+
+
+class HealthReply(msgspec.Struct, tag="health", array_like=True, omit_defaults=True, gc=False):
+    nonce: int
+    ok: bool = True
+
+
+class StatsReply(msgspec.Struct, tag="stats", array_like=True, omit_defaults=True, gc=False):
+    nonce: int
+    stats: EngineStats
+
+
+EngineOutput = EngineOutputs | ErrorReply | HealthReply | StatsReply

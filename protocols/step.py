@@ -1,0 +1,60 @@
+"""Scheduler <-> executor messages: one engine step.
+
+The scheduler produces a ``StepInput``; the executor runs it and returns a
+``StepOutput``; the scheduler folds that back into its requests. The same structs
+are used in-process (direct calls) and across processes (tensor-parallel workers,
+recorded traces), so a scheduler can be driven by a trace on the CPU.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from tokenloom.protocols.outputs import TopLogprobs
+from tokenloom.protocols.sampling import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Sent once, in the first step that schedules a request (the executor keeps
+    per-request sampling state: params, generator, generated tokens for penalties)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int] = []  # masked until min_tokens; empty with ignore_eos
+
+
+class ScheduledChunk(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The tokens one request computes in this step.
+
+    ``token_ids`` sit at positions ``start_pos .. start_pos + len(token_ids) - 1``;
+    positions ``< start_pos`` are already in the KV cache. ``block_ids`` is the
+    request's whole block table and covers every position up to the chunk's end.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    sample: bool = True  # the chunk ends at the last known token: sample the next one
+
+
+class StepInput(msgspec.Struct, tag="step", array_like=True, omit_defaults=True, gc=False):
+    step_id: int
+    chunks: list[ScheduledChunk]
+    new_requests: list[NewRequestData] = []
+    finished_request_ids: list[str] = []  # the executor drops their state before this step
+    num_tokens: int = 0  # sum of len(chunk.token_ids)
+
+
+class StepOutput(msgspec.Struct, tag="step_output", array_like=True, omit_defaults=True, gc=False):
+    """``request_ids`` lists the chunks with ``sample=True``, in chunk order."""
+
+    step_id: int
+    request_ids: list[str]
+    token_ids: list[list[int]]  # sampled ids per request (more than one with speculation)
+    logprobs: list[list[float]] | None = None  # per sampled token, when any request asked
+    top_logprobs: list[list[TopLogprobs]] | None = None
+
+
+StepMessage = StepInput | StepOutput
