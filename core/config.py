@@ -15,6 +15,7 @@ import msgspec
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "random")
 
 
 class ConfigError(ValueError):
@@ -28,6 +29,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     device: str = "auto"
     seed: int = 0
     max_model_len: int | None = None  # None: from config.json
+    load_format: str = "auto"  # auto: the checkpoint's safetensors; random: random weights
     # components (kind = name)
     scheduler: str = "continuous"
     kv_cache: str = "paged"
@@ -35,7 +37,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     quant: str = "none"
     executor: str = "model"
     proposer: str = "none"
-    frontends: list[str] = ["openai"]
+    frontends: list[str] = msgspec.field(default_factory=lambda: ["openai"])
     # KV cache and scheduling
     block_size: int = 16
     num_blocks: int | None = None  # None: sized from memory
@@ -62,6 +64,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, DTYPES)
         _choice("device", self.device, DEVICES)
+        _choice("load_format", self.load_format, LOAD_FORMATS)
         _at_least("block_size", self.block_size, 1)
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size: must be a power of two, got {self.block_size}")

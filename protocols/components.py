@@ -73,7 +73,9 @@ class KVCacheManager(ABC):
     @abstractmethod
     def num_cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
         """How many leading tokens of ``token_ids`` are in the prefix cache (whole
-        blocks only). Does not change any state."""
+        blocks only). Does not change any state. It is what ``allocate`` would reuse
+        right now, so it may stop short of the cache (e.g. to leave the last token to
+        compute): a scheduler sizes a request's first chunk with it."""
 
     @abstractmethod
     def allocate(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> int | None:

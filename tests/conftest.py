@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
 os.environ.setdefault("TOKENLOOM_LOG_LEVEL", "WARNING")
+# Without a GPU, Triton kernels run under its interpreter; it must be set before
+# triton is imported anywhere.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _has_cuda() -> bool:

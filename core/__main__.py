@@ -1,0 +1,7 @@
+"""``python -m tokenloom``: the same as the ``tokenloom`` command."""
+
+import sys
+
+from tokenloom.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Benchmarks: `tokenloom bench NAME`. Each prints a table and writes JSON."""

@@ -1,0 +1,69 @@
+"""What the benchmarks share: model resolution, engine flags, tables and JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default="qwen3-0.6b",
+        help="model directory, or a real shape with random weights: "
+        "llama-3-8b, qwen2.5-0.5b, qwen3-0.6b",
+    )
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="JSON output file")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    from tokenloom.model_shapes import is_shape_name, write_shape_dir
+
+    model = args.model
+    options: dict[str, Any] = {}
+    if is_shape_name(model):
+        model = str(write_shape_dir(model, Path(tempfile.mkdtemp(prefix="tokenloom-shape-"))))
+        options["load_format"] = "random"
+    options.update(
+        model=model,
+        dtype=args.dtype,
+        attention=args.attention,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+        seed=args.seed,
+    )
+    return options
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def print_table(title: str, rows: list[tuple[str, Any]]) -> None:
+    width = max(len(name) for name, _ in rows)
+    print(f"\n== {title} ==")
+    for name, value in rows:
+        shown = f"{value:,.2f}" if isinstance(value, float) else str(value)
+        print(f"{name:<{width}}  {shown}")
+
+
+def write_json(path: str | None, default: str, payload: dict[str, Any]) -> str:
+    target = path or default
+    Path(target).write_text(json.dumps(payload, indent=2, default=str))
+    print(f"wrote {target}")
+    return target

@@ -1,0 +1,132 @@
+"""``tokenloom bench latency``: single-stream decode speed against the bandwidth roofline.
+
+One request, a 128-token prompt, then greedy decode with EOS ignored. Each engine
+step is timed on the host (a step ends with reading the sampled id, so its wall
+time is real). The roofline is measured in the same run: a large device-to-device
+copy gives the bandwidth; the bytes one decode step must read are the weights
+(the embedding is a gather, so only an untied lm_head is read in full) plus the
+KV cache at the mean context length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+from tokenloom.bench.common import add_engine_args, engine_options, print_table, write_json
+
+
+def copy_bandwidth(num_bytes: int = 2 << 30, repeats: int = 20) -> float:
+    """Bytes per second of a device-to-device copy, counting bytes read and written."""
+    import torch
+
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * num_bytes / statistics.median(times)
+
+
+def bytes_per_step(engine: Any, context: float) -> float:
+    model = engine.executor.model
+    info = engine.info
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = getattr(model, "embed_tokens", None) or getattr(
+        getattr(model, "model", None), "embed_tokens", None
+    )
+    tied = getattr(model, "tie_word_embeddings", False)
+    if embed is not None and not tied:
+        weights -= embed.weight.numel() * embed.weight.element_size()
+    element = 2 if str(info.dtype) in ("torch.bfloat16", "torch.float16") else 4
+    kv_per_token = 2 * info.num_layers * info.num_kv_heads * info.head_dim * element
+    return weights + kv_per_token * context
+
+
+def decode_run(engine: Any, prompt: list[int], output_len: int, request_id: str) -> list[float]:
+    from tokenloom.protocols.requests import GenerateRequest
+    from tokenloom.protocols.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    engine.add_request(GenerateRequest(request_id, prompt, params))
+    steps = []
+    while engine.has_unfinished():
+        started = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - started)
+    return steps
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tokenloom bench latency", description=__doc__)
+    add_engine_args(parser)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from tokenloom import LLM
+
+    options = engine_options(args)
+    llm = LLM(**options)
+    engine = llm.engine
+    prompt = [(7 * i + 11) % 1000 + 10 for i in range(args.prompt_len)]
+    decode_run(engine, prompt, 16, "warmup")
+    per_run = []
+    for run in range(args.runs):
+        steps = decode_run(engine, prompt, args.output_len, f"run-{run}")
+        decode = steps[1:]
+        per_run.append(
+            {
+                "ttft_ms": steps[0] * 1e3,
+                "decode_tokens_per_s": len(decode) / sum(decode),
+                "step_ms_median": statistics.median(decode) * 1e3,
+            }
+        )
+    tok_s = statistics.median(r["decode_tokens_per_s"] for r in per_run)
+    step_ms = statistics.median(r["step_ms_median"] for r in per_run)
+    result: dict[str, Any] = {
+        "model": args.model,
+        "config": {k: v for k, v in options.items() if k != "model"},
+        "runs": per_run,
+        "decode_tokens_per_s": tok_s,
+        "step_ms": step_ms,
+        "memory_gib": dict(getattr(engine.executor, "memory", {})),
+    }
+    rows: list[tuple[str, Any]] = [
+        ("decode tokens/s (median)", tok_s),
+        ("ms per step (median)", step_ms),
+        ("TTFT ms (median)", statistics.median(r["ttft_ms"] for r in per_run)),
+    ]
+    if torch.cuda.is_available():
+        bandwidth = copy_bandwidth()
+        step_bytes = bytes_per_step(engine, args.prompt_len + args.output_len / 2)
+        roofline = bandwidth / step_bytes
+        result.update(
+            copy_bandwidth_gb_s=bandwidth / 1e9,
+            bytes_per_step_gb=step_bytes / 1e9,
+            roofline_tokens_per_s=roofline,
+            percent_of_roofline=100 * tok_s / roofline,
+        )
+        rows += [
+            ("copy bandwidth GB/s", bandwidth / 1e9),
+            ("bytes per step GB", step_bytes / 1e9),
+            ("roofline tokens/s", roofline),
+            ("% of roofline", 100 * tok_s / roofline),
+            ("graph capture s", engine.executor.memory.get("graph_capture_s", 0.0)),
+        ]
+    print_table(f"latency: {args.model}", rows)
+    write_json(args.out, "bench-latency.json", result)
+    return 0

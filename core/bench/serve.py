@@ -1,0 +1,202 @@
+"""``tokenloom bench serve``: load an OpenAI-compatible server and measure latency.
+
+Sends ``--num-prompts`` streamed /v1/completions requests of random token ids
+(lengths uniform in ``len * (1 +- range_ratio)``, ``ignore_eos`` so outputs have
+their chosen length), either arriving as a Poisson process of ``--request-rate``
+per second (``inf``: all at once) or ``--max-concurrency`` at a time. Reports TTFT,
+TPOT, ITL and end-to-end latency (mean, p50, p90, p99) and request and token
+throughput; prints a table and writes JSON. Works against any server that accepts
+token-id prompts (tokenloom, vLLM, SGLang, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tokenloom.bench.common import print_table, write_json
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_len: int
+    output_len: int = 0  # tokens generated, from usage
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="tokenloom bench serve", description=__doc__)
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default=None, help="default: the server's first model")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--request-rate", type=float, default=math.inf, help="req/s; inf = burst")
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--range-ratio", type=float, default=0.0)
+    parser.add_argument("--token-range", default="100:1000", help="random prompt ids lo:hi")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument("--out", default=None, help="JSON output file")
+    args = parser.parse_args(argv)
+    if not 0.0 <= args.range_ratio < 1.0:
+        parser.error("--range-ratio must be in [0, 1)")
+    if args.request_rate <= 0:
+        parser.error("--request-rate must be > 0")
+    return args
+
+
+def sample_lengths(mean: int, ratio: float, count: int, rng: random.Random) -> list[int]:
+    low, high = max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio)))
+    return [rng.randint(low, high) for _ in range(count)]
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
+    done = [r for r in results if r.ok]
+    out_tokens = sum(r.output_len for r in done)
+    in_tokens = sum(r.prompt_len for r in done)
+    tpot = [(r.e2e - r.ttft) / (r.output_len - 1) for r in done if r.output_len > 1]
+    summary: dict[str, Any] = {
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "duration_s": duration,
+        "request_throughput": len(done) / duration if duration else 0.0,
+        "output_token_throughput": out_tokens / duration if duration else 0.0,
+        "total_token_throughput": (in_tokens + out_tokens) / duration if duration else 0.0,
+        "input_tokens": in_tokens,
+        "output_tokens": out_tokens,
+    }
+    for name, values in (
+        ("ttft_ms", [r.ttft for r in done]),
+        ("tpot_ms", tpot),
+        ("itl_ms", [gap for r in done for gap in r.itl]),
+        ("e2e_ms", [r.e2e for r in done]),
+    ):
+        summary[name] = _stats([v * 1000 for v in values])
+    return summary
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": math.nan, **{f"p{p}": math.nan for p in PERCENTILES}}
+    ordered = sorted(values)
+    stats = {"mean": statistics.fmean(ordered)}
+    for p in PERCENTILES:
+        stats[f"p{p}"] = ordered[min(len(ordered) - 1, math.ceil(p / 100 * len(ordered)) - 1)]
+    return stats
+
+
+async def send_one(client: Any, url: str, body: dict[str, Any]) -> RequestResult:
+    """One streamed completion; times every content chunk."""
+    result = RequestResult(ok=False, prompt_len=len(body["prompt"]))
+    start = time.perf_counter()
+    last = start
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.error = str(chunk["error"])
+                    return result
+                if chunk.get("usage"):
+                    result.output_len = chunk["usage"]["completion_tokens"]
+                if not any(c.get("text") for c in chunk.get("choices", [])):
+                    continue
+                now = time.perf_counter()
+                if result.ttft == 0.0:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+        result.e2e = time.perf_counter() - start
+        result.ok = True
+    except Exception as exc:  # a benchmark reports failures; it does not stop on them
+        result.error = repr(exc)
+    return result
+
+
+async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    import httpx
+
+    rng = random.Random(args.seed)
+    lo, hi = (int(x) for x in args.token_range.split(":"))
+    input_lens = sample_lengths(args.input_len, args.range_ratio, args.num_prompts, rng)
+    output_lens = sample_lengths(args.output_len, args.range_ratio, args.num_prompts, rng)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(
+        base_url=args.base_url, headers=headers, timeout=args.timeout_s, limits=limits
+    ) as client:
+        model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
+        bodies = [
+            {
+                "model": model,
+                "prompt": [rng.randrange(lo, hi) for _ in range(n_in)],
+                "max_tokens": n_out,
+                "ignore_eos": True,
+                "temperature": 0.0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            for n_in, n_out in zip(input_lens, output_lens, strict=True)
+        ]
+        gate = asyncio.Semaphore(args.max_concurrency or len(bodies))
+
+        async def limited(body: dict[str, Any]) -> RequestResult:
+            async with gate:
+                return await send_one(client, "/v1/completions", body)
+
+        start = time.perf_counter()
+        tasks = []
+        for body in bodies:
+            tasks.append(asyncio.create_task(limited(body)))
+            if math.isfinite(args.request_rate):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    summary = summarize(list(results), duration)
+    summary["config"] = {k: v for k, v in vars(args).items() if k != "api_key"}
+    summary["config"]["model"] = model
+    errors = [r.error for r in results if not r.ok]
+    summary["errors"] = errors[:10]
+    summary["requests"] = [asdict(r) | {"itl": None} for r in results]
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(argv or []))
+    summary = asyncio.run(run_benchmark(args))
+    rows: list[tuple[str, Any]] = [
+        ("completed / failed", f"{summary['completed']} / {summary['failed']}"),
+        ("duration (s)", summary["duration_s"]),
+        ("request throughput (req/s)", summary["request_throughput"]),
+        ("output token throughput (tok/s)", summary["output_token_throughput"]),
+        ("total token throughput (tok/s)", summary["total_token_throughput"]),
+    ]
+    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        stats = summary[name]
+        rows.append((f"{name} mean/p50/p90/p99", " / ".join(f"{v:.2f}" for v in stats.values())))
+    print_table(f"serving benchmark: {args.base_url}", rows)
+    for error in summary["errors"]:
+        print(f"error: {error}")
+    write_json(args.out, "bench-serve.json", summary)
+    return 0 if summary["completed"] else 1

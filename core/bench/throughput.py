@@ -1,0 +1,157 @@
+"""``tokenloom bench throughput``: offline throughput on a fixed random workload.
+
+256 requests (by default) with input and output lengths uniform in 100..1024,
+random token ids, EOS ignored, fixed seed. ``--peer hf`` runs Hugging Face
+transformers ``generate`` on the same model, device and workload in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from typing import Any
+
+from tokenloom.bench.common import add_engine_args, engine_options, print_table, write_json
+
+
+def make_workload(
+    num: int, low: int, high: int, vocab: int, seed: int
+) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    top = min(vocab, 32000) - 1
+    work = []
+    for _ in range(num):
+        n_in, n_out = rng.randint(low, high), rng.randint(low, high)
+        work.append(([rng.randint(10, top) for _ in range(n_in)], n_out))
+    return work
+
+
+def run_tokenloom(llm: Any, work: list[tuple[list[int], int]]) -> dict[str, float]:
+    from tokenloom import SamplingParams
+
+    prompts = [ids for ids, _ in work]
+    params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for _, n in work]
+    warm = [SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)] * 4
+    llm.generate(prompts[:4], warm, use_tqdm=False)
+    _sync()
+    started = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    _sync()
+    elapsed = time.perf_counter() - started
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    in_tokens = sum(len(p) for p in prompts)
+    assert out_tokens == sum(n for _, n in work), "every request must produce max_tokens"
+    return {
+        "seconds": elapsed,
+        "requests_per_s": len(work) / elapsed,
+        "output_tokens_per_s": out_tokens / elapsed,
+        "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
+        "output_tokens": out_tokens,
+        "input_tokens": in_tokens,
+    }
+
+
+def run_hf(model_dir: str, random_weights: bool, work: list[tuple[list[int], int]], batch: int):
+    """transformers generate, batched with left padding; counts only requested tokens."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if random_weights:
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=dtype).to(device)
+    model.eval()
+    pad = 0
+    _sync()
+    started = time.perf_counter()
+    out_tokens = 0
+    ordered = sorted(work, key=lambda w: len(w[0]))
+    for start in range(0, len(ordered), batch):
+        group = ordered[start : start + batch]
+        width = max(len(ids) for ids, _ in group)
+        ids = torch.full((len(group), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(group), width), dtype=torch.long)
+        for row, (prompt, _) in enumerate(group):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        new = max(n for _, n in group)
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                pad_token_id=pad,
+            )
+        out_tokens += sum(n for _, n in group)
+    _sync()
+    elapsed = time.perf_counter() - started
+    del model
+    return {"seconds": elapsed, "output_tokens_per_s": out_tokens / elapsed}
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tokenloom bench throughput", description=__doc__)
+    add_engine_args(parser)
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--min-len", type=int, default=100)
+    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--peer", choices=["none", "hf"], default="none")
+    parser.add_argument("--peer-batch-size", type=int, default=256)
+    parser.add_argument("--peer-num-prompts", type=int, default=None)
+    args = parser.parse_args(argv)
+
+    from tokenloom import LLM
+
+    options = engine_options(args)
+    llm = LLM(**options)
+    work = make_workload(
+        args.num_prompts, args.min_len, args.max_len, llm.engine.info.vocab_size, args.seed
+    )
+    ours = run_tokenloom(llm, work)
+    result: dict[str, Any] = {
+        "model": args.model,
+        "config": {k: v for k, v in options.items() if k != "model"},
+        "num_prompts": args.num_prompts,
+        "tokenloom": ours,
+        "memory_gib": dict(getattr(llm.engine.executor, "memory", {})),
+    }
+    rows = [
+        ("requests/s", ours["requests_per_s"]),
+        ("output tokens/s", ours["output_tokens_per_s"]),
+        ("total tokens/s", ours["total_tokens_per_s"]),
+        ("seconds", ours["seconds"]),
+    ]
+    if args.peer == "hf":
+        model_dir = llm.engine.config.model
+        random_weights = llm.engine.config.load_format == "random"
+        llm.engine.shutdown()
+        del llm
+        peer_work = work[: args.peer_num_prompts] if args.peer_num_prompts else work
+        peer = run_hf(model_dir, random_weights, peer_work, args.peer_batch_size)
+        result["hf"] = peer
+        result["ratio_output_tokens_per_s"] = ours["output_tokens_per_s"] / peer[
+            "output_tokens_per_s"
+        ]
+        rows += [
+            ("hf output tokens/s", peer["output_tokens_per_s"]),
+            ("tokenloom / hf", result["ratio_output_tokens_per_s"]),
+        ]
+    print_table(f"throughput: {args.model}", rows)
+    write_json(args.out, "bench-throughput.json", result)
+    return 0

@@ -1,0 +1,279 @@
+"""Python clients of the ``zmq`` frontend's job protocol: ``JobClient`` (blocking)
+and ``AsyncJobClient`` (asyncio).
+
+Both connect a DEALER socket to the frontend's ROUTER and multiplex jobs on it:
+``submit`` returns a job id, ``stream(job_id)`` yields that job's ``JobOutput``s
+until its ``JobDone``, ``abort(job_id)`` stops it, ``generate`` does all three for
+one prompt and gathers the result. A ``JobError`` reply raises ``JobFailed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from tokenloom.protocols.jobs import (
+    AbortJob,
+    JobDone,
+    JobError,
+    JobOutput,
+    JobPong,
+    JobReply,
+    PingJob,
+    SubmitJob,
+)
+from tokenloom.protocols.sampling import SamplingParams
+from tokenloom.sockets import make_socket
+
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
+Prompt = str | list[int]
+
+
+class JobFailed(RuntimeError):
+    """The server answered a job (or a message) with a ``JobError``."""
+
+    def __init__(self, job_id: str | None, code: int, message: str) -> None:
+        super().__init__(f"job {job_id}: {code}: {message}")
+        self.job_id = job_id
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class JobResult:
+    """A finished job: per choice, its text, token ids and finish reason."""
+
+    job_id: str
+    texts: list[str]
+    token_ids: list[list[int]]
+    finish_reasons: list[str | None]
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    outputs: list[JobOutput] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return self.texts[0]
+
+
+def submit_message(
+    job_id: str, prompt: Prompt, params: SamplingParams | None, priority: int
+) -> SubmitJob:
+    if isinstance(prompt, str):
+        return SubmitJob(
+            job_id, prompt=prompt, params=params or SamplingParams(), priority=priority
+        )
+    return SubmitJob(
+        job_id, prompt_token_ids=list(prompt), params=params or SamplingParams(), priority=priority
+    )
+
+
+class _Collector:
+    """Folds a job's outputs into a JobResult."""
+
+    def __init__(self, job_id: str) -> None:
+        self.result = JobResult(job_id, [], [], [])
+
+    def add(self, output: JobOutput) -> None:
+        result = self.result
+        while len(result.texts) <= output.index:
+            result.texts.append("")
+            result.token_ids.append([])
+            result.finish_reasons.append(None)
+        result.texts[output.index] += output.text
+        result.token_ids[output.index].extend(output.token_ids)
+        if output.finish_reason is not None:
+            result.finish_reasons[output.index] = output.finish_reason
+        result.outputs.append(output)
+
+    def done(self, done: JobDone) -> JobResult:
+        self.result.num_prompt_tokens = done.num_prompt_tokens
+        self.result.num_generated_tokens = done.num_generated_tokens
+        return self.result
+
+
+class _JobIds:
+    def __init__(self) -> None:
+        self._ids = itertools.count()
+        self._prefix = f"{os.getpid():x}-{id(self):x}"
+
+    def next(self) -> str:
+        return f"{self._prefix}-{next(self._ids)}"
+
+
+class JobClient:
+    """Blocking client; not thread-safe (one per thread). ``timeout_s`` bounds each
+    wait for a reply (None: wait forever)."""
+
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout_s: float | None = 60.0) -> None:
+        self._ctx = zmq.Context()
+        self._sock = make_socket(self._ctx, "jobs", endpoint, bind=False)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(JobReply)
+        self._timeout_ms = None if timeout_s is None else int(timeout_s * 1000)
+        self._inbox: dict[str | None, deque[Any]] = {}
+        self._ids = _JobIds()
+
+    def submit(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0
+    ) -> str:
+        job_id = self._ids.next()
+        self._inbox[job_id] = deque()
+        self._send(submit_message(job_id, prompt, params, priority))
+        return job_id
+
+    def stream(self, job_id: str) -> Iterator[JobOutput | JobDone]:
+        """The job's outputs, then its JobDone. Raises JobFailed on an error reply."""
+        try:
+            while True:
+                msg = self._next(job_id)
+                if isinstance(msg, JobError):
+                    raise JobFailed(msg.job_id, msg.code, msg.message)
+                yield msg
+                if isinstance(msg, JobDone):
+                    return
+        finally:
+            self._inbox.pop(job_id, None)
+
+    def abort(self, job_id: str) -> None:
+        self._send(AbortJob(job_id))
+
+    def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0
+    ) -> JobResult:
+        job_id = self.submit(prompt, params, priority=priority)
+        collector = _Collector(job_id)
+        for msg in self.stream(job_id):
+            if isinstance(msg, JobOutput):
+                collector.add(msg)
+            else:
+                return collector.done(msg)
+        raise JobFailed(job_id, 500, "stream ended without JobDone")
+
+    def ping(self) -> bool:
+        """True if the frontend answers and its engine is alive."""
+        self._inbox.setdefault(None, deque())
+        self._send(PingJob(1))
+        msg = self._next(None)
+        return isinstance(msg, JobPong) and msg.engine_alive
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> JobClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _send(self, msg: Any) -> None:
+        self._sock.send(self._encoder.encode(msg))
+
+    def _next(self, job_id: str | None) -> Any:
+        inbox = self._inbox.setdefault(job_id, deque())
+        while not inbox:
+            if not self._sock.poll(self._timeout_ms):
+                raise TimeoutError(f"no reply for job {job_id} in time")
+            msg = self._decoder.decode(self._sock.recv())
+            key = None if isinstance(msg, JobPong) else msg.job_id
+            self._inbox.setdefault(key, deque()).append(msg)
+        return inbox.popleft()
+
+
+class AsyncJobClient:
+    """asyncio client: one background reader routes replies to each job's queue."""
+
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._sock = make_socket(self._ctx, "jobs", endpoint, bind=False)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(JobReply)
+        self._queues: dict[str | None, asyncio.Queue[Any]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._ids = _JobIds()
+
+    async def submit(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0
+    ) -> str:
+        self._ensure_reader()
+        job_id = self._ids.next()
+        self._queues[job_id] = asyncio.Queue()
+        await self._sock.send(
+            self._encoder.encode(submit_message(job_id, prompt, params, priority))
+        )
+        return job_id
+
+    async def stream(self, job_id: str) -> AsyncIterator[JobOutput | JobDone]:
+        """The job's outputs, then its JobDone. Raises JobFailed on an error reply."""
+        queue = self._queues.setdefault(job_id, asyncio.Queue())
+        try:
+            while True:
+                msg = await queue.get()
+                if isinstance(msg, JobError):
+                    raise JobFailed(msg.job_id, msg.code, msg.message)
+                yield msg
+                if isinstance(msg, JobDone):
+                    return
+        finally:
+            self._queues.pop(job_id, None)
+
+    async def abort(self, job_id: str) -> None:
+        await self._sock.send(self._encoder.encode(AbortJob(job_id)))
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0
+    ) -> JobResult:
+        job_id = await self.submit(prompt, params, priority=priority)
+        collector = _Collector(job_id)
+        async for msg in self.stream(job_id):
+            if isinstance(msg, JobOutput):
+                collector.add(msg)
+            else:
+                return collector.done(msg)
+        raise JobFailed(job_id, 500, "stream ended without JobDone")
+
+    async def ping(self, timeout_s: float = 5.0) -> bool:
+        self._ensure_reader()
+        queue = self._queues.setdefault(None, asyncio.Queue())
+        await self._sock.send(self._encoder.encode(PingJob(1)))
+        msg = await asyncio.wait_for(queue.get(), timeout_s)
+        return isinstance(msg, JobPong) and msg.engine_alive
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    async def __aenter__(self) -> AsyncJobClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _ensure_reader(self) -> None:
+        if self._reader is None:
+            self._reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            msg = self._decoder.decode(await self._sock.recv())
+            key = None if isinstance(msg, JobPong) else msg.job_id
+            if key is None and isinstance(msg, JobError):
+                for queue in self._queues.values():  # a message of ours was refused
+                    queue.put_nowait(msg)
+                continue
+            target = self._queues.get(key)
+            if target is not None:
+                target.put_nowait(msg)

@@ -1,0 +1,171 @@
+"""The in-process engine: the components the config names, wired together.
+
+``Engine.step()`` is one iteration of the engine-core: schedule, execute, update.
+The kernel loop (engine-core process) and the offline ``LLM`` both drive it; the
+hot path is direct method calls on the built components.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from tokenloom.config import EngineConfig
+from tokenloom.protocols.control import Ready
+from tokenloom.protocols.outputs import EngineStats, TokenDelta
+from tokenloom.protocols.requests import GenerateRequest
+
+if TYPE_CHECKING:
+    from tokenloom.plugin_manager import PluginManager
+    from tokenloom.protocols.components import Executor, KVCacheManager, ModelInfo, Scheduler
+
+log = logging.getLogger("tokenloom.engine")
+
+
+def resolve_config(config: EngineConfig) -> EngineConfig:
+    """Fill the "auto" choices from the machine: device, dtype, attention, model."""
+    import torch
+
+    changes: dict[str, Any] = {}
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        changes["device"] = device
+    if config.dtype == "auto":
+        changes["dtype"] = "bfloat16" if device == "cuda" else "float32"
+    if config.attention == "auto":
+        changes["attention"] = "triton" if device == "cuda" else "torch"
+    if not config.model:
+        from tokenloom.tiny_models import default_model_dir
+
+        changes["model"] = str(default_model_dir())
+    return msgspec.structs.replace(config, **changes) if changes else config
+
+
+class Engine:
+    """Scheduler + KV cache manager + executor, built from one config."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        scheduler: Scheduler,
+        kv_cache: KVCacheManager,
+        executor: Executor,
+        info: ModelInfo,
+        plugins: PluginManager | None = None,
+    ) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.kv_cache = kv_cache
+        self.executor = executor
+        self.info = info
+        self.plugins = plugins
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, plugins: PluginManager | None = None) -> Engine:
+        from tokenloom.plugin_manager import PluginManager
+
+        pm = plugins or PluginManager.default()
+        config = resolve_config(config)
+        pm.hook.tokenloom_configure(config=config)
+        started = time.perf_counter()
+        executor = pm.component("executor", config.executor).factory(config, pm)
+        info = executor.load_model()
+        max_len = min(config.max_model_len or info.max_model_len, info.max_model_len)
+        config = msgspec.structs.replace(config, max_model_len=max_len)
+        min_blocks = -(-max_len // config.block_size)
+        num_blocks = config.num_blocks or min(
+            executor.num_kv_blocks(config.block_size),
+            # More blocks than every running sequence at full length can use only
+            # serve the prefix cache; cap them so small models do not hoard memory.
+            4 * config.max_num_seqs * min_blocks,
+        )
+        if num_blocks < min_blocks:
+            log.warning(
+                "KV pool of %d blocks holds fewer than one sequence of max_model_len %d; "
+                "long prompts will be refused",
+                num_blocks,
+                max_len,
+            )
+        kv = pm.component("kv_cache", config.kv_cache).factory(
+            config, num_blocks, config.block_size
+        )
+        scheduler = pm.component("scheduler", config.scheduler).factory(config, kv)
+        executor.init_kv_cache(num_blocks, config.block_size)
+        engine = cls(config, scheduler, kv, executor, info, pm)
+        pm.hook.tokenloom_components_built(
+            components={"scheduler": scheduler, "kv_cache": kv, "executor": executor}
+        )
+        log.info(
+            "engine ready in %.1fs: %s on %s (%s), %d KV blocks x %d tokens = %d tokens",
+            time.perf_counter() - started,
+            info.name,
+            config.device,
+            config.dtype,
+            num_blocks,
+            config.block_size,
+            num_blocks * config.block_size,
+        )
+        return engine
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request: GenerateRequest) -> None:
+        if not request.eos_token_ids and self.info.eos_token_ids:
+            request.eos_token_ids = list(self.info.eos_token_ids)
+        self.scheduler.add_request(request)
+        if self.plugins is not None:
+            self.plugins.hook.tokenloom_request_added(
+                request_id=request.request_id, num_prompt_tokens=len(request.prompt_token_ids)
+            )
+
+    def abort(self, request_ids: Iterable[str]) -> list[TokenDelta]:
+        deltas = self.scheduler.abort_requests(list(request_ids))
+        self._observe_finished(deltas)
+        return deltas
+
+    def step(self) -> list[TokenDelta]:
+        step = self.scheduler.schedule()
+        if not step.chunks and not step.finished_request_ids:
+            return []
+        output = self.executor.execute(step)
+        deltas = self.scheduler.update(step, output)
+        self._observe_finished(deltas)
+        return deltas
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def stats(self) -> EngineStats:
+        return self.scheduler.stats()
+
+    def ready_info(self) -> Ready:
+        import os
+
+        return Ready(
+            pid=os.getpid(),
+            model_name=self.info.name,
+            max_model_len=self.config.max_model_len or self.info.max_model_len,
+            num_blocks=self.kv_cache.num_blocks,
+            block_size=self.kv_cache.block_size,
+            max_num_seqs=self.config.max_num_seqs,
+            eos_token_ids=list(self.info.eos_token_ids),
+        )
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+    def _observe_finished(self, deltas: list[TokenDelta]) -> None:
+        if self.plugins is None:
+            return
+        for delta in deltas:
+            if delta.finish_reason is not None:
+                self.plugins.hook.tokenloom_request_finished(
+                    request_id=delta.request_id,
+                    finish_reason=delta.finish_reason,
+                    num_output_tokens=len(delta.new_token_ids),
+                )

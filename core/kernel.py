@@ -1,0 +1,313 @@
+"""The engine-core process: the kernel loop between the sockets and the engine.
+
+``run_kernel`` serves one engine over two ``zmq.asyncio`` sockets (``engine-input``,
+``engine-output``) and, optionally, the ``control`` socket. ``engine_core_main`` is
+the process entry point: it builds the engine, reports ``Ready`` (or ``Failed``) to
+the supervisor, serves, and shuts down cleanly on ``Shutdown``, SIGTERM or SIGINT.
+
+The engine object (``tokenloom.engine.Engine``) provides: ``add_request(req)``
+(raises QueueFullError or ValueError), ``abort(ids) -> deltas``, ``step() -> deltas``
+(blocking), ``has_unfinished()``, ``stats()``, ``ready_info() -> Ready``, ``shutdown()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any, cast
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from tokenloom.config import EngineConfig
+from tokenloom.logging import get_logger
+from tokenloom.protocols.components import QueueFullError
+from tokenloom.protocols.control import ControlMessage, Failed, Shutdown
+from tokenloom.protocols.outputs import EngineOutputs, ErrorReply, HealthReply, StatsReply
+from tokenloom.protocols.requests import (
+    AbortRequest,
+    EngineInput,
+    GenerateRequest,
+    HealthRequest,
+    StatsRequest,
+)
+from tokenloom.serde import DecodeError, Decoder, Encoder
+from tokenloom.sockets import SOCKETS, EngineEndpoints, make_socket, remove_ipc_file
+
+log = get_logger(__name__)
+
+IDLE_POLL_MS = 250  # an idle kernel wakes this often to notice a stop request
+EngineFactory = Callable[[EngineConfig, Any], Any]  # (config, plugin_manager) -> engine
+
+
+class Kernel:
+    """The loop state of one engine-core. Not thread-safe: everything runs on the
+    event loop thread (signal handlers included, through ``loop.add_signal_handler``).
+    The per-request observation hooks are the engine's to call, not the kernel's: the
+    engine also runs in-process (offline ``LLM``) without a kernel."""
+
+    def __init__(
+        self,
+        engine: Any,
+        input_sock: zmq.asyncio.Socket,
+        output_sock: zmq.asyncio.Socket,
+        *,
+        control_sock: zmq.asyncio.Socket | None = None,
+        max_message_bytes: int | None = None,
+    ) -> None:
+        self.engine = engine
+        self.input = input_sock
+        self.output = output_sock
+        self.control = control_sock
+        limit = max_message_bytes or SOCKETS["engine-input"].max_message_bytes
+        self.decoder: Decoder[Any] = Decoder(EngineInput, limit)
+        self.control_decoder: Decoder[Any] = Decoder(
+            ControlMessage, SOCKETS["control"].max_message_bytes
+        )
+        self.encoder = Encoder()
+        self.handlers: dict[type, Callable[[Any], Any]] = {
+            GenerateRequest: self._on_generate,
+            AbortRequest: self._on_abort,
+            HealthRequest: self._on_health,
+            StatsRequest: self._on_stats,
+        }
+        self.live: set[str] = set()  # accepted and not finished: aborted at shutdown
+        self.pending: list[Any] = []  # deltas made between steps (aborts)
+        self.stop_deadline: float | None = None  # monotonic; set once shutdown begins
+        self.poller = zmq.asyncio.Poller()
+        self.poller.register(input_sock, zmq.POLLIN)
+        if control_sock is not None:
+            self.poller.register(control_sock, zmq.POLLIN)
+
+    @property
+    def is_stopping(self) -> bool:
+        return self.stop_deadline is not None
+
+    def request_stop(self, grace_s: float) -> None:
+        """Stop taking new requests; in-flight ones get ``grace_s`` to finish."""
+        deadline = time.monotonic() + grace_s
+        if self.stop_deadline is None or deadline < self.stop_deadline:
+            self.stop_deadline = deadline
+
+    async def run(self) -> None:
+        """Serve until a requested stop completes."""
+        engine = self.engine
+        while True:
+            # 1. Drain every waiting input and control message, without blocking.
+            await self._drain_inputs()
+            # 2. Past the stop deadline, abort what is left; with nothing left, stop.
+            if self.stop_deadline is not None:
+                if not engine.has_unfinished():
+                    await self._emit([])
+                    return
+                if time.monotonic() >= self.stop_deadline:
+                    self.pending.extend(engine.abort(list(self.live)))
+                    await self._emit([])
+                    return
+            # 3. Run one engine step when there is work.
+            deltas = await self._step() if engine.has_unfinished() else []
+            # 4. Emit one EngineOutputs with this step's deltas (and any abort deltas).
+            await self._emit(deltas)
+            # 5. Idle: sleep until a message arrives (or a stop is due), never spin.
+            #    Busy: still yield once, so signal handlers and other tasks run.
+            if engine.has_unfinished():
+                await asyncio.sleep(0)
+            else:
+                await self.poller.poll(IDLE_POLL_MS)
+
+    async def _drain_inputs(self) -> None:
+        while _readable(self.input):
+            frames = await self.input.recv_multipart(copy=False)
+            reply = self._dispatch(frames)
+            if reply is not None:
+                await self._send(reply)
+        control = self.control
+        while control is not None and _readable(control):
+            frames = await control.recv_multipart(copy=False)
+            try:
+                msg = self.control_decoder.decode(frames)
+            except DecodeError as exc:
+                log.warning("dropped a bad control message: %s", exc.reason)
+                continue
+            if isinstance(msg, Shutdown):
+                log.info("shutdown requested (grace %.1fs)", msg.grace_s)
+                self.request_stop(msg.grace_s)
+
+    def _dispatch(self, frames: list[Any]) -> Any:
+        try:
+            msg = self.decoder.decode(frames)
+        except DecodeError as exc:
+            log.warning("refused a message: %s", exc)
+            return ErrorReply(exc.code, exc.reason)
+        return self.handlers[type(msg)](msg)
+
+    def _on_generate(self, req: GenerateRequest) -> ErrorReply | None:
+        rid = req.request_id
+        if self.stop_deadline is not None:
+            return ErrorReply(503, "engine is shutting down", rid)
+        try:
+            self.engine.add_request(req)
+        except QueueFullError as exc:
+            return ErrorReply(503, f"queue full: {exc}", rid)
+        except ValueError as exc:
+            return ErrorReply(400, str(exc), rid)
+        except Exception as exc:
+            log.exception("add_request failed for %s", rid)
+            return ErrorReply(500, f"internal error: {exc!r}", rid)
+        self.live.add(rid)
+        return None
+
+    def _on_abort(self, req: AbortRequest) -> None:
+        self.pending.extend(self.engine.abort(req.request_ids))
+
+    def _on_health(self, req: HealthRequest) -> HealthReply:
+        return HealthReply(req.nonce, True)
+
+    def _on_stats(self, req: StatsRequest) -> StatsReply:
+        return StatsReply(req.nonce, self.engine.stats())
+
+    async def _step(self) -> list[Any]:
+        try:
+            return list(self.engine.step())
+        except Exception:
+            # The engine's state is unknown now: fail every request, then die so
+            # that the supervisor sees it.
+            log.exception("engine step failed")
+            for rid in self.live:
+                await self._send(ErrorReply(500, "engine step failed", rid))
+            raise
+
+    async def _emit(self, deltas: list[Any]) -> None:
+        if self.pending:
+            deltas = self.pending + deltas
+            self.pending = []
+        if not deltas:
+            return
+        live = self.live
+        for delta in deltas:
+            if delta.finish_reason is not None:
+                live.discard(delta.request_id)
+        await self._send(EngineOutputs(deltas, time.monotonic()))
+
+    async def _send(self, msg: Any) -> None:
+        frames = self.encoder.encode(msg)
+        await self.output.send_multipart(frames, copy=len(frames) == 1)
+
+
+async def run_kernel(
+    engine: Any,
+    input_sock: zmq.asyncio.Socket,
+    output_sock: zmq.asyncio.Socket,
+    *,
+    control_sock: zmq.asyncio.Socket | None = None,
+    grace_s: float = 5.0,
+    handle_signals: bool = False,
+    max_message_bytes: int | None = None,
+) -> None:
+    """Serve ``engine`` until stopped (``Shutdown`` on the control socket, or SIGTERM /
+    SIGINT with ``handle_signals``). On stop: new requests get 503, in-flight ones get
+    their grace period, the rest are aborted (their abort deltas are sent)."""
+    kernel = Kernel(
+        engine,
+        input_sock,
+        output_sock,
+        control_sock=control_sock,
+        max_message_bytes=max_message_bytes,
+    )
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
+    for sig in signals:
+        loop.add_signal_handler(sig, kernel.request_stop, grace_s)
+    try:
+        await kernel.run()
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+
+
+def engine_core_main(
+    config: EngineConfig | bytes,
+    endpoints: EngineEndpoints,
+    engine_factory: EngineFactory | None = None,
+    parent_pid: int | None = None,
+) -> int:
+    """The engine-core process. ``config`` may be msgpack bytes of an EngineConfig.
+    With ``parent_pid``, the process stops itself when that parent dies. Returns the
+    exit code: 0 after a clean shutdown, 1 when start-up failed (``Failed`` sent)."""
+    if isinstance(config, bytes | bytearray | memoryview):
+        config = msgspec.msgpack.decode(config, type=EngineConfig)
+    if parent_pid is not None:
+        _watch_parent(parent_pid, config.shutdown_grace_s + 5.0)
+    return asyncio.run(_serve(config, endpoints, engine_factory or _default_engine_factory))
+
+
+async def _serve(config: EngineConfig, endpoints: EngineEndpoints, factory: EngineFactory) -> int:
+    ctx = zmq.asyncio.Context()
+    control = make_socket(ctx, "control", endpoints.control, bind=False)
+    encoder = Encoder()
+    sockets: list[zmq.asyncio.Socket] = [control]
+    try:
+        try:
+            from tokenloom.plugin_manager import PluginManager
+
+            input_sock = make_socket(ctx, "engine-input", endpoints.input, bind=True)
+            sockets.append(input_sock)
+            output_sock = make_socket(ctx, "engine-output", endpoints.output, bind=True)
+            sockets.append(output_sock)
+            pm = PluginManager.default()
+            engine = factory(config, pm)
+        except BaseException:
+            tb = traceback.format_exc()
+            log.error("engine-core failed to start:\n%s", tb)
+            await control.send_multipart(encoder.encode(Failed(tb)))
+            return 1
+        await control.send_multipart(encoder.encode(engine.ready_info()))
+        log.info("engine-core %d serving", os.getpid())
+        await run_kernel(
+            engine,
+            input_sock,
+            output_sock,
+            control_sock=control,
+            grace_s=config.shutdown_grace_s,
+            handle_signals=True,
+        )
+        pm.hook.tokenloom_shutdown(process="engine-core")
+        engine.shutdown()
+        return 0
+    finally:
+        for sock in sockets:
+            sock.close()
+        ctx.term()
+        remove_ipc_file(endpoints.input)
+        remove_ipc_file(endpoints.output)
+
+
+def _readable(sock: zmq.asyncio.Socket) -> bool:
+    """A message waits on ``sock`` (checked without blocking or yielding)."""
+    return bool(cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN)
+
+
+def _default_engine_factory(config: EngineConfig, pm: Any) -> Any:
+    from tokenloom.engine import Engine  # type: ignore[import-not-found, unused-ignore]
+
+    return Engine.from_config(config, pm)
+
+
+def _watch_parent(parent_pid: int, hard_exit_after_s: float) -> None:
+    """No orphans: when the parent dies, stop cleanly, and exit hard if that hangs."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        log.warning("parent %d died; shutting down", parent_pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(hard_exit_after_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()

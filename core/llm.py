@@ -1,0 +1,155 @@
+"""The offline API: ``LLM(model_dir).generate(prompts, params)``.
+
+Runs the engine in this process (no sockets): the same scheduler, executor and
+output processor as the server, driven by a plain loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from tokenloom.config import load_config
+from tokenloom.protocols.components import QueueFullError
+from tokenloom.protocols.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenloom.engine import Engine
+    from tokenloom.outputs import RequestOutput
+    from tokenloom.protocols.requests import GenerateRequest
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """An engine and its tokenizer, for batch generation in this process.
+
+    ``engine_options`` are ``EngineConfig`` fields (``max_num_seqs=64``,
+    ``dtype="float32"``, ``scheduler="static"``, ...).
+    """
+
+    def __init__(self, model: str = "", config: str | None = None, **engine_options: Any) -> None:
+        from tokenloom.engine import Engine
+        from tokenloom.output_processor import OutputProcessor
+        from tokenloom.tokenizer import Tokenizer
+
+        self.engine: Engine = Engine.from_config(
+            load_config(config, model=model or None, **engine_options)
+        )
+        self.tokenizer = Tokenizer.from_dir(self.engine.config.model)
+        self.processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.max_model_len or self.engine.info.max_model_len
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """One result per prompt, in order. A prompt is a string or a list of token ids."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(prompt_list)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != len(prompt_list):
+            raise ValueError(f"{len(prompt_list)} prompts but {len(params)} sampling params")
+        pending: deque[GenerateRequest] = deque()
+        order: list[str] = []
+        for i, (prompt, sp) in enumerate(zip(prompt_list, params, strict=True)):
+            pending.extend(self._requests(prompt, sp, priority[i] if priority else 0, order))
+        return self._run(pending, order, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts: list[Prompt] = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt
+            )
+            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # ------------------------------------------------------------------ internals
+
+    def _requests(
+        self, prompt: Prompt, params: SamplingParams, priority: int, order: list[str]
+    ) -> list[GenerateRequest]:
+        request_id = str(next(self._ids))
+        order.append(request_id)
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return self.processor.add_request(
+            request_id,
+            text,
+            ids,
+            params,
+            self.engine.info.eos_token_ids,
+            priority=priority,
+            arrival_time=time.monotonic(),
+        )
+
+    def _run(
+        self, pending: deque[GenerateRequest], order: list[str], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        engine = self.engine
+        finished: dict[str, RequestOutput] = {}
+        bar = _progress(len(order)) if use_tqdm else None
+        started = time.perf_counter()
+        prompt_tokens = output_tokens = 0
+        while pending or engine.has_unfinished():
+            while pending:
+                try:
+                    engine.add_request(pending[0])
+                except QueueFullError:
+                    break
+                pending.popleft()
+            deltas = engine.step()
+            for delta in deltas:
+                output_tokens += len(delta.new_token_ids)
+                prompt_tokens += delta.num_prompt_tokens
+            result = self.processor.process(deltas)
+            if result.abort_ids:
+                self.processor.process(engine.abort(result.abort_ids))
+            for out in result.outputs:
+                if out.finished:
+                    finished[out.request_id] = out
+                    if bar is not None:
+                        elapsed = max(time.perf_counter() - started, 1e-9)
+                        bar.set_postfix_str(
+                            f"in {prompt_tokens / elapsed:,.0f} tok/s, "
+                            f"out {output_tokens / elapsed:,.0f} tok/s",
+                            refresh=False,
+                        )
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [finished[rid] for rid in order]
+
+
+def _progress(total: int) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req", dynamic_ncols=True)

@@ -1,0 +1,131 @@
+"""Attention plugin ``torch``: the readable reference for paged attention.
+
+Runs on any device. Keys and values are written into the paged cache with one
+vectorised ``index_copy_``; then each request's keys and values are gathered through
+its block table and attended with ``scaled_dot_product_attention`` under a causal mask
+aligned to the end of the sequence (the queries are the request's last tokens).
+It loops over requests on the host, reading ``meta.query_lens_cpu`` and
+``meta.seq_lens_cpu``, so it is meant for correctness and the CPU, not CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tokenloom.protocols.components import AttentionBackend, AttentionMetadata, ComponentSpec
+from tokenloom.protocols.hookspecs import hookimpl
+
+
+def write_kv_cache(
+    k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+) -> None:
+    """Store token ``t``'s key and value at flat slot ``slot_mapping[t]``; rows with a
+    negative slot are skipped (the boolean mask syncs the host: reference only)."""
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    flat_k = k_cache.view(num_slots, *k_cache.shape[2:])  # [num_slots, Hkv, D]
+    flat_v = v_cache.view(num_slots, *v_cache.shape[2:])  # [num_slots, Hkv, D]
+    keep = slot_mapping >= 0  # [T] bool
+    slots = slot_mapping[keep]
+    flat_k.index_copy_(0, slots, k[keep].to(k_cache.dtype))
+    flat_v.index_copy_(0, slots, v[keep].to(v_cache.dtype))
+
+
+def gather_kv(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [max_blocks_per_seq] int32
+    seq_len: int,
+) -> torch.Tensor:  # [seq_len, num_kv_heads, head_dim]
+    """The first ``seq_len`` cached tokens of one request, in logical order."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    blocks = cache.index_select(0, block_table[:num_blocks].long())  # [nb, bs, Hkv, D]
+    return blocks.flatten(0, 1)[:seq_len]
+
+
+def causal_mask(q_len: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    """``[q_len, seq_len]`` bool, True where query ``i`` (at position
+    ``seq_len - q_len + i``) may see key ``j``."""
+    query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+    key_pos = torch.arange(seq_len, device=device)
+    return key_pos[None, :] <= query_pos[:, None]
+
+
+class TorchAttention(AttentionBackend):
+    """Reference paged attention; GQA through ``repeat_interleave`` of the KV heads."""
+
+    name = "torch"
+
+    def __init__(self, config: Any, model_info: Any) -> None:
+        self.num_heads = int(model_info.num_heads)
+        self.num_kv_heads = int(model_info.num_kv_heads)
+        self.head_dim = int(model_info.head_dim)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        self.group = self.num_heads // self.num_kv_heads
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.zeros_like(q)
+        start = 0
+        for b, (q_len, seq_len) in enumerate(
+            zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)
+        ):
+            end = start + q_len
+            if q_len > 0 and seq_len > 0:
+                out[start:end] = self._attend(
+                    q[start:end], k_cache, v_cache, meta.block_tables[b], seq_len, scale
+                )
+            start = end
+        return out
+
+    def _attend(
+        self,
+        q: torch.Tensor,  # [q_len, num_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_table: torch.Tensor,  # [max_blocks_per_seq] int32
+        seq_len: int,
+        scale: float,
+    ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
+        keys = gather_kv(k_cache, block_table, seq_len).to(q.dtype)  # [S, Hkv, D]
+        values = gather_kv(v_cache, block_table, seq_len).to(q.dtype)  # [S, Hkv, D]
+        if self.group > 1:
+            keys = keys.repeat_interleave(self.group, dim=1)  # [S, H, D]
+            values = values.repeat_interleave(self.group, dim=1)  # [S, H, D]
+        mask = causal_mask(q.shape[0], seq_len, q.device)  # [q_len, S]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),  # [H, q_len, D]
+            keys.transpose(0, 1),  # [H, S, D]
+            values.transpose(0, 1),  # [H, S, D]
+            attn_mask=mask,
+            scale=scale,
+        )  # [H, q_len, D]
+        return out.transpose(0, 1)
+
+
+@hookimpl
+def tokenloom_register_components() -> list[ComponentSpec]:
+    return [
+        ComponentSpec(
+            "attention", "torch", TorchAttention, "reference paged attention in plain PyTorch"
+        )
+    ]

@@ -1,0 +1,220 @@
+"""Attention plugin ``triton``: paged attention in Triton kernels (default on CUDA).
+
+Each forward writes the new keys/values with one kernel, then runs either the
+split-KV decode kernel (every request has one query token) or the paged prefill
+kernel (anything else, mixed batches included). No launch reads tensor values on
+the host, and the decode scratch buffers are allocated once at their largest size,
+so decode steps can be captured in CUDA graphs.
+
+Settings (``[plugin.triton]`` in the config, or keyword arguments), defaults in
+``__init__``: ``max_num_splits``, ``decode_block_n``, ``decode_num_stages``,
+``decode_programs_per_sm``, ``prefill_block_m``, ``prefill_block_n``,
+``prefill_num_warps``, ``prefill_num_stages``. Without a GPU the kernels run under
+``TRITON_INTERPRET=1`` with small tiles.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from tokenloom.plugins.attention.triton_kernels.decode import decode_attention
+from tokenloom.plugins.attention.triton_kernels.kv_write import write_kv
+from tokenloom.plugins.attention.triton_kernels.prefill import prefill_attention
+from tokenloom.protocols.components import AttentionBackend, AttentionMetadata, ComponentSpec
+from tokenloom.protocols.hookspecs import hookimpl
+
+SETTINGS = (
+    "max_num_splits",
+    "decode_block_n",
+    "decode_num_stages",
+    "decode_programs_per_sm",
+    "prefill_block_m",
+    "prefill_block_n",
+    "prefill_num_warps",
+    "prefill_num_stages",
+)
+
+# Tiny tiles: the interpreter runs each program in Python.
+INTERPRETER_DEFAULTS = {
+    "max_num_splits": 4,
+    "decode_block_n": 16,
+    "decode_num_stages": 1,
+    "decode_programs_per_sm": 4,
+    "prefill_block_m": 16,
+    "prefill_block_n": 16,
+    "prefill_num_warps": 4,
+    "prefill_num_stages": 1,
+}
+
+
+def cuda_defaults(head_dim: int) -> dict[str, int]:
+    """Tile configs measured on an H200 at Llama-3-8B shapes (scripts/bench_attention.py);
+    head dims above 128 get smaller KV tiles to stay within shared memory."""
+    big_head = head_dim > 128
+    return {
+        "max_num_splits": 32,
+        "decode_block_n": 0,  # 0: chosen per batch size by decode_block_n_for
+        "decode_num_stages": 2,
+        "decode_programs_per_sm": 4,
+        "prefill_block_m": 64,
+        "prefill_block_n": 32 if big_head else 64,
+        "prefill_num_warps": 4,
+        "prefill_num_stages": 2 if big_head else 3,
+    }
+
+
+def is_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+class TritonAttention(AttentionBackend):
+    """Paged attention through Triton; see the module docstring for the kernels."""
+
+    name = "triton"
+
+    def __init__(self, config: Any, model_info: Any, **overrides: int) -> None:
+        self.num_heads = int(model_info.num_heads)
+        self.num_kv_heads = int(model_info.num_kv_heads)
+        self.head_dim = int(model_info.head_dim)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        self.device = torch.device(model_info.device)
+        interpreted = is_interpreted()
+        if self.device.type != "cuda" and not interpreted:
+            raise RuntimeError(
+                "attention 'triton' needs a CUDA device (or TRITON_INTERPRET=1 on the CPU); "
+                "use attention = 'torch' here"
+            )
+        self.max_num_seqs = int(getattr(config, "max_num_seqs", 256))
+        settings = _plugin_settings(config)
+        settings.update(overrides)
+        unknown = set(settings) - set(SETTINGS)
+        if unknown:
+            raise ValueError(f"plugin.triton: unknown settings {sorted(unknown)}")
+
+        if interpreted:
+            self.num_sms = 4
+            defaults = dict(INTERPRETER_DEFAULTS)
+        else:
+            self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            defaults = cuda_defaults(self.head_dim)
+        defaults.update(settings)
+        self.max_num_splits = int(defaults["max_num_splits"])
+        self.decode_block_n = int(defaults["decode_block_n"])
+        self.decode_num_stages = int(defaults["decode_num_stages"])
+        self.decode_programs_per_sm = int(defaults["decode_programs_per_sm"])
+        self.prefill_block_m = int(defaults["prefill_block_m"])
+        self.prefill_block_n = int(defaults["prefill_block_n"])
+        self.prefill_num_warps = int(defaults["prefill_num_warps"])
+        self.prefill_num_stages = int(defaults["prefill_num_stages"])
+        self._part_out: torch.Tensor | None = None  # flat fp32 [rows * max_splits * D]
+        self._part_lse: torch.Tensor | None = None  # flat fp32 [rows * max_splits]
+
+    def num_splits(self, batch: int) -> int:
+        """KV splits for a decode batch of ``batch`` requests: enough programs for
+        ``decode_programs_per_sm`` per SM, a power of two, at most
+        ``max_num_splits``. Depends on the batch size only (a shape), never on
+        sequence lengths, so a graph captured for one batch size stays valid."""
+        programs = batch * self.num_kv_heads
+        wanted = max(1, -(-self.decode_programs_per_sm * self.num_sms // programs))
+        return min(self.max_num_splits, 1 << (wanted - 1).bit_length())
+
+    def decode_block_n_for(self, batch: int) -> int:
+        """KV tile of the decode kernel. Small batches run the most splits and each
+        program's slice is long, where 64-token tiles measured faster; elsewhere 32."""
+        if self.decode_block_n:
+            return self.decode_block_n
+        if self.head_dim <= 128 and self.num_splits(batch) >= self.max_num_splits:
+            return 64
+        return 32
+
+    def _scratch_rows(self, max_batch: int) -> int:
+        # Rows of [num_heads, head_dim] partials the largest batch needs.
+        return max(b * self.num_splits(b) for b in range(1, max_batch + 1))
+
+    def _decode_scratch(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = batch * self.num_splits(batch)
+        if self._part_out is None or self._part_out.numel() < rows * self.num_heads * self.head_dim:
+            rows = max(rows, self._scratch_rows(max(batch, self.max_num_seqs)))
+            self._part_out = torch.empty(
+                rows * self.num_heads * self.head_dim, dtype=torch.float32, device=self.device
+            )
+            self._part_lse = torch.empty(
+                rows * self.num_heads, dtype=torch.float32, device=self.device
+            )
+        assert self._part_lse is not None
+        return self._part_out, self._part_lse
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        # Allocate the decode scratch outside any graph capture.
+        if meta.decode_only:
+            self._decode_scratch(int(meta.seq_lens.shape[0]))
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if meta.decode_only:
+            batch = q.shape[0]
+            part_out, part_lse = self._decode_scratch(batch)
+            decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                out,
+                part_out,
+                part_lse,
+                scale,
+                num_splits=self.num_splits(batch),
+                block_n=self.decode_block_n_for(batch),
+                num_stages=self.decode_num_stages,
+            )
+        else:
+            prefill_attention(
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.query_start_loc,
+                out,
+                scale,
+                block_m=self.prefill_block_m,
+                block_n=self.prefill_block_n,
+                num_warps=self.prefill_num_warps,
+                num_stages=self.prefill_num_stages,
+            )
+        return out
+
+
+def _plugin_settings(config: Any) -> dict[str, Any]:
+    plugin = getattr(config, "plugin", None) or {}
+    return dict(plugin.get("triton", {}))
+
+
+@hookimpl
+def tokenloom_register_components() -> list[ComponentSpec]:
+    return [
+        ComponentSpec(
+            "attention",
+            "triton",
+            TritonAttention,
+            "Triton paged attention: split-KV decode with grouped heads, paged prefill",
+        )
+    ]

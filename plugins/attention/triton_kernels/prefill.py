@@ -1,0 +1,211 @@
+"""Paged prefill/extend attention over variable-length queries, no padding.
+
+Runs after the KV write, so every key of every request (cached prefix and new
+tokens alike) is read from the paged cache through the block table, with a causal
+mask aligned to the end of the sequence. Grid ``(num_heads, T // BLOCK_M + B)``: the
+second axis is an upper bound on the query tiles of the whole batch; request ``b``
+owns tiles ``query_start_loc[b] // BLOCK_M + b`` onwards (always enough of them), and
+each program finds its request by binary search over ``query_start_loc`` on the
+device, so nothing is read on the host. Unused tiles exit at once. Mixed batches
+(decodes next to prefills) go through this kernel too.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_M: tl.constexpr):
+    # The last b with query_start_loc[b] // BLOCK_M + b <= tile.
+    lo = tl.load(query_start_loc_ptr)  # always 0; loaded so that lo is an int32 tensor
+    hi = lo + num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_M + mid
+        take = first_tile <= tile
+        lo = tl.where(take, mid, lo)
+        hi = tl.where(take, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _attend_tile(
+    q,
+    acc,
+    m_i,
+    l_i,
+    n0,
+    k_cache_ptr,
+    v_cache_ptr,
+    table,
+    head_off,
+    stride_cache_block,
+    stride_cache_tok,
+    query_pos,
+    seq_len,
+    scale_log2,
+    offs_d,
+    mask_d,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < seq_len
+    block = tl.load(table + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+    tok = block * stride_cache_block + (offs_n % PAGE_SIZE) * stride_cache_tok + head_off
+    k = tl.load(
+        k_cache_ptr + tok[None, :] + offs_d[:, None],
+        mask=mask_n[None, :] & mask_d[:, None],
+        other=0.0,
+    )  # [BLOCK_D, BLOCK_N]
+    qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
+    if CAUSAL:
+        visible = (offs_n[None, :] <= query_pos[:, None]) & mask_n[None, :]
+        qk = tl.where(visible, qk, float("-inf"))  # [BLOCK_M, BLOCK_N]
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(
+        v_cache_ptr + tok[:, None] + offs_d[None, :],
+        mask=mask_n[:, None] & mask_d[None, :],
+        other=0.0,
+    )  # [BLOCK_N, BLOCK_D]
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    num_seqs,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_bt,
+    stride_cache_block,
+    stride_cache_tok,
+    stride_cache_head,
+    scale_log2,  # softmax scale * log2(e)
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    head = tl.program_id(0)
+    tile = tl.program_id(1)
+    seq = _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_M)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    row0 = (tile - (q_start // BLOCK_M + seq)) * BLOCK_M  # first query row, request-local
+    if row0 >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix = seq_len - q_len
+
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < q_len
+    mask_d = offs_d < HEAD_DIM
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    query_pos = prefix + offs_m  # [BLOCK_M] absolute positions
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq * stride_bt
+    head_off = (head // GROUP) * stride_cache_head
+    # Keys before the tile's first query position are visible to every row: no mask.
+    unmasked_end = ((prefix + row0) // BLOCK_N) * BLOCK_N
+    causal_end = tl.minimum(prefix + row0 + BLOCK_M, seq_len)
+    for n0 in range(0, unmasked_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, table, head_off,
+            stride_cache_block, stride_cache_tok, query_pos, seq_len, scale_log2,
+            offs_d, mask_d, BLOCK_N, PAGE_SIZE, False, DOT_PRECISION,
+        )  # fmt: skip
+    for n0 in range(unmasked_end, causal_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, table, head_off,
+            stride_cache_block, stride_cache_tok, query_pos, seq_len, scale_log2,
+            offs_d, mask_d, BLOCK_N, PAGE_SIZE, True, DOT_PRECISION,
+        )  # fmt: skip
+
+    # Padding rows (seq_len 0) saw no key: write zeros, not NaN.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + rows[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & mask_d[None, :],
+    )
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [T, num_heads, head_dim], last dim contiguous
+    k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [B, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    out: torch.Tensor,  # [T, num_heads, head_dim], written
+    scale: float,
+    block_m: int,
+    block_n: int,
+    num_warps: int = 8,
+    num_stages: int = 2,
+) -> None:
+    """Launch the prefill kernel. No host sync: the grid comes from shapes only."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return
+    num_kv_heads = k_cache.shape[2]
+    grid = (num_heads, num_tokens // block_m + num_seqs)
+    _prefill_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        num_seqs,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        scale * 1.4426950408889634,
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        PAGE_SIZE=k_cache.shape[1],
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )

@@ -1,0 +1,108 @@
+"""Flat batch construction: one engine step's chunks -> device tensors.
+
+The host packs every integer the step needs into one int32 buffer, copies it to
+the device once (pinned, non-blocking on CUDA), and the device derives positions,
+slot mapping and block tables from it. No host sync; a handful of small kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenloom.protocols.components import AttentionMetadata
+from tokenloom.protocols.step import StepInput
+
+
+@dataclass
+class FlatBatch:
+    input_ids: torch.Tensor  # [T] int32 device
+    positions: torch.Tensor  # [T] int64 device
+    meta: AttentionMetadata
+    sample_index: torch.Tensor  # [S] int64 device: rows of the tokens whose logits are sampled
+    sample_request_ids: list[str]
+    num_tokens: int
+    num_seqs: int
+
+
+class BatchBuilder:
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.pin = device.type == "cuda"
+
+    def build(self, step: StepInput) -> FlatBatch:
+        chunks = step.chunks
+        ids: list[int] = []
+        starts: list[int] = []
+        qlens: list[int] = []
+        blens: list[int] = []
+        blocks: list[int] = []
+        sample_rows: list[int] = []
+        sample_ids: list[str] = []
+        max_seq = 0
+        for chunk in chunks:
+            ids += chunk.token_ids
+            q = len(chunk.token_ids)
+            qlens.append(q)
+            starts.append(chunk.start_pos)
+            blens.append(len(chunk.block_ids))
+            blocks += chunk.block_ids
+            end = chunk.start_pos + q
+            if end > max_seq:
+                max_seq = end
+            if chunk.sample:
+                sample_rows.append(len(ids) - 1)
+                sample_ids.append(chunk.request_id)
+        num_tokens, num_seqs = len(ids), len(chunks)
+        host = torch.tensor(ids + starts + qlens + blens + sample_rows + blocks, dtype=torch.int32)
+        if self.pin:
+            host = host.pin_memory()
+        packed = host.to(self.device, non_blocking=True)
+        d_ids, d_starts, d_qlens, d_blens, d_sample, d_blocks = torch.split(
+            packed,
+            [num_tokens, num_seqs, num_seqs, num_seqs, len(sample_rows), len(blocks)],
+        )
+        query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32, device=self.device)
+        query_start_loc[1:] = torch.cumsum(d_qlens, 0, dtype=torch.int32)
+        seq_lens = d_starts + d_qlens
+        seq_index = torch.arange(num_seqs, device=self.device)
+        token_seq = torch.repeat_interleave(seq_index, d_qlens, output_size=num_tokens)
+        offsets = torch.arange(num_tokens, device=self.device, dtype=torch.int32)
+        positions = (d_starts[token_seq] + offsets - query_start_loc[token_seq]).long()
+
+        max_blocks = max(blens) if blens else 0
+        block_tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int32, device=self.device)
+        if blocks:
+            block_start = torch.zeros(num_seqs, dtype=torch.int64, device=self.device)
+            block_start[1:] = torch.cumsum(d_blens[:-1], 0)
+            block_seq = torch.repeat_interleave(seq_index, d_blens, output_size=len(blocks))
+            block_col = torch.arange(len(blocks), device=self.device) - block_start[block_seq]
+            block_tables[block_seq, block_col] = d_blocks
+        bs = self.block_size
+        slot_mapping = (
+            block_tables[token_seq, positions // bs].long() * bs + positions % bs
+            if num_tokens
+            else torch.zeros(0, dtype=torch.int64, device=self.device)
+        )
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            max_query_len=max(qlens) if qlens else 0,
+            max_seq_len=max_seq,
+            decode_only=num_tokens == num_seqs,
+            query_lens_cpu=qlens,
+            seq_lens_cpu=[s + q for s, q in zip(starts, qlens, strict=True)],
+        )
+        return FlatBatch(
+            input_ids=d_ids,
+            positions=positions,
+            meta=meta,
+            sample_index=d_sample.long(),
+            sample_request_ids=sample_ids,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+        )

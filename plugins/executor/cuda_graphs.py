@@ -1,0 +1,123 @@
+"""CUDA graphs for decode steps at bucketed batch sizes.
+
+Captured once at start-up, largest first, sharing one memory pool. A decode step
+of B sequences replays the smallest bucket >= B: its inputs are copied into static
+buffers, padding rows write nowhere (slot -1) and read one KV token, and the
+logits are computed outside the graph on the first B rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from tokenloom.protocols.components import AttentionBackend, AttentionMetadata, ForwardContext
+
+log = logging.getLogger("tokenloom.executor")
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    top = min(max_num_seqs, 512)
+    sizes = [s for s in (1, 2, 4, 8) if s <= top] + list(range(16, top + 1, 16))
+    if sizes[-1] != top:
+        sizes.append(top)
+    return sizes
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        attn: AttentionBackend,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        max_model_len: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.attn = attn
+        self.kv_caches = kv_caches
+        self.sizes = graph_batch_sizes(max_num_seqs)
+        self.max_bs = self.sizes[-1]
+        self.max_model_len = max_model_len
+        n = self.max_bs
+        self.input_ids = torch.zeros(n, dtype=torch.int32, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.metas: dict[int, AttentionMetadata] = {}
+        self.capture_seconds = 0.0
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs],
+            query_start_loc=self.query_start_loc[: bs + 1],
+            seq_lens=self.seq_lens[:bs],
+            block_tables=self.block_tables[:bs],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            decode_only=True,
+        )
+
+    def _run(self, bs: int) -> None:
+        meta = self.metas[bs]
+        ctx = ForwardContext(attn=self.attn, meta=meta, kv_caches=self.kv_caches)
+        self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], ctx)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        started = time.perf_counter()
+        pool: Any = None
+        for bs in reversed(self.sizes):
+            meta = self._meta(bs)
+            self.attn.prepare(meta)
+            self.metas[bs] = meta
+            self._run(bs)  # warm-up: Triton compiles and autotunes outside capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._run(bs)
+            if pool is None:
+                pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - started
+        log.info(
+            "captured %d decode CUDA graphs (batch 1..%d) in %.1fs",
+            len(self.graphs),
+            self.max_bs,
+            self.capture_seconds,
+        )
+
+    def can_run(self, num_seqs: int, decode_only: bool) -> bool:
+        return decode_only and num_seqs <= self.max_bs and bool(self.graphs)
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num = input_ids.shape[0]
+        bs = next(s for s in self.sizes if s >= num)
+        self.input_ids[:num].copy_(input_ids)
+        self.positions[:num].copy_(positions)
+        self.slot_mapping[:num].copy_(meta.slot_mapping)
+        self.seq_lens[:num].copy_(meta.seq_lens)
+        if bs > num:
+            self.slot_mapping[num:bs].fill_(-1)
+            self.seq_lens[num:bs].fill_(1)
+        cols = meta.block_tables.shape[1]
+        self.block_tables[:num, :cols].copy_(meta.block_tables)
+        self.graphs[bs].replay()
+        return self.hidden[:num]

@@ -1,0 +1,212 @@
+"""Executor plugin ``model``: runs the model on flat batches and samples on the device.
+
+One process, one device. Per step: build the flat batch (one host-to-device copy),
+run the forward pass (a CUDA graph for decode batches on CUDA), compute logits for
+the rows that sample, sample on the device, and read the sampled ids: the step's
+only host sync.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from tokenloom.config import EngineConfig
+from tokenloom.plugins.executor.batch import BatchBuilder, FlatBatch
+from tokenloom.plugins.executor.cuda_graphs import DecodeGraphs
+from tokenloom.protocols.components import ComponentSpec, Executor, ForwardContext, ModelInfo
+from tokenloom.protocols.hookspecs import hookimpl
+from tokenloom.protocols.outputs import TopLogprobs
+from tokenloom.protocols.sampling import SamplingParams
+from tokenloom.protocols.step import NewRequestData, ScheduledChunk, StepInput, StepOutput
+
+log = logging.getLogger("tokenloom.executor")
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+GiB = 1 << 30
+
+
+class ModelRunner(Executor):
+    def __init__(self, config: EngineConfig, plugins: Any) -> None:
+        self.config = config
+        self.plugins = plugins
+        self.device = torch.device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        self.graphs: DecodeGraphs | None = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.memory: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ start-up
+
+    def load_model(self) -> ModelInfo:
+        from tokenloom.plugins.executor.sampler import Sampler
+        from tokenloom.plugins.models.loader import load_model
+
+        torch.manual_seed(self.config.seed)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        started = time.perf_counter()
+        self.model, self.info = load_model(self.config.model, self.dtype, self.device)
+        self.model.eval()
+        self.attn = self.plugins.component("attention", self.config.attention).factory(
+            self.config, self.info
+        )
+        self.quant = self.plugins.component("quant", self.config.quant).factory(self.config)
+        self.quant.quantize_model(self.model)
+        self.kv_dtype = self.quant.kv_cache_dtype(self.dtype)
+        self.sampler = Sampler(self.info.vocab_size, self.device)
+        self.batches = BatchBuilder(self.config.block_size, self.device)
+        if self.device.type == "cuda":
+            self.memory["weights_gib"] = torch.cuda.memory_allocated() / GiB
+        log.info("loaded %s in %.1fs", self.info.name, time.perf_counter() - started)
+        return self.info
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        info = self.info
+        element = torch.empty((), dtype=self.kv_dtype).element_size()
+        return 2 * info.num_layers * block_size * info.num_kv_heads * info.head_dim * element
+
+    def num_kv_blocks(self, block_size: int) -> int:
+        per_block = self.kv_bytes_per_block(block_size)
+        if self.device.type != "cuda":
+            return max(1, int(self.config.kv_cache_memory_gb * GiB) // per_block)
+        return self._profile_num_blocks(block_size, per_block)
+
+    @torch.inference_mode()
+    def _profile_num_blocks(self, block_size: int, per_block: int) -> int:
+        """Run a forward pass at the largest token budget, measure the peak, and give
+        the rest of ``gpu_memory_utilization`` to the KV pool."""
+        cfg = self.config
+        max_len = cfg.max_model_len or self.info.max_model_len
+        budget = cfg.max_num_batched_tokens
+        lengths = []
+        while budget > 0 and len(lengths) < cfg.max_num_seqs:
+            lengths.append(min(budget, max_len))
+            budget -= lengths[-1]
+        blocks_needed = sum(-(-n // block_size) for n in lengths)
+        self.init_kv_cache(blocks_needed, block_size, capture=False)
+        chunks, next_block = [], 0
+        for i, n in enumerate(lengths):
+            nb = -(-n // block_size)
+            ids = list(range(next_block, next_block + nb))
+            next_block += nb
+            chunks.append(ScheduledChunk(f"profile-{i}", [1] * n, 0, ids))
+        new = [NewRequestData(c.request_id, [1], SamplingParams(temperature=1.0)) for c in chunks]
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        self.execute(StepInput(0, chunks, new, [], sum(lengths)))
+        self.execute(StepInput(1, [], [], [c.request_id for c in chunks], 0))
+        logits = torch.empty(cfg.max_num_seqs, self.info.vocab_size, device=self.device)
+        torch.softmax(logits, -1)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        profile_kv = blocks_needed * per_block
+        self.kv_caches = []
+        self._kv = None
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        other = total - free - torch.cuda.memory_reserved()
+        graph_reserve = 0 if cfg.enforce_eager else 512 * (1 << 20)
+        available = total * cfg.gpu_memory_utilization - (peak - profile_kv) - other
+        available -= graph_reserve
+        self.memory.update(
+            activations_gib=(peak - profile_kv) / GiB - self.memory.get("weights_gib", 0.0),
+            other_gib=other / GiB,
+            total_gib=total / GiB,
+        )
+        if available < per_block * -(-max_len // block_size):
+            raise RuntimeError(
+                f"not enough GPU memory for the KV cache: {available / GiB:.2f} GiB left after "
+                f"weights and activations ({peak / GiB:.2f} GiB peak) at "
+                f"gpu_memory_utilization={cfg.gpu_memory_utilization}; raise "
+                "gpu_memory_utilization, or lower max_num_batched_tokens / max_model_len"
+            )
+        return int(available // per_block)
+
+    def init_kv_cache(self, num_blocks: int, block_size: int, capture: bool = True) -> None:
+        info = self.info
+        shape = (info.num_layers, 2, num_blocks, block_size, info.num_kv_heads, info.head_dim)
+        self._kv: torch.Tensor | None = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        self.kv_caches = [(self._kv[i, 0], self._kv[i, 1]) for i in range(info.num_layers)]
+        self.block_size = block_size
+        if self.device.type == "cuda":
+            self.memory["kv_gib"] = self._kv.numel() * self._kv.element_size() / GiB
+        if capture and self.device.type == "cuda" and not self.config.enforce_eager:
+            self._capture_graphs()
+        if capture:
+            log.info(
+                "KV cache: %d blocks x %d tokens (%s); memory GiB: %s",
+                num_blocks,
+                block_size,
+                self.kv_dtype,
+                ", ".join(f"{k}={v:.2f}" for k, v in self.memory.items()),
+            )
+
+    def _capture_graphs(self) -> None:
+        before = torch.cuda.memory_allocated()
+        max_len = self.config.max_model_len or self.info.max_model_len
+        self.graphs = DecodeGraphs(
+            self.model,
+            self.attn,
+            self.kv_caches,
+            self.config.max_num_seqs,
+            -(-max_len // self.block_size),
+            max_len,
+            self.info.hidden_size,
+            self.dtype,
+            self.device,
+        )
+        self.graphs.capture()
+        self.memory["graphs_gib"] = (torch.cuda.memory_allocated() - before) / GiB
+        self.memory["graph_capture_s"] = self.graphs.capture_seconds
+
+    # ------------------------------------------------------------------ steps
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> StepOutput:
+        sampler = self.sampler
+        if step.finished_request_ids:
+            sampler.remove_requests(step.finished_request_ids)
+        for new in step.new_requests:
+            sampler.add_request(new)
+        if not step.chunks:
+            return StepOutput(step.step_id, [], [])
+        batch = self.batches.build(step)
+        hidden = self._forward(batch)
+        request_ids = batch.sample_request_ids
+        if not request_ids:
+            return StepOutput(step.step_id, [], [])
+        logits = self.model.compute_logits(hidden[batch.sample_index])
+        result = sampler.sample(logits, request_ids)
+        token_ids = result.token_ids.tolist()
+        sampler.record(request_ids, token_ids)
+        output = StepOutput(step.step_id, request_ids, [[t] for t in token_ids])
+        if result.logprobs is not None:
+            output.logprobs = [[lp] for lp in result.logprobs.tolist()]
+            if result.top_ids is not None and result.top_ids.shape[1] > 0:
+                ids, lps = result.top_ids.tolist(), result.top_logprobs.tolist()
+                output.top_logprobs = [[TopLogprobs(i, lp)] for i, lp in zip(ids, lps, strict=True)]
+        return output
+
+    def _forward(self, batch: FlatBatch) -> torch.Tensor:
+        meta = batch.meta
+        if self.graphs is not None and self.graphs.can_run(batch.num_seqs, meta.decode_only):
+            return self.graphs.run(batch.input_ids, batch.positions, meta)
+        self.attn.prepare(meta)
+        ctx = ForwardContext(attn=self.attn, meta=meta, kv_caches=self.kv_caches)
+        return self.model(batch.input_ids, batch.positions, ctx)
+
+    def shutdown(self) -> None:
+        self.graphs = None
+        self.kv_caches = []
+        self._kv = None
+
+
+@hookimpl
+def tokenloom_register_components() -> list[ComponentSpec]:
+    return [
+        ComponentSpec("executor", "model", ModelRunner, "single-device model runner, CUDA graphs")
+    ]

@@ -1,0 +1,238 @@
+"""The device sampler: logits of the rows that sample -> one token id per row.
+
+Order of processing, per row: penalties (repetition, presence, frequency) and the
+min_tokens mask, then temperature, top-k, top-p, min-p, then one exponential-race
+draw. Greedy rows (temperature 0) take the argmax of the penalised logits. Logprobs
+are those of the raw model distribution (log_softmax of the unprocessed logits).
+
+Everything runs on the device and is vectorised over the batch; the only host work
+per step is comparing the batch key and, for rows still short of min_tokens, one
+small index copy. Nothing here reads a device value on the host: the executor does
+that once, through ``SampleResult.to_host``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tokenloom.plugins.executor.logits_filters import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_k_top_p,
+    exponential_race,
+)
+from tokenloom.plugins.executor.penalties import TokenCounts, apply_penalties
+from tokenloom.plugins.executor.sampling_batch import (
+    RequestSamplingState,
+    SamplingBatch,
+    build_sampling_batch,
+    upload,
+)
+from tokenloom.protocols.outputs import TopLogprobs
+from tokenloom.protocols.step import NewRequestData, StepOutput
+
+
+@dataclass(slots=True)
+class HostSample:
+    """A ``SampleResult`` read to the host: plain lists, one entry per row."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobs] | None = None  # trimmed to each row's own k
+
+    def to_step_output(self, step_id: int, request_ids: list[str]) -> StepOutput:
+        """The executor's reply for a step with one sampled token per request."""
+        return StepOutput(
+            step_id=step_id,
+            request_ids=request_ids,
+            token_ids=[[t] for t in self.token_ids],
+            logprobs=None if self.logprobs is None else [[lp] for lp in self.logprobs],
+            top_logprobs=None if self.top_logprobs is None else [[t] for t in self.top_logprobs],
+        )
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None = None  # [B] float32: logprob of the sampled token
+    top_ids: torch.Tensor | None = None  # [B, K] int64, K = largest k asked for
+    top_logprobs: torch.Tensor | None = None  # [B, K] float32, descending
+    num_logprobs: Sequence[int] = ()  # host, per row: k asked for (-1 = none)
+
+    def to_host(self) -> HostSample:
+        """Read everything to the host with one device sync."""
+        if self.logprobs is None or self.top_ids is None or self.top_logprobs is None:
+            return HostSample(self.token_ids.tolist())
+        # float64 holds every token id exactly, so one tensor carries all fields.
+        packed = torch.cat(
+            (
+                self.token_ids.unsqueeze(1).double(),
+                self.logprobs.unsqueeze(1).double(),
+                self.top_ids.double(),
+                self.top_logprobs.double(),
+            ),
+            dim=1,
+        ).tolist()  # [B, 2 + 2K]
+        width = self.top_ids.shape[1]
+        tops = []
+        for row, k in zip(packed, self.num_logprobs, strict=True):
+            k = max(k, 0)
+            ids = [int(t) for t in row[2 : 2 + k]]
+            tops.append(TopLogprobs(ids, row[2 + width : 2 + width + k]))
+        return HostSample([int(r[0]) for r in packed], [r[1] for r in packed], tops)
+
+
+class Sampler:
+    """Per-request sampling state plus the batched sampling of one step.
+
+    Called by the executor in the engine-core process (rank 0), never concurrently.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device | str) -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._requests: dict[str, RequestSamplingState] = {}
+        self._counts = TokenCounts(vocab_size, self.device)
+        self._batch: SamplingBatch | None = None
+
+    # ------------------------------------------------------------------ request state
+
+    def add_request(self, data: NewRequestData) -> None:
+        """Start keeping state for a request. A request already known keeps its state
+        (history and generator), so a re-sent NewRequestData is harmless."""
+        if data.request_id in self._requests:
+            return
+        params = data.params
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        state = RequestSamplingState(
+            params=params,
+            generator=generator,
+            masked_until_min_tokens=sorted(
+                t
+                for t in set(data.eos_token_ids) | set(params.stop_token_ids)
+                if 0 <= t < self.vocab_size
+            ),
+        )
+        self._requests[data.request_id] = state
+        if state.has_penalties:
+            self._counts.add(data.request_id, data.prompt_token_ids)
+        self._batch = None
+
+    def remove_requests(self, request_ids: Iterable[str]) -> None:
+        """Drop the state of finished requests; unknown ids are ignored."""
+        for request_id in request_ids:
+            if self._requests.pop(request_id, None) is not None:
+                self._counts.remove(request_id)
+                self._batch = None
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def record(self, request_ids: Sequence[str], token_ids: Sequence[int | Sequence[int]]) -> None:
+        """Extend each request's history with its accepted tokens (an int, or a list of
+        ints with speculation). Called after the ids are on the host; unknown ids are
+        ignored."""
+        new_ids = [[t] if isinstance(t, int) else list(t) for t in token_ids]
+        for request_id, ids in zip(request_ids, new_ids, strict=True):
+            state = self._requests.get(request_id)
+            if state is not None:
+                state.output_token_ids.extend(ids)
+        self._counts.record(request_ids, new_ids)
+
+    # ------------------------------------------------------------------ sampling
+
+    def sample(self, logits: torch.Tensor, request_ids: Sequence[str]) -> SampleResult:
+        """One token per row. ``logits`` is ``[B, V]`` float32 on the device, row i
+        belonging to ``request_ids[i]``; it is not modified."""
+        batch = self._batch_for(request_ids)
+        if batch.needs_processing:
+            token_ids = self._draw(self._process(logits, batch), batch)
+        else:
+            token_ids = logits.argmax(dim=-1)
+        if batch.max_logprobs < 0:
+            return SampleResult(token_ids)
+        raw = logits.log_softmax(dim=-1)  # [B, V]
+        top = raw.topk(batch.max_logprobs, dim=-1)  # [B, K] each
+        return SampleResult(
+            token_ids=token_ids,
+            logprobs=raw.gather(1, token_ids.unsqueeze(1)).squeeze(1),
+            top_ids=top.indices,
+            top_logprobs=top.values,
+            num_logprobs=batch.num_logprobs,
+        )
+
+    def process_logits(self, logits: torch.Tensor, request_ids: Sequence[str]) -> torch.Tensor:
+        """The logits the random draw sees: penalties, min_tokens mask, temperature
+        (1 on greedy rows), top-k, top-p, min-p. For inspection and tests."""
+        return self._process(logits, self._batch_for(request_ids))
+
+    def _batch_for(self, request_ids: Sequence[str]) -> SamplingBatch:
+        key = tuple(request_ids)
+        if self._batch is None or self._batch.key != key:
+            states = [self._requests[r] for r in key]
+            slots = [self._counts.slot(r) if r in self._counts else None for r in key]
+            self._batch = build_sampling_batch(key, states, slots, self.vocab_size, self.device)
+        return self._batch
+
+    def _process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        logits = self._penalise(logits, batch)
+        if not batch.all_greedy:
+            assert batch.temperature is not None
+            logits = logits / batch.temperature
+            if batch.top_p is not None:
+                logits = apply_top_k_top_p(
+                    logits, batch.top_k, batch.top_p, batch.max_top_k if batch.all_top_k else None
+                )
+            elif batch.top_k is not None:
+                assert batch.top_k_off is not None
+                logits = apply_top_k(logits, batch.top_k, batch.max_top_k, batch.top_k_off)
+            if batch.min_p is not None:
+                logits = apply_min_p(logits, batch.min_p)
+        return logits
+
+    def _penalise(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Penalties and the min_tokens mask; returns a new tensor when it changes any."""
+        if batch.penalty_rows is not None:
+            assert batch.penalty_slots is not None
+            assert batch.repetition is not None
+            assert batch.presence is not None and batch.frequency is not None
+            rows, slots = batch.penalty_rows, batch.penalty_slots
+            penalised = apply_penalties(
+                logits.index_select(0, rows),
+                self._counts.output_counts.index_select(0, slots),
+                self._counts.prompt_mask.index_select(0, slots),
+                batch.repetition,
+                batch.presence,
+                batch.frequency,
+            )  # [P, V]
+            logits = logits.index_copy(0, rows, penalised)
+        masked: list[int] = []  # flat indices row * V + token into the [B, V] logits
+        for row in batch.min_tokens_rows:
+            state = self._requests[batch.key[row]]
+            if len(state.output_token_ids) < state.params.min_tokens:
+                masked.extend(row * self.vocab_size + t for t in state.masked_until_min_tokens)
+        if masked:
+            if batch.penalty_rows is None:
+                logits = logits.clone()
+            index = upload(torch.tensor(masked, dtype=torch.int64), self.device)
+            # index_fill_ takes the value as a kernel argument; an indexed assignment of a
+            # Python scalar would copy it to the device with a sync.
+            logits.view(-1).index_fill_(0, index, float("-inf"))
+        return logits
+
+    def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if batch.all_greedy:
+            return logits.argmax(dim=-1)
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_()  # unseeded rows share this draw
+        for row, generator in batch.seeded_rows:
+            noise[row].exponential_(generator=generator)
+        if batch.greedy is not None:
+            noise.masked_fill_(batch.greedy, 1.0)  # no noise: the argmax of the probs
+        return exponential_race(probs, noise)

@@ -1,0 +1,280 @@
+"""One client request in flight, shared by the frontends: engine children in, choice
+updates out.
+
+``Generation`` expands the request through the ``OutputProcessor`` (n > 1 becomes n
+engine requests), pumps every child's ``EngineClient.generate`` stream into one
+queue, runs the deltas through the processor (detokenization, stop strings) and
+yields ``ChoiceUpdate`` batches: the new text and token ids of each choice, and its
+finish reason. Closing it early (client gone) aborts every unfinished child in the
+engine. A per-request timeout finishes the unfinished choices with reason "timeout".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from tokenloom.engine_client import EngineDeadError
+from tokenloom.plugins.frontends.metrics import ServingMetrics
+from tokenloom.protocols.components import EngineClient
+from tokenloom.protocols.outputs import FinishReason, TokenDelta, TopLogprobs
+from tokenloom.protocols.requests import GenerateRequest
+from tokenloom.protocols.sampling import SamplingParams
+
+_TIMEOUT = object()  # queue sentinel: the request's timeout expired
+
+
+@dataclass(slots=True)
+class ChoiceUpdate:
+    index: int
+    text: str  # newly decoded text
+    token_ids: list[int]  # newly sampled ids
+    finish_reason: str | None = None
+    logprobs: list[float] | None = None  # one per token in token_ids
+    top_logprobs: list[TopLogprobs] | None = None
+
+
+class _Child:
+    __slots__ = (
+        "request", "index", "text_len", "num_tokens", "finished", "engine_done", "last_time",
+        "task",
+    )  # fmt: skip
+
+    def __init__(self, request: GenerateRequest, index: int) -> None:
+        self.request = request
+        self.index = index
+        self.text_len = 0
+        self.num_tokens = 0
+        self.finished = False  # the client saw its finish reason
+        self.engine_done = False  # the engine no longer runs it
+        self.last_time = 0.0
+        self.task: asyncio.Task[None] | None = None
+
+
+class Generation:
+    """Runs one request; iterate ``updates()`` once, then read the token counts."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        processor: Any,  # tokenloom.output_processor.OutputProcessor
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: list[int],
+        priority: int = 0,
+        timeout_s: float | None = None,
+        metrics: ServingMetrics | None = None,
+        live: LiveGenerations | None = None,
+    ) -> None:
+        self.engine = engine
+        self.processor = processor
+        self.request_id = request_id
+        self.timeout_s = timeout_s
+        self.metrics = metrics
+        self.live = live
+        self.arrival = time.monotonic()
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_cached_tokens = 0
+        self.first_token_time: float | None = None
+        requests = processor.add_request(
+            request_id, prompt, prompt_token_ids, params, eos_token_ids,
+            priority=priority, arrival_time=self.arrival, deadline=timeout_s,
+        )  # fmt: skip
+        self._children = {r.request_id: _Child(r, i) for i, r in enumerate(requests)}
+        self._closed = False
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._background: set[asyncio.Task[None]] = set()
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(child.num_tokens for child in self._children.values())
+
+    @property
+    def finished(self) -> bool:
+        return all(child.finished for child in self._children.values())
+
+    async def updates(self) -> AsyncIterator[list[ChoiceUpdate]]:
+        """Yield batches of choice updates until every choice finished. Raises the
+        engine client's errors (EngineError, EngineDeadError) as they come."""
+        loop = asyncio.get_running_loop()
+        timer = None
+        if self.timeout_s is not None:
+            timer = loop.call_later(self.timeout_s, self._queue.put_nowait, _TIMEOUT)
+        if self.live is not None:
+            self.live.add(self)
+        for child in self._children.values():
+            child.task = asyncio.create_task(self._pump(child))
+        try:
+            while not self.finished:
+                item = await self._queue.get()
+                if item is _TIMEOUT:
+                    yield self._finish_unfinished(FinishReason.TIMEOUT)
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                batch = self._process(item)
+                if batch:
+                    yield batch
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if self.live is not None:
+                self.live.discard(self)
+            await self.close()
+
+    async def close(self) -> None:
+        """Abort every unfinished child in the engine and drop its processor state.
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        live = [cid for cid, child in self._children.items() if not child.engine_done]
+        for child in self._children.values():
+            child.engine_done = True
+            if child.task is not None and not child.task.done():
+                child.task.cancel()
+        self._finish_unfinished(FinishReason.ABORT)
+        if live and self.engine.is_alive:
+            with contextlib.suppress(EngineDeadError):
+                await self.engine.abort(live)
+        if self.metrics is not None and self.first_token_time is not None:
+            self.metrics.e2e.observe(time.monotonic() - self.arrival)
+
+    def fail(self, error: BaseException) -> None:
+        """Make ``updates()`` raise ``error`` (e.g. the engine died)."""
+        self._queue.put_nowait(error)
+
+    async def _pump(self, child: _Child) -> None:
+        stream = self.engine.generate(child.request)
+        try:
+            async for delta in stream:
+                self._queue.put_nowait((child, delta))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # EngineError, EngineDeadError: the consumer raises
+            self._queue.put_nowait(exc)
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    def _process(self, item: tuple[_Child, TokenDelta]) -> list[ChoiceUpdate]:
+        child, delta = item
+        if child.finished:
+            return []  # e.g. the engine's "abort" after a stop string matched
+        if delta.new_token_ids:
+            self._observe_tokens(child, time.monotonic(), len(delta.new_token_ids))
+        if delta.num_prompt_tokens:
+            self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        if delta.finish_reason is not None:
+            child.engine_done = True
+        update = self._fold(child, delta)
+        return [update] if update is not None else []
+
+    def _fold(self, child: _Child, delta: TokenDelta) -> ChoiceUpdate | None:
+        """Run one delta through the processor; the choice's update, if any."""
+        child.num_tokens += len(delta.new_token_ids)
+        result = self.processor.process([delta])
+        text = ""
+        finish = None
+        for output in result.outputs:
+            for completion in output.outputs:
+                if completion.index == child.index:
+                    text = completion.text[child.text_len :]
+                    child.text_len = len(completion.text)
+                    finish = completion.finish_reason
+        if result.abort_ids:
+            self._abort_soon(result.abort_ids)
+        if finish is not None:
+            child.finished = True
+            self._record_finished(finish)
+        if not (text or delta.new_token_ids or finish):
+            return None
+        return ChoiceUpdate(
+            child.index, text, delta.new_token_ids, finish, delta.logprobs, delta.top_logprobs
+        )
+
+    def _finish_unfinished(self, reason: str) -> list[ChoiceUpdate]:
+        """Finish the choices still open with ``reason`` (their held-back text too)."""
+        updates = []
+        for child in self._children.values():
+            if child.finished:
+                continue
+            update = self._fold(child, TokenDelta(child.request.request_id, [], reason))
+            if not child.finished:  # the processor had forgotten it already
+                child.finished = True
+                self._record_finished(reason)
+            updates.append(update or ChoiceUpdate(child.index, "", [], reason))
+        return updates
+
+    def _abort_soon(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            child = self._children.get(request_id)
+            if child is None:
+                continue
+            child.engine_done = True
+            if child.task is not None:
+                child.task.cancel()
+        if self.engine.is_alive:
+            task = asyncio.get_running_loop().create_task(self.engine.abort(request_ids))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    def _observe_tokens(self, child: _Child, now: float, n_new: int) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = now
+            if self.metrics is not None:
+                self.metrics.ttft.observe(now - self.arrival)
+        elif self.metrics is not None and child.last_time:
+            gap = (now - child.last_time) / n_new
+            for _ in range(n_new):
+                self.metrics.itl.observe(gap)
+        child.last_time = now
+
+    def _record_finished(self, reason: str) -> None:
+        if self.metrics is not None and self.finished:
+            self.metrics.record_finished(reason, self.num_prompt_tokens, self.num_generated_tokens)
+
+
+class LiveGenerations:
+    """The requests a frontend has in flight; fails them all when the engine dies,
+    and lets shutdown wait for them to drain."""
+
+    def __init__(self, engine: EngineClient, poll_s: float = 0.25) -> None:
+        self.engine = engine
+        self.poll_s = poll_s
+        self.generations: set[Generation] = set()
+
+    def __len__(self) -> int:
+        return len(self.generations)
+
+    def add(self, generation: Generation) -> None:
+        self.generations.add(generation)
+
+    def discard(self, generation: Generation) -> None:
+        self.generations.discard(generation)
+
+    async def watch_engine(self) -> None:
+        """Poll ``engine.is_alive``; once false, fail every live request (and every
+        later one, which the engine client refuses itself). Runs until cancelled."""
+        while self.engine.is_alive:
+            await asyncio.sleep(self.poll_s)
+        while True:
+            for generation in list(self.generations):
+                generation.fail(EngineDeadError("the engine-core process is not running"))
+            self.generations.clear()
+            await asyncio.sleep(self.poll_s)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the live requests to finish; True if they did."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        while self.generations and loop.time() < end:
+            await asyncio.sleep(0.05)
+        return not self.generations

@@ -1,0 +1,129 @@
+"""Frontend ``openai``: the HTTP server (uvicorn, run inside the caller's event loop).
+
+Constructed as ``OpenAIFrontend(config, engine, tokenizer, ready=None)``; ``ready``
+(the engine-core's ``Ready``) supplies the model length, EOS ids and model name,
+else they come from the config and the tokenizer. ``serve()`` returns when
+cancelled, after a graceful stop: no new connections, in-flight requests get up to
+``config.shutdown_grace_s`` to finish, then are cancelled (which aborts them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from tokenloom.config import EngineConfig
+from tokenloom.logging import get_logger
+from tokenloom.plugins.frontends.generation import Generation, LiveGenerations
+from tokenloom.plugins.frontends.metrics import ServingMetrics
+from tokenloom.plugins.frontends.openai.app import OpenAIApp
+from tokenloom.protocols.components import EngineClient, Frontend
+from tokenloom.protocols.control import Ready
+from tokenloom.protocols.sampling import SamplingParams
+
+log = get_logger(__name__)
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn without its signal handlers: the process owner (``tokenloom.serve``)
+    handles SIGINT/SIGTERM and stops the frontends by cancelling them."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            log.info("openai frontend: listening on http://%s:%d", host, port)
+
+
+class OpenAIFrontend(Frontend):
+    name = "openai"
+
+    def __init__(
+        self, config: EngineConfig, engine: EngineClient, tokenizer: Any, ready: Ready | None = None
+    ) -> None:
+        from tokenloom.output_processor import OutputProcessor
+
+        self.config = config
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = _model_name(config, ready)
+        self.max_model_len = (ready.max_model_len if ready else 0) or config.max_model_len or 0
+        if not self.max_model_len:
+            raise ValueError("openai frontend: the model length is unknown (no Ready, no config)")
+        self.eos_token_ids = list(ready.eos_token_ids if ready and ready.eos_token_ids else [])
+        if not self.eos_token_ids:
+            self.eos_token_ids = list(getattr(tokenizer, "eos_token_ids", []))
+        self.vocab_size = int(getattr(tokenizer, "vocab_size", 0))  # 0: unknown, not checked
+        self.processor = OutputProcessor(tokenizer)
+        self.metrics = ServingMetrics()
+        self.live = LiveGenerations(engine)
+        self.app = OpenAIApp(self)
+        self.server: uvicorn.Server | None = None
+
+    def new_generation(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+    ) -> Generation:
+        return Generation(
+            self.engine, self.processor, request_id, prompt, prompt_token_ids, params,
+            self.eos_token_ids, priority, self.config.request_timeout_s, self.metrics, self.live,
+        )  # fmt: skip
+
+    @property
+    def port(self) -> int | None:
+        """The bound port once listening (useful with ``port = 0``)."""
+        if self.server is None or not self.server.started:
+            return None
+        return int(self.server.servers[0].sockets[0].getsockname()[1])
+
+    async def serve(self) -> None:
+        config = uvicorn.Config(
+            self.app.starlette,
+            host=self.config.host,
+            port=self.config.port,
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            # uvicorn cancels the requests still running after this; cancelling one
+            # aborts it in the engine
+            timeout_graceful_shutdown=self.config.shutdown_grace_s,  # type: ignore[arg-type]
+        )
+        self.server = server = _EmbeddedServer(config)
+        watchdog = asyncio.create_task(self.live.watch_engine())
+        serving = asyncio.create_task(self._run(server))
+        try:
+            await asyncio.shield(serving)
+        except asyncio.CancelledError:
+            server.should_exit = True  # stop accepting; let in-flight requests finish
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await asyncio.wait_for(serving, self.config.shutdown_grace_s + 5.0)
+            raise
+        finally:
+            watchdog.cancel()
+
+    async def _run(self, server: uvicorn.Server) -> None:
+        try:
+            await server.serve()
+        except SystemExit as exc:  # uvicorn exits when it cannot bind
+            raise OSError(
+                f"openai frontend: cannot listen on {self.config.host}:{self.config.port}"
+            ) from exc
+
+
+def _model_name(config: EngineConfig, ready: Ready | None) -> str:
+    if config.model:
+        return Path(config.model).name or config.model
+    return (ready.model_name if ready else "") or "tokenloom"

@@ -1,0 +1,273 @@
+"""The Llama-family decoder: Llama 2/3/3.1, Mistral, Qwen2/2.5 and Qwen3.
+
+One implementation; the architectures differ only in the switches of
+``ArchFeatures`` (biases on q/k/v, per-head q/k RMSNorm) and in config values
+(rope, head_dim, tied embeddings). Input is a flat batch without padding:
+``model(input_ids [T], positions [T], ctx) -> hidden [T, hidden]``; attention goes
+through ``ctx.attn`` over the paged KV cache of each layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenloom.plugins.models.layers import (
+    Embedding,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    Slots,
+    apply_rotary,
+    rope_parameters,
+    silu_and_mul,
+    whole,
+)
+from tokenloom.protocols.components import ForwardContext
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) at the batch's positions, [T, 1, D/2]
+
+
+@dataclass(frozen=True)
+class ArchFeatures:
+    """What sets one Llama-family architecture apart from another."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+
+    @classmethod
+    def from_config(cls, hf_config: dict[str, Any]) -> ArchFeatures:
+        model_type = hf_config.get("model_type", "")
+        attention_bias = bool(hf_config.get("attention_bias", False))
+        if model_type == "qwen2":
+            return cls(qkv_bias=True)
+        if model_type == "qwen3":
+            return cls(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True)
+        if model_type == "mistral":
+            return cls()
+        return cls(qkv_bias=attention_bias, o_bias=attention_bias)
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_positions: int
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_config(cls, c: dict[str, Any]) -> DecoderShape:
+        num_heads = c["num_attention_heads"]
+        if c.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported (only 'silu')")
+        if c.get("mlp_bias"):
+            raise ValueError("mlp_bias=true is not supported")
+        return cls(
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=c.get("num_key_value_heads") or num_heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // num_heads,
+            vocab_size=c["vocab_size"],
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            max_positions=c.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        )
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        shape: DecoderShape,
+        features: ArchFeatures,
+        layer_index: int,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads, self.num_kv_heads = shape.num_heads, shape.num_kv_heads
+        self.head_dim = shape.head_dim
+        self.q_size = shape.num_heads * shape.head_dim
+        self.kv_size = shape.num_kv_heads * shape.head_dim
+        self.scale = shape.head_dim**-0.5
+        self.qkv_proj = Linear(
+            shape.hidden_size, (self.q_size, self.kv_size, self.kv_size), features.qkv_bias, dtype
+        )
+        self.o_proj = Linear(self.q_size, (shape.hidden_size,), features.o_bias, dtype)
+        self.q_norm = (
+            RMSNorm(shape.head_dim, shape.rms_norm_eps, dtype) if features.qk_norm else None
+        )
+        self.k_norm = (
+            RMSNorm(shape.head_dim, shape.rms_norm_eps, dtype) if features.qk_norm else None
+        )
+
+    def forward(self, rope: Rope, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, k, *rope)
+        k_cache, v_cache = ctx.kv_caches[self.layer_index]
+        out = ctx.attn.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+    def slots(self, prefix: str) -> Slots:
+        result = self.qkv_proj.slots([f"{prefix}.{p}" for p in ("q_proj", "k_proj", "v_proj")])
+        result.update(self.o_proj.slots([f"{prefix}.o_proj"]))
+        if self.q_norm is not None and self.k_norm is not None:
+            result[f"{prefix}.q_norm.weight"] = whole(self.q_norm.weight)
+            result[f"{prefix}.k_norm.weight"] = whole(self.k_norm.weight)
+        return result
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, shape: DecoderShape, dtype: torch.dtype) -> None:
+        super().__init__()
+        inter = shape.intermediate_size
+        self.gate_up_proj = Linear(shape.hidden_size, (inter, inter), False, dtype)
+        self.down_proj = Linear(inter, (shape.hidden_size,), False, dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+
+    def slots(self, prefix: str) -> Slots:
+        result = self.gate_up_proj.slots([f"{prefix}.gate_proj", f"{prefix}.up_proj"])
+        result.update(self.down_proj.slots([f"{prefix}.down_proj"]))
+        return result
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        shape: DecoderShape,
+        features: ArchFeatures,
+        layer_index: int,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(shape, features, layer_index, dtype)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(shape, dtype)
+
+    def forward(
+        self,
+        rope: Rope,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (mlp output, residual stream); the caller adds them lazily."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, ctx)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
+
+    def slots(self, prefix: str) -> Slots:
+        result = {
+            f"{prefix}.input_layernorm.weight": whole(self.input_layernorm.weight),
+            f"{prefix}.post_attention_layernorm.weight": whole(
+                self.post_attention_layernorm.weight
+            ),
+        }
+        result.update(self.self_attn.slots(f"{prefix}.self_attn"))
+        result.update(self.mlp.slots(f"{prefix}.mlp"))
+        return result
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self,
+        shape: DecoderShape,
+        features: ArchFeatures,
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(shape.vocab_size, shape.hidden_size, dtype)
+        self.rotary = rotary
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(shape, features, i, dtype) for i in range(shape.num_layers)
+        )
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rotary(positions)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(rope, hidden, residual, ctx)
+        assert residual is not None  # there is at least one layer
+        hidden, _ = self.norm.add_and_norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """The causal LM: ``forward`` gives final hidden states, ``compute_logits`` the
+    float32 logits of the rows the sampler needs (usually one per request).
+
+    Built as ``LlamaForCausalLM(hf_config, dtype)`` on the current default device;
+    parameters are uninitialised until the loader fills the ``checkpoint_slots()``.
+    """
+
+    def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.shape = DecoderShape.from_config(hf_config)
+        self.features = ArchFeatures.from_config(hf_config)
+        rotary = RotaryEmbedding(
+            self.shape.head_dim, self.shape.max_positions, rope_parameters(hf_config), dtype
+        )
+        self.model = LlamaModel(self.shape, self.features, rotary, dtype)
+        self.lm_head: Linear | Embedding = (
+            self.model.embed_tokens
+            if self.shape.tie_word_embeddings
+            else Linear(self.shape.hidden_size, (self.shape.vocab_size,), False, dtype)
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """input_ids [T] int64, positions [T] int64 -> hidden [T, hidden]."""
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32."""
+        return torch.nn.functional.linear(hidden, self.lm_head.weight).float()
+
+    def checkpoint_slots(self) -> Slots:
+        """Every tensor the checkpoint must hold, by its Hugging Face name."""
+        result: Slots = {"model.embed_tokens.weight": whole(self.model.embed_tokens.weight)}
+        for i, layer in enumerate(self.model.layers):
+            assert isinstance(layer, LlamaDecoderLayer)
+            result.update(layer.slots(f"model.layers.{i}"))
+        result["model.norm.weight"] = whole(self.model.norm.weight)
+        if not self.shape.tie_word_embeddings:
+            result["lm_head.weight"] = whole(self.lm_head.weight)
+        return result
+
+    def ignores_checkpoint_tensor(self, name: str) -> bool:
+        """Tensors a checkpoint may hold that this model does not need."""
+        if name.endswith("rotary_emb.inv_freq"):
+            return True
+        return self.shape.tie_word_embeddings and name == "lm_head.weight"

@@ -1,0 +1,207 @@
+"""Load a Hugging Face checkpoint directory into a tokenloom model.
+
+``load_model(model_dir, dtype, device)`` reads config.json, picks the model class
+by ``architectures[0]``, builds it with empty tensors directly on the target device
+and dtype, then streams each safetensors tensor into its parameter (one tensor in
+host memory at a time, converted by the copy; never a full float32 model). Every
+checkpoint tensor must land in exactly one parameter slot and every slot must be
+filled, else a ``CheckpointError`` names the tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from tokenloom.plugins.models.layers import Slots
+from tokenloom.protocols.components import ModelInfo
+from tokenloom.tokenizer import model_eos_token_ids
+
+ModelLookup = Mapping[str, Callable[..., Any]] | Callable[[str], Callable[..., Any] | None]
+
+_MAX_LISTED = 8
+
+
+class LoadableModel(Protocol):
+    """What the loader needs of a model besides being an ``nn.Module``."""
+
+    def checkpoint_slots(self) -> Slots:
+        """Every tensor the checkpoint must hold, by name, and where it goes."""
+        ...
+
+    def ignores_checkpoint_tensor(self, name: str) -> bool:
+        """True for tensors a checkpoint may hold that the model does not need."""
+        ...
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file or tensor does not match the model; the message names it."""
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    registry: ModelLookup | None = None,
+) -> tuple[nn.Module, ModelInfo]:
+    """Build the model of ``model_dir`` on ``device`` in ``dtype`` and load its weights.
+
+    ``registry`` maps an architecture name to a factory ``(hf_config, dtype) ->
+    nn.Module``: a mapping, or a callable returning None (or raising KeyError) for
+    unknown names; default: the built-in ``MODEL_FACTORIES``. The model is returned
+    in eval mode without autograd. Raises ValueError for an unknown architecture,
+    FileNotFoundError for a missing config or weights, CheckpointError for bad files
+    or tensors.
+    """
+    root = Path(model_dir)
+    hf_config = read_hf_config(root)
+    architecture = _architecture(hf_config, root)
+    factory = _lookup_factory(architecture, registry)
+    target = torch.device(device)
+    with torch.device(target):
+        model = factory(hf_config, dtype)
+    load_weights(model, checkpoint_files(root))
+    model.eval().requires_grad_(False)
+    info = model_info_from_config(hf_config, name=str(root), dtype=dtype, device=target)
+    info.eos_token_ids = model_eos_token_ids(root)
+    return model, info
+
+
+def read_hf_config(root: Path) -> dict[str, Any]:
+    path = root / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no config.json in the model directory")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: cannot read config: {exc}") from exc
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return config
+
+
+def model_info_from_config(
+    hf_config: dict[str, Any],
+    *,
+    name: str = "",
+    dtype: Any = None,
+    device: Any = None,
+) -> ModelInfo:
+    """The engine's view of a Hugging Face config. ``max_model_len`` is
+    ``max_position_embeddings``, capped by a sliding window when one is enabled
+    (the models attend over the full context, which equals the window only up to
+    its size)."""
+    num_heads = hf_config["num_attention_heads"]
+    max_len = int(hf_config.get("max_position_embeddings", 4096))
+    window = hf_config.get("sliding_window")
+    if window and hf_config.get("use_sliding_window", True):
+        max_len = min(max_len, int(window))
+    eos = hf_config.get("eos_token_id")
+    return ModelInfo(
+        name=name,
+        architecture=_architecture(hf_config, Path(name)),
+        max_model_len=max_len,
+        vocab_size=hf_config["vocab_size"],
+        num_layers=hf_config["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=hf_config.get("num_key_value_heads") or num_heads,
+        head_dim=hf_config.get("head_dim") or hf_config["hidden_size"] // num_heads,
+        hidden_size=hf_config["hidden_size"],
+        dtype=dtype,
+        device=device,
+        eos_token_ids=[i for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int)],
+    )
+
+
+def checkpoint_files(root: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those its index names, else all of them."""
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError) as exc:
+            raise CheckpointError(f"{index}: cannot read the weight map: {exc}") from exc
+        files = [root / name for name in sorted(set(weight_map.values()))]
+        for path in files:
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: listed in {index.name} but missing")
+        return files
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{root}: no *.safetensors weights")
+    return files
+
+
+def load_weights(model: LoadableModel, files: list[Path]) -> None:
+    """Copy every tensor of ``files`` into the slot ``model.checkpoint_slots()`` names
+    for it, converting dtype and device on the way."""
+    from safetensors import safe_open
+
+    slots = model.checkpoint_slots()
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as reader:
+                for name in reader.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    slot = slots.get(name)
+                    if slot is None:
+                        if not model.ignores_checkpoint_tensor(name):
+                            unexpected.append(name)
+                        continue
+                    if name in loaded:
+                        raise CheckpointError(f"{path.name}: tensor {name!r} appears twice")
+                    tensor = reader.get_tensor(name)
+                    target = slot.target()
+                    if tensor.shape != target.shape:
+                        raise CheckpointError(
+                            f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                            f"the model expects {tuple(target.shape)}"
+                        )
+                    target.copy_(tensor)
+                    loaded.add(name)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # safetensors reports a corrupt header as its own error
+            raise CheckpointError(f"{path}: cannot read safetensors file: {exc}") from exc
+    if unexpected:
+        raise CheckpointError(f"checkpoint tensors the model does not have: {_list(unexpected)}")
+    missing = [name for name in slots if name not in loaded]
+    if missing:
+        raise CheckpointError(f"checkpoint lacks tensors: {_list(missing)}")
+
+
+def _architecture(hf_config: dict[str, Any], root: Path) -> str:
+    names = hf_config.get("architectures")
+    if not names or not isinstance(names, list):
+        raise ValueError(f"{root / 'config.json'}: no 'architectures' entry")
+    return str(names[0])
+
+
+def _lookup_factory(architecture: str, registry: ModelLookup | None) -> Callable[..., Any]:
+    if registry is None:
+        from tokenloom.plugins.models import MODEL_FACTORIES
+
+        registry = MODEL_FACTORIES
+    if isinstance(registry, Mapping):
+        factory = registry.get(architecture)
+        supported = ", ".join(sorted(registry))
+    else:
+        try:
+            factory = registry(architecture)
+        except KeyError:
+            factory = None
+        supported = "see `tokenloom plugins`, kind 'model'"
+    if factory is None:
+        raise ValueError(f"unknown model architecture {architecture!r}; supported: {supported}")
+    return factory
+
+
+def _list(names: list[str]) -> str:
+    shown = ", ".join(names[:_MAX_LISTED])
+    return shown + (f" and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else "")

@@ -1,0 +1,94 @@
+"""``tokenloom.client``: the sync and async job clients against a live zmq frontend."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "plugins" / "frontends"))
+from serving_fakes import ServerThread  # noqa: E402
+
+from tokenloom.client import AsyncJobClient, JobClient, JobFailed  # noqa: E402
+from tokenloom.config import make_config  # noqa: E402
+from tokenloom.protocols.jobs import JobDone, JobOutput  # noqa: E402
+from tokenloom.protocols.sampling import SamplingParams  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def endpoint(tiny_model_factory):
+    config = make_config(
+        {
+            "model": str(tiny_model_factory("llama")),
+            "frontends": ["zmq"],
+            "zmq_endpoint": "tcp://127.0.0.1:*",
+            "max_model_len": 256,
+            "plugin": {"fake": {"step_s": 0.005}},
+        }
+    )
+    server = ServerThread(config).start()
+    yield server.zmq_endpoint
+    assert server.stop() == 0
+
+
+def test_sync_client_submits_and_streams_a_job(endpoint):
+    with JobClient(endpoint) as client:
+        assert client.ping()
+        job = client.submit("hello", GREEDY)
+        messages = list(client.stream(job))
+    outputs = [m for m in messages if isinstance(m, JobOutput)]
+    assert isinstance(messages[-1], JobDone)
+    assert sum(len(o.token_ids) for o in outputs) == 8
+    assert outputs[-1].finish_reason == "length"
+
+
+def test_sync_generate_is_deterministic_for_text_and_token_prompts(endpoint):
+    with JobClient(endpoint) as client:
+        first = client.generate("same prompt", GREEDY)
+        second = client.generate("same prompt", GREEDY)
+        by_ids = client.generate([30, 31, 32], SamplingParams(n=2, max_tokens=3, temperature=0))
+    assert first.text == second.text and first.token_ids == second.token_ids
+    assert first.num_generated_tokens == 8
+    assert by_ids.num_prompt_tokens == 3 and len(by_ids.texts) == 2
+    assert by_ids.finish_reasons == ["length", "length"]
+
+
+def test_sync_client_interleaves_jobs_and_aborts_one(endpoint):
+    long = SamplingParams(max_tokens=200, ignore_eos=True)
+    with JobClient(endpoint) as client:
+        slow = client.submit([40, 41], long)
+        fast = client.submit([42], SamplingParams(max_tokens=3))
+        assert isinstance(list(client.stream(fast))[-1], JobDone)
+        client.abort(slow)
+        messages = list(client.stream(slow))
+    reasons = [m.finish_reason for m in messages if isinstance(m, JobOutput) and m.finish_reason]
+    assert reasons == ["abort"]
+    assert messages[-1].num_generated_tokens < 200
+
+
+def test_refused_job_raises_job_failed(endpoint):
+    with JobClient(endpoint) as client, pytest.raises(JobFailed) as info:
+        client.generate([10**9], GREEDY)
+    assert info.value.code == 400
+
+
+async def test_async_client_runs_jobs_concurrently_and_aborts(endpoint):
+    async with AsyncJobClient(endpoint) as client:
+        assert await client.ping()
+        results = await asyncio.gather(*(client.generate(f"p{i}", GREEDY) for i in range(8)))
+        assert all(r.num_generated_tokens == 8 for r in results)
+        again = await client.generate("p3", GREEDY)
+        assert again.token_ids == results[3].token_ids
+        job = await client.submit([50], SamplingParams(max_tokens=200, ignore_eos=True))
+        seen = []
+        async for message in client.stream(job):
+            seen.append(message)
+            if len(seen) == 2:
+                await client.abort(job)
+        assert isinstance(seen[-1], JobDone) and seen[-1].num_generated_tokens < 200
+        with pytest.raises(JobFailed):
+            await client.generate("x" * 3000, SamplingParams(max_tokens=250))

@@ -1,0 +1,143 @@
+"""The Triton backend against a dense float64 attention and the torch backend.
+
+Without a GPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py sets it)
+on tiny shapes, in fp32 and fp16 only (bf16 ``tl.dot`` is wrong under the
+interpreter). Relative error ||out - ref|| / ||ref|| bounds: fp32 1e-5 (ieee dots),
+fp16 3e-3, bf16 2e-2 (probabilities are rounded to the input dtype before P @ V).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_batches import dense_reference, make_batch, model_info, relative_error
+
+from tokenloom.plugins.attention import triton_backend
+from tokenloom.plugins.attention.torch_backend import TorchAttention
+from tokenloom.plugins.attention.triton_backend import TritonAttention
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def backends(num_heads, num_kv_heads, head_dim, dtype, device=DEVICE, **settings):
+    info = model_info(num_heads, num_kv_heads, head_dim, dtype, device)
+    return TritonAttention(None, info, **settings), TorchAttention(None, info)
+
+
+def forward(backend, batch):
+    return backend.forward(
+        batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale
+    )
+
+
+def check_against_references(query_lens, seq_lens, *, num_heads=4, num_kv_heads=2,
+                             head_dim=32, dtype=torch.float32, device=DEVICE, **settings):  # fmt: skip
+    batch = make_batch(
+        query_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, dtype=dtype, device=device,
+    )  # fmt: skip
+    triton_attn, torch_attn = backends(num_heads, num_kv_heads, head_dim, dtype, device, **settings)
+    k_ref, v_ref = batch.clone_caches()
+    out = forward(triton_attn, batch)
+    assert out.shape == batch.q.shape and out.dtype == dtype
+    assert torch.isfinite(out).all()
+    assert relative_error(out, dense_reference(batch)) < TOLERANCE[dtype]
+    reference = torch_attn.forward(batch.q, batch.k, batch.v, k_ref, v_ref, batch.meta, batch.scale)
+    assert torch.equal(batch.k_cache, k_ref) and torch.equal(batch.v_cache, v_ref)
+    assert relative_error(out, reference.double().cpu()) < 2 * TOLERANCE[dtype]
+
+
+# --------------------------------------------------------------------------- decode
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
+def test_decode_matches_references_for_gqa_groups_1_2_4(num_kv_heads, dtype):
+    check_against_references([1] * 5, [1, 16, 17, 70, 33], num_kv_heads=num_kv_heads, dtype=dtype)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_matches_references_for_large_head_dims(head_dim):
+    check_against_references([1, 1], [23, 48], head_dim=head_dim, dtype=torch.float16)
+
+
+def test_head_dim_that_is_not_a_power_of_two_is_masked_correctly():
+    check_against_references([1, 1], [23, 40], head_dim=48)
+    check_against_references([9, 1], [30, 5], head_dim=48)
+
+
+def test_decode_of_one_long_request_merges_four_splits():
+    triton_attn, _ = backends(4, 2, 32, torch.float32, max_num_splits=4)
+    assert triton_attn.num_splits(1) == 4
+    check_against_references([1], [150], max_num_splits=4)
+
+
+def test_decode_with_one_split_matches_references():
+    check_against_references([1, 1, 1], [5, 40, 64], max_num_splits=1)
+
+
+def test_decode_padding_rows_write_nothing_and_give_zeros():
+    batch = make_batch([1, 1], [9, 24], padding_rows=3, device=DEVICE)
+    triton_attn, _ = backends(4, 2, 32, torch.float32)
+    k_before, v_before = batch.clone_caches()
+    out = forward(triton_attn, batch)
+    written = torch.zeros(k_before.shape[0] * k_before.shape[1], dtype=torch.bool)
+    written[batch.meta.slot_mapping[:2].cpu()] = True
+    for cache, before in ((batch.k_cache, k_before), (batch.v_cache, v_before)):
+        assert torch.equal(cache.flatten(0, 1)[~written], before.flatten(0, 1)[~written])
+    assert torch.all(out[2:] == 0)
+    assert relative_error(out[:2], dense_reference(batch)) < TOLERANCE[torch.float32]
+
+
+def test_decode_reads_strided_query_key_value_views():
+    batch = make_batch([1, 1, 1], [3, 19, 40], device=DEVICE)
+    fused = torch.cat([batch.q.flatten(1), batch.k.flatten(1), batch.v.flatten(1)], dim=1)
+    q, k, v = fused.split([4 * 32, 2 * 32, 2 * 32], dim=1)
+    q, k, v = q.view(3, 4, 32), k.view(3, 2, 32), v.view(3, 2, 32)
+    assert not q.is_contiguous()
+    triton_attn, _ = backends(4, 2, 32, torch.float32)
+    out = triton_attn.forward(q, k, v, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
+    assert relative_error(out, dense_reference(batch)) < TOLERANCE[torch.float32]
+
+
+def test_split_count_is_a_power_of_two_that_shrinks_as_the_batch_grows():
+    triton_attn, _ = backends(8, 2, 32, torch.float32, max_num_splits=16)
+    counts = [triton_attn.num_splits(b) for b in (1, 2, 3, 8, 64, 512)]
+    assert all(c & (c - 1) == 0 and 1 <= c <= 16 for c in counts)
+    assert counts == sorted(counts, reverse=True)
+    assert counts[-1] == 1
+
+
+# --------------------------------------------------------------------------- prefill
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_without_cached_prefix_matches_references(dtype):
+    check_against_references([5, 33, 1], [5, 33, 1], dtype=dtype)
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 1])
+def test_chunked_prefill_over_cached_prefix_matches_references(num_kv_heads):
+    check_against_references([7, 20, 40], [40, 36, 57], num_kv_heads=num_kv_heads)
+
+
+def test_mixed_batch_of_decodes_and_prefills_matches_references():
+    check_against_references([1, 9, 1, 18, 1], [30, 9, 3, 50, 17], dtype=torch.float16)
+
+
+def test_prefill_with_head_dim_64_matches_references():
+    check_against_references([19, 2], [19, 35], head_dim=64, dtype=torch.float16)
+
+
+# --------------------------------------------------------------------------- registration
+
+
+def test_plugin_registers_triton_attention_component():
+    (spec,) = triton_backend.tokenloom_register_components()
+    assert (spec.kind, spec.name, spec.factory) == ("attention", "triton", TritonAttention)
+
+
+def test_unknown_plugin_setting_is_refused():
+    with pytest.raises(ValueError, match="block_q"):
+        backends(4, 2, 32, torch.float32, block_q=8)

@@ -1,0 +1,234 @@
+"""A deterministic fake engine behind the real serving stack, and a server-in-a-thread.
+
+``FakeEngine`` has the kernel's engine API (add_request, abort, step, stats,
+ready_info, ...) and runs in a real engine-core process started by the real
+Supervisor, so the frontends, engine client, sockets and supervision are the real
+ones. Tokens are a pure function of the prompt, the output so far and (when
+sampling) the seed, so greedy runs are reproducible; KV blocks are accounted like a
+paged cache, so /metrics shows them freed. Options come from ``[plugin.fake]``:
+``step_s`` (seconds per step).
+
+Module-level so that the spawned engine-core can import the factory by reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from tokenloom.protocols.components import QueueFullError
+from tokenloom.protocols.control import Ready
+from tokenloom.protocols.outputs import EngineStats, FinishReason, TokenDelta, TopLogprobs
+from tokenloom.protocols.requests import GenerateRequest
+
+FIRST_TOKEN = 20  # the tiny tokenizers' special tokens sit below this
+
+
+class _Seq:
+    __slots__ = ("req", "output", "blocks", "rng")
+
+    def __init__(self, req: GenerateRequest) -> None:
+        self.req = req
+        self.output: list[int] = []
+        self.blocks = 0
+        seed = req.params.seed if req.params.seed is not None else random.getrandbits(32)
+        self.rng = random.Random(seed)
+
+
+class FakeEngine:
+    def __init__(self, config: Any) -> None:
+        model_config = json.loads((Path(config.model) / "config.json").read_text())
+        tokenizer = json.loads((Path(config.model) / "tokenizer.json").read_text())
+        self.vocab = len(tokenizer["model"]["vocab"])
+        self.max_model_len = config.max_model_len or model_config["max_position_embeddings"]
+        self.block_size = config.block_size
+        self.num_blocks = config.num_blocks or 256
+        self.free_blocks = self.num_blocks
+        self.max_running = config.max_num_seqs
+        self.max_waiting = config.max_waiting_requests
+        self.step_s = float(config.plugin.get("fake", {}).get("step_s", 0.002))
+        eos = model_config["eos_token_id"]
+        self.eos = eos if isinstance(eos, list) else [eos]
+        self.waiting: deque[_Seq] = deque()
+        self.running: dict[str, _Seq] = {}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.num_steps = 0
+
+    def add_request(self, req: GenerateRequest) -> None:
+        if len(req.prompt_token_ids) >= self.max_model_len:
+            raise ValueError("prompt longer than the model length")
+        if len(self.waiting) >= self.max_waiting:
+            raise QueueFullError(f"{len(self.waiting)} requests waiting")
+        self.waiting.append(_Seq(req))
+
+    def abort(self, request_ids: list[str]) -> list[TokenDelta]:
+        ids = set(request_ids)
+        deltas = [
+            TokenDelta(s.req.request_id, [], FinishReason.ABORT)
+            for s in self.waiting
+            if s.req.request_id in ids
+        ]
+        self.waiting = deque(s for s in self.waiting if s.req.request_id not in ids)
+        for rid in ids:
+            seq = self.running.pop(rid, None)
+            if seq is not None:
+                self.free_blocks += seq.blocks
+                deltas.append(TokenDelta(rid, [], FinishReason.ABORT))
+        return deltas
+
+    def step(self) -> list[TokenDelta]:
+        time.sleep(self.step_s)
+        self.num_steps += 1
+        while self.waiting and len(self.running) < self.max_running:
+            seq = self.waiting.popleft()
+            self.running[seq.req.request_id] = seq
+            self.prompt_tokens += len(seq.req.prompt_token_ids)
+        deltas = []
+        for rid, seq in list(self.running.items()):
+            token = self._next_token(seq)
+            seq.output.append(token)
+            self.generation_tokens += 1
+            needed = -(-(len(seq.req.prompt_token_ids) + len(seq.output)) // self.block_size)
+            self.free_blocks -= needed - seq.blocks
+            seq.blocks = needed
+            delta = TokenDelta(rid, [token], self._finish(seq, token))
+            if len(seq.output) == 1:
+                delta.num_prompt_tokens = len(seq.req.prompt_token_ids)
+            if seq.req.params.logprobs is not None:
+                k = seq.req.params.logprobs
+                delta.logprobs = [-0.25 * (1 + token % 4)]
+                delta.top_logprobs = [
+                    TopLogprobs([token + i for i in range(k)], [-0.25 * (1 + i) for i in range(k)])
+                ]
+            if delta.finish_reason is not None:
+                del self.running[rid]
+                self.free_blocks += seq.blocks
+            deltas.append(delta)
+        return deltas
+
+    def _next_token(self, seq: _Seq) -> int:
+        history = seq.req.prompt_token_ids + seq.output
+        base = (sum(history[-3:]) * 31 + len(history) * 7) % (self.vocab - FIRST_TOKEN)
+        if seq.req.params.temperature > 0:
+            base = (base + seq.rng.randrange(self.vocab)) % (self.vocab - FIRST_TOKEN)
+        return FIRST_TOKEN + base
+
+    def _finish(self, seq: _Seq, token: int) -> str | None:
+        params = seq.req.params
+        if token in params.stop_token_ids:
+            return FinishReason.STOP
+        limit = min(
+            params.max_tokens or self.max_model_len,
+            self.max_model_len - len(seq.req.prompt_token_ids),
+        )
+        return FinishReason.LENGTH if len(seq.output) >= limit else None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_waiting=len(self.waiting),
+            num_running=len(self.running),
+            num_blocks_total=self.num_blocks,
+            num_blocks_free=self.free_blocks,
+            prompt_tokens_total=self.prompt_tokens,
+            generation_tokens_total=self.generation_tokens,
+            num_steps=self.num_steps,
+        )
+
+    def ready_info(self) -> Ready:
+        return Ready(
+            pid=os.getpid(),
+            model_name="fake",
+            max_model_len=self.max_model_len,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            max_num_seqs=self.max_running,
+            eos_token_ids=self.eos,
+        )
+
+    def shutdown(self) -> None:
+        pass
+
+
+def make_fake_engine(config: Any, plugin_manager: Any) -> FakeEngine:
+    return FakeEngine(config)
+
+
+class ServerThread:
+    """``tokenloom.serve.run`` in a background thread with its own event loop.
+
+    ``start()`` returns once every frontend listens; ``base_url`` and
+    ``zmq_endpoint`` are then set. ``stop()`` stops it gracefully and joins.
+    """
+
+    def __init__(self, config: Any, engine_factory: Any = make_fake_engine) -> None:
+        self.config = config
+        self.engine_factory = engine_factory
+        self.handle: Any = None
+        self.exit_code: int | None = None
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="test-server", daemon=True)
+
+    def _main(self) -> None:
+        import asyncio
+
+        from tokenloom.serve import run
+
+        def on_started(handle: Any) -> None:
+            self.handle = handle
+            self._started.set()
+
+        try:
+            self.exit_code = asyncio.run(
+                run(self.config, engine_factory=self.engine_factory, on_started=on_started)
+            )
+        finally:
+            self._started.set()
+
+    def start(self, timeout_s: float = 60.0) -> ServerThread:
+        self._thread.start()
+        if not self._started.wait(timeout_s) or self.handle is None:
+            raise RuntimeError(f"server did not start (exit code {self.exit_code})")
+        deadline = time.monotonic() + timeout_s
+        while not self._listening():
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("frontends did not start listening")
+            time.sleep(0.02)
+        return self
+
+    def _listening(self) -> bool:
+        return all(getattr(f, "port", None) or getattr(f, "endpoint", None) for f in self.frontends)
+
+    @property
+    def frontends(self) -> list[Any]:
+        return list(self.handle.frontends)
+
+    def frontend(self, name: str) -> Any:
+        return next(f for f in self.frontends if f.name == name)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.frontend('openai').port}"
+
+    @property
+    def zmq_endpoint(self) -> str:
+        return str(self.frontend("zmq").endpoint)
+
+    @property
+    def engine_pid(self) -> int:
+        return int(self.handle.supervisor.pid)
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        if self.handle is not None and self._thread.is_alive():
+            self.handle.stop()
+        self._thread.join(timeout_s)
+        return self.exit_code
