@@ -13,8 +13,10 @@ The engine object (``tokenloom.engine.Engine``) provides: ``add_request(req)``
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -231,23 +233,45 @@ async def run_kernel(
             loop.remove_signal_handler(sig)
 
 
+class LaunchSpec(msgspec.Struct, kw_only=True):
+    """What the supervisor hands a new engine-core process on its stdin (msgpack).
+
+    ``engine_factory`` is ``"module:qualname"`` of a ``(config, plugin_manager) ->
+    engine`` callable (None: ``tokenloom.engine.Engine.from_config``); ``sys_path``
+    is the parent's, so that the factory imports in the child as in the parent."""
+
+    config: EngineConfig
+    endpoints: EngineEndpoints
+    engine_factory: str | None = None
+    parent_pid: int | None = None
+    sys_path: list[str] = []
+
+
+def main() -> int:
+    """``python -m tokenloom.kernel``: read a LaunchSpec from stdin, then serve."""
+    spec = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=LaunchSpec)
+    sys.path[:0] = [p for p in spec.sys_path if p not in sys.path]
+    return engine_core_main(spec.config, spec.endpoints, spec.engine_factory, spec.parent_pid)
+
+
 def engine_core_main(
-    config: EngineConfig | bytes,
+    config: EngineConfig,
     endpoints: EngineEndpoints,
-    engine_factory: EngineFactory | None = None,
+    engine_factory: EngineFactory | str | None = None,
     parent_pid: int | None = None,
 ) -> int:
-    """The engine-core process. ``config`` may be msgpack bytes of an EngineConfig.
-    With ``parent_pid``, the process stops itself when that parent dies. Returns the
-    exit code: 0 after a clean shutdown, 1 when start-up failed (``Failed`` sent)."""
-    if isinstance(config, bytes | bytearray | memoryview):
-        config = msgspec.msgpack.decode(config, type=EngineConfig)
+    """The engine-core process: build the engine with ``engine_factory`` (a callable or
+    ``"module:qualname"``), send Ready or Failed on the control socket, serve until
+    Shutdown/SIGTERM/SIGINT. With ``parent_pid``, it stops itself when that parent
+    dies. Returns the exit code: 0 after a clean shutdown, 1 if start-up failed."""
     if parent_pid is not None:
         _watch_parent(parent_pid, config.shutdown_grace_s + 5.0)
-    return asyncio.run(_serve(config, endpoints, engine_factory or _default_engine_factory))
+    return asyncio.run(_serve(config, endpoints, engine_factory))
 
 
-async def _serve(config: EngineConfig, endpoints: EngineEndpoints, factory: EngineFactory) -> int:
+async def _serve(
+    config: EngineConfig, endpoints: EngineEndpoints, factory: EngineFactory | str | None
+) -> int:
     ctx = zmq.asyncio.Context()
     control = make_socket(ctx, "control", endpoints.control, bind=False)
     encoder = Encoder()
@@ -260,8 +284,9 @@ async def _serve(config: EngineConfig, endpoints: EngineEndpoints, factory: Engi
             sockets.append(input_sock)
             output_sock = make_socket(ctx, "engine-output", endpoints.output, bind=True)
             sockets.append(output_sock)
+            build = _resolve_factory(factory)
             pm = PluginManager.default()
-            engine = factory(config, pm)
+            engine = build(config, pm)
         except BaseException:
             tb = traceback.format_exc()
             log.error("engine-core failed to start:\n%s", tb)
@@ -293,6 +318,18 @@ def _readable(sock: zmq.asyncio.Socket) -> bool:
     return bool(cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN)
 
 
+def _resolve_factory(factory: EngineFactory | str | None) -> EngineFactory:
+    if factory is None:
+        return _default_engine_factory
+    if isinstance(factory, str):
+        module_name, _, qualname = factory.partition(":")
+        target: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            target = getattr(target, part)
+        return cast(EngineFactory, target)
+    return factory
+
+
 def _default_engine_factory(config: EngineConfig, pm: Any) -> Any:
     from tokenloom.engine import Engine  # type: ignore[import-not-found, unused-ignore]
 
@@ -311,3 +348,7 @@ def _watch_parent(parent_pid: int, hard_exit_after_s: float) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,7 +6,9 @@ graph that runs it over several layers' caches (so that small shapes do not sit 
 L2), and the median time per layer is reported with the effective bandwidth of the
 KV read against a measured device-to-device copy. Prefill: causal attention over
 1 x 4096 and 8 x 1024 new tokens, in TFLOP/s, next to torch's SDPA on the same
-tokens. Every shape is checked against the torch backend before it is timed.
+tokens. Mixed (chunked-prefill) steps: decodes through the decode kernel versus every
+row through the prefill kernel. Every shape is checked against the torch backend
+before it is timed.
 
     python scripts/bench_attention.py [--batches 1,8,32] [--contexts 512,2048]
 
@@ -179,6 +181,34 @@ def bench_prefill(attn: TritonAttention, num_seqs: int, length: int, dtype: torc
     return row
 
 
+def bench_mixed(attn: TritonAttention, decodes: int, ctx: int, chunk: int, dtype) -> dict:
+    """A chunked-prefill step: ``decodes`` one-token requests at ``ctx`` first, then one
+    ``chunk``-token prefill over a ``ctx`` prefix; with ``prepare`` the decodes take the
+    decode kernel, without it every row goes through the prefill kernel."""
+    step = paged_step([1] * decodes + [chunk], [ctx] * decodes + [ctx + chunk], dtype, seed=0)
+    q, k, v, kc, vc, meta = step
+    scale = HEAD_DIM**-0.5
+    attn.prepare(meta)
+    error = check(attn, step, dtype)
+    split_ms = triton.testing.do_bench(
+        lambda: attn.forward(q, k, v, kc, vc, meta, scale), warmup=25, rep=200,
+        return_mode="median",
+    )  # fmt: skip
+    meta.extra["num_leading_decodes"] = 0
+    unsplit_ms = triton.testing.do_bench(
+        lambda: attn.forward(q, k, v, kc, vc, meta, scale), warmup=25, rep=200,
+        return_mode="median",
+    )  # fmt: skip
+    return {
+        "decodes": decodes,
+        "context": ctx,
+        "chunk": chunk,
+        "us_decode_kernel_for_decodes": split_ms * 1e3,
+        "us_prefill_kernel_for_all": unsplit_ms * 1e3,
+        "rel_error_vs_torch": error,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="1,8,32,128,256")
@@ -252,6 +282,23 @@ def main() -> int:
             row = {"num_seqs": num_seqs, "length": length, "error": repr(exc)}
             print(f"{num_seqs:>4}x{length:<5} failed: {exc!r}")
         result["prefill"].append(row)
+        torch.cuda.empty_cache()
+    print(f"\n{'mixed step':>22} {'us split':>9} {'us all-prefill':>15} {'err':>8}")
+    result["mixed"] = []
+    for decodes, ctx, chunk in ((64, 2048, 512), (256, 1024, 256)):
+        try:
+            row = bench_mixed(attn, decodes, ctx, chunk, dtype)
+            row["correct"] = row["rel_error_vs_torch"] < CHECK_TOLERANCE
+            flag = "" if row["correct"] else "  WRONG"
+            print(
+                f"{decodes:>4} dec@{ctx:<5} + {chunk:>4} tok {row['us_decode_kernel_for_decodes']:>9.1f} "
+                f"{row['us_prefill_kernel_for_all']:>15.1f} {row['rel_error_vs_torch']:>8.1e}{flag}"
+            )
+        except Exception as exc:
+            traceback.print_exc()
+            row = {"decodes": decodes, "context": ctx, "chunk": chunk, "error": repr(exc)}
+            print(f"{decodes} decodes + {chunk} chunk failed: {exc!r}")
+        result["mixed"].append(row)
         torch.cuda.empty_cache()
     path = args.json or (
         os.path.join(os.environ["OUT"], "bench_attention.json") if os.environ.get("OUT") else None

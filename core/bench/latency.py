@@ -45,7 +45,7 @@ def bytes_per_step(engine: Any, context: float) -> float:
     embed = getattr(model, "embed_tokens", None) or getattr(
         getattr(model, "model", None), "embed_tokens", None
     )
-    tied = getattr(model, "tie_word_embeddings", False)
+    tied = getattr(model, "lm_head", None) is embed
     if embed is not None and not tied:
         weights -= embed.weight.numel() * embed.weight.element_size()
     element = 2 if str(info.dtype) in ("torch.bfloat16", "torch.float16") else 4

@@ -1,8 +1,9 @@
 """Attention plugin ``triton``: paged attention in Triton kernels (default on CUDA).
 
-Each forward writes the new keys/values with one kernel, then runs either the
-split-KV decode kernel (every request has one query token) or the paged prefill
-kernel (anything else, mixed batches included). No launch reads tensor values on
+Each forward writes the new keys/values with one kernel, then runs the split-KV
+decode kernel on the batch's leading one-token requests and the paged prefill kernel
+on the rest (the executor should order decodes first in mixed batches; any order is
+correct, but only leading decodes get the decode kernel). No launch reads tensor values on
 the host, and the decode scratch buffers are allocated once at their largest size,
 so decode steps can be captured in CUDA graphs.
 
@@ -152,9 +153,20 @@ class TritonAttention(AttentionBackend):
         return self._part_out, self._part_lse
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        # Allocate the decode scratch outside any graph capture.
+        """Count the leading decodes of a mixed batch (host lists only) into
+        ``meta.extra["num_leading_decodes"]``, and allocate the decode scratch outside
+        any graph capture."""
         if meta.decode_only:
-            self._decode_scratch(int(meta.seq_lens.shape[0]))
+            num_decodes = int(meta.seq_lens.shape[0])
+        else:
+            num_decodes = 0
+            for q_len in meta.query_lens_cpu:
+                if q_len != 1:
+                    break
+                num_decodes += 1
+            meta.extra["num_leading_decodes"] = num_decodes
+        if num_decodes:
+            self._decode_scratch(num_decodes)
 
     def forward(
         self,
@@ -168,37 +180,42 @@ class TritonAttention(AttentionBackend):
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        num_seqs = int(meta.seq_lens.shape[0])
         if meta.decode_only:
-            batch = q.shape[0]
-            part_out, part_lse = self._decode_scratch(batch)
+            num_decodes = num_seqs
+        else:
+            num_decodes = int(meta.extra.get("num_leading_decodes", 0))
+        if num_decodes:
+            part_out, part_lse = self._decode_scratch(num_decodes)
             decode_attention(
-                q,
+                q[:num_decodes],
                 k_cache,
                 v_cache,
-                meta.block_tables,
-                meta.seq_lens,
-                out,
+                meta.block_tables[:num_decodes],
+                meta.seq_lens[:num_decodes],
+                out[:num_decodes],
                 part_out,
                 part_lse,
                 scale,
-                num_splits=self.num_splits(batch),
-                block_n=self.decode_block_n_for(batch),
+                num_splits=self.num_splits(num_decodes),
+                block_n=self.decode_block_n_for(num_decodes),
                 num_stages=self.decode_num_stages,
             )
-        else:
+        if num_decodes < num_seqs:
             prefill_attention(
                 q,
                 k_cache,
                 v_cache,
-                meta.block_tables,
-                meta.seq_lens,
-                meta.query_start_loc,
+                meta.block_tables[num_decodes:],
+                meta.seq_lens[num_decodes:],
+                meta.query_start_loc[num_decodes:],
                 out,
                 scale,
                 block_m=self.prefill_block_m,
                 block_n=self.prefill_block_n,
                 num_warps=self.prefill_num_warps,
                 num_stages=self.prefill_num_stages,
+                first_token=num_decodes,
             )
         return out
 

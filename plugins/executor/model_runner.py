@@ -19,7 +19,6 @@ from tokenloom.plugins.executor.batch import BatchBuilder, FlatBatch
 from tokenloom.plugins.executor.cuda_graphs import DecodeGraphs
 from tokenloom.protocols.components import ComponentSpec, Executor, ForwardContext, ModelInfo
 from tokenloom.protocols.hookspecs import hookimpl
-from tokenloom.protocols.outputs import TopLogprobs
 from tokenloom.protocols.sampling import SamplingParams
 from tokenloom.protocols.step import NewRequestData, ScheduledChunk, StepInput, StepOutput
 
@@ -49,7 +48,13 @@ class ModelRunner(Executor):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         started = time.perf_counter()
-        self.model, self.info = load_model(self.config.model, self.dtype, self.device)
+        self.model, self.info = load_model(
+            self.config.model,
+            self.dtype,
+            self.device,
+            registry=self._model_factory,
+            random_weights=self.config.load_format == "random",
+        )
         self.model.eval()
         self.attn = self.plugins.component("attention", self.config.attention).factory(
             self.config, self.info
@@ -63,6 +68,14 @@ class ModelRunner(Executor):
             self.memory["weights_gib"] = torch.cuda.memory_allocated() / GiB
         log.info("loaded %s in %.1fs", self.info.name, time.perf_counter() - started)
         return self.info
+
+    def _model_factory(self, architecture: str) -> Any:
+        from tokenloom.plugin_manager import PluginError
+
+        try:
+            return self.plugins.component("model", architecture).factory
+        except PluginError:
+            return None
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         info = self.info
@@ -180,16 +193,9 @@ class ModelRunner(Executor):
         if not request_ids:
             return StepOutput(step.step_id, [], [])
         logits = self.model.compute_logits(hidden[batch.sample_index])
-        result = sampler.sample(logits, request_ids)
-        token_ids = result.token_ids.tolist()
-        sampler.record(request_ids, token_ids)
-        output = StepOutput(step.step_id, request_ids, [[t] for t in token_ids])
-        if result.logprobs is not None:
-            output.logprobs = [[lp] for lp in result.logprobs.tolist()]
-            if result.top_ids is not None and result.top_ids.shape[1] > 0:
-                ids, lps = result.top_ids.tolist(), result.top_logprobs.tolist()
-                output.top_logprobs = [[TopLogprobs(i, lp)] for i, lp in zip(ids, lps, strict=True)]
-        return output
+        host = sampler.sample(logits, request_ids).to_host()
+        sampler.record(request_ids, host.token_ids)
+        return host.to_step_output(step.step_id, request_ids)
 
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
         meta = batch.meta

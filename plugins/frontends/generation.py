@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenloom.engine_client import EngineDeadError
+from tokenloom.output_processor import OutputProcessor
 from tokenloom.plugins.frontends.metrics import ServingMetrics
 from tokenloom.protocols.components import EngineClient
 from tokenloom.protocols.outputs import FinishReason, TokenDelta, TopLogprobs
@@ -61,7 +62,7 @@ class Generation:
     def __init__(
         self,
         engine: EngineClient,
-        processor: Any,  # tokenloom.output_processor.OutputProcessor
+        processor: OutputProcessor,
         request_id: str,
         prompt: str | None,
         prompt_token_ids: list[int],
@@ -140,6 +141,7 @@ class Generation:
             if child.task is not None and not child.task.done():
                 child.task.cancel()
         self._finish_unfinished(FinishReason.ABORT)
+        self.processor.abort_request(self.request_id)  # forget it, even if never started
         if live and self.engine.is_alive:
             with contextlib.suppress(EngineDeadError):
                 await self.engine.abort(live)

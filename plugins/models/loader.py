@@ -48,6 +48,7 @@ def load_model(
     dtype: torch.dtype,
     device: str | torch.device,
     registry: ModelLookup | None = None,
+    random_weights: bool = False,
 ) -> tuple[nn.Module, ModelInfo]:
     """Build the model of ``model_dir`` on ``device`` in ``dtype`` and load its weights.
 
@@ -56,7 +57,8 @@ def load_model(
     unknown names; default: the built-in ``MODEL_FACTORIES``. The model is returned
     in eval mode without autograd. Raises ValueError for an unknown architecture,
     FileNotFoundError for a missing config or weights, CheckpointError for bad files
-    or tensors.
+    or tensors. ``random_weights`` skips the checkpoint and fills the weights with
+    random values (benchmarks of real shapes: speed does not depend on the values).
     """
     root = Path(model_dir)
     hf_config = read_hf_config(root)
@@ -65,11 +67,25 @@ def load_model(
     target = torch.device(device)
     with torch.device(target):
         model = factory(hf_config, dtype)
-    load_weights(model, checkpoint_files(root))
+    if random_weights:
+        randomize_weights(model)
+    else:
+        load_weights(model, checkpoint_files(root))
     model.eval().requires_grad_(False)
     info = model_info_from_config(hf_config, name=str(root), dtype=dtype, device=target)
     info.eos_token_ids = model_eos_token_ids(root)
     return model, info
+
+
+@torch.no_grad()
+def randomize_weights(model: nn.Module, std: float = 0.02) -> None:
+    """Normal(0, std) matrices and biases; norm weights (1-D, named *norm*) set to one."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+    for name, param in model.named_parameters():
+        if param.dim() == 1 and "norm" in name:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, std, generator=generator)
 
 
 def read_hf_config(root: Path) -> dict[str, Any]:

@@ -4,10 +4,11 @@ Runs after the KV write, so every key of every request (cached prefix and new
 tokens alike) is read from the paged cache through the block table, with a causal
 mask aligned to the end of the sequence. Grid ``(num_heads, T // BLOCK_M + B)``: the
 second axis is an upper bound on the query tiles of the whole batch; request ``b``
-owns tiles ``query_start_loc[b] // BLOCK_M + b`` onwards (always enough of them), and
-each program finds its request by binary search over ``query_start_loc`` on the
-device, so nothing is read on the host. Unused tiles exit at once. Mixed batches
-(decodes next to prefills) go through this kernel too.
+owns tiles ``(query_start_loc[b] - query_start_loc[0]) // BLOCK_M + b`` onwards (always
+enough of them), and each program finds its request by binary search over
+``query_start_loc`` on the device, so nothing is read on the host. Unused tiles exit
+at once. The metadata may be a slice of a batch's requests (``query_start_loc`` then
+starts at ``first_token``), so a batch's leading decodes can go to the decode kernel.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ import triton.language as tl
 
 
 @triton.jit
-def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_M: tl.constexpr):
-    # The last b with query_start_loc[b] // BLOCK_M + b <= tile.
-    lo = tl.load(query_start_loc_ptr)  # always 0; loaded so that lo is an int32 tensor
+def _find_sequence(query_start_loc_ptr, base, num_seqs, tile, BLOCK_M: tl.constexpr):
+    # The last b with (query_start_loc[b] - base) // BLOCK_M + b <= tile.
+    lo = base * 0  # an int32 tensor, as the loop needs
     hi = lo + num_seqs - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_M + mid
+        first_tile = (tl.load(query_start_loc_ptr + mid) - base) // BLOCK_M + mid
         take = first_tile <= tile
         lo = tl.where(take, mid, lo)
         hi = tl.where(take, hi, mid - 1)
@@ -109,10 +110,11 @@ def _prefill_kernel(
 ):
     head = tl.program_id(0)
     tile = tl.program_id(1)
-    seq = _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_M)
+    base = tl.load(query_start_loc_ptr)
+    seq = _find_sequence(query_start_loc_ptr, base, num_seqs, tile, BLOCK_M)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    row0 = (tile - (q_start // BLOCK_M + seq)) * BLOCK_M  # first query row, request-local
+    row0 = (tile - ((q_start - base) // BLOCK_M + seq)) * BLOCK_M  # request-local first row
     if row0 >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -166,18 +168,22 @@ def prefill_attention(
     v_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
     block_tables: torch.Tensor,  # [B, max_blocks_per_seq] int32
     seq_lens: torch.Tensor,  # [B] int32
-    query_start_loc: torch.Tensor,  # [B + 1] int32
-    out: torch.Tensor,  # [T, num_heads, head_dim], written
+    query_start_loc: torch.Tensor,  # [B + 1] int32, rows of q (may start > 0)
+    out: torch.Tensor,  # [T, num_heads, head_dim], rows of these requests written
     scale: float,
     block_m: int,
     block_n: int,
-    num_warps: int = 8,
+    num_warps: int = 4,
     num_stages: int = 2,
+    first_token: int = 0,
 ) -> None:
-    """Launch the prefill kernel. No host sync: the grid comes from shapes only."""
-    num_tokens, num_heads, head_dim = q.shape
+    """Launch the prefill kernel for requests whose queries are rows
+    ``first_token:`` of ``q`` (``query_start_loc[0] == first_token``). No host sync:
+    the grid comes from shapes and ``first_token`` only."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_tokens = q.shape[0] - first_token
     num_seqs = seq_lens.shape[0]
-    if num_tokens == 0 or num_seqs == 0:
+    if num_tokens <= 0 or num_seqs == 0:
         return
     num_kv_heads = k_cache.shape[2]
     grid = (num_heads, num_tokens // block_m + num_seqs)

@@ -177,10 +177,10 @@ class OpenAIApp:
         try:
             first = await unless_disconnected(anext(merged, None), request.receive)
         except (EngineError, EngineDeadError) as exc:
-            await merged.aclose()
+            await _close_all(merged, generations)
             raise engine_error(exc) from exc
         if first is None:
-            await merged.aclose()
+            await _close_all(merged, generations)
             return Response(status_code=CLIENT_CLOSED)
         stream = _chain(first, merged)
         head = {
@@ -310,6 +310,12 @@ def _usage(generations: list[Generation]) -> dict[str, Any]:
         sum(g.num_generated_tokens for g in generations),
         sum(g.num_cached_tokens for g in generations),
     )
+
+
+async def _close_all(merged: Merged, generations: list[Generation]) -> None:
+    await merged.aclose()
+    for generation in generations:  # also those whose updates() never started
+        await generation.close()
 
 
 async def _chain(first: tuple[int, list[ChoiceUpdate]], rest: Merged) -> Merged:

@@ -32,13 +32,16 @@ def forward(backend, batch):
 
 
 def check_against_references(query_lens, seq_lens, *, num_heads=4, num_kv_heads=2,
-                             head_dim=32, dtype=torch.float32, device=DEVICE, **settings):  # fmt: skip
+                             head_dim=32, dtype=torch.float32, device=DEVICE, prepare=True,
+                             **settings):  # fmt: skip
     batch = make_batch(
         query_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, dtype=dtype, device=device,
     )  # fmt: skip
     triton_attn, torch_attn = backends(num_heads, num_kv_heads, head_dim, dtype, device, **settings)
     k_ref, v_ref = batch.clone_caches()
+    if prepare:
+        triton_attn.prepare(batch.meta)
     out = forward(triton_attn, batch)
     assert out.shape == batch.q.shape and out.dtype == dtype
     assert torch.isfinite(out).all()
@@ -122,8 +125,19 @@ def test_chunked_prefill_over_cached_prefix_matches_references(num_kv_heads):
     check_against_references([7, 20, 40], [40, 36, 57], num_kv_heads=num_kv_heads)
 
 
-def test_mixed_batch_of_decodes_and_prefills_matches_references():
-    check_against_references([1, 9, 1, 18, 1], [30, 9, 3, 50, 17], dtype=torch.float16)
+@pytest.mark.parametrize("prepare", [True, False])
+def test_mixed_batch_of_decodes_and_prefills_matches_references(prepare):
+    # With prepare, the two leading decodes go to the decode kernel; without, all rows
+    # go through the prefill kernel.
+    lens = ([1, 1, 9, 1, 18, 1], [30, 70, 9, 3, 50, 17])
+    check_against_references(*lens, dtype=torch.float16, prepare=prepare)
+
+
+def test_prepare_counts_leading_decodes_of_a_mixed_batch():
+    batch = make_batch([1, 1, 9, 1], [30, 70, 9, 3], device=DEVICE)
+    triton_attn, _ = backends(4, 2, 32, torch.float32)
+    triton_attn.prepare(batch.meta)
+    assert batch.meta.extra["num_leading_decodes"] == 2
 
 
 def test_prefill_with_head_dim_64_matches_references():

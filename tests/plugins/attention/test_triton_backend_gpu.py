@@ -26,7 +26,9 @@ def make(query_lens, seq_lens, dtype, seed=0):
 def run_both(batch, dtype):
     info = model_info(HEADS, KV_HEADS, HEAD_DIM, dtype, "cuda")
     k_ref, v_ref = batch.clone_caches()
-    out = TritonAttention(None, info).forward(
+    attn = TritonAttention(None, info)
+    attn.prepare(batch.meta)
+    out = attn.forward(
         batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale
     )
     ref = TorchAttention(None, info).forward(
@@ -50,7 +52,7 @@ def test_decode_at_llama_shapes_matches_references(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_prefill_and_mixed_batches_at_llama_shapes_match_references(dtype):
-    batch = make([300, 129, 1, 64, 1, 700], [300, 600, 1000, 64, 37, 1500], dtype)
+    batch = make([1, 1, 300, 129, 1, 64, 1, 700], [999, 20, 300, 600, 1000, 64, 37, 1500], dtype)
     out, ref = run_both(batch, dtype)
     assert relative_error(out, dense_reference(batch)) < TOLERANCE[dtype]
     assert relative_error(out, ref.double().cpu()) < 2 * TOLERANCE[dtype]
