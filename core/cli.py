@@ -139,5 +139,6 @@ def _run_plugins(args: argparse.Namespace) -> int:
     header = ("KIND", "NAME", "ORIGIN", "DESCRIPTION")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(3)]
     for row in [header, *rows]:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths, strict=True)), row[3])
+        cells = [cell.ljust(w) for cell, w in zip(row[:3], widths, strict=True)]
+        print("  ".join([*cells, row[3]]).rstrip())
     return 0

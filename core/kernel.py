@@ -87,10 +87,6 @@ class Kernel:
         if control_sock is not None:
             self.poller.register(control_sock, zmq.POLLIN)
 
-    @property
-    def is_stopping(self) -> bool:
-        return self.stop_deadline is not None
-
     def request_stop(self, grace_s: float) -> None:
         """Stop taking new requests; in-flight ones get ``grace_s`` to finish."""
         deadline = time.monotonic() + grace_s
@@ -176,7 +172,7 @@ class Kernel:
 
     async def _step(self) -> list[Any]:
         try:
-            return list(self.engine.step())
+            return self.engine.step()  # type: ignore[no-any-return]
         except Exception:
             # The engine's state is unknown now: fail every request, then die so
             # that the supervisor sees it.

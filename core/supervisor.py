@@ -1,7 +1,9 @@
 """Process supervision of the engine-core: start, readiness handshake, watch, stop.
 
-``Supervisor.start()`` spawns the engine-core process (multiprocessing ``spawn``),
-then waits for its ``Ready`` on the ``control`` socket, which the supervisor binds.
+``Supervisor.start()`` starts the engine-core as a fresh interpreter
+(``python -m tokenloom.kernel``, its ``LaunchSpec`` on stdin: nothing of the
+parent's ``__main__`` is re-imported, unlike multiprocessing's spawn), then waits
+for its ``Ready`` on the ``control`` socket, which the supervisor binds.
 ``watch(on_death)`` calls back (from a watcher thread) as soon as the process dies
 unexpectedly; ``stop()`` sends ``Shutdown`` and escalates to SIGTERM, then SIGKILL.
 The child also watches its parent and stops itself when the parent dies, so no
@@ -14,9 +16,8 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import multiprocessing
-import multiprocessing.connection
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -27,14 +28,13 @@ import msgspec
 import zmq
 
 from tokenloom.config import EngineConfig
+from tokenloom.kernel import LaunchSpec
 from tokenloom.logging import get_logger
 from tokenloom.protocols.control import ControlMessage, Failed, Ready, Shutdown
 from tokenloom.serde import DecodeError, Decoder, Encoder
 from tokenloom.sockets import SOCKETS, EngineEndpoints, make_socket
 
 log = get_logger(__name__)
-
-WATCH_INTERVAL_S = 0.5
 
 
 class EngineStartError(RuntimeError):
@@ -55,9 +55,9 @@ class Supervisor:
     ) -> None:
         self.config = config
         self.endpoints = endpoints or EngineEndpoints.new_ipc()
-        self.engine_factory = engine_factory  # picklable by reference (module-level)
+        self.engine_factory = engine_factory  # module-level: imported by name in the child
         self.ready: Ready | None = None
-        self._process: Any = None  # multiprocessing.Process (spawn context)
+        self._process: subprocess.Popen[bytes] | None = None
         self._ctx: zmq.Context | None = None
         self._control: zmq.Socket | None = None
         self._stopping = threading.Event()
@@ -69,11 +69,12 @@ class Supervisor:
 
     @property
     def is_alive(self) -> bool:
-        return self._process is not None and self._process.is_alive()
+        return self._process is not None and self._process.poll() is None
 
     @property
     def exitcode(self) -> int | None:
-        return self._process.exitcode if self._process is not None else None
+        """The exit status; negative: killed by that signal. None while running."""
+        return self._process.poll() if self._process is not None else None
 
     # ------------------------------------------------------------------ start
 
@@ -82,20 +83,22 @@ class Supervisor:
         ``Ready``. Raises EngineStartError (the process is then gone)."""
         self._ctx = zmq.Context()
         self._control = make_socket(self._ctx, "control", self.endpoints.control, bind=True)
-        mp = multiprocessing.get_context("spawn")
-        self._process = mp.Process(
-            target=_engine_process,
-            args=(
-                msgspec.msgpack.encode(self.config),
-                self.endpoints,
-                self.engine_factory,
-                os.getpid(),
-            ),
-            name="tokenloom-engine-core",
+        factory = self.engine_factory
+        spec = LaunchSpec(
+            config=self.config,
+            endpoints=self.endpoints,
+            engine_factory=f"{factory.__module__}:{factory.__qualname__}" if factory else None,
+            parent_pid=os.getpid(),
+            sys_path=list(sys.path),
         )
-        self._process.start()
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "tokenloom.kernel"], stdin=subprocess.PIPE
+        )
         atexit.register(self._kill_now)
         try:
+            assert self._process.stdin is not None
+            with contextlib.suppress(BrokenPipeError), self._process.stdin as stdin:
+                stdin.write(msgspec.msgpack.encode(spec))  # a dead child is reported below
             self.ready = self._wait_ready(self.config.engine_start_timeout_s)
         except BaseException:
             self._kill_now()
@@ -108,7 +111,7 @@ class Supervisor:
         return await asyncio.to_thread(self.start)
 
     def _wait_ready(self, timeout_s: float) -> Ready:
-        assert self._control is not None
+        assert self._control is not None and self._process is not None
         decoder: Decoder[Any] = Decoder(ControlMessage, SOCKETS["control"].max_message_bytes)
         deadline = time.monotonic() + timeout_s
         while True:
@@ -124,9 +127,11 @@ class Supervisor:
                     return msg
                 if isinstance(msg, Failed):
                     raise EngineStartError(f"engine-core failed to start:\n{msg.message}")
-            elif not self._process.is_alive():
+            elif self._process.poll() is not None:
+                if self._control.poll(500):
+                    continue  # its last message was still on the way
                 raise EngineStartError(
-                    f"engine-core exited with code {self._process.exitcode} before it was ready"
+                    f"engine-core exited with code {self._process.returncode} before it was ready"
                 )
             elif time.monotonic() > deadline:
                 raise EngineStartError(f"engine-core not ready within {timeout_s:g}s")
@@ -142,15 +147,10 @@ class Supervisor:
             raise RuntimeError("watch() before start()")
 
         def run() -> None:
-            while not self._stopping.is_set():
-                if multiprocessing.connection.wait([process.sentinel], WATCH_INTERVAL_S):
-                    process.join()
-                    if not self._stopping.is_set():
-                        log.error(
-                            "engine-core %d died (exit code %s)", process.pid, process.exitcode
-                        )
-                        on_death(process.exitcode)
-                    return
+            code = process.wait()  # returns the moment the process is gone
+            if not self._stopping.is_set():
+                log.error("engine-core %d died (exit code %s)", process.pid, code)
+                on_death(code)
 
         self._watcher = threading.Thread(target=run, name="engine-core-watcher", daemon=True)
         self._watcher.start()
@@ -164,17 +164,15 @@ class Supervisor:
         self._stopping.set()
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
         process = self._process
-        if process is not None and process.is_alive() and self._control is not None:
+        if process is not None and process.poll() is None and self._control is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self._control.send_multipart(Encoder().encode(Shutdown(grace)), zmq.NOBLOCK)
-            process.join(grace + 5.0)
-            if process.is_alive():
+            if not _wait(process, grace + 5.0):
                 log.warning("engine-core %d ignored Shutdown; terminating", process.pid)
                 process.terminate()
-                process.join(2.0)
-            if process.is_alive():
-                process.kill()
-                process.join()
+                if not _wait(process, 2.0):
+                    process.kill()
+                    process.wait()
         self._close()
         return self.exitcode
 
@@ -182,10 +180,10 @@ class Supervisor:
         return await asyncio.to_thread(self.stop, grace_s)
 
     def _kill_now(self) -> None:
-        if self._process is not None and self._process.is_alive():
+        if self._process is not None and self._process.poll() is None:
             self._stopping.set()
             self._process.kill()
-            self._process.join(5.0)
+            _wait(self._process, 5.0)
 
     def _close(self) -> None:
         atexit.unregister(self._kill_now)
@@ -205,12 +203,10 @@ class Supervisor:
         self.stop()
 
 
-def _engine_process(
-    config_bytes: bytes,
-    endpoints: EngineEndpoints,
-    engine_factory: Callable[..., Any] | None,
-    parent_pid: int,
-) -> None:
-    from tokenloom.kernel import engine_core_main
-
-    sys.exit(engine_core_main(config_bytes, endpoints, engine_factory, parent_pid))
+def _wait(process: subprocess.Popen[bytes], timeout_s: float) -> bool:
+    """Wait for the process to exit; False if it still runs after ``timeout_s``."""
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        return False
+    return True

@@ -16,7 +16,7 @@ run() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS
   "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   tail -n 25 "$OUT/$name.log"; echo "=== $name rc=$rc in $((SECONDS - t0))s"; }
 if [[ $STEPS == *" all "* || $STEPS == *" tests "* ]]; then
-  run gpu-tests timeout 420 python3 -m pytest -q -x -m gpu tests -p no:cacheprovider
+  run gpu-tests timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/plugins/attention tests/plugins/executor tests/plugins/models
 fi
 if [[ $STEPS == *" all "* || $STEPS == *" attn "* ]]; then
   run attention timeout 240 python3 scripts/bench_attention.py

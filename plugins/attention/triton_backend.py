@@ -114,8 +114,9 @@ class TritonAttention(AttentionBackend):
         self.prefill_block_n = int(defaults["prefill_block_n"])
         self.prefill_num_warps = int(defaults["prefill_num_warps"])
         self.prefill_num_stages = int(defaults["prefill_num_stages"])
-        self._part_out: torch.Tensor | None = None  # flat fp32 [rows * max_splits * D]
-        self._part_lse: torch.Tensor | None = None  # flat fp32 [rows * max_splits]
+        # Decode partials, flat fp32, rows = batch * num_splits(batch) at its largest.
+        self._part_out: torch.Tensor | None = None  # [rows * num_heads * head_dim]
+        self._part_lse: torch.Tensor | None = None  # [rows * num_heads]
 
     def num_splits(self, batch: int) -> int:
         """KV splits for a decode batch of ``batch`` requests: enough programs for

@@ -33,6 +33,8 @@ class ModelRunner(Executor):
         self.config = config
         self.plugins = plugins
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = DTYPES[config.dtype]
         self.graphs: DecodeGraphs | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []

@@ -34,7 +34,7 @@ def test_help_answers_fast_without_importing_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     seconds, torch_loaded, numpy_loaded = out.stdout.split()[-3:]
     assert (torch_loaded, numpy_loaded) == ("False", "False")
-    assert float(seconds) < 0.5
+    assert float(seconds) < 0.8  # measured ~0.1 s; slack for a loaded machine
 
 
 def test_python_dash_m_tokenloom_prints_the_commands() -> None:
