@@ -44,9 +44,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             "min_tokens",
             "must be <= max_tokens",
         )
-        _check(
-            self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"
-        )
+        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
 
     @property
     def greedy(self) -> bool:

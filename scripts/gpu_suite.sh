@@ -29,7 +29,10 @@ if [[ $STEPS == *" all "* || $STEPS == *" llama "* ]]; then
   run latency-llama timeout 300 python3 -m tokenloom bench latency --model llama-3-8b --out "$OUT/latency-llama.json"
   run throughput-llama timeout 420 python3 -m tokenloom bench throughput --model llama-3-8b --out "$OUT/throughput-llama.json"
 fi
+if [[ $STEPS == *" prof "* ]]; then
+  run profile timeout 150 python3 scripts/profile_gpu.py qwen3-0.6b
+fi
 if [[ $STEPS == *" hf "* ]]; then
-  run throughput-llama-hf timeout 560 python3 -m tokenloom bench throughput --model llama-3-8b --peer hf --peer-num-prompts 64 --out "$OUT/throughput-llama-hf.json"
+  run throughput-llama-hf timeout 330 python3 -m tokenloom bench throughput --model llama-3-8b --peer hf --peer-num-prompts 64 --out "$OUT/throughput-llama-hf.json"
 fi
 grep -h -E "tokens/s|roofline|capture|ratio|passed|failed" "$OUT"/*.log | head -60

@@ -64,7 +64,10 @@ def run_hf(model_dir: str, random_weights: bool, work: list[tuple[list[int], int
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=dtype).to(device)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=dtype)
+        # PreTrainedModel.to is wrapped by functools.wraps, whose typeshed stub is not a
+        # descriptor: mypy sees an unbound method and takes `device` for `self`.
+        model = model.to(device)  # type: ignore[arg-type]
     model.eval()
     pad = 0
     _sync()
@@ -145,9 +148,9 @@ def main(argv: list[str]) -> int:
         peer_work = work[: args.peer_num_prompts] if args.peer_num_prompts else work
         peer = run_hf(model_dir, random_weights, peer_work, args.peer_batch_size)
         result["hf"] = peer
-        result["ratio_output_tokens_per_s"] = ours["output_tokens_per_s"] / peer[
-            "output_tokens_per_s"
-        ]
+        result["ratio_output_tokens_per_s"] = (
+            ours["output_tokens_per_s"] / peer["output_tokens_per_s"]
+        )
         rows += [
             ("hf output tokens/s", peer["output_tokens_per_s"]),
             ("tokenloom / hf", result["ratio_output_tokens_per_s"]),

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenloom.plugins.executor.staging import upload
 from tokenloom.protocols.components import AttentionMetadata
 from tokenloom.protocols.step import StepInput
 
@@ -30,7 +31,6 @@ class BatchBuilder:
     def __init__(self, block_size: int, device: torch.device) -> None:
         self.block_size = block_size
         self.device = device
-        self.pin = device.type == "cuda"
 
     def build(self, step: StepInput) -> FlatBatch:
         chunks = step.chunks
@@ -57,9 +57,7 @@ class BatchBuilder:
                 sample_ids.append(chunk.request_id)
         num_tokens, num_seqs = len(ids), len(chunks)
         host = torch.tensor(ids + starts + qlens + blens + sample_rows + blocks, dtype=torch.int32)
-        if self.pin:
-            host = host.pin_memory()
-        packed = host.to(self.device, non_blocking=True)
+        packed = upload(host, self.device)
         d_ids, d_starts, d_qlens, d_blens, d_sample, d_blocks = torch.split(
             packed,
             [num_tokens, num_seqs, num_seqs, num_seqs, len(sample_rows), len(blocks)],

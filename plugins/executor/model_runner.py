@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from tokenloom.config import EngineConfig
+from tokenloom.plugins.executor import staging
 from tokenloom.plugins.executor.batch import BatchBuilder, FlatBatch
 from tokenloom.plugins.executor.cuda_graphs import DecodeGraphs
 from tokenloom.protocols.components import ComponentSpec, Executor, ForwardContext, ModelInfo
@@ -183,6 +184,7 @@ class ModelRunner(Executor):
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         sampler = self.sampler
+        staging.rewind(self.device)
         if step.finished_request_ids:
             sampler.remove_requests(step.finished_request_ids)
         for new in step.new_requests:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenloom.plugins.executor.staging import upload
 from tokenloom.protocols.sampling import SamplingParams
 
 
@@ -138,14 +139,6 @@ def build_sampling_batch(
         num_logprobs=[-1 if p.logprobs is None else p.logprobs for p in params],
         max_logprobs=max(with_logprobs) if with_logprobs else -1,
     )
-
-
-def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy a small host tensor to the device without a host sync: a non-blocking
-    copy from pageable memory would still wait for the stream, pinned memory does not."""
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
 
 
 def _ids(values: list[int], device: torch.device) -> torch.Tensor:

@@ -84,6 +84,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dim() == 2:
+            from tokenloom.plugins.models import fused_ops
+
+            return fused_ops.add_rms_norm(x, self.weight, self.eps)[0]
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -92,11 +96,19 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm(x + residual), x + residual)``: the residual stream in one pass."""
+        if x.is_cuda:
+            from tokenloom.plugins.models import fused_ops
+
+            return fused_ops.add_rms_norm(x, self.weight, self.eps, residual)
         summed = x + residual
         return self.forward(summed), summed
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if gate_up.is_cuda:
+        from tokenloom.plugins.models import fused_ops
+
+        return fused_ops.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -119,9 +119,17 @@ class LlamaAttention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+        if q.is_cuda:
+            from tokenloom.plugins.models import fused_ops
+
+            norms = (self.q_norm, self.k_norm)
+            q_w, k_w = (n.weight if n is not None else None for n in norms)
+            eps = self.q_norm.eps if self.q_norm is not None else 0.0
+            fused_ops.qk_norm_rope_(q, k, *rope, q_w, k_w, eps)  # in place, in qkv
+        else:
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, k, *rope)
         k_cache, v_cache = ctx.kv_caches[self.layer_index]
         out = ctx.attn.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(tokens, self.q_size))

@@ -79,9 +79,7 @@ def test_tiny_kv_pool_forces_preemption_and_outputs_are_unchanged(tiny_model_fac
     prompts = [list(range(10 + i, 40 + i)) for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     reference = _tokens(llama_llm.generate(prompts, params, use_tqdm=False))
-    small = LLM(
-        str(tiny_model_factory("llama")), dtype="float32", num_blocks=12, block_size=8
-    )
+    small = LLM(str(tiny_model_factory("llama")), dtype="float32", num_blocks=12, block_size=8)
     squeezed = _tokens(small.generate(prompts, params, use_tqdm=False))
     assert small.engine.stats().num_preemptions > 0
     assert squeezed == reference
@@ -158,9 +156,7 @@ def test_stop_string_is_not_emitted(llama_llm):
 
 
 def test_chat_applies_the_template(llama_llm):
-    out = llama_llm.chat(
-        [{"role": "user", "content": "Hello there"}], GREEDY, use_tqdm=False
-    )[0]
+    out = llama_llm.chat([{"role": "user", "content": "Hello there"}], GREEDY, use_tqdm=False)[0]
     rendered = llama_llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Hello there"}], add_generation_prompt=True
     )

@@ -1,0 +1,209 @@
+"""Fused elementwise kernels for the decoder layers (Triton, used on CUDA).
+
+Decode steps at small batch are bound by kernel count, not bytes: unfused, one
+layer is ~50 tiny kernels (casts, pow, mean, rsqrt, cat, silu, mul). These three
+kernels replace them: residual-add + RMSNorm, SiLU-and-mul, and per-head RMSNorm +
+rotary embedding applied in place. Each rounds to the model dtype at the same
+points as the unfused torch code (and transformers), so bf16 results agree.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    stride_x,
+    stride_r,
+    n_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * n_cols + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    normed = (xf * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(
+    x: torch.Tensor,  # [T, N]
+    weight: torch.Tensor,  # [N]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, N]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(x + residual), x + residual)``; without a residual, ``(norm(x), x)``."""
+    rows, cols = x.shape
+    out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    summed = torch.empty_like(out) if residual is not None else x
+    if rows:
+        block = triton.next_power_of_2(cols)
+        _add_rms_norm_kernel[(rows,)](
+            x,
+            residual if residual is not None else x,
+            weight,
+            out,
+            summed,
+            x.stride(0),
+            residual.stride(0) if residual is not None else 0,
+            cols,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
+            num_warps=min(16, max(1, block // 256)),
+        )
+    return out, summed
+
+
+@triton.jit
+def _silu_and_mul_kernel(in_ptr, out_ptr, stride_in, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    gate = tl.load(in_ptr + row * stride_in + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(in_ptr + row * stride_in + n_cols + offs, mask=mask, other=0.0)
+    act = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(
+        out_ptr + row * n_cols + offs,
+        (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    rows, width = gate_up.shape
+    cols = width // 2
+    out = torch.empty((rows, cols), dtype=gate_up.dtype, device=gate_up.device)
+    if rows:
+        block = min(1024, triton.next_power_of_2(cols))
+        _silu_and_mul_kernel[(rows, triton.cdiv(cols, block))](
+            gate_up, out, gate_up.stride(0), cols, BLOCK=block, num_warps=4
+        )
+    return out
+
+
+@triton.jit
+def _norm_rope_heads(
+    ptr,
+    w_ptr,
+    stride_t,
+    stride_h,
+    token,
+    cos,
+    sin,
+    eps,
+    NUM_HEADS: tl.constexpr,
+    HEADS_P2: tl.constexpr,
+    HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    heads = tl.arange(0, HEADS_P2)[:, None]
+    cols = tl.arange(0, HALF)[None, :]
+    mask = heads < NUM_HEADS
+    base = ptr + token * stride_t + heads * stride_h + cols
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    dtype = x1.dtype
+    if HAS_NORM:
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        inv = tl.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / (2 * HALF) + eps)
+        w1 = tl.load(w_ptr + cols).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + cols).to(tl.float32)
+        x1 = ((f1 * inv[:, None]).to(dtype).to(tl.float32) * w1).to(dtype)
+        x2 = ((f2 * inv[:, None]).to(dtype).to(tl.float32) * w2).to(dtype)
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    a = (f1 * cos).to(dtype).to(tl.float32)
+    b = (f2 * sin).to(dtype).to(tl.float32)
+    c = (f2 * cos).to(dtype).to(tl.float32)
+    d = (f1 * sin).to(dtype).to(tl.float32)
+    tl.store(base, (a - b).to(dtype), mask=mask)
+    tl.store(base + HALF, (c + d).to(dtype), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr,
+    k_ptr,
+    qw_ptr,
+    kw_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cos,
+    eps,
+    NUM_Q: tl.constexpr,
+    NUM_K: tl.constexpr,
+    Q_P2: tl.constexpr,
+    K_P2: tl.constexpr,
+    HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    token = tl.program_id(0)
+    cols = tl.arange(0, HALF)[None, :]
+    cos = tl.load(cos_ptr + token * stride_cos + cols).to(tl.float32)
+    sin = tl.load(sin_ptr + token * stride_cos + cols).to(tl.float32)
+    if tl.program_id(1) == 0:
+        _norm_rope_heads(
+            q_ptr, qw_ptr, stride_qt, stride_qh, token, cos, sin, eps, NUM_Q, Q_P2, HALF, HAS_NORM
+        )
+    else:
+        _norm_rope_heads(
+            k_ptr, kw_ptr, stride_kt, stride_kh, token, cos, sin, eps, NUM_K, K_P2, HALF, HAS_NORM
+        )
+
+
+def qk_norm_rope_(
+    q: torch.Tensor,  # [T, Hq, D], last dim contiguous; rotated in place
+    k: torch.Tensor,  # [T, Hkv, D], last dim contiguous; rotated in place
+    cos: torch.Tensor,  # [T, 1, D/2] (or [T, D/2]), rows contiguous
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None = None,  # [D] per-head RMSNorm weights (Qwen3)
+    k_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> None:
+    tokens, num_q, head_dim = q.shape
+    if not tokens:
+        return
+    cos2, sin2 = cos.reshape(tokens, head_dim // 2), sin.reshape(tokens, head_dim // 2)
+    has_norm = q_weight is not None and k_weight is not None
+    _qk_norm_rope_kernel[(tokens, 2)](
+        q,
+        k,
+        q_weight if has_norm else q,
+        k_weight if has_norm else k,
+        cos2,
+        sin2,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos2.stride(0),
+        eps,
+        NUM_Q=num_q,
+        NUM_K=k.shape[1],
+        Q_P2=triton.next_power_of_2(num_q),
+        K_P2=triton.next_power_of_2(k.shape[1]),
+        HALF=head_dim // 2,
+        HAS_NORM=has_norm,
+        num_warps=4,
+    )

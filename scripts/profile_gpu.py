@@ -1,0 +1,33 @@
+"""Per-kernel GPU time of single-stream decode steps (torch.profiler), eager and graphs.
+Usage: python scripts/profile_gpu.py [MODEL_SHAPE]"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from tokenloom import LLM, SamplingParams
+from tokenloom.model_shapes import write_shape_dir
+from tokenloom.protocols.requests import GenerateRequest
+
+shape = sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b"
+model_dir = str(write_shape_dir(shape, tempfile.mkdtemp()))
+for eager in (True, False):
+    llm = LLM(model_dir, load_format="random", max_num_seqs=8, enforce_eager=eager)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    engine.add_request(GenerateRequest("r", list(range(10, 138)), params))
+    for _ in range(10):
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            engine.step()
+    print(f"===== eager={eager}")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18))
+    engine.abort(["r"])
+    engine.shutdown()
+    del llm, engine
+    torch.cuda.empty_cache()

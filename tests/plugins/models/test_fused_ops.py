@@ -1,0 +1,72 @@
+"""The fused Triton kernels equal the unfused torch layers (run under the Triton
+interpreter on the CPU, natively on the GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenloom.plugins.models import fused_ops
+from tokenloom.plugins.models.layers import RMSNorm, apply_rotary
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def _tol(dtype: torch.dtype) -> float:
+    return {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+
+
+def _norm(dim: int, dtype: torch.dtype) -> RMSNorm:
+    norm = RMSNorm(dim, 1e-6, dtype).to("cpu")
+    norm.weight.data = torch.rand(dim, dtype=torch.float32).add(0.5).to(dtype)
+    return norm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_equals_the_torch_norm(dtype, with_residual):
+    torch.manual_seed(0)
+    x = torch.randn(5, 48, dtype=dtype)
+    residual = torch.randn(5, 48, dtype=dtype) if with_residual else None
+    norm = _norm(48, dtype)
+    expected = norm.add_and_norm(x, residual) if residual is not None else (norm(x), x)
+    dev = lambda t: t.to(DEVICE) if t is not None else None  # noqa: E731
+    out, summed = fused_ops.add_rms_norm(dev(x), dev(norm.weight), 1e-6, dev(residual))
+    torch.testing.assert_close(out.cpu(), expected[0], rtol=_tol(dtype), atol=_tol(dtype))
+    torch.testing.assert_close(summed.cpu(), expected[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_equals_torch(dtype):
+    torch.manual_seed(1)
+    gate_up = torch.randn(3, 2 * 40, dtype=dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    out = fused_ops.silu_and_mul(gate_up.to(DEVICE)).cpu()
+    torch.testing.assert_close(out, expected, rtol=_tol(dtype), atol=_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_qk_norm_rope_in_place_equals_norm_then_rotary(dtype, with_norm):
+    torch.manual_seed(2)
+    tokens, hq, hkv, d = 4, 6, 2, 16
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, dtype=dtype)
+    q = qkv[:, : hq * d].view(tokens, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)
+    angles = torch.rand(tokens, 1, d // 2) * 6.0
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    q_norm, k_norm = _norm(d, dtype), _norm(d, dtype)
+    eq, ek = (q_norm(q), k_norm(k)) if with_norm else (q, k)
+    eq, ek = apply_rotary(eq, ek, cos, sin)
+    qkv_dev = qkv.clone().to(DEVICE)
+    q_dev = qkv_dev[:, : hq * d].view(tokens, hq, d)
+    k_dev = qkv_dev[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)
+    weights = (q_norm.weight.to(DEVICE), k_norm.weight.to(DEVICE)) if with_norm else (None, None)
+    fused_ops.qk_norm_rope_(q_dev, k_dev, cos.to(DEVICE), sin.to(DEVICE), *weights, eps=1e-6)
+    tol = 4 * _tol(dtype)
+    torch.testing.assert_close(q_dev.cpu(), eq, rtol=tol, atol=tol)
+    torch.testing.assert_close(k_dev.cpu(), ek, rtol=tol, atol=tol)
+    v_before = qkv[:, (hq + hkv) * d :]
+    torch.testing.assert_close(qkv_dev[:, (hq + hkv) * d :].cpu(), v_before, rtol=0, atol=0)
