@@ -64,6 +64,12 @@ class Engine:
         self.executor = executor
         self.info = info
         self.plugins = plugins
+        # Output-token totals for tokenloom_request_finished, kept only when a plugin
+        # observes it: the hot path pays nothing otherwise.
+        self._observed = bool(
+            plugins is not None and plugins.hook.tokenloom_request_finished.get_hookimpls()
+        )
+        self._num_output: dict[str, int] = {}
 
     @classmethod
     def from_config(cls, config: EngineConfig, plugins: PluginManager | None = None) -> Engine:
@@ -71,7 +77,7 @@ class Engine:
 
         pm = plugins or PluginManager.default()
         config = resolve_config(config)
-        pm.hook.tokenloom_configure(config=config)
+        pm.configure(config)
         started = time.perf_counter()
         executor = pm.component("executor", config.executor).factory(config, pm)
         info = executor.load_model()
@@ -160,12 +166,17 @@ class Engine:
         self.executor.shutdown()
 
     def _observe_finished(self, deltas: list[TokenDelta]) -> None:
-        if self.plugins is None:
+        if not self._observed or self.plugins is None:
             return
+        counts = self._num_output
         for delta in deltas:
-            if delta.finish_reason is not None:
-                self.plugins.hook.tokenloom_request_finished(
-                    request_id=delta.request_id,
-                    finish_reason=delta.finish_reason,
-                    num_output_tokens=len(delta.new_token_ids),
-                )
+            total = counts.get(delta.request_id, 0) + len(delta.new_token_ids)
+            if delta.finish_reason is None:
+                counts[delta.request_id] = total
+                continue
+            counts.pop(delta.request_id, None)
+            self.plugins.hook.tokenloom_request_finished(
+                request_id=delta.request_id,
+                finish_reason=delta.finish_reason,
+                num_output_tokens=total,
+            )

@@ -16,18 +16,18 @@ run() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS
   "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   tail -n 25 "$OUT/$name.log"; echo "=== $name rc=$rc in $((SECONDS - t0))s"; }
 if [[ $STEPS == *" all "* || $STEPS == *" tests "* ]]; then
-  run gpu-tests timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/plugins/attention tests/plugins/executor tests/plugins/models
+  run gpu-tests timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TEST_PATHS:-tests/plugins/attention tests/plugins/executor tests/plugins/models}
 fi
 if [[ $STEPS == *" all "* || $STEPS == *" attn "* ]]; then
   run attention timeout 240 python3 scripts/bench_attention.py
 fi
-if [[ $STEPS == *" all "* || $STEPS == *" qwen "* ]]; then
-  run latency-qwen3 timeout 240 python3 -m tokenloom bench latency --model qwen3-0.6b --out "$OUT/latency-qwen3.json"
-  run throughput-qwen3 timeout 300 python3 -m tokenloom bench throughput --model qwen3-0.6b --out "$OUT/throughput-qwen3.json"
-fi
 if [[ $STEPS == *" all "* || $STEPS == *" llama "* ]]; then
   run latency-llama timeout 300 python3 -m tokenloom bench latency --model llama-3-8b --out "$OUT/latency-llama.json"
   run throughput-llama timeout 420 python3 -m tokenloom bench throughput --model llama-3-8b --out "$OUT/throughput-llama.json"
+fi
+if [[ $STEPS == *" all "* || $STEPS == *" qwen "* ]]; then
+  run latency-qwen3 timeout 240 python3 -m tokenloom bench latency --model qwen3-0.6b --out "$OUT/latency-qwen3.json"
+  run throughput-qwen3 timeout 300 python3 -m tokenloom bench throughput --model qwen3-0.6b --out "$OUT/throughput-qwen3.json"
 fi
 if [[ $STEPS == *" prof "* ]]; then
   run profile timeout 150 python3 scripts/profile_gpu.py qwen3-0.6b
