@@ -40,7 +40,7 @@ class LLM:
             load_config(config, model=model or None, **engine_options)
         )
         self.tokenizer = Tokenizer.from_dir(self.engine.config.model)
-        self.processor = OutputProcessor(self.tokenizer)
+        self.processor = OutputProcessor(self.tokenizer, stream=False)
         self._ids = itertools.count()
 
     @property

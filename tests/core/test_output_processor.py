@@ -176,3 +176,31 @@ def test_a_request_id_in_flight_cannot_be_reused(processor: OutputProcessor) -> 
     add(processor, "r", SamplingParams())
     with pytest.raises(ValueError, match="already in flight"):
         add(processor, "r", SamplingParams())
+
+
+def test_non_streaming_mode_gives_the_same_final_outputs_and_reports_only_finished(
+    tiny_model_factory,
+):
+    from tokenloom.output_processor import OutputProcessor
+    from tokenloom.protocols.outputs import TokenDelta
+    from tokenloom.protocols.sampling import SamplingParams
+    from tokenloom.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(tiny_model_factory("llama"))
+    ids = tokenizer.encode("Café 日本語 and emoji 🎉 end", add_special_tokens=False)
+    eos = tokenizer.eos_token_ids[0]
+    finals = {}
+    for stream in (True, False):
+        proc = OutputProcessor(tokenizer, stream=stream)
+        params = SamplingParams(max_tokens=100)
+        proc.add_request("r", None, [1, 2, 3], params, [eos])
+        reported = []
+        for i, token in enumerate(ids):
+            reported += proc.process([TokenDelta("r", [token])]).outputs
+            if not stream:
+                assert not reported, "unfinished requests are not reported without streaming"
+        last = proc.process([TokenDelta("r", [eos], finish_reason="stop")]).outputs
+        assert last and last[-1].finished
+        finals[stream] = last[-1].outputs[0]
+    assert finals[True].text == finals[False].text == tokenizer.decode(ids)
+    assert finals[True].token_ids == finals[False].token_ids == [*ids, eos]
