@@ -28,16 +28,27 @@ class LLM:
     """An engine and its tokenizer, for batch generation in this process.
 
     ``engine_options`` are ``EngineConfig`` fields (``max_num_seqs=64``,
-    ``dtype="float32"``, ``scheduler="static"``, ...).
+    ``dtype="float32"``, ``scheduler="static"``, ...); ``plugins`` are extra plugin
+    objects (modules or instances with ``@hookimpl`` functions) to register.
     """
 
-    def __init__(self, model: str = "", config: str | None = None, **engine_options: Any) -> None:
+    def __init__(
+        self,
+        model: str = "",
+        config: str | None = None,
+        plugins: Sequence[object] = (),
+        **engine_options: Any,
+    ) -> None:
         from tokenloom.engine import Engine
         from tokenloom.output_processor import OutputProcessor
+        from tokenloom.plugin_manager import PluginManager
         from tokenloom.tokenizer import Tokenizer
 
+        pm = PluginManager.default()
+        for i, plugin in enumerate(plugins):
+            pm.register(plugin, f"user-plugin-{i}")
         self.engine: Engine = Engine.from_config(
-            load_config(config, model=model or None, **engine_options)
+            load_config(config, model=model or None, **engine_options), pm
         )
         self.tokenizer = Tokenizer.from_dir(self.engine.config.model)
         self.processor = OutputProcessor(self.tokenizer, stream=False)
