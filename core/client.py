@@ -10,6 +10,7 @@ one prompt and gathers the result. A ``JobError`` reply raises ``JobFailed``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 from collections import deque
@@ -22,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from tokenloom.protocols.jobs import (
+    MAX_JOB_MESSAGE_BYTES,
     AbortJob,
     JobDone,
     JobError,
@@ -127,22 +129,30 @@ class JobClient:
         self, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0
     ) -> str:
         job_id = self._ids.next()
+        body = _encode_submit(self._encoder, job_id, prompt, params, priority)
         self._inbox[job_id] = deque()
-        self._send(submit_message(job_id, prompt, params, priority))
+        self._sock.send(body)
         return job_id
 
     def stream(self, job_id: str) -> Iterator[JobOutput | JobDone]:
-        """The job's outputs, then its JobDone. Raises JobFailed on an error reply."""
+        """The job's outputs, then its JobDone. Raises JobFailed on an error reply.
+        Leaving the iterator before JobDone aborts the job."""
+        ended = False
         try:
             while True:
                 msg = self._next(job_id)
                 if isinstance(msg, JobError):
+                    ended = True
                     raise JobFailed(msg.job_id, msg.code, msg.message)
                 yield msg
                 if isinstance(msg, JobDone):
+                    ended = True
                     return
         finally:
             self._inbox.pop(job_id, None)
+            if not ended:
+                with contextlib.suppress(zmq.ZMQError):
+                    self.abort(job_id)
 
     def abort(self, job_id: str) -> None:
         self._send(AbortJob(job_id))
@@ -186,7 +196,8 @@ class JobClient:
                 raise TimeoutError(f"no reply for job {job_id} in time")
             msg = self._decoder.decode(self._sock.recv())
             key = None if isinstance(msg, JobPong) else msg.job_id
-            self._inbox.setdefault(key, deque()).append(msg)
+            if key in self._inbox:  # replies of abandoned jobs are dropped
+                self._inbox[key].append(msg)
         return inbox.popleft()
 
 
@@ -207,25 +218,30 @@ class AsyncJobClient:
     ) -> str:
         self._ensure_reader()
         job_id = self._ids.next()
+        body = _encode_submit(self._encoder, job_id, prompt, params, priority)
         self._queues[job_id] = asyncio.Queue()
-        await self._sock.send(
-            self._encoder.encode(submit_message(job_id, prompt, params, priority))
-        )
+        await self._sock.send(body)
         return job_id
 
     async def stream(self, job_id: str) -> AsyncIterator[JobOutput | JobDone]:
         """The job's outputs, then its JobDone. Raises JobFailed on an error reply."""
         queue = self._queues.setdefault(job_id, asyncio.Queue())
+        ended = False
         try:
             while True:
                 msg = await queue.get()
                 if isinstance(msg, JobError):
+                    ended = True
                     raise JobFailed(msg.job_id, msg.code, msg.message)
                 yield msg
                 if isinstance(msg, JobDone):
+                    ended = True
                     return
         finally:
             self._queues.pop(job_id, None)
+            if not ended:
+                with contextlib.suppress(zmq.ZMQError):
+                    await self.abort(job_id)
 
     async def abort(self, job_id: str) -> None:
         await self._sock.send(self._encoder.encode(AbortJob(job_id)))
@@ -269,11 +285,23 @@ class AsyncJobClient:
     async def _read(self) -> None:
         while True:
             msg = self._decoder.decode(await self._sock.recv())
+            # Sizes are checked before sending, so a JobError without a job id can
+            # only answer a ping (or a peer's bug): it goes to the ping queue.
             key = None if isinstance(msg, JobPong) else msg.job_id
-            if key is None and isinstance(msg, JobError):
-                for queue in self._queues.values():  # a message of ours was refused
-                    queue.put_nowait(msg)
-                continue
             target = self._queues.get(key)
             if target is not None:
                 target.put_nowait(msg)
+
+
+def _encode_submit(
+    encoder: msgspec.msgpack.Encoder,
+    job_id: str,
+    prompt: Prompt,
+    params: SamplingParams | None,
+    priority: int,
+) -> bytes:
+    """Encode a SubmitJob, refusing one the frontend would refuse for its size."""
+    body = encoder.encode(submit_message(job_id, prompt, params, priority))
+    if len(body) > MAX_JOB_MESSAGE_BYTES:
+        raise JobFailed(job_id, 413, f"job message over {MAX_JOB_MESSAGE_BYTES} bytes")
+    return body

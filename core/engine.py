@@ -76,6 +76,11 @@ class Engine:
         from tokenloom.plugin_manager import PluginManager
 
         pm = plugins or PluginManager.default()
+        if config.num_speculative_tokens or config.proposer != "none":
+            raise ValueError(
+                "num_speculative_tokens / proposer: speculative decoding is not wired into "
+                'the executor yet; use num_speculative_tokens = 0 and proposer = "none"'
+            )
         config = resolve_config(config)
         pm.configure(config)
         started = time.perf_counter()

@@ -80,11 +80,25 @@ class LLM:
         )
         if len(params) != len(prompt_list):
             raise ValueError(f"{len(prompt_list)} prompts but {len(params)} sampling params")
+        encoded = [p if not isinstance(p, str) else self.tokenizer.encode(p) for p in prompt_list]
+        for i, ids in enumerate(encoded):
+            if not ids or len(ids) >= self.max_model_len:
+                raise ValueError(
+                    f"prompt {i}: {len(ids)} tokens; a prompt needs 1 to "
+                    f"{self.max_model_len - 1} tokens (max_model_len {self.max_model_len})"
+                )
         pending: deque[GenerateRequest] = deque()
         order: list[str] = []
-        for i, (prompt, sp) in enumerate(zip(prompt_list, params, strict=True)):
-            pending.extend(self._requests(prompt, sp, priority[i] if priority else 0, order))
-        return self._run(pending, order, use_tqdm)
+        for i, (prompt, ids, sp) in enumerate(zip(prompt_list, encoded, params, strict=True)):
+            text = prompt if isinstance(prompt, str) else None
+            pending.extend(self._requests(text, ids, sp, priority[i] if priority else 0, order))
+        try:
+            return self._run(pending, order, use_tqdm)
+        except BaseException:
+            # Interrupted or failed: leave nothing of this call running in the engine.
+            for request_id in order:
+                self.engine.abort(self.processor.abort_request(request_id))
+            raise
 
     def chat(
         self,
@@ -106,12 +120,15 @@ class LLM:
     # ------------------------------------------------------------------ internals
 
     def _requests(
-        self, prompt: Prompt, params: SamplingParams, priority: int, order: list[str]
+        self,
+        text: str | None,
+        ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        order: list[str],
     ) -> list[GenerateRequest]:
         request_id = str(next(self._ids))
         order.append(request_id)
-        text = prompt if isinstance(prompt, str) else None
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         return self.processor.add_request(
             request_id,
             text,

@@ -27,7 +27,7 @@ from tokenloom.detokenizer import IncrementalDetokenizer, TokenDecoder
 from tokenloom.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from tokenloom.protocols.outputs import FinishReason, TokenDelta
 from tokenloom.protocols.requests import GenerateRequest
-from tokenloom.protocols.sampling import SamplingParams
+from tokenloom.protocols.sampling import MAX_SEED, SamplingParams
 
 
 @dataclass(slots=True)
@@ -104,7 +104,7 @@ class OutputProcessor:
         for index, engine_id in enumerate(engine_ids):
             child_params = params
             if params.n > 1:
-                seed = None if params.seed is None else params.seed + index
+                seed = None if params.seed is None else (params.seed + index) % MAX_SEED
                 child_params = msgspec.structs.replace(params, n=1, seed=seed)
             engine_requests.append(
                 GenerateRequest(

@@ -41,7 +41,8 @@ SOCKETS: dict[str, SocketSpec] = {
     "engine-input": SocketSpec(zmq.PULL, zmq.PUSH, 0, 0, 64 * MiB),
     # engine-core -> frontend: EngineOutput. The engine-core binds (PUSH); the one
     # frontend process connects (PULL).
-    "engine-output": SocketSpec(zmq.PUSH, zmq.PULL, 0, 0, 64 * MiB),
+    # Linger so the last deltas (aborts at shutdown, error replies) get out.
+    "engine-output": SocketSpec(zmq.PUSH, zmq.PULL, 0, 1000, 64 * MiB),
     # supervisor <-> engine-core: ControlMessage. The supervisor binds (PAIR); the
     # engine-core connects (PAIR). Linger so a last Ready/Failed/Shutdown gets out.
     "control": SocketSpec(zmq.PAIR, zmq.PAIR, 0, 1000, 1 * MiB),

@@ -32,7 +32,7 @@ class MyPlugin:
 def mean_steps_to_finish(llm, prompts, params_list):
     """Engine steps until each request finishes, averaged (deterministic, unlike time)."""
     engine, steps, finished = llm.engine, 0, []
-    for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+    for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
         engine.add_request(GenerateRequest(f"r{i}", prompt, params))
     while engine.has_unfinished():
         steps += 1

@@ -179,6 +179,10 @@ class AttentionBackend(ABC):
     """
 
     name: str
+    # True when ``forward`` on a decode batch can be captured in a CUDA graph: no host
+    # syncs, no reads of ``meta.query_lens_cpu`` / ``seq_lens_cpu`` (graph metadata
+    # leaves them empty), launches that depend on tensor shapes only.
+    supports_cuda_graphs: bool = False
 
     def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027
         """Called once per step before the forward pass; may fill ``meta.extra``."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import msgspec
 
+MAX_SEED = 1 << 63  # torch generators take a signed 64-bit seed
+
 
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     n: int = 1
@@ -30,6 +32,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
     def __post_init__(self) -> None:
         _check(self.n >= 1, "n", "must be >= 1")
+        _check(
+            self.seed is None or 0 <= self.seed < MAX_SEED, "seed", f"must be in [0, {MAX_SEED})"
+        )
         _check(self.temperature >= 0.0, "temperature", "must be >= 0")
         _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
         _check(self.top_k >= 0 or self.top_k == -1, "top_k", "must be >= 0 (0 or -1: off)")

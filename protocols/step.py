@@ -40,6 +40,11 @@ class ScheduledChunk(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
 
 class StepInput(msgspec.Struct, tag="step", array_like=True, omit_defaults=True, gc=False):
+    """One step's work. One-token (decode) chunks come first, in a stable order; the
+    executor may rely on it (attention runs leading decodes on its decode kernel).
+    ``block_ids`` lists may alias the KV manager's live tables: a consumer that keeps
+    a StepInput past the step (a trace recorder) must copy it (``msgspec`` encode)."""
+
     step_id: int
     chunks: list[ScheduledChunk]
     new_requests: list[NewRequestData] = []

@@ -75,6 +75,7 @@ class TritonAttention(AttentionBackend):
     """Paged attention through Triton; see the module docstring for the kernels."""
 
     name = "triton"
+    supports_cuda_graphs = True
 
     def __init__(self, config: Any, model_info: Any, **overrides: int) -> None:
         self.num_heads = int(model_info.num_heads)

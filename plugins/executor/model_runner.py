@@ -150,7 +150,8 @@ class ModelRunner(Executor):
         self.block_size = block_size
         if self.device.type == "cuda":
             self.memory["kv_gib"] = self._kv.numel() * self._kv.element_size() / GiB
-        if capture and self.device.type == "cuda" and not self.config.enforce_eager:
+        graphs_ok = getattr(self.attn, "supports_cuda_graphs", False)
+        if capture and self.device.type == "cuda" and not self.config.enforce_eager and graphs_ok:
             self._capture_graphs()
         if capture:
             log.info(

@@ -72,7 +72,7 @@ class TokenCounts:
         in_vocab = [t for t in prompt_token_ids if 0 <= t < self.vocab_size]
         if in_vocab:
             ids = upload(torch.tensor(in_vocab, dtype=torch.int64), self.device)
-            self.prompt_mask[slot, ids] = True
+            self.prompt_mask[slot].index_fill_(0, ids, True)
 
     def remove(self, request_id: str) -> None:
         """Stop tracking a request (unknown ids are ignored)."""

@@ -161,6 +161,7 @@ class BatchScheduler(Scheduler):
         self._finished_ids = []
         if chunks:
             self.num_steps += 1
+            _decodes_first(chunks)
         return StepInput(self._step_id, chunks, new, finished, self._max_batched_tokens - budget)
 
     def update(self, step: StepInput, output: StepOutput) -> list[TokenDelta]:
@@ -404,3 +405,16 @@ class BatchScheduler(Scheduler):
                 if not state.sent_to_executor:
                     # Named anyway, so that the step is not empty and its update runs.
                     self._finished_ids.append(state.request_id)
+
+
+def _decodes_first(chunks: list[ScheduledChunk]) -> None:
+    """Stable partition: one-token chunks lead (attention backends run the leading
+    decodes on their decode kernel). No-op in the common all-decode or
+    decodes-already-first case."""
+    seen_long = False
+    for chunk in chunks:
+        if len(chunk.token_ids) != 1:
+            seen_long = True
+        elif seen_long:
+            chunks.sort(key=lambda c: len(c.token_ids) != 1)
+            return

@@ -90,3 +90,20 @@ def test_kv_pool_is_capped_and_reported_in_ready(tiny_model_factory):
     assert ready.max_model_len == 64
     assert ready.num_blocks == engine.kv_cache.num_blocks <= 4 * 2 * (64 // 16)
     assert ready.eos_token_ids
+
+
+def test_speculative_settings_are_refused_until_speculation_exists(tiny_model_factory):
+    with pytest.raises(ValueError, match="speculative decoding is not wired"):
+        _engine(tiny_model_factory("llama"), num_speculative_tokens=2)
+
+
+def test_decode_chunks_lead_every_step(tiny_model_factory):
+    engine = _engine(tiny_model_factory("llama"), max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    engine.add_request(GenerateRequest("old", [5, 6, 7], params, priority=5))
+    engine.step()
+    engine.add_request(GenerateRequest("urgent", list(range(10, 50)), params, priority=-1))
+    step = engine.scheduler.schedule()
+    lengths = [len(c.token_ids) for c in step.chunks]
+    assert lengths == sorted(lengths, key=lambda n: n != 1) and 1 in lengths and max(lengths) > 1
+    engine.executor.execute(step)  # keep executor state consistent; result unused here

@@ -172,3 +172,13 @@ def test_triton_backend_under_the_interpreter_matches_torch(tiny_model_factory, 
     assert _tokens(ours.generate(prompts, params, use_tqdm=False)) == _tokens(
         llama_llm.generate(prompts, params, use_tqdm=False)
     )
+
+
+def test_a_refused_prompt_leaves_nothing_running(llama_llm):
+    too_long = [5] * (llama_llm.max_model_len + 1)
+    with pytest.raises(ValueError, match="prompt 2"):
+        llama_llm.generate([PROMPTS[0], PROMPTS[1], too_long], GREEDY, use_tqdm=False)
+    assert not llama_llm.engine.has_unfinished()
+    assert not llama_llm.processor.has_unfinished_requests()
+    again = llama_llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)
+    assert len(again[0].outputs[0].token_ids) == 12

@@ -195,7 +195,7 @@ def test_non_streaming_mode_gives_the_same_final_outputs_and_reports_only_finish
         params = SamplingParams(max_tokens=100)
         proc.add_request("r", None, [1, 2, 3], params, [eos])
         reported = []
-        for i, token in enumerate(ids):
+        for token in ids:
             reported += proc.process([TokenDelta("r", [token])]).outputs
             if not stream:
                 assert not reported, "unfinished requests are not reported without streaming"
