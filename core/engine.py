@@ -70,6 +70,9 @@ class Engine:
             plugins is not None and plugins.hook.tokenloom_request_finished.get_hookimpls()
         )
         self._num_output: dict[str, int] = {}
+        self._observed_added = bool(
+            plugins is not None and plugins.hook.tokenloom_request_added.get_hookimpls()
+        )
 
     @classmethod
     def from_config(cls, config: EngineConfig, plugins: PluginManager | None = None) -> Engine:
@@ -84,7 +87,7 @@ class Engine:
         config = resolve_config(config)
         pm.configure(config)
         started = time.perf_counter()
-        executor = pm.component("executor", config.executor).factory(config, pm)
+        executor = pm.build("executor", config.executor, config, pm)
         info = executor.load_model()
         max_len = min(config.max_model_len or info.max_model_len, info.max_model_len)
         config = msgspec.structs.replace(config, max_model_len=max_len)
@@ -102,10 +105,8 @@ class Engine:
                 num_blocks,
                 max_len,
             )
-        kv = pm.component("kv_cache", config.kv_cache).factory(
-            config, num_blocks, config.block_size
-        )
-        scheduler = pm.component("scheduler", config.scheduler).factory(config, kv)
+        kv = pm.build("kv_cache", config.kv_cache, config, num_blocks, config.block_size)
+        scheduler = pm.build("scheduler", config.scheduler, config, kv)
         executor.init_kv_cache(num_blocks, config.block_size)
         engine = cls(config, scheduler, kv, executor, info, pm)
         pm.hook.tokenloom_components_built(
@@ -129,7 +130,7 @@ class Engine:
         if not request.eos_token_ids and self.info.eos_token_ids:
             request.eos_token_ids = list(self.info.eos_token_ids)
         self.scheduler.add_request(request)
-        if self.plugins is not None:
+        if self._observed_added and self.plugins is not None:
             self.plugins.hook.tokenloom_request_added(
                 request_id=request.request_id, num_prompt_tokens=len(request.prompt_token_ids)
             )

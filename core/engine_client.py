@@ -226,7 +226,9 @@ class AsyncEngineClient(EngineClient):
                 future.set_exception(EngineDeadError(reason))
 
     async def close(self) -> None:
-        """Stop reading and close the sockets (requests in flight are not aborted)."""
+        """Stop reading and close the sockets (requests in flight are not aborted; their
+        iterators raise EngineDeadError instead of waiting forever)."""
+        self._fail_all("engine client closed")
         if self._reader is not None:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -290,16 +290,18 @@ async def _serve(
             return 1
         await control.send_multipart(encoder.encode(engine.ready_info()))
         log.info("engine-core %d serving", os.getpid())
-        await run_kernel(
-            engine,
-            input_sock,
-            output_sock,
-            control_sock=control,
-            grace_s=config.shutdown_grace_s,
-            handle_signals=True,
-        )
-        pm.hook.tokenloom_shutdown(process="engine-core")
-        engine.shutdown()
+        try:
+            await run_kernel(
+                engine,
+                input_sock,
+                output_sock,
+                control_sock=control,
+                grace_s=config.shutdown_grace_s,
+                handle_signals=True,
+            )
+        finally:  # also after a failed step: plugins and devices are released
+            pm.hook.tokenloom_shutdown(process="engine-core")
+            engine.shutdown()
         return 0
     finally:
         for sock in sockets:

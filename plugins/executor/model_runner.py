@@ -59,10 +59,8 @@ class ModelRunner(Executor):
             random_weights=self.config.load_format == "random",
         )
         self.model.eval()
-        self.attn = self.plugins.component("attention", self.config.attention).factory(
-            self.config, self.info
-        )
-        self.quant = self.plugins.component("quant", self.config.quant).factory(self.config)
+        self.attn = self.plugins.build("attention", self.config.attention, self.config, self.info)
+        self.quant = self.plugins.build("quant", self.config.quant, self.config)
         self.quant.quantize_model(self.model)
         self.kv_dtype = self.quant.kv_cache_dtype(self.dtype)
         self.sampler = Sampler(self.info.vocab_size, self.device)

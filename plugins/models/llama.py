@@ -256,7 +256,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        """input_ids [T] int64, positions [T] int64 -> hidden [T, hidden]."""
+        """input_ids [T] int32 or int64, positions [T] int64 -> hidden [T, hidden]."""
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
