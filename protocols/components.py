@@ -298,7 +298,9 @@ class EngineClient(ABC):
     @abstractmethod
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         """Submit a request and yield its deltas until one has a finish_reason.
-        Leaving the iterator early aborts the request in the engine."""
+        Leaving the iterator early aborts the request in the engine. Raises
+        ``EngineError(code, message)`` when the engine refuses it and
+        ``EngineDeadError`` as soon as the engine-core process is found dead."""
 
     @abstractmethod
     async def abort(self, request_ids: Sequence[str]) -> None:
