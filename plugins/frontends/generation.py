@@ -102,7 +102,8 @@ class Generation:
 
     async def updates(self) -> AsyncIterator[list[ChoiceUpdate]]:
         """Yield batches of choice updates until every choice finished. Raises the
-        engine client's errors (EngineError, EngineDeadError) as they come."""
+        engine client's errors (EngineError, EngineDeadError) as they come; the client
+        fails every pending stream when the engine dies."""
         loop = asyncio.get_running_loop()
         timer = None
         if self.timeout_s is not None:
@@ -147,10 +148,6 @@ class Generation:
                 await self.engine.abort(live)
         if self.metrics is not None and self.first_token_time is not None:
             self.metrics.e2e.observe(time.monotonic() - self.arrival)
-
-    def fail(self, error: BaseException) -> None:
-        """Make ``updates()`` raise ``error`` (e.g. the engine died)."""
-        self._queue.put_nowait(error)
 
     async def _pump(self, child: _Child) -> None:
         stream = self.engine.generate(child.request)
@@ -245,33 +242,48 @@ class Generation:
 
 
 class LiveGenerations:
-    """The requests a frontend has in flight; fails them all when the engine dies,
-    and lets shutdown wait for them to drain."""
+    """The requests a frontend has in flight: starts each with the frontend's shared
+    output processor, EOS ids, timeout and metrics, and lets shutdown wait for them
+    to drain. A dead engine needs nothing here: the engine client fails every
+    pending stream with EngineDeadError, which each ``updates()`` raises."""
 
-    def __init__(self, engine: EngineClient, poll_s: float = 0.25) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        tokenizer: Any,
+        eos_token_ids: list[int],
+        timeout_s: float | None = None,
+        metrics: ServingMetrics | None = None,
+    ) -> None:
         self.engine = engine
-        self.poll_s = poll_s
+        self.processor = OutputProcessor(tokenizer)
+        self.eos_token_ids = eos_token_ids
+        self.timeout_s = timeout_s
+        self.metrics = metrics
         self.generations: set[Generation] = set()
 
     def __len__(self) -> int:
         return len(self.generations)
+
+    def new(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> Generation:
+        """A generation that joins the live set once its ``updates()`` starts."""
+        return Generation(
+            self.engine, self.processor, request_id, prompt, prompt_token_ids, params,
+            self.eos_token_ids, priority, self.timeout_s, self.metrics, self,
+        )  # fmt: skip
 
     def add(self, generation: Generation) -> None:
         self.generations.add(generation)
 
     def discard(self, generation: Generation) -> None:
         self.generations.discard(generation)
-
-    async def watch_engine(self) -> None:
-        """Poll ``engine.is_alive``; once false, fail every live request (and every
-        later one, which the engine client refuses itself). Runs until cancelled."""
-        while self.engine.is_alive:
-            await asyncio.sleep(self.poll_s)
-        while True:
-            for generation in list(self.generations):
-                generation.fail(EngineDeadError("the engine-core process is not running"))
-            self.generations.clear()
-            await asyncio.sleep(self.poll_s)
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the live requests to finish; True if they did."""

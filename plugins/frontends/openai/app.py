@@ -31,6 +31,7 @@ from starlette.routing import Route
 import tokenloom
 from tokenloom.engine_client import EngineDeadError, EngineError
 from tokenloom.plugins.frontends.generation import ChoiceUpdate, Generation
+from tokenloom.plugins.frontends.limits import PromptError
 from tokenloom.plugins.frontends.openai import formatting as fmt
 from tokenloom.plugins.frontends.openai.schemas import (
     ChatCompletionRequest,
@@ -104,7 +105,7 @@ class OpenAIApp:
             "owned_by": "tokenloom",
             "root": self.frontend.config.model,
             "parent": None,
-            "max_model_len": self.frontend.max_model_len,
+            "max_model_len": self.frontend.limits.max_model_len,
         }
         return json_response({"object": "list", "data": [card]})
 
@@ -167,10 +168,10 @@ class OpenAIApp:
         frontend = self.frontend
         if not frontend.engine.is_alive:
             raise engine_error(EngineDeadError())
-        params = [sampling_params(req, len(ids), frontend.max_model_len) for _, ids in prompts]
+        params = [sampling_params(req, len(ids), frontend.limits) for _, ids in prompts]
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         generations = [
-            frontend.new_generation(f"{request_id}-{i}", text, ids, sp, req.priority)
+            frontend.live.new(f"{request_id}-{i}", text, ids, sp, req.priority)
             for i, ((text, ids), sp) in enumerate(zip(prompts, params, strict=True))
         ]
         merged = _merge(generations)
@@ -291,10 +292,11 @@ class OpenAIApp:
         if isinstance(prompt[0], str):
             return [(p, encode(p)) for p in prompt]  # type: ignore[arg-type]
         id_lists = [prompt] if isinstance(prompt[0], int) else prompt
-        vocab = self.frontend.vocab_size
         for ids in id_lists:
-            if vocab and not all(0 <= t < vocab for t in ids):  # type: ignore[union-attr]
-                raise RequestError(f"prompt: token ids must be in [0, {vocab})", "prompt")
+            try:
+                self.frontend.limits.check_token_ids(ids)  # type: ignore[arg-type]
+            except PromptError as exc:
+                raise RequestError(str(exc), exc.field) from exc
         return [(None, list(ids)) for ids in id_lists]  # type: ignore[arg-type]
 
     def _logprobs(self, count: int, req: Any, chat: bool) -> list[fmt.ChoiceLogprobs] | None:

@@ -19,12 +19,12 @@ import uvicorn
 
 from tokenloom.config import EngineConfig
 from tokenloom.logging import get_logger
-from tokenloom.plugins.frontends.generation import Generation, LiveGenerations
+from tokenloom.plugins.frontends.generation import LiveGenerations
+from tokenloom.plugins.frontends.limits import ModelLimits
 from tokenloom.plugins.frontends.metrics import ServingMetrics
 from tokenloom.plugins.frontends.openai.app import OpenAIApp
 from tokenloom.protocols.components import EngineClient, Frontend
 from tokenloom.protocols.control import Ready
-from tokenloom.protocols.sampling import SamplingParams
 
 log = get_logger(__name__)
 
@@ -50,37 +50,19 @@ class OpenAIFrontend(Frontend):
     def __init__(
         self, config: EngineConfig, engine: EngineClient, tokenizer: Any, ready: Ready | None = None
     ) -> None:
-        from tokenloom.output_processor import OutputProcessor
-
         self.config = config
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = _model_name(config, ready)
-        self.max_model_len = (ready.max_model_len if ready else 0) or config.max_model_len or 0
-        if not self.max_model_len:
+        self.limits = ModelLimits.of(config, tokenizer, ready)
+        if not self.limits.max_model_len:
             raise ValueError("openai frontend: the model length is unknown (no Ready, no config)")
-        self.eos_token_ids = list(ready.eos_token_ids if ready and ready.eos_token_ids else [])
-        if not self.eos_token_ids:
-            self.eos_token_ids = list(getattr(tokenizer, "eos_token_ids", []))
-        self.vocab_size = int(getattr(tokenizer, "vocab_size", 0))  # 0: unknown, not checked
-        self.processor = OutputProcessor(tokenizer)
         self.metrics = ServingMetrics()
-        self.live = LiveGenerations(engine)
+        self.live = LiveGenerations(
+            engine, tokenizer, self.limits.eos_token_ids, config.request_timeout_s, self.metrics
+        )
         self.app = OpenAIApp(self)
         self.server: uvicorn.Server | None = None
-
-    def new_generation(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        priority: int,
-    ) -> Generation:
-        return Generation(
-            self.engine, self.processor, request_id, prompt, prompt_token_ids, params,
-            self.eos_token_ids, priority, self.config.request_timeout_s, self.metrics, self.live,
-        )  # fmt: skip
 
     @property
     def port(self) -> int | None:
@@ -102,7 +84,6 @@ class OpenAIFrontend(Frontend):
             timeout_graceful_shutdown=self.config.shutdown_grace_s,  # type: ignore[arg-type]
         )
         self.server = server = _EmbeddedServer(config)
-        watchdog = asyncio.create_task(self.live.watch_engine())
         serving = asyncio.create_task(self._run(server))
         try:
             await asyncio.shield(serving)
@@ -111,8 +92,6 @@ class OpenAIFrontend(Frontend):
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):
                 await asyncio.wait_for(serving, self.config.shutdown_grace_s + 5.0)
             raise
-        finally:
-            watchdog.cancel()
 
     async def _run(self, server: uvicorn.Server) -> None:
         try:

@@ -10,6 +10,7 @@ import re
 
 import msgspec
 
+from tokenloom.plugins.frontends.limits import ModelLimits, PromptError
 from tokenloom.protocols.sampling import InvalidParameter, SamplingParams
 
 MAX_N = 128
@@ -133,7 +134,7 @@ def message_text(message: ChatMessage) -> str:
 
 
 def sampling_params(
-    request: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int, max_model_len: int
+    request: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int, limits: ModelLimits
 ) -> SamplingParams:
     """The request's SamplingParams; rejects a prompt that cannot fit the model length.
 
@@ -149,18 +150,10 @@ def sampling_params(
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
     else:
         logprobs = request.logprobs
-    room = max_model_len - num_prompt_tokens
-    if room < 1:
-        raise RequestError(
-            f"prompt: {num_prompt_tokens} tokens leave no room in the model length {max_model_len}",
-            "prompt",
-        )
-    if max_tokens is not None and max_tokens >= 1 and max_tokens > room:
-        raise RequestError(
-            f"{max_field}: {num_prompt_tokens} prompt tokens + {max_tokens} exceed the "
-            f"model length {max_model_len}",
-            max_field,
-        )
+    try:
+        max_tokens = limits.output_room(num_prompt_tokens, max_tokens, max_field)
+    except PromptError as exc:
+        raise RequestError(str(exc), exc.field) from exc
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     try:
         return SamplingParams(
@@ -173,7 +166,7 @@ def sampling_params(
             repetition_penalty=request.repetition_penalty,
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
-            max_tokens=room if max_tokens is None else max_tokens,
+            max_tokens=max_tokens,
             min_tokens=request.min_tokens,
             stop=stop,
             stop_token_ids=list(request.stop_token_ids),

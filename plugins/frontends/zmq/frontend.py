@@ -20,6 +20,7 @@ from tokenloom.config import EngineConfig
 from tokenloom.engine_client import EngineDeadError, EngineError
 from tokenloom.logging import get_logger
 from tokenloom.plugins.frontends.generation import Generation, LiveGenerations
+from tokenloom.plugins.frontends.limits import ModelLimits
 from tokenloom.protocols.components import EngineClient, Frontend
 from tokenloom.protocols.control import Ready
 from tokenloom.protocols.jobs import (
@@ -47,17 +48,13 @@ class ZmqFrontend(Frontend):
     def __init__(
         self, config: EngineConfig, engine: EngineClient, tokenizer: Any, ready: Ready | None = None
     ) -> None:
-        from tokenloom.output_processor import OutputProcessor
-
         self.config = config
         self.engine = engine
         self.tokenizer = tokenizer
-        self.max_model_len = (ready.max_model_len if ready else 0) or config.max_model_len or 0
-        eos = list(ready.eos_token_ids) if ready and ready.eos_token_ids else []
-        self.eos_token_ids = eos or list(getattr(tokenizer, "eos_token_ids", []))
-        self.vocab_size = int(getattr(tokenizer, "vocab_size", 0)) or None
-        self.processor = OutputProcessor(tokenizer)
-        self.live = LiveGenerations(engine)
+        self.limits = ModelLimits.of(config, tokenizer, ready)
+        self.live = LiveGenerations(
+            engine, tokenizer, self.limits.eos_token_ids, config.request_timeout_s
+        )
         self.jobs: dict[JobKey, asyncio.Task[None]] = {}
         self.decoder = msgspec.msgpack.Decoder(JobRequest)
         self.encoder = msgspec.msgpack.Encoder()
@@ -75,7 +72,6 @@ class ZmqFrontend(Frontend):
         self._sender = zmq.Socket.shadow(sock.underlying)
         endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         log.info("zmq frontend: jobs at %s", endpoint)
-        watchdog = asyncio.create_task(self.live.watch_engine())
         try:
             while True:
                 frames = await sock.recv_multipart(copy=False)
@@ -84,7 +80,6 @@ class ZmqFrontend(Frontend):
             await self.live.drain(self.config.shutdown_grace_s)
             raise
         finally:
-            watchdog.cancel()
             for task in list(self.jobs.values()):
                 task.cancel()
             await asyncio.gather(*self.jobs.values(), return_exceptions=True)
@@ -140,24 +135,11 @@ class ZmqFrontend(Frontend):
             ids = self.tokenizer.encode(job.prompt)
         else:
             ids = list(job.prompt_token_ids or [])
-            if self.vocab_size and any(not 0 <= t < self.vocab_size for t in ids):
-                raise ValueError(f"prompt_token_ids: ids must be in [0, {self.vocab_size})")
-        if not ids:
-            raise ValueError("prompt: empty")
-        params = job.params
-        room = self.max_model_len - len(ids)
-        if room < 1 or (params.max_tokens is not None and params.max_tokens > room):
-            raise ValueError(
-                f"prompt: {len(ids)} tokens + max_tokens {params.max_tokens} exceed the model "
-                f"length {self.max_model_len}"
-            )
-        if params.max_tokens is None:
-            params = msgspec.structs.replace(params, max_tokens=room)
+            self.limits.check_token_ids(ids, "prompt_token_ids")
+        max_tokens = self.limits.output_room(len(ids), job.params.max_tokens)
+        params = msgspec.structs.replace(job.params, max_tokens=max_tokens)
         request_id = f"job-{identity.hex()}-{job.job_id}"
-        return Generation(
-            self.engine, self.processor, request_id, job.prompt, ids, params, self.eos_token_ids,
-            job.priority, self.config.request_timeout_s, live=self.live,
-        )  # fmt: skip
+        return self.live.new(request_id, job.prompt, ids, params, job.priority)
 
     # ------------------------------------------------------------------ messages out
 

@@ -20,7 +20,9 @@ from tokenloom.tokenizer import Tokenizer
 
 
 class ScriptedEngine(EngineClient):
-    """Each request gets ``params.max_tokens`` tokens, one per ``step_s``."""
+    """Each request gets ``params.max_tokens`` tokens, one per ``step_s``. Once not
+    alive, every stream raises EngineDeadError, as ``AsyncEngineClient.mark_dead``
+    makes them."""
 
     def __init__(self, tokens: list[int], step_s: float = 0.001) -> None:
         self.tokens = tokens
@@ -33,7 +35,7 @@ class ScriptedEngine(EngineClient):
         for i in range(limit):
             await asyncio.sleep(self.step_s)
             if not self.alive:
-                await asyncio.Event().wait()  # a dead engine says nothing
+                raise EngineDeadError("engine-core exited with code -9")
             done = FinishReason.LENGTH if i + 1 == limit else None
             yield TokenDelta(request.request_id, [self.tokens[i % len(self.tokens)]], done)
 
@@ -111,21 +113,15 @@ async def test_closing_early_aborts_every_child(tokenizer):
     assert generation.finished
 
 
-async def test_engine_death_fails_every_live_generation(tokenizer):
+async def test_engine_death_fails_every_live_generation_and_empties_the_live_set(tokenizer):
     engine = ScriptedEngine([30], step_s=0.01)
-    live = LiveGenerations(engine, poll_s=0.01)
-    watcher = asyncio.create_task(live.watch_engine())
-    generations = [
-        Generation(
-            engine, OutputProcessor(tokenizer), f"r{i}", None, [30, 31], SamplingParams(max_tokens=1000),
-            [], live=live,
-        )
-        for i in range(3)
-    ]  # fmt: skip
+    live = LiveGenerations(engine, tokenizer, eos_token_ids=[])
+    params = SamplingParams(max_tokens=1000)
+    generations = [live.new(f"r{i}", None, [30, 31], params) for i in range(3)]
     runs = [asyncio.create_task(_run(g)) for g in generations]
     await asyncio.sleep(0.05)
+    assert len(live) == 3
     engine.alive = False
     results = await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), 2)
-    watcher.cancel()
     assert all(isinstance(r, EngineDeadError) for r in results)
     assert len(live) == 0

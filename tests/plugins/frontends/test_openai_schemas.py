@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from tokenloom.plugins.frontends.limits import ModelLimits
 from tokenloom.plugins.frontends.metrics import Histogram, ServingMetrics
 from tokenloom.plugins.frontends.openai.schemas import (
     RequestError,
@@ -14,6 +15,8 @@ from tokenloom.plugins.frontends.openai.schemas import (
     sampling_params,
 )
 from tokenloom.protocols.outputs import EngineStats
+
+LIMITS = ModelLimits(max_model_len=100, vocab_size=0, eos_token_ids=[])
 
 
 def _completion(**fields):
@@ -26,7 +29,7 @@ def test_every_sampling_field_reaches_sampling_params():
         presence_penalty=0.5, frequency_penalty=-0.5, max_tokens=7, min_tokens=2,
         stop="END", stop_token_ids=[9], ignore_eos=True, logprobs=2,
     )  # fmt: skip
-    params = sampling_params(req, num_prompt_tokens=3, max_model_len=100)
+    params = sampling_params(req, num_prompt_tokens=3, limits=LIMITS)
     assert (params.n, params.temperature, params.top_p, params.top_k) == (2, 0.5, 0.9, 5)
     assert (params.min_p, params.seed, params.repetition_penalty) == (0.1, 3, 1.2)
     assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.5)
@@ -35,7 +38,7 @@ def test_every_sampling_field_reaches_sampling_params():
 
 
 def test_missing_max_tokens_uses_the_rest_of_the_model_length():
-    params = sampling_params(_completion(), num_prompt_tokens=30, max_model_len=100)
+    params = sampling_params(_completion(), num_prompt_tokens=30, limits=LIMITS)
     assert params.max_tokens == 70
 
 
@@ -44,14 +47,14 @@ def test_chat_max_completion_tokens_wins_and_logprobs_map_to_top_logprobs():
         "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
         "max_tokens": 5, "max_completion_tokens": 9, "logprobs": True, "top_logprobs": 4,
     }  # fmt: skip
-    params = sampling_params(decode_chat(json.dumps(body).encode()), 3, 100)
+    params = sampling_params(decode_chat(json.dumps(body).encode()), 3, LIMITS)
     assert params.max_tokens == 9
     assert params.logprobs == 4
 
 
 def test_chat_without_logprobs_asks_for_none():
     body = {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 4}
-    assert sampling_params(decode_chat(json.dumps(body).encode()), 3, 100).logprobs is None
+    assert sampling_params(decode_chat(json.dumps(body).encode()), 3, LIMITS).logprobs is None
 
 
 @pytest.mark.parametrize(
@@ -60,7 +63,7 @@ def test_chat_without_logprobs_asks_for_none():
 )
 def test_out_of_range_values_name_their_field(fields, param):
     with pytest.raises(RequestError) as info:
-        sampling_params(_completion(**fields), num_prompt_tokens=3, max_model_len=100)
+        sampling_params(_completion(**fields), num_prompt_tokens=3, limits=LIMITS)
     assert info.value.param == param
     assert info.value.body()["error"]["param"] == param
 

@@ -1,0 +1,57 @@
+"""``ModelLimits``: where the frontends' model length, EOS ids and vocabulary size come
+from, and the prompt checks both frontends share."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from tokenloom.config import EngineConfig
+from tokenloom.plugins.frontends.limits import ModelLimits, PromptError
+from tokenloom.protocols.control import Ready
+
+TOKENIZER = SimpleNamespace(eos_token_ids=[2], vocab_size=50)
+LIMITS = ModelLimits(max_model_len=10, vocab_size=50, eos_token_ids=[2])
+
+
+def test_ready_wins_over_config_and_tokenizer():
+    ready = Ready(pid=1, max_model_len=64, eos_token_ids=[7, 8])
+    limits = ModelLimits.of(EngineConfig(max_model_len=32), TOKENIZER, ready)
+    assert limits == ModelLimits(64, 50, [7, 8])
+
+
+def test_without_ready_the_config_and_tokenizer_decide():
+    assert ModelLimits.of(EngineConfig(max_model_len=32), TOKENIZER) == ModelLimits(32, 50, [2])
+    assert ModelLimits.of(EngineConfig(), SimpleNamespace()) == ModelLimits(0, 0, [])
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_naming_the_field():
+    LIMITS.check_token_ids([0, 49])
+    with pytest.raises(PromptError) as info:
+        LIMITS.check_token_ids([3, 50], "prompt_token_ids")
+    assert info.value.field == "prompt_token_ids"
+    assert str(info.value) == "prompt_token_ids: token ids must be in [0, 50)"
+    ModelLimits(10, 0, []).check_token_ids([10**9])  # vocabulary unknown: not checked
+
+
+def test_output_room_is_max_tokens_or_the_rest_of_the_model_length():
+    assert LIMITS.output_room(4, 6) == 6
+    assert LIMITS.output_room(4, None) == 6
+
+
+@pytest.mark.parametrize(
+    ("num_prompt_tokens", "max_tokens", "field", "message"),
+    [
+        (0, None, "prompt", "must not be empty"),
+        (10, None, "prompt", "10 tokens leave no room in the model length 10"),
+        (4, 7, "max_completion_tokens", "4 prompt tokens + 7 exceed the model length 10"),
+    ],
+)
+def test_a_prompt_that_cannot_fit_is_refused_naming_the_field(
+    num_prompt_tokens, max_tokens, field, message
+):
+    with pytest.raises(PromptError) as info:
+        LIMITS.output_room(num_prompt_tokens, max_tokens, "max_completion_tokens")
+    assert info.value.field == field
+    assert str(info.value) == f"{field}: {message}"
