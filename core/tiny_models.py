@@ -5,7 +5,8 @@ safetensors weights (optionally sharded), a byte-level BPE tokenizer.json traine
 a built-in English corpus, and tokenizer_config.json with a chat template. The files
 load in Hugging Face transformers unchanged, which makes them the reference for the
 model tests. Nothing is downloaded. ``default_model_dir()`` is the checkpoint that
-``tokenloom serve`` uses when no model is given.
+``tokenloom serve`` uses when no model is given. The tokenizer files come from
+``tiny_tokenizer`` (re-exported here: ``ARCHS``, ``write_tokenizer_files``).
 
 torch and tokenizers are imported inside the functions, so the CLI stays light.
 """
@@ -20,102 +21,19 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+from tokenloom.tiny_tokenizer import (
+    ARCHS,
+    SPECIAL_TOKENS,
+    TOKEN_ROLES,
+    trained_tokenizer_json,
+    write_json,
+    write_tokenizer_files,
+)
+
+__all__ = ["ARCHS", "default_model_dir", "main", "write_tiny_model", "write_tokenizer_files"]
+
 DTYPES = ("float32", "float16", "bfloat16")
 DEFAULT_MODEL_VERSION = "v1"
-
-_CORPUS = """\
-The quick brown fox jumps over the lazy dog. A small model can still say many things.
-Once upon a time there was a little engine that wanted to serve every request quickly.
-It read the prompt, computed the keys and the values, and wrote them into its cache.
-Then it sampled one token after another until the answer was complete or it ran out of time.
-Hello, world! How are you today? I am fine, thank you. What is your name? My name is Loom.
-Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 256 1024 2048 3.14159 and dates like 2024-05-17.
-The weather is nice in the spring, and the trees are green in the summer.
-In the autumn the leaves fall, and in the winter the snow covers the ground.
-Questions and answers, user and assistant, system and tool: a conversation has many roles.
-Python code looks like this: def add(a, b): return a + b  # a short function
-Caf\u00e9, na\u00efve, r\u00e9sum\u00e9, \u00fcber, \u65e5\u672c\u8a9e, \u4f60\u597d, \U0001f600 and \U0001f680 are text too.
-"""
-
-_SPECIAL_TOKENS = {
-    "llama": ["<unk>", "<s>", "</s>"],
-    "mistral": ["<unk>", "<s>", "</s>"],
-    "llama3": [
-        "<|begin_of_text|>",
-        "<|end_of_text|>",
-        "<|start_header_id|>",
-        "<|end_header_id|>",
-        "<|eot_id|>",
-    ],
-    "qwen2": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-    "qwen3": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-}
-
-# (bos, eos in tokenizer_config, eos ids in config.json, pad, unk)
-_TOKEN_ROLES: dict[str, tuple[str | None, str, list[str], str | None, str | None]] = {
-    "llama": ("<s>", "</s>", ["</s>"], None, "<unk>"),
-    "mistral": ("<s>", "</s>", ["</s>"], None, "<unk>"),
-    "llama3": ("<|begin_of_text|>", "<|eot_id|>", ["<|end_of_text|>", "<|eot_id|>"], None, None),
-    "qwen2": (None, "<|im_end|>", ["<|im_end|>", "<|endoftext|>"], "<|endoftext|>", None),
-    "qwen3": (None, "<|im_end|>", ["<|im_end|>", "<|endoftext|>"], "<|endoftext|>", None),
-}
-
-_INST_TEMPLATE = (
-    "{%- if messages[0]['role'] == 'system' %}"
-    "{%- set system_message = messages[0]['content'] %}{%- set loop_messages = messages[1:] %}"
-    "{%- else %}{%- set loop_messages = messages %}{%- endif %}"
-    "{{- bos_token }}"
-    "{%- for message in loop_messages %}"
-    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{- raise_exception('Conversation roles must alternate user/assistant/user/...') }}"
-    "{%- endif %}"
-    "{%- if message['role'] == 'user' %}"
-    "{%- if loop.first and system_message is defined %}"
-    "{{- '[INST] <<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] + ' [/INST]' }}"
-    "{%- else %}{{- '[INST] ' + message['content'] + ' [/INST]' }}{%- endif %}"
-    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] + eos_token }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-)
-
-_LLAMA3_TEMPLATE = (
-    "{{- bos_token }}"
-    '{%- if date_string is not defined %}{%- set date_string = strftime_now("%d %b %Y") %}{%- endif %}'
-    "{%- for message in messages %}"
-    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
-    "{%- if message['role'] == 'system' %}{{- 'Today Date: ' + date_string + '\\n\\n' }}{%- endif %}"
-    "{{- message['content'] | trim + '<|eot_id|>' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
-    "{%- endif %}"
-)
-
-_CHATML_TEMPLATE = (
-    "{%- if tools %}"
-    "{{- '<|im_start|>system\\n# Tools\\n' }}"
-    "{%- for tool in tools %}{{- '\\n' + tool | tojson }}{%- endfor %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}"
-    "{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- endif %}"
-    "{%- endif %}"
-)
-
-_CHAT_TEMPLATES = {
-    "llama": _INST_TEMPLATE,
-    "mistral": _INST_TEMPLATE,
-    "llama3": _LLAMA3_TEMPLATE,
-    "qwen2": _CHATML_TEMPLATE,
-    "qwen3": _CHATML_TEMPLATE,
-}
 
 _ARCH_CONFIG: dict[str, dict[str, Any]] = {
     "llama": {
@@ -176,7 +94,6 @@ _ARCH_CONFIG: dict[str, dict[str, Any]] = {
 _HIDDEN_STD = 0.02
 _EMBED_STD = 0.2  # larger, so greedy picks are clear winners rather than near-ties
 _NORM_NOISE = 0.1  # norm weights are 1 + noise, so a mis-loaded norm changes the output
-_TOKENIZER_VOCAB = 640
 _VOCAB_MULTIPLE = 64
 
 
@@ -213,8 +130,8 @@ def write_tiny_model(
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
 
-    tokenizer_json = _trained_tokenizer_json(arch)
-    special = _SPECIAL_TOKENS[arch]
+    tokenizer_json = trained_tokenizer_json(arch)
+    special = SPECIAL_TOKENS[arch]
     token_vocab = len(json.loads(tokenizer_json)["model"]["vocab"])
     if vocab_size is None:
         vocab_size = -(-token_vocab // _VOCAB_MULTIPLE) * _VOCAB_MULTIPLE
@@ -224,7 +141,7 @@ def write_tiny_model(
         head_dim = 2 * hidden_size // num_heads  # Qwen3 decouples head_dim from hidden_size
     resolved_head_dim = head_dim or hidden_size // num_heads
 
-    bos, _, eos_names, _, _ = _TOKEN_ROLES[arch]
+    bos, _, eos_names, _, _ = TOKEN_ROLES[arch]
     eos_ids = [special.index(name) for name in eos_names]
     config: dict[str, Any] = {
         **_ARCH_CONFIG[arch],
@@ -252,25 +169,14 @@ def write_tiny_model(
             **config["rope_scaling"],
             "original_max_position_embeddings": max(1, max_position_embeddings // 8),
         }
-    _write_json(out / "config.json", config)
-    _write_json(
+    write_json(out / "config.json", config)
+    write_json(
         out / "generation_config.json",
         {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]},
     )
     write_tokenizer_files(out, arch, max_length=max_position_embeddings)
     _write_weights(out, config, dtype, seed, num_shards)
     return out
-
-
-def write_tokenizer_files(path: str | os.PathLike[str], arch: str, max_length: int = 1024) -> None:
-    """Write only tokenizer.json and tokenizer_config.json of ``arch`` into ``path``
-    (used with real model configs whose weights are random, e.g. benchmarks)."""
-    if arch not in ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tokenizer.json").write_text(_trained_tokenizer_json(arch), encoding="utf-8")
-    _write_json(out / "tokenizer_config.json", _tokenizer_config(arch, max_length))
 
 
 def default_model_dir() -> Path:
@@ -337,66 +243,6 @@ def main(argv: list[str] | None = None) -> int:
 # --------------------------------------------------------------------------- tokenizer
 
 
-_TOKENIZER_CACHE: dict[str, str] = {}
-
-
-def _trained_tokenizer_json(arch: str) -> str:
-    """A byte-level BPE trained on the corpus, with the arch's special tokens first."""
-    if arch in _TOKENIZER_CACHE:
-        return _TOKENIZER_CACHE[arch]
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    special = _SPECIAL_TOKENS[arch]
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=_TOKENIZER_VOCAB,
-        special_tokens=special,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
-    bos = _TOKEN_ROLES[arch][0]
-    if bos is None:
-        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    else:
-        bos_id = special.index(bos)
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
-        )
-    _TOKENIZER_CACHE[arch] = tokenizer.to_str()
-    return _TOKENIZER_CACHE[arch]
-
-
-def _tokenizer_config(arch: str, max_length: int) -> dict[str, Any]:
-    bos, eos, _, pad, unk = _TOKEN_ROLES[arch]
-    special = _SPECIAL_TOKENS[arch]
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": bos,
-        "eos_token": eos,
-        "pad_token": pad,
-        "unk_token": unk,
-        "add_bos_token": bos is not None,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": max_length,
-        "chat_template": _CHAT_TEMPLATES[arch],
-        "added_tokens_decoder": {
-            str(i): {
-                "content": token,
-                "lstrip": False,
-                "rstrip": False,
-                "normalized": False,
-                "single_word": False,
-                "special": True,
-            }
-            for i, token in enumerate(special)
-        },
-    }
-
-
 # --------------------------------------------------------------------------- weights
 
 
@@ -419,7 +265,7 @@ def _write_weights(out: Path, config: dict[str, Any], dtype: str, seed: int, sha
         save_file(chunk, str(out / filename), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(chunk, filename))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    _write_json(
+    write_json(
         out / "model.safetensors.index.json",
         {"metadata": {"total_size": total}, "weight_map": weight_map},
     )
@@ -467,7 +313,3 @@ def _random_weights(config: dict[str, Any], seed: int) -> dict[str, Any]:
     if not config["tie_word_embeddings"]:
         tensors["lm_head.weight"] = normal(vocab, hidden, std=_EMBED_STD)
     return tensors
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
