@@ -141,12 +141,13 @@ class JobClient:
         try:
             while True:
                 msg = self._next(job_id)
+                # Ended before yielding: a consumer that stops at JobDone closes the
+                # generator at this yield, and a finished job must not be aborted.
+                ended = isinstance(msg, JobError | JobDone)
                 if isinstance(msg, JobError):
-                    ended = True
                     raise JobFailed(msg.job_id, msg.code, msg.message)
                 yield msg
-                if isinstance(msg, JobDone):
-                    ended = True
+                if ended:
                     return
         finally:
             self._inbox.pop(job_id, None)
@@ -230,12 +231,11 @@ class AsyncJobClient:
         try:
             while True:
                 msg = await queue.get()
+                ended = isinstance(msg, JobError | JobDone)  # see JobClient.stream
                 if isinstance(msg, JobError):
-                    ended = True
                     raise JobFailed(msg.job_id, msg.code, msg.message)
                 yield msg
-                if isinstance(msg, JobDone):
-                    ended = True
+                if ended:
                     return
         finally:
             self._queues.pop(job_id, None)

@@ -92,3 +92,42 @@ async def test_async_client_runs_jobs_concurrently_and_aborts(endpoint):
         assert isinstance(seen[-1], JobDone) and seen[-1].num_generated_tokens < 200
         with pytest.raises(JobFailed):
             await client.generate("x" * 3000, SamplingParams(max_tokens=250))
+
+
+async def test_async_stream_aborts_only_jobs_left_before_they_finish(endpoint):
+    async with AsyncJobClient(endpoint) as client:
+        aborted: list[str] = []
+        real_abort = client.abort
+
+        async def counting_abort(job_id: str) -> None:
+            aborted.append(job_id)
+            await real_abort(job_id)
+
+        client.abort = counting_abort  # type: ignore[method-assign]
+        await asyncio.gather(*(client.generate(f"p{i}", GREEDY) for i in range(4)))
+        await asyncio.sleep(0.05)  # let the loop finalize the finished streams
+        assert aborted == [], "finished jobs must not be aborted"
+        job = await client.submit([50], SamplingParams(max_tokens=200, ignore_eos=True))
+        stream = client.stream(job)
+        async for message in stream:
+            assert isinstance(message, JobOutput)
+            break
+        await stream.aclose()
+        assert aborted == [job]
+        result = await asyncio.wait_for(client.generate("p1", GREEDY), 10)
+        assert result.num_generated_tokens == 8
+
+
+def test_sync_stream_aborts_only_jobs_left_before_they_finish(endpoint):
+    with JobClient(endpoint) as client:
+        aborted: list[str] = []
+        real_abort = client.abort
+        client.abort = lambda job_id: (aborted.append(job_id), real_abort(job_id))[1]  # type: ignore[method-assign]
+        client.generate("p0", GREEDY)
+        assert aborted == []
+        job = client.submit([50], SamplingParams(max_tokens=200, ignore_eos=True))
+        stream = client.stream(job)
+        assert isinstance(next(stream), JobOutput)
+        stream.close()
+        assert aborted == [job]
+        assert client.generate("p1", GREEDY).num_generated_tokens == 8
