@@ -1,0 +1,196 @@
+"""Where the time of the offline throughput workload goes, step by step.
+
+Runs the ``tokenloom bench throughput`` workload through ``Engine.step`` and times,
+per step, the host phases (schedule, execute, update, output processing) and the
+GPU time of the step (CUDA events around execute). Prints totals per step class
+(decode-only by batch bucket, mixed prefill by token bucket), then a torch.profiler
+kernel table of a few large decode steps and one mixed step.
+
+Usage: python scripts/profile_throughput.py [MODEL_SHAPE] [NUM_PROMPTS] [key=value ...]
+(key=value are engine options, e.g. async_scheduling=false).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from tokenloom import LLM, SamplingParams
+from tokenloom.bench.throughput import make_workload
+from tokenloom.model_shapes import write_shape_dir
+from tokenloom.protocols.requests import GenerateRequest
+
+
+def parse(value: str):
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    try:
+        return int(value)
+    except ValueError:
+        return value
+
+
+shape = sys.argv[1] if len(sys.argv) > 1 else "llama-3-8b"
+num_prompts = int(sys.argv[2]) if len(sys.argv) > 2 else 256
+options = dict(arg.split("=", 1) for arg in sys.argv[3:])
+if os.path.isdir(shape):  # a model directory (tests, the CPU)
+    llm = LLM(shape, **{k: parse(v) for k, v in options.items()})
+    shape = os.path.basename(shape.rstrip("/"))
+else:
+    llm = LLM(
+        str(write_shape_dir(shape, tempfile.mkdtemp())),
+        load_format="random",
+        **{k: parse(v) for k, v in options.items()},
+    )
+engine = llm.engine
+work = make_workload(num_prompts, 100, 1024, engine.info.vocab_size, 0)
+
+scheduler, executor = engine.scheduler, engine.executor
+timing = {"schedule": 0.0, "execute": 0.0, "update": 0.0}
+CUDA = torch.cuda.is_available()
+
+
+class HostEvent:  # stands in for torch.cuda.Event on the CPU
+    def __init__(self, **_):
+        self.t = 0.0
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, other):
+        return (other.t - self.t) * 1e3
+
+
+Event = torch.cuda.Event if CUDA else HostEvent
+events: list[tuple] = []
+
+
+def sync():
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def timed(name, fn):
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        timing[name] += time.perf_counter() - t0
+        return out
+
+    return wrapper
+
+
+orig_schedule, orig_update = scheduler.schedule, scheduler.update
+scheduler.schedule = timed("schedule", orig_schedule)
+scheduler.update = timed("update", orig_update)
+for name in ("execute", "submit"):
+    fn = getattr(executor, name, None)
+    if fn is None:
+        continue
+
+    def make(fn=fn):
+        def wrapper(step):
+            start, end = Event(enable_timing=True), Event(enable_timing=True)
+            tokens = sum(len(c.token_ids) for c in step.chunks)
+            info = {"tokens": tokens, "seqs": len(step.chunks)}
+            t0 = time.perf_counter()
+            start.record()
+            out = fn(step)
+            end.record()
+            timing["execute"] += time.perf_counter() - t0
+            events.append((start, end, info))
+            return out
+
+        return wrapper
+
+    setattr(executor, name, make())
+
+params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for _, n in work]
+for i, ((ids, _), p) in enumerate(zip(work, params, strict=True)):
+    engine.add_request(GenerateRequest(f"r{i}", ids, p))
+sync()
+started = time.perf_counter()
+process = 0.0
+num_steps = 0
+out_tokens = 0
+while engine.has_unfinished():
+    deltas = engine.step()
+    t0 = time.perf_counter()
+    for d in deltas:
+        out_tokens += len(d.new_token_ids)
+    llm.processor.process(deltas)
+    process += time.perf_counter() - t0
+    num_steps += 1
+sync()
+wall = time.perf_counter() - started
+
+classes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+for start, end, info in events:
+    gpu = start.elapsed_time(end)
+    if info["tokens"] == info["seqs"]:
+        bucket = f"decode b<={1 << (max(info['seqs'] - 1, 0)).bit_length()}"
+    else:
+        bucket = f"mixed t<={1 << (max(info['tokens'] - 1, 0)).bit_length()}"
+    c = classes[bucket]
+    c["steps"] += 1
+    c["gpu_ms"] += gpu
+    c["tokens"] += info["tokens"]
+    c["seqs"] += info["seqs"]
+print(f"\n== {shape}, {num_prompts} prompts, options {options}")
+print(f"wall {wall:.2f}s, {num_steps} steps, {out_tokens / wall:,.0f} out tok/s")
+print(
+    "host s: "
+    + ", ".join(f"{k} {v:.2f}" for k, v in timing.items())
+    + f", process {process:.2f}"
+)
+print(f"{'class':<18}{'steps':>7}{'gpu_s':>8}{'ms/step':>9}{'tok/step':>10}")
+for name in sorted(classes, key=lambda n: (n[0], int(n.split('=')[1]))):
+    c = classes[name]
+    print(
+        f"{name:<18}{int(c['steps']):>7}{c['gpu_ms'] / 1e3:>8.2f}"
+        f"{c['gpu_ms'] / c['steps']:>9.2f}{c['tokens'] / c['steps']:>10.0f}"
+    )
+summary = {
+    "shape": shape,
+    "options": options,
+    "wall_s": wall,
+    "steps": num_steps,
+    "out_tok_s": out_tokens / wall,
+    "host_s": {**timing, "process": process},
+    "classes": {k: dict(v) for k, v in classes.items()},
+}
+out_dir = os.environ.get("OUT", ".")
+tag = "-".join(f"{k}{v}" for k, v in options.items()) or "default"
+with open(os.path.join(out_dir, f"profile-throughput-{shape}-{tag}.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+
+if CUDA and os.environ.get("KERNELS", "1") == "1":
+    # Kernel table: 128 decodes at ~600 context, then one 8192-token mixed step.
+    scheduler.schedule, scheduler.update = orig_schedule, orig_update
+    decode = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
+    for i in range(128):
+        engine.add_request(GenerateRequest(f"d{i}", work[i][0][:600], decode))
+    for _ in range(8):
+        engine.step()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            engine.step()
+        torch.cuda.synchronize()
+    print("\n== 5 decode steps, batch 128, context ~600")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
+    while engine.has_unfinished():
+        engine.step()
+    for i in range(8):
+        engine.add_request(GenerateRequest(f"p{i}", work[i][0] * 2, decode))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.step()
+        torch.cuda.synchronize()
+    print("\n== one prefill step")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12))
