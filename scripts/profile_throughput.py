@@ -146,12 +146,10 @@ for start, end, info in events:
 print(f"\n== {shape}, {num_prompts} prompts, options {options}")
 print(f"wall {wall:.2f}s, {num_steps} steps, {out_tokens / wall:,.0f} out tok/s")
 print(
-    "host s: "
-    + ", ".join(f"{k} {v:.2f}" for k, v in timing.items())
-    + f", process {process:.2f}"
+    "host s: " + ", ".join(f"{k} {v:.2f}" for k, v in timing.items()) + f", process {process:.2f}"
 )
 print(f"{'class':<18}{'steps':>7}{'gpu_s':>8}{'ms/step':>9}{'tok/step':>10}")
-for name in sorted(classes, key=lambda n: (n[0], int(n.split('=')[1]))):
+for name in sorted(classes, key=lambda n: (n[0], int(n.split("=")[1]))):
     c = classes[name]
     print(
         f"{name:<18}{int(c['steps']):>7}{c['gpu_ms'] / 1e3:>8.2f}"

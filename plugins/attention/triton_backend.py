@@ -208,16 +208,16 @@ class TritonAttention(AttentionBackend):
                 q,
                 k_cache,
                 v_cache,
-                meta.block_tables[num_decodes:],
-                meta.seq_lens[num_decodes:],
-                meta.query_start_loc[num_decodes:],
+                meta.block_tables,
+                meta.seq_lens,
+                meta.query_start_loc,
                 out,
                 scale,
                 block_m=self.prefill_block_m,
                 block_n=self.prefill_block_n,
                 num_warps=self.prefill_num_warps,
                 num_stages=self.prefill_num_stages,
-                first_token=num_decodes,
+                first_seq=num_decodes,
             )
         return out
 

@@ -7,8 +7,11 @@ second axis is an upper bound on the query tiles of the whole batch; request ``b
 owns tiles ``(query_start_loc[b] - query_start_loc[0]) // BLOCK_M + b`` onwards (always
 enough of them), and each program finds its request by binary search over
 ``query_start_loc`` on the device, so nothing is read on the host. Unused tiles exit
-at once. The metadata may be a slice of a batch's requests (``query_start_loc`` then
-starts at ``first_token``), so a batch's leading decodes can go to the decode kernel.
+at once. ``first_seq`` skips a batch's leading one-token requests (decodes, which go
+to the decode kernel); it is an offset into the whole batch's metadata rather than
+sliced tensors, and the batch-dependent integers are not specialised on, so one
+compiled kernel serves every batch (a sliced pointer's alignment or a count's
+divisibility would otherwise compile a new variant mid-run, about a second each).
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "first_seq", "stride_bt"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -91,6 +94,7 @@ def _prefill_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     num_seqs,
+    first_seq,
     stride_q_tok,
     stride_q_head,
     stride_o_tok,
@@ -110,6 +114,10 @@ def _prefill_kernel(
 ):
     head = tl.program_id(0)
     tile = tl.program_id(1)
+    query_start_loc_ptr += first_seq
+    seq_lens_ptr += first_seq
+    block_tables_ptr += first_seq.to(tl.int64) * stride_bt
+    num_seqs -= first_seq
     base = tl.load(query_start_loc_ptr)
     seq = _find_sequence(query_start_loc_ptr, base, num_seqs, tile, BLOCK_M)
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -168,22 +176,23 @@ def prefill_attention(
     v_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
     block_tables: torch.Tensor,  # [B, max_blocks_per_seq] int32
     seq_lens: torch.Tensor,  # [B] int32
-    query_start_loc: torch.Tensor,  # [B + 1] int32, rows of q (may start > 0)
-    out: torch.Tensor,  # [T, num_heads, head_dim], rows of these requests written
+    query_start_loc: torch.Tensor,  # [B + 1] int32, rows of q
+    out: torch.Tensor,  # [T, num_heads, head_dim], rows of requests first_seq: written
     scale: float,
     block_m: int,
     block_n: int,
     num_warps: int = 4,
     num_stages: int = 2,
-    first_token: int = 0,
+    first_seq: int = 0,
 ) -> None:
-    """Launch the prefill kernel for requests whose queries are rows
-    ``first_token:`` of ``q`` (``query_start_loc[0] == first_token``). No host sync:
-    the grid comes from shapes and ``first_token`` only."""
+    """Launch the prefill kernel for requests ``first_seq:`` of the batch; the
+    requests before them must have one query token each (so their queries are rows
+    ``:first_seq`` of ``q``). No host sync: the grid comes from shapes and
+    ``first_seq`` only."""
     num_heads, head_dim = q.shape[1], q.shape[2]
-    num_tokens = q.shape[0] - first_token
-    num_seqs = seq_lens.shape[0]
-    if num_tokens <= 0 or num_seqs == 0:
+    num_tokens = q.shape[0] - first_seq
+    num_seqs = seq_lens.shape[0] - first_seq
+    if num_tokens <= 0 or num_seqs <= 0:
         return
     num_kv_heads = k_cache.shape[2]
     grid = (num_heads, num_tokens // block_m + num_seqs)
@@ -195,7 +204,8 @@ def prefill_attention(
         block_tables,
         seq_lens,
         query_start_loc,
-        num_seqs,
+        seq_lens.shape[0],
+        first_seq,
         q.stride(0),
         q.stride(1),
         out.stride(0),
