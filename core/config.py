@@ -49,6 +49,9 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_waiting_requests: int = 4096
     # executor
     enforce_eager: bool = False
+    # Build and launch step N+1 while step N runs on the device (the engine reads
+    # step N's tokens afterwards). None: on for CUDA, off elsewhere (no overlap there).
+    async_scheduling: bool | None = None
     num_speculative_tokens: int = 0
     # serving
     host: str = "127.0.0.1"

@@ -3,6 +3,14 @@
 ``Engine.step()`` is one iteration of the engine-core: schedule, execute, update.
 The kernel loop (engine-core process) and the offline ``LLM`` both drive it; the
 hot path is direct method calls on the built components.
+
+With async scheduling (``async_scheduling``, on for CUDA) the iteration is
+pipelined: schedule and submit step N+1, then wait for step N and fold its tokens
+in. The host's work for the next step (scheduling, batch building, launches) and
+for the last one (update, output processing by the caller) overlaps the device's
+current step. Step N+1's inputs that depend on step N's tokens are placeholders the
+executor fills on the device. A request that stops by itself in step N has already
+been scheduled in step N+1; that one token of work is discarded.
 """
 
 from __future__ import annotations
@@ -21,7 +29,14 @@ from tokenloom.protocols.requests import GenerateRequest
 
 if TYPE_CHECKING:
     from tokenloom.plugin_manager import PluginManager
-    from tokenloom.protocols.components import Executor, KVCacheManager, ModelInfo, Scheduler
+    from tokenloom.protocols.components import (
+        Executor,
+        KVCacheManager,
+        ModelInfo,
+        PendingStep,
+        Scheduler,
+    )
+    from tokenloom.protocols.step import StepInput
 
 log = logging.getLogger("tokenloom.engine")
 
@@ -44,6 +59,21 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
 
         changes["model"] = str(default_model_dir())
     return msgspec.structs.replace(config, **changes) if changes else config
+
+
+def pipelined_for(config: EngineConfig, executor: Executor) -> bool:
+    """Whether the engine runs async scheduling: ``async_scheduling``, where None
+    means on for CUDA; the executor must support pipelining."""
+    wanted = config.async_scheduling
+    supported = bool(getattr(executor, "supports_pipelining", False))
+    if wanted is None:
+        return supported and config.device == "cuda"
+    if wanted and not supported:
+        raise ValueError(
+            f"async_scheduling: executor {config.executor!r} does not support pipelining; "
+            "set async_scheduling = false"
+        )
+    return wanted
 
 
 class Engine:
@@ -73,6 +103,8 @@ class Engine:
         self._observed_added = bool(
             plugins is not None and plugins.hook.tokenloom_request_added.get_hookimpls()
         )
+        self.pipelined = pipelined_for(config, executor)
+        self._in_flight: tuple[StepInput, PendingStep] | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, plugins: PluginManager | None = None) -> Engine:
@@ -113,7 +145,8 @@ class Engine:
             components={"scheduler": scheduler, "kv_cache": kv, "executor": executor}
         )
         log.info(
-            "engine ready in %.1fs: %s on %s (%s), %d KV blocks x %d tokens = %d tokens",
+            "engine ready in %.1fs: %s on %s (%s), %d KV blocks x %d tokens = %d tokens, "
+            "async scheduling %s",
             time.perf_counter() - started,
             info.name,
             config.device,
@@ -121,6 +154,7 @@ class Engine:
             num_blocks,
             config.block_size,
             num_blocks * config.block_size,
+            "on" if engine.pipelined else "off",
         )
         return engine
 
@@ -141,16 +175,25 @@ class Engine:
         return deltas
 
     def step(self) -> list[TokenDelta]:
-        step = self.scheduler.schedule()
-        if not step.chunks and not step.finished_request_ids:
-            return []
-        output = self.executor.execute(step)
-        deltas = self.scheduler.update(step, output)
+        scheduler = self.scheduler
+        step = scheduler.schedule()
+        if not self.pipelined:
+            if not step.chunks and not step.finished_request_ids:
+                return []
+            deltas = scheduler.update(step, self.executor.execute(step))
+        else:
+            submitted = None
+            if step.chunks or step.finished_request_ids:
+                submitted = (step, self.executor.submit(step))
+            in_flight, self._in_flight = self._in_flight, submitted
+            if in_flight is None:
+                return []
+            deltas = scheduler.update(in_flight[0], in_flight[1].result())
         self._observe_finished(deltas)
         return deltas
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     def stats(self) -> EngineStats:
         return self.scheduler.stats()

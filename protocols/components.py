@@ -244,13 +244,38 @@ class ModelInfo:
     eos_token_ids: list[int] = field(default_factory=list)
 
 
+class PendingStep(ABC):
+    """A step an executor has launched; ``result`` waits for its output."""
+
+    @abstractmethod
+    def result(self) -> StepOutput:
+        """Block until the step is done; call once."""
+
+
+class DoneStep(PendingStep):
+    """A step that is already done (executors without pipelining)."""
+
+    def __init__(self, output: StepOutput) -> None:
+        self.output = output
+
+    def result(self) -> StepOutput:
+        return self.output
+
+
 class Executor(ABC):
     """Runs steps on the model. Constructed as ``factory(config, registry)``, where
     the registry builds the attention backend and quant method named in config.
 
     Lives in the engine-core process (rank 0). ``execute`` may sync the host only to
     read the sampled token ids.
+
+    Pipelining: ``submit`` launches a step and returns without waiting for it. An
+    executor that sets ``supports_pipelining`` lets the engine build and submit step
+    N+1 while step N runs (async scheduling): it must accept ``PLACEHOLDER_TOKEN``
+    inputs (see ``protocols.step``) and run submitted steps in order.
     """
+
+    supports_pipelining: bool = False
 
     @abstractmethod
     def load_model(self) -> ModelInfo:
@@ -267,6 +292,10 @@ class Executor(ABC):
     @abstractmethod
     def execute(self, step: StepInput) -> StepOutput:
         """Run one step: forward pass over the flat batch, then sampling."""
+
+    def submit(self, step: StepInput) -> PendingStep:
+        """Launch one step; the default runs it to completion."""
+        return DoneStep(self.execute(step))
 
     def shutdown(self) -> None:  # noqa: B027
         """Release devices and worker processes."""

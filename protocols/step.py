@@ -13,6 +13,14 @@ import msgspec
 from tokenloom.protocols.outputs import TopLogprobs
 from tokenloom.protocols.sampling import SamplingParams
 
+PLACEHOLDER_TOKEN = -1
+"""A token id not known yet when the step was built. With pipelined (async)
+scheduling the scheduler builds step N+1 before step N's sampled tokens reach it, so
+a decode chunk's input can be this placeholder; the executor replaces it with the
+token it sampled for that request in the most recent step that sampled it. Only a
+chunk's trailing tokens can be placeholders, and only for requests whose previous
+step sampled."""
+
 
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Sent once, in the first step that schedules a request (the executor keeps
@@ -28,7 +36,8 @@ class ScheduledChunk(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     """The tokens one request computes in this step.
 
     ``token_ids`` sit at positions ``start_pos .. start_pos + len(token_ids) - 1``;
-    positions ``< start_pos`` are already in the KV cache. ``block_ids`` is the
+    positions ``< start_pos`` are already in the KV cache (or written by an earlier
+    step still in flight). Trailing ids may be ``PLACEHOLDER_TOKEN``. ``block_ids`` is the
     request's whole block table and covers every position up to the chunk's end.
     """
 

@@ -112,6 +112,12 @@ for name in ("execute", "submit"):
 
     setattr(executor, name, make())
 
+# Warm-up as the benchmark does (compiles what start-up did not).
+llm.generate(
+    [ids for ids, _ in work[:4]],
+    SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True),
+    use_tqdm=False,
+)
 params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for _, n in work]
 for i, ((ids, _), p) in enumerate(zip(work, params, strict=True)):
     engine.add_request(GenerateRequest(f"r{i}", ids, p))

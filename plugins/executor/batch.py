@@ -3,6 +3,11 @@
 The host packs every integer the step needs into one int32 buffer, copies it to
 the device once (pinned, non-blocking on CUDA), and the device derives positions,
 slot mapping and block tables from it. No host sync; a handful of small kernels.
+
+Placeholder inputs (``PLACEHOLDER_TOKEN``, async scheduling) are filled on the device
+from ``last_tokens``: each live request owns a slot there, and every step writes
+the tokens it samples into its rows' slots (``remember``), so the next step reads
+them without the host ever seeing them.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import torch
 
 from tokenloom.plugins.executor.staging import upload
 from tokenloom.protocols.components import AttentionMetadata
-from tokenloom.protocols.step import StepInput
+from tokenloom.protocols.step import PLACEHOLDER_TOKEN, StepInput
 
 
 @dataclass
@@ -25,26 +30,62 @@ class FlatBatch:
     sample_request_ids: list[str]
     num_tokens: int
     num_seqs: int
+    sample_slots: torch.Tensor | None = None  # [S] int64 device: the rows' token slots
 
 
 class BatchBuilder:
-    def __init__(self, block_size: int, device: torch.device) -> None:
+    def __init__(self, block_size: int, device: torch.device, capacity: int = 64) -> None:
         self.block_size = block_size
         self.device = device
+        self.last_tokens = torch.zeros(capacity, dtype=torch.int32, device=device)
+        self._slots: dict[str, int] = {}
+        self._free = list(range(capacity - 1, -1, -1))
+
+    # ------------------------------------------------------------------ token slots
+
+    def add_request(self, request_id: str) -> None:
+        if request_id in self._slots:
+            return
+        if not self._free:
+            old = self.last_tokens.shape[0]
+            grown = torch.zeros(2 * old, dtype=torch.int32, device=self.device)
+            grown[:old] = self.last_tokens
+            self.last_tokens = grown
+            self._free = list(range(2 * old - 1, old - 1, -1))
+        self._slots[request_id] = self._free.pop()
+
+    def remove_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            slot = self._slots.pop(request_id, None)
+            if slot is not None:
+                self._free.append(slot)
+
+    def remember(self, batch: FlatBatch, token_ids: torch.Tensor) -> None:
+        """Keep the tokens just sampled (device, one per sampling row) for the
+        placeholders of later steps."""
+        if batch.sample_slots is not None:
+            self.last_tokens.index_copy_(0, batch.sample_slots, token_ids.to(torch.int32))
+
+    # ------------------------------------------------------------------ batches
 
     def build(self, step: StepInput) -> FlatBatch:
         chunks = step.chunks
+        slots = self._slots
         ids: list[int] = []
         starts: list[int] = []
         qlens: list[int] = []
         blens: list[int] = []
         blocks: list[int] = []
         sample_rows: list[int] = []
+        sample_slots: list[int] = []
+        fill_rows: list[int] = []
+        fill_slots: list[int] = []
         sample_ids: list[str] = []
         max_seq = 0
         for chunk in chunks:
-            ids += chunk.token_ids
-            q = len(chunk.token_ids)
+            tokens = chunk.token_ids
+            ids += tokens
+            q = len(tokens)
             qlens.append(q)
             starts.append(chunk.start_pos)
             blens.append(len(chunk.block_ids))
@@ -52,16 +93,41 @@ class BatchBuilder:
             end = chunk.start_pos + q
             if end > max_seq:
                 max_seq = end
+            if tokens[-1] == PLACEHOLDER_TOKEN:
+                fill_rows.append(len(ids) - 1)
+                fill_slots.append(slots[chunk.request_id])
             if chunk.sample:
                 sample_rows.append(len(ids) - 1)
+                sample_slots.append(slots[chunk.request_id])
                 sample_ids.append(chunk.request_id)
         num_tokens, num_seqs = len(ids), len(chunks)
-        host = torch.tensor(ids + starts + qlens + blens + sample_rows + blocks, dtype=torch.int32)
+        host = torch.tensor(
+            ids + starts + qlens + blens + sample_rows + sample_slots + fill_rows + fill_slots
+            + blocks,
+            dtype=torch.int32,
+        )  # fmt: skip
         packed = upload(host, self.device)
-        d_ids, d_starts, d_qlens, d_blens, d_sample, d_blocks = torch.split(
-            packed,
-            [num_tokens, num_seqs, num_seqs, num_seqs, len(sample_rows), len(blocks)],
+        num_sample, num_fill = len(sample_rows), len(fill_rows)
+        d_ids, d_starts, d_qlens, d_blens, d_sample, d_slots, d_fill, d_fill_slots, d_blocks = (
+            torch.split(
+                packed,
+                [
+                    num_tokens,
+                    num_seqs,
+                    num_seqs,
+                    num_seqs,
+                    num_sample,
+                    num_sample,
+                    num_fill,
+                    num_fill,
+                    len(blocks),
+                ],
+            )  # fmt: skip
         )
+        if num_fill:
+            d_ids.index_copy_(
+                0, d_fill.long(), self.last_tokens.index_select(0, d_fill_slots.long())
+            )
         query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32, device=self.device)
         query_start_loc[1:] = torch.cumsum(d_qlens, 0, dtype=torch.int32)
         seq_lens = d_starts + d_qlens
@@ -103,4 +169,5 @@ class BatchBuilder:
             sample_request_ids=sample_ids,
             num_tokens=num_tokens,
             num_seqs=num_seqs,
+            sample_slots=d_slots.long(),
         )

@@ -2,8 +2,11 @@
 
 One process, one device. Per step: build the flat batch (one host-to-device copy),
 run the forward pass (a CUDA graph for decode batches on CUDA), compute logits for
-the rows that sample, sample on the device, and read the sampled ids: the step's
-only host sync.
+the rows that sample, sample on the device, and copy the sampled ids to pinned host
+memory. ``execute`` waits for that copy (the step's only host sync); ``submit``
+returns at once, so the engine can build the next step while this one runs. The
+sampled ids also stay on the device, where the next step's placeholder inputs read
+them.
 """
 
 from __future__ import annotations
@@ -18,7 +21,15 @@ from tokenloom.config import EngineConfig
 from tokenloom.plugins.executor import staging
 from tokenloom.plugins.executor.batch import BatchBuilder, FlatBatch
 from tokenloom.plugins.executor.cuda_graphs import DecodeGraphs
-from tokenloom.protocols.components import ComponentSpec, Executor, ForwardContext, ModelInfo
+from tokenloom.plugins.executor.sampler import PendingHostSample
+from tokenloom.protocols.components import (
+    ComponentSpec,
+    DoneStep,
+    Executor,
+    ForwardContext,
+    ModelInfo,
+    PendingStep,
+)
 from tokenloom.protocols.hookspecs import hookimpl
 from tokenloom.protocols.sampling import SamplingParams
 from tokenloom.protocols.step import NewRequestData, ScheduledChunk, StepInput, StepOutput
@@ -29,7 +40,19 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 GiB = 1 << 30
 
 
+class PendingSample(PendingStep):
+    def __init__(self, step_id: int, request_ids: list[str], host: PendingHostSample) -> None:
+        self.step_id = step_id
+        self.request_ids = request_ids
+        self.host = host
+
+    def result(self) -> StepOutput:
+        return self.host.wait().to_step_output(self.step_id, self.request_ids)
+
+
 class ModelRunner(Executor):
+    supports_pipelining = True
+
     def __init__(self, config: EngineConfig, plugins: Any) -> None:
         self.config = config
         self.plugins = plugins
@@ -64,7 +87,9 @@ class ModelRunner(Executor):
         self.quant.quantize_model(self.model)
         self.kv_dtype = self.quant.kv_cache_dtype(self.dtype)
         self.sampler = Sampler(self.info.vocab_size, self.device)
-        self.batches = BatchBuilder(self.config.block_size, self.device)
+        self.batches = BatchBuilder(
+            self.config.block_size, self.device, capacity=2 * self.config.max_num_seqs
+        )
         if self.device.type == "cuda":
             self.memory["weights_gib"] = torch.cuda.memory_allocated() / GiB
         log.info("loaded %s in %.1fs", self.info.name, time.perf_counter() - started)
@@ -180,25 +205,32 @@ class ModelRunner(Executor):
 
     # ------------------------------------------------------------------ steps
 
-    @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
+        return self.submit(step).result()
+
+    @torch.inference_mode()
+    def submit(self, step: StepInput) -> PendingStep:
         sampler = self.sampler
+        batches = self.batches
         staging.rewind(self.device)
         if step.finished_request_ids:
             sampler.remove_requests(step.finished_request_ids)
+            batches.remove_requests(step.finished_request_ids)
         for new in step.new_requests:
             sampler.add_request(new)
+            batches.add_request(new.request_id)
         if not step.chunks:
-            return StepOutput(step.step_id, [], [])
-        batch = self.batches.build(step)
+            return DoneStep(StepOutput(step.step_id, [], []))
+        batch = batches.build(step)
         hidden = self._forward(batch)
         request_ids = batch.sample_request_ids
         if not request_ids:
-            return StepOutput(step.step_id, [], [])
+            return DoneStep(StepOutput(step.step_id, [], []))
         logits = self.model.compute_logits(hidden[batch.sample_index])
-        host = sampler.sample(logits, request_ids).to_host()
-        sampler.record(request_ids, host.token_ids)
-        return host.to_step_output(step.step_id, request_ids)
+        result = sampler.sample(logits, request_ids)
+        sampler.record_sampled(request_ids, result)
+        batches.remember(batch, result.token_ids)
+        return PendingSample(step.step_id, request_ids, result.copy_to_host())
 
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
         meta = batch.meta

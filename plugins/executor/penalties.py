@@ -99,6 +99,13 @@ class TokenCounts:
             (index[0], index[1]), self._one.expand(len(slots)), accumulate=True
         )
 
+    def record_on_device(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Count one generated token per slot, both given as device tensors (no host
+        read: the tokens may still be being sampled)."""
+        self.output_counts.index_put_(
+            (slots, token_ids.long()), self._one.expand(slots.shape[0]), accumulate=True
+        )
+
     def _grow(self) -> None:
         old = self.output_counts.shape[0]
         new = old * 2

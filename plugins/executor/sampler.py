@@ -8,7 +8,8 @@ are those of the raw model distribution (log_softmax of the unprocessed logits).
 Everything runs on the device and is vectorised over the batch; the only host work
 per step is comparing the batch key and, for rows still short of min_tokens, one
 small index copy. Nothing here reads a device value on the host: the executor does
-that once, through ``SampleResult.to_host``.
+that once, through ``SampleResult.copy_to_host`` (an asynchronous copy it waits for
+only when it needs the ids).
 """
 
 from __future__ import annotations
@@ -64,8 +65,13 @@ class SampleResult:
 
     def to_host(self) -> HostSample:
         """Read everything to the host with one device sync."""
+        return self.copy_to_host().wait()
+
+    def copy_to_host(self) -> PendingHostSample:
+        """Start copying the result to the host (pinned memory, asynchronous on CUDA);
+        ``wait`` on the returned object reads it."""
         if self.logprobs is None or self.top_ids is None or self.top_logprobs is None:
-            return HostSample(self.token_ids.tolist())
+            return PendingHostSample(_to_host_async(self.token_ids), 0, ())
         # float64 holds every token id exactly, so one tensor carries all fields.
         packed = torch.cat(
             (
@@ -75,14 +81,42 @@ class SampleResult:
                 self.top_logprobs.double(),
             ),
             dim=1,
-        ).tolist()  # [B, 2 + 2K]
-        width = self.top_ids.shape[1]
+        )  # [B, 2 + 2K]
+        return PendingHostSample(_to_host_async(packed), self.top_ids.shape[1], self.num_logprobs)
+
+
+@dataclass(slots=True)
+class PendingHostSample:
+    """A sample result on its way to the host."""
+
+    host: tuple[torch.Tensor, torch.cuda.Event | None]  # host tensor, copy-done event
+    width: int  # K of the packed logprobs layout; 0 = token ids only
+    num_logprobs: Sequence[int]
+
+    def wait(self) -> HostSample:
+        tensor, done = self.host
+        if done is not None:
+            done.synchronize()
+        if not self.width and not self.num_logprobs:
+            return HostSample(tensor.tolist())
+        packed = tensor.tolist()
+        width = self.width
         tops = []
         for row, k in zip(packed, self.num_logprobs, strict=True):
             k = max(k, 0)
             ids = [int(t) for t in row[2 : 2 + k]]
             tops.append(TopLogprobs(ids, row[2 + width : 2 + width + k]))
         return HostSample([int(r[0]) for r in packed], [r[1] for r in packed], tops)
+
+
+def _to_host_async(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    if tensor.device.type != "cuda":
+        return tensor, None
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
 
 
 class Sampler:
@@ -135,15 +169,29 @@ class Sampler:
         return request_id in self._requests
 
     def record(self, request_ids: Sequence[str], token_ids: Sequence[int | Sequence[int]]) -> None:
-        """Extend each request's history with its accepted tokens (an int, or a list of
-        ints with speculation). Called after the ids are on the host; unknown ids are
+        """Count each request's accepted tokens (an int, or a list of ints with
+        speculation) from host lists, for the penalties and min_tokens; unknown ids are
         ignored."""
         new_ids = [[t] if isinstance(t, int) else list(t) for t in token_ids]
         for request_id, ids in zip(request_ids, new_ids, strict=True):
             state = self._requests.get(request_id)
             if state is not None:
-                state.output_token_ids.extend(ids)
+                state.num_output += len(ids)
         self._counts.record(request_ids, new_ids)
+
+    def record_sampled(self, request_ids: Sequence[str], result: SampleResult) -> None:
+        """Count the tokens ``sample`` just drew for ``request_ids`` (one per row), on
+        the device, without waiting for them: the next step's penalties and
+        min_tokens mask see them even before the host has read them. The executor
+        calls this or ``record``, not both."""
+        batch = self._batch_for(request_ids)
+        for row in batch.min_tokens_rows:
+            self._requests[batch.key[row]].num_output += 1
+        if batch.penalty_rows is not None:
+            assert batch.penalty_slots is not None
+            self._counts.record_on_device(
+                batch.penalty_slots, result.token_ids.index_select(0, batch.penalty_rows)
+            )
 
     # ------------------------------------------------------------------ sampling
 
@@ -215,7 +263,7 @@ class Sampler:
         masked: list[int] = []  # flat indices row * V + token into the [B, V] logits
         for row in batch.min_tokens_rows:
             state = self._requests[batch.key[row]]
-            if len(state.output_token_ids) < state.params.min_tokens:
+            if state.num_output < state.params.min_tokens:
                 masked.extend(row * self.vocab_size + t for t in state.masked_until_min_tokens)
         if masked:
             if batch.penalty_rows is None:

@@ -9,7 +9,7 @@ how the sampler skips the corresponding work.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -24,7 +24,7 @@ class RequestSamplingState:
     params: SamplingParams
     generator: torch.Generator | None  # on the sampler's device; None when unseeded
     masked_until_min_tokens: list[int]  # EOS and stop token ids, masked while short
-    output_token_ids: list[int] = field(default_factory=list)
+    num_output: int = 0  # tokens generated so far (counted for min_tokens rows only)
 
     @property
     def has_penalties(self) -> bool:

@@ -10,7 +10,13 @@ Invariants kept between calls:
   one to preempt first, and scheduling walks it from the front.
 - A request holds blocks if and only if its status is RUNNING; ``block_table`` is
   the KV manager's table for it, fetched again whenever ``append`` grows it.
-- Each running request has at least one token not yet computed after ``update``.
+- ``num_computed`` advances when a chunk is scheduled. A chunk that reaches a
+  request's last token samples, and the request then has one more pending token
+  (``num_pending``) until that step's ``update``. Pending tokens enter later chunks
+  as ``PLACEHOLDER_TOKEN``, so ``schedule`` may run again before the previous
+  step's ``update`` (async scheduling: the engine builds step N+1 while step N
+  runs); called alternately, there is never a pending token at ``schedule``.
+- A request is never started or resumed while it has pending tokens.
 """
 
 from __future__ import annotations
@@ -28,7 +34,13 @@ from tokenloom.plugins.scheduler.waiting_queue import WaitingQueue
 from tokenloom.protocols.components import KVCacheManager, QueueFullError, Scheduler
 from tokenloom.protocols.outputs import EngineStats, FinishReason, TokenDelta
 from tokenloom.protocols.requests import GenerateRequest
-from tokenloom.protocols.step import NewRequestData, ScheduledChunk, StepInput, StepOutput
+from tokenloom.protocols.step import (
+    PLACEHOLDER_TOKEN,
+    NewRequestData,
+    ScheduledChunk,
+    StepInput,
+    StepOutput,
+)
 
 _by_sort_key = attrgetter("sort_key")
 
@@ -182,18 +194,22 @@ class BatchScheduler(Scheduler):
                 sample_index += 1
             request_id = chunk.request_id
             state = requests.get(request_id)
-            if state is None or state.status != running_status:
-                continue  # aborted or timed out after this step was built
+            if state is None:
+                continue  # finished (stopped, aborted, timed out) after this step was built
             start = chunk.start_pos
-            state.num_computed = end = start + len(chunk.token_ids)
+            end = start + len(chunk.token_ids)
             if start < state.num_prompt_tokens:
                 self.prompt_tokens_total += min(end, state.num_prompt_tokens) - start
+            running = state.status == running_status  # else preempted since it was built
             # Only a chunk that fills a block gives the prefix cache something new.
-            if commit is not None and end // block_size != start // block_size:
+            if running and commit is not None and end // block_size != start // block_size:
                 commit(request_id, state.all_token_ids, end)
                 if state.holds_first_block:
                     self._release_first_block(state)
-            if not chunk.sample or sample_index >= num_sampled:
+            if not chunk.sample:
+                continue
+            state.num_pending -= 1
+            if sample_index >= num_sampled:
                 continue
             if sampled_ids[sample_index] != request_id:
                 raise RuntimeError("StepOutput.request_ids must list the sampled chunks in order")
@@ -215,6 +231,8 @@ class BatchScheduler(Scheduler):
                     )
                 )
             if state.finish_reason is not None:
+                if not running:
+                    self._unqueue(state)
                 self._release(state)
                 any_finished = True
         self.generation_tokens_total += num_generated
@@ -257,7 +275,11 @@ class BatchScheduler(Scheduler):
             state = running[index]
             request_id = state.request_id
             tokens = state.all_token_ids
-            num_tokens = len(tokens)
+            num_known = len(tokens)
+            num_tokens = num_known + state.num_pending
+            if state.num_pending and num_tokens >= state.max_len:  # ends with "length"
+                index += 1
+                continue
             start = state.num_computed
             end = num_tokens if num_tokens - start <= budget else start + budget
             if end <= start:  # the executor returned no token for it last step
@@ -278,9 +300,14 @@ class BatchScheduler(Scheduler):
                 table = state.block_table = kv.block_ids(request_id)
             if not state.sent_to_executor:
                 self._send_new(state, new)
-            add_chunk(
-                ScheduledChunk(request_id, tokens[start:end], start, table, end == num_tokens)
-            )
+            if end <= num_known:
+                chunk_ids = tokens[start:end]
+            else:
+                chunk_ids = tokens[start:] + [PLACEHOLDER_TOKEN] * (end - max(start, num_known))
+            state.num_computed = end
+            if end == num_tokens:
+                state.num_pending += 1
+            add_chunk(ScheduledChunk(request_id, chunk_ids, start, table, end == num_tokens))
             budget -= end - start
             index += 1
         return budget
@@ -296,7 +323,10 @@ class BatchScheduler(Scheduler):
         """Give a queued request its blocks (reusing the prefix cache) and its first
         chunk of at most ``budget`` tokens (possibly none when the budget is 0). With
         ``reserve_all`` the blocks cover all its tokens, not just the chunk. Returns
-        the tokens scheduled, or -1 (changing nothing) when the pool cannot hold it."""
+        the tokens scheduled, or -1 (changing nothing) when the pool cannot hold it or
+        the request still waits for a pending token."""
+        if state.num_pending:
+            return -1
         tokens = state.all_token_ids
         num_tokens = len(tokens)
         cached = self.kv_cache.num_cached_prefix_tokens(tokens) if self._prefix_caching else 0
@@ -335,15 +365,14 @@ class BatchScheduler(Scheduler):
             self._send_new(state, new)
         start = state.num_computed
         end = start + num_new
+        tokens = state.all_token_ids
+        sample = end == len(tokens)
         chunks.append(
-            ScheduledChunk(
-                request_id,
-                state.all_token_ids[start:end],
-                start,
-                state.block_table,
-                end == len(state.all_token_ids),
-            )
+            ScheduledChunk(request_id, tokens[start:end], start, state.block_table, sample)
         )
+        state.num_computed = end
+        if sample:
+            state.num_pending += 1
 
     def _send_new(self, state: RequestState, new: list[NewRequestData]) -> None:
         """NewRequestData goes out once, in the first step that schedules the request."""

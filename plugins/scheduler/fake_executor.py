@@ -6,7 +6,9 @@ then "attends" by reading the whole history back through the same table, and
 samples a token that is a deterministic function of that history. A scheduler or
 KV manager that shares a block wrongly, overwrites a live block, skips positions or
 forgets to send ``NewRequestData`` makes it raise ``AssertionError`` or changes the
-generated tokens. Used by the scheduler tests; handy for prototyping schedulers.
+generated tokens. ``PLACEHOLDER_TOKEN`` inputs take the request's last sampled
+token, as a pipelining executor's do. Used by the scheduler tests; handy for
+prototyping schedulers.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 
 from tokenloom.protocols.components import Scheduler
 from tokenloom.protocols.outputs import TokenDelta
-from tokenloom.protocols.step import StepInput, StepOutput
+from tokenloom.protocols.step import PLACEHOLDER_TOKEN, StepInput, StepOutput
 
 UNWRITTEN = -1
 
@@ -30,6 +32,8 @@ def next_token(history: list[int], vocab_size: int) -> int:
 
 
 class FakeExecutor:
+    supports_pipelining = True
+
     def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 64) -> None:
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -37,11 +41,13 @@ class FakeExecutor:
         self.known: set[str] = set()  # requests whose NewRequestData arrived
         self.dropped: set[str] = set()
         self.num_computed_tokens = 0
+        self.last_sampled: dict[str, int] = {}
 
     def execute(self, step: StepInput) -> StepOutput:
         for request_id in step.finished_request_ids:
             self.known.discard(request_id)
             self.dropped.add(request_id)
+            self.last_sampled.pop(request_id, None)
         for new in step.new_requests:
             assert new.request_id not in self.known, f"NewRequestData sent twice: {new.request_id}"
             assert new.request_id not in self.dropped, f"request id reused: {new.request_id}"
@@ -57,6 +63,9 @@ class FakeExecutor:
             assert len(chunk.token_ids) > 0 and len(table) * bs >= end, "table too short"
             for offset, token in enumerate(chunk.token_ids):
                 pos = chunk.start_pos + offset
+                if token == PLACEHOLDER_TOKEN:
+                    assert offset == len(chunk.token_ids) - 1, "placeholder before a known token"
+                    token = self.last_sampled[chunk.request_id]
                 self.kv[table[pos // bs]][pos % bs] = token
             self.num_computed_tokens += len(chunk.token_ids)
             if not chunk.sample:
@@ -64,7 +73,9 @@ class FakeExecutor:
             history = [self.kv[table[pos // bs]][pos % bs] for pos in range(end)]
             assert UNWRITTEN not in history, f"{chunk.request_id} reads KV never written"
             request_ids.append(chunk.request_id)
-            token_ids.append([next_token(history, self.vocab_size)])
+            sampled = next_token(history, self.vocab_size)
+            self.last_sampled[chunk.request_id] = sampled
+            token_ids.append([sampled])
         return StepOutput(step.step_id, request_ids, token_ids)
 
 
@@ -94,14 +105,23 @@ def run_until_idle(
     executor: FakeExecutor,
     max_steps: int = 100_000,
     results: dict[str, Generation] | None = None,
+    pipelined: bool = False,
 ) -> dict[str, Generation]:
     """Step ``scheduler`` with ``executor`` until no request is left; returns what
-    each request produced (added to ``results`` when given)."""
+    each request produced (added to ``results`` when given). ``pipelined`` schedules
+    step N+1 before folding in step N's output, as the engine's async scheduling."""
     if results is None:
         results = {}
+    in_flight: tuple[StepInput, StepOutput] | None = None
     for _ in range(max_steps):
-        if not scheduler.has_unfinished_requests():
+        if not scheduler.has_unfinished_requests() and in_flight is None:
             return results
         step = scheduler.schedule()
-        collect(scheduler.update(step, executor.execute(step)), results)
+        output = executor.execute(step)
+        if not pipelined:
+            collect(scheduler.update(step, output), results)
+            continue
+        if in_flight is not None:
+            collect(scheduler.update(*in_flight), results)
+        in_flight = (step, output) if step.chunks or step.finished_request_ids else None
     raise AssertionError(f"requests still unfinished after {max_steps} steps")

@@ -20,7 +20,10 @@ class Status:
 
 class RequestState:
     """Mutable per-request state. ``all_token_ids`` is the prompt followed by the
-    output; positions ``< num_computed`` are in the KV cache."""
+    known output; ``num_pending`` more tokens were sampled by steps whose output has
+    not come back yet (async scheduling; 0 otherwise). Positions ``< num_computed``
+    are in the KV cache or being written by a step in flight: ``num_computed``
+    advances when a chunk is scheduled, not when its step returns."""
 
     __slots__ = (
         "request_id",
@@ -31,6 +34,7 @@ class RequestState:
         "all_token_ids",
         "num_prompt_tokens",
         "num_computed",
+        "num_pending",
         "block_table",
         "num_cached_tokens",
         "max_len",
@@ -59,6 +63,7 @@ class RequestState:
         self.all_token_ids: list[int] = list(request.prompt_token_ids)
         self.num_prompt_tokens = len(self.all_token_ids)
         self.num_computed = 0
+        self.num_pending = 0  # sampled in steps in flight, not yet in all_token_ids
         self.block_table: list[int] = []  # the KV manager's table while RUNNING
         self.num_cached_tokens = 0  # from the prefix cache at the first admission
         self.max_len = max_len  # stop with "length" once this many tokens exist

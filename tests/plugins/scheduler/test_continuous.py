@@ -24,7 +24,7 @@ from tokenloom.protocols.components import QueueFullError
 from tokenloom.protocols.outputs import FinishReason, TopLogprobs
 from tokenloom.protocols.requests import GenerateRequest
 from tokenloom.protocols.sampling import SamplingParams
-from tokenloom.protocols.step import StepOutput
+from tokenloom.protocols.step import PLACEHOLDER_TOKEN, StepOutput
 
 BS = 4
 VOCAB = 64
@@ -74,20 +74,46 @@ def test_registers_as_scheduler_continuous() -> None:
     assert (spec.kind, spec.name, spec.factory) == ("scheduler", "continuous", ContinuousScheduler)
 
 
-def test_preempted_request_resumes_with_identical_tokens() -> None:
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_preempted_request_resumes_with_identical_tokens(pipelined: bool) -> None:
     prompts = random_prompts(12)
     results = []
     for num_blocks in (512, 24):
         scheduler, _, executor = make(num_blocks, max_num_seqs=8, max_num_batched_tokens=32)
         for i, prompt in enumerate(prompts):
             scheduler.add_request(request(f"r{i}", prompt, max_tokens=40))
-        results.append(run_until_idle(scheduler, executor))
+        results.append(run_until_idle(scheduler, executor, pipelined=pipelined))
         if num_blocks == 24:
             assert scheduler.stats().num_preemptions > 0
     unconstrained, constrained = results
     assert constrained == unconstrained
     for i, prompt in enumerate(prompts):
         assert constrained[f"r{i}"].token_ids == expected_tokens(prompt, constrained[f"r{i}"])
+
+
+def test_pipelined_scheduling_keeps_one_step_in_flight_and_the_same_tokens() -> None:
+    prompts = random_prompts(10, seed=5)
+    runs = []
+    for pipelined in (False, True):
+        scheduler, _, executor = make(48, max_num_seqs=6, max_num_batched_tokens=24)
+        for i, prompt in enumerate(prompts):
+            scheduler.add_request(request(f"r{i}", prompt, max_tokens=20))
+        runs.append(run_until_idle(scheduler, executor, pipelined=pipelined))
+        assert scheduler.generation_tokens_total == sum(len(g.token_ids) for g in runs[-1].values())
+    assert runs[0] == runs[1]
+    # Built before the previous step's output is in: decodes carry a placeholder, and
+    # a request whose pending token reaches max_tokens is not scheduled again.
+    scheduler, _, executor = make()
+    scheduler.add_request(request("a", [5, 6, 7], max_tokens=3))
+    first = scheduler.schedule()
+    second = scheduler.schedule()
+    assert [c.token_ids for c in second.chunks] == [[PLACEHOLDER_TOKEN]]
+    assert second.chunks[0].start_pos == 3 and second.chunks[0].sample
+    third = scheduler.schedule()
+    assert third.chunks[0].start_pos == 4
+    assert not scheduler.schedule().chunks  # 3 pending tokens = max_tokens
+    deltas = [scheduler.update(s, executor.execute(s)) for s in (first, second, third)]
+    assert [d[0].finish_reason for d in deltas] == [None, None, FinishReason.LENGTH]
 
 
 def test_new_request_data_is_sent_once_even_across_preemption() -> None:

@@ -5,6 +5,8 @@ block tables, only cached blocks are shared, free + used = total, only running
 requests hold blocks); every step must respect the budget, the sequence limit and
 the block tables; every generated token must be the one the fake model computes
 from the request's true history (so KV reuse, sharing and preemption are exact).
+Every sequence also runs pipelined: step N+1 is scheduled before step N's output is
+folded in (async scheduling), with placeholder inputs the fake executor resolves.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from tokenloom.protocols.components import QueueFullError
 from tokenloom.protocols.outputs import TokenDelta
 from tokenloom.protocols.requests import GenerateRequest
 from tokenloom.protocols.sampling import SamplingParams
-from tokenloom.protocols.step import StepInput
+from tokenloom.protocols.step import PLACEHOLDER_TOKEN, StepInput, StepOutput
 
 VOCAB = 24  # small, so that EOS (0) comes up often
 MAX_MODEL_LEN = 64
@@ -57,8 +59,15 @@ class FakeClock:
 
 class Harness:
     def __init__(
-        self, scheduler: BatchScheduler, kv: PagedKVCache, config: EngineConfig, clock: FakeClock
+        self,
+        scheduler: BatchScheduler,
+        kv: PagedKVCache,
+        config: EngineConfig,
+        clock: FakeClock,
+        pipelined: bool = False,
     ) -> None:
+        self.pipelined = pipelined
+        self.in_flight: tuple[StepInput, StepOutput] | None = None
         self.clock = clock
         self.scheduler = scheduler
         self.kv = kv
@@ -98,8 +107,27 @@ class Harness:
         self.clock.now += 1.0
         step = self.scheduler.schedule()
         self.check_step(step)
-        self.fold(self.scheduler.update(step, self.executor.execute(step)))
+        output = self.executor.execute(step)
+        if not self.pipelined:
+            self.fold(self.scheduler.update(step, output))
+        else:
+            if self.in_flight is not None:
+                self.fold(self.scheduler.update(*self.in_flight))
+            self.in_flight = (step, output)
         self.check_pool()
+
+    def unfinished(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self.in_flight is not None
+
+    def drain(self) -> None:
+        for _ in range(5000):
+            if not self.unfinished():
+                return
+            if self.in_flight is not None and not self.scheduler.has_unfinished_requests():
+                self.fold(self.scheduler.update(*self.in_flight))
+                self.in_flight = None
+                continue
+            self.step()
 
     def fold(self, deltas: list[TokenDelta]) -> None:
         for delta in deltas:
@@ -120,8 +148,13 @@ class Harness:
             assert chunk.request_id not in self.done
             history = self.history[chunk.request_id]
             end = chunk.start_pos + len(chunk.token_ids)
-            assert chunk.token_ids == history[chunk.start_pos : end]
-            assert chunk.sample == (end == len(history))
+            known = history[chunk.start_pos : end]
+            assert chunk.token_ids[: len(known)] == known
+            # Only a step in flight leaves tokens unknown: one, the chunk's last.
+            unknown = chunk.token_ids[len(known) :]
+            assert unknown == ([PLACEHOLDER_TOKEN] if self.pipelined and unknown else [])
+            if not self.pipelined:
+                assert chunk.sample == (end == len(history))
             assert len(chunk.block_ids) * self.kv.block_size >= end
 
     def check_pool(self) -> None:
@@ -147,6 +180,7 @@ class Harness:
 SCHEDULERS = [ContinuousScheduler, StaticScheduler]
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
 @pytest.mark.parametrize("scheduler_cls", SCHEDULERS)
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
@@ -159,6 +193,7 @@ SCHEDULERS = [ContinuousScheduler, StaticScheduler]
 )
 def test_random_operations_keep_the_pool_and_steps_consistent(
     scheduler_cls: type[BatchScheduler],
+    pipelined: bool,
     operations: list[tuple],
     num_blocks: int,
     block_size: int,
@@ -166,9 +201,12 @@ def test_random_operations_keep_the_pool_and_steps_consistent(
     budget: int,
     caching: bool,
 ) -> None:
-    run_operations(scheduler_cls, operations, num_blocks, block_size, max_num_seqs, budget, caching)
+    run_operations(
+        scheduler_cls, operations, num_blocks, block_size, max_num_seqs, budget, caching, pipelined
+    )
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
 @pytest.mark.parametrize("scheduler_cls", SCHEDULERS)
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
@@ -179,12 +217,13 @@ def test_random_operations_keep_the_pool_and_steps_consistent(
 )
 def test_random_operations_under_kv_pressure_preempt_and_stay_exact(
     scheduler_cls: type[BatchScheduler],
+    pipelined: bool,
     operations: list[tuple],
     num_blocks: int,
     max_num_seqs: int,
     caching: bool,
 ) -> None:
-    run_operations(scheduler_cls, operations, num_blocks, 4, max_num_seqs, 16, caching)
+    run_operations(scheduler_cls, operations, num_blocks, 4, max_num_seqs, 16, caching, pipelined)
 
 
 def run_operations(
@@ -195,6 +234,7 @@ def run_operations(
     max_num_seqs: int,
     budget: int,
     caching: bool,
+    pipelined: bool = False,
 ) -> None:
     config = EngineConfig(
         max_model_len=MAX_MODEL_LEN,
@@ -206,7 +246,7 @@ def run_operations(
     )
     kv = PagedKVCache(config, num_blocks, block_size)
     clock = FakeClock()
-    harness = Harness(scheduler_cls(config, kv, clock), kv, config, clock)
+    harness = Harness(scheduler_cls(config, kv, clock), kv, config, clock, pipelined)
     for op in operations:
         if op[0] == "add":
             _, length, max_tokens, priority, group, min_tokens, seed, deadline = op
@@ -220,11 +260,8 @@ def run_operations(
         else:
             for _ in range(op[1]):
                 harness.step()
-    for _ in range(5000):
-        if not harness.scheduler.has_unfinished_requests():
-            break
-        harness.step()
-    assert not harness.scheduler.has_unfinished_requests()
+    harness.drain()
+    assert not harness.unfinished()
     assert set(harness.done) == set(harness.added)
     assert kv.request_ids() == [] and kv.num_free_blocks == num_blocks
     for request_id, reason in harness.done.items():
