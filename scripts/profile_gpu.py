@@ -1,5 +1,5 @@
 """Per-kernel GPU time of single-stream decode steps (torch.profiler), eager and graphs.
-Usage: python scripts/profile_gpu.py [MODEL_SHAPE]"""
+Usage: python scripts/profile_gpu.py [MODEL_SHAPE] [graphs]  (graphs: skip eager)"""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tokenloom.protocols.requests import GenerateRequest
 
 shape = sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b"
 model_dir = str(write_shape_dir(shape, tempfile.mkdtemp()))
-for eager in (True, False):
+for eager in (False,) if "graphs" in sys.argv[2:] else (True, False):
     llm = LLM(model_dir, load_format="random", max_num_seqs=8, enforce_eager=eager)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
@@ -26,7 +26,10 @@ for eager in (True, False):
         for _ in range(20):
             engine.step()
     print(f"===== eager={eager}")
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=24))
+    events = prof.key_averages()
+    total = sum(e.self_device_time_total for e in events) / 20 / 1e3
+    print(f"device time per step: {total:.3f} ms over {len(events)} kernel kinds")
     engine.abort(["r"])
     engine.shutdown()
     del llm, engine

@@ -118,6 +118,7 @@ class TritonAttention(AttentionBackend):
         # Decode partials, flat fp32, rows = batch * num_splits(batch) at its largest.
         self._part_out: torch.Tensor | None = None  # [rows * num_heads * head_dim]
         self._part_lse: torch.Tensor | None = None  # [rows * num_heads]
+        self._counters: torch.Tensor | None = None  # [batch * num_kv_heads] int32, zero
 
     def num_splits(self, batch: int) -> int:
         """KV splits for a decode batch of ``batch`` requests: enough programs for
@@ -141,7 +142,7 @@ class TritonAttention(AttentionBackend):
         # Rows of [num_heads, head_dim] partials the largest batch needs.
         return max(b * self.num_splits(b) for b in range(1, max_batch + 1))
 
-    def _decode_scratch(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_scratch(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rows = batch * self.num_splits(batch)
         if self._part_out is None or self._part_out.numel() < rows * self.num_heads * self.head_dim:
             rows = max(rows, self._scratch_rows(max(batch, self.max_num_seqs)))
@@ -151,8 +152,11 @@ class TritonAttention(AttentionBackend):
             self._part_lse = torch.empty(
                 rows * self.num_heads, dtype=torch.float32, device=self.device
             )
+        if self._counters is None or self._counters.numel() < batch * self.num_kv_heads:
+            size = max(batch, self.max_num_seqs) * self.num_kv_heads
+            self._counters = torch.zeros(size, dtype=torch.int32, device=self.device)
         assert self._part_lse is not None
-        return self._part_out, self._part_lse
+        return self._part_out, self._part_lse, self._counters
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Count the leading decodes of a mixed batch (host lists only) into
@@ -188,7 +192,7 @@ class TritonAttention(AttentionBackend):
         else:
             num_decodes = int(meta.extra.get("num_leading_decodes", 0))
         if num_decodes:
-            part_out, part_lse = self._decode_scratch(num_decodes)
+            part_out, part_lse, counters = self._decode_scratch(num_decodes)
             decode_attention(
                 q[:num_decodes],
                 k_cache,
@@ -198,6 +202,7 @@ class TritonAttention(AttentionBackend):
                 out[:num_decodes],
                 part_out,
                 part_lse,
+                counters,
                 scale,
                 num_splits=self.num_splits(num_decodes),
                 block_n=self.decode_block_n_for(num_decodes),

@@ -76,6 +76,19 @@ def test_decode_of_one_long_request_merges_four_splits():
     check_against_references([1], [150], max_num_splits=4)
 
 
+def test_the_last_split_merges_and_leaves_the_counters_zero_for_the_next_launch():
+    # Splits merge in the kernel: the last program to finish (counted atomically)
+    # merges. Repeated launches on the same scratch must give the same output, so
+    # each launch must leave its counters at zero.
+    batch = make_batch([1, 1, 1], [150, 37, 3], device=DEVICE)
+    triton_attn, _ = backends(4, 2, 32, torch.float32, max_num_splits=4)
+    first = forward(triton_attn, batch)
+    assert relative_error(first, dense_reference(batch)) < TOLERANCE[torch.float32]
+    _, _, counters = triton_attn._decode_scratch(3)
+    assert int(counters.abs().sum()) == 0
+    assert torch.equal(forward(triton_attn, batch), first)
+
+
 def test_decode_with_one_split_matches_references():
     check_against_references([1, 1, 1], [5, 40, 64], max_num_splits=1)
 
