@@ -226,7 +226,8 @@ class ModelRunner(Executor):
         request_ids = batch.sample_request_ids
         if not request_ids:
             return DoneStep(StepOutput(step.step_id, [], []))
-        logits = self.model.compute_logits(hidden[batch.sample_index])
+        rows = hidden if batch.sample_index is None else hidden[batch.sample_index]
+        logits = self.model.compute_logits(rows)
         result = sampler.sample(logits, request_ids)
         sampler.record_sampled(request_ids, result)
         batches.remember(batch, result.token_ids)
