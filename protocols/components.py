@@ -183,6 +183,10 @@ class AttentionBackend(ABC):
     # syncs, no reads of ``meta.query_lens_cpu`` / ``seq_lens_cpu`` (graph metadata
     # leaves them empty), launches that depend on tensor shapes only.
     supports_cuda_graphs: bool = False
+    # True when ``forward`` accepts ``kv_written=True``: the model already stored k and
+    # v at ``meta.slot_mapping`` in the cache layout below (fused into its rope
+    # kernel), so the backend only attends. The model passes the keyword only then.
+    accepts_written_kv: bool = False
 
     def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027
         """Called once per step before the forward pass; may fill ``meta.extra``."""

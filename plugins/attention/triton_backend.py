@@ -1,6 +1,7 @@
 """Attention plugin ``triton``: paged attention in Triton kernels (default on CUDA).
 
-Each forward writes the new keys/values with one kernel, then runs the split-KV
+Each forward writes the new keys/values with one kernel (unless the model's rope
+kernel already did: ``accepts_written_kv``), then runs the split-KV
 decode kernel on the batch's leading one-token requests and the paged prefill kernel
 on the rest (the executor should order decodes first in mixed batches; any order is
 correct, but only leading decodes get the decode kernel). No launch reads tensor values on
@@ -76,6 +77,7 @@ class TritonAttention(AttentionBackend):
 
     name = "triton"
     supports_cuda_graphs = True
+    accepts_written_kv = True
 
     def __init__(self, config: Any, model_info: Any, **overrides: int) -> None:
         self.num_heads = int(model_info.num_heads)
@@ -183,8 +185,10 @@ class TritonAttention(AttentionBackend):
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        kv_written: bool = False,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not kv_written:
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_seqs = int(meta.seq_lens.shape[0])
         if meta.decode_only:

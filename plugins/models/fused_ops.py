@@ -133,8 +133,11 @@ def _norm_rope_heads(
     b = (f2 * sin).to(dtype).to(tl.float32)
     c = (f2 * cos).to(dtype).to(tl.float32)
     d = (f1 * sin).to(dtype).to(tl.float32)
-    tl.store(base, (a - b).to(dtype), mask=mask)
-    tl.store(base + HALF, (c + d).to(dtype), mask=mask)
+    x1 = (a - b).to(dtype)
+    x2 = (c + d).to(dtype)
+    tl.store(base, x1, mask=mask)
+    tl.store(base + HALF, x2, mask=mask)
+    return x1, x2
 
 
 @triton.jit
@@ -150,6 +153,12 @@ def _qk_norm_rope_kernel(
     stride_kt,
     stride_kh,
     stride_cos,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_vt,
+    stride_vh,
     eps,
     NUM_Q: tl.constexpr,
     NUM_K: tl.constexpr,
@@ -157,6 +166,7 @@ def _qk_norm_rope_kernel(
     K_P2: tl.constexpr,
     HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    WRITE_KV: tl.constexpr,
 ):
     token = tl.program_id(0)
     cols = tl.arange(0, HALF)[None, :]
@@ -167,9 +177,23 @@ def _qk_norm_rope_kernel(
             q_ptr, qw_ptr, stride_qt, stride_qh, token, cos, sin, eps, NUM_Q, Q_P2, HALF, HAS_NORM
         )
     else:
-        _norm_rope_heads(
+        k1, k2 = _norm_rope_heads(
             k_ptr, kw_ptr, stride_kt, stride_kh, token, cos, sin, eps, NUM_K, K_P2, HALF, HAS_NORM
         )
+        if WRITE_KV:  # the rotated key and the value into the paged cache (contiguous)
+            slot = tl.load(slot_ptr + token).to(tl.int64)
+            if slot >= 0:
+                heads = tl.arange(0, K_P2)[:, None]
+                mask = heads < NUM_K
+                dst = slot * (NUM_K * 2 * HALF) + heads * (2 * HALF) + cols
+                cache_dtype = k_cache_ptr.dtype.element_ty
+                tl.store(k_cache_ptr + dst, k1.to(cache_dtype), mask=mask)
+                tl.store(k_cache_ptr + dst + HALF, k2.to(cache_dtype), mask=mask)
+                src = v_ptr + token * stride_vt + heads * stride_vh + cols
+                v1 = tl.load(src, mask=mask, other=0.0)
+                v2 = tl.load(src + HALF, mask=mask, other=0.0)
+                tl.store(v_cache_ptr + dst, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
+                tl.store(v_cache_ptr + dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def qk_norm_rope_(
@@ -180,10 +204,21 @@ def qk_norm_rope_(
     q_weight: torch.Tensor | None = None,  # [D] per-head RMSNorm weights (Qwen3)
     k_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
+    """Per-head RMSNorm (when weights are given) and rotary embedding of q and k, in
+    place. ``kv_write = (v, k_cache, v_cache, slot_mapping)`` also stores the rotated
+    keys and the values in the paged cache (``[blocks, block_size, Hkv, D]``,
+    contiguous) at ``slot_mapping`` (slots < 0 are skipped), saving the attention
+    backend its KV-write kernel."""
     tokens, num_q, head_dim = q.shape
     if not tokens:
         return
+    if kv_write is not None:
+        v, k_cache, v_cache, slot_mapping = kv_write
+        assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    else:
+        v, k_cache, v_cache, slot_mapping = k, k, k, k
     cos2, sin2 = cos.reshape(tokens, head_dim // 2), sin.reshape(tokens, head_dim // 2)
     has_norm = q_weight is not None and k_weight is not None
     _qk_norm_rope_kernel[(tokens, 2)](
@@ -198,6 +233,12 @@ def qk_norm_rope_(
         k.stride(0),
         k.stride(1),
         cos2.stride(0),
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        v.stride(0),
+        v.stride(1),
         eps,
         NUM_Q=num_q,
         NUM_K=k.shape[1],
@@ -205,5 +246,6 @@ def qk_norm_rope_(
         K_P2=triton.next_power_of_2(k.shape[1]),
         HALF=head_dim // 2,
         HAS_NORM=has_norm,
+        WRITE_KV=kv_write is not None,
         num_warps=4,
     )

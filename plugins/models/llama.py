@@ -119,19 +119,25 @@ class LlamaAttention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = ctx.kv_caches[self.layer_index]
+        written: dict[str, bool] = {}
         if q.is_cuda:
             from tokenloom.plugins.models import fused_ops
 
             norms = (self.q_norm, self.k_norm)
             q_w, k_w = (n.weight if n is not None else None for n in norms)
             eps = self.q_norm.eps if self.q_norm is not None else 0.0
-            fused_ops.qk_norm_rope_(q, k, *rope, q_w, k_w, eps)  # in place, in qkv
+            # The backend may let the rope kernel write the KV cache (one kernel less).
+            kv_write = None
+            if getattr(ctx.attn, "accepts_written_kv", False):
+                kv_write = (v, k_cache, v_cache, ctx.meta.slot_mapping)
+                written["kv_written"] = True
+            fused_ops.qk_norm_rope_(q, k, *rope, q_w, k_w, eps, kv_write)  # in place, in qkv
         else:
             if self.q_norm is not None and self.k_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, k, *rope)
-        k_cache, v_cache = ctx.kv_caches[self.layer_index]
-        out = ctx.attn.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale)  # [T, Hq, D]
+        out = ctx.attn.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale, **written)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
     def slots(self, prefix: str) -> Slots:

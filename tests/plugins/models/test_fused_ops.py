@@ -70,3 +70,27 @@ def test_qk_norm_rope_in_place_equals_norm_then_rotary(dtype, with_norm):
     torch.testing.assert_close(k_dev.cpu(), ek, rtol=tol, atol=tol)
     v_before = qkv[:, (hq + hkv) * d :]
     torch.testing.assert_close(qkv_dev[:, (hq + hkv) * d :].cpu(), v_before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_can_write_the_rotated_keys_and_values_into_the_paged_cache(dtype):
+    torch.manual_seed(3)
+    tokens, hq, hkv, d, blocks, bs = 5, 4, 2, 16, 4, 4
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, dtype=dtype, device=DEVICE)
+    q = qkv[:, : hq * d].view(tokens, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(tokens, hkv, d)
+    angles = torch.rand(tokens, 1, d // 2, device=DEVICE) * 6.0
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    k_cache = torch.zeros(blocks, bs, hkv, d, dtype=dtype, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([13, 2, -1, 7, 0], device=DEVICE)  # -1: a padding row, skipped
+    fused_ops.qk_norm_rope_(q, k, cos, sin, kv_write=(v, k_cache, v_cache, slots))
+    flat_k, flat_v = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
+    for token, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(flat_k[slot], k[token])  # the rotated key, as left in qkv
+            assert torch.equal(flat_v[slot], v[token])
+    written = torch.zeros(blocks * bs, dtype=torch.bool)
+    written[[13, 2, 7, 0]] = True
+    assert not flat_k[~written.to(DEVICE)].any() and not flat_v[~written.to(DEVICE)].any()
