@@ -7,6 +7,7 @@ import sys
 import tempfile
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from tokenloom import LLM, SamplingParams
@@ -30,6 +31,26 @@ for eager in (False,) if "graphs" in sys.argv[2:] else (True, False):
     events = prof.key_averages()
     total = sum(e.self_device_time_total for e in events) / 20 / 1e3
     print(f"device time per step: {total:.3f} ms over {len(events)} kernel kinds")
+    # The timeline: how much of each step the device is busy, and where it waits.
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    busy = sum(k.time_range.end - k.time_range.start for k in kernels) / 20
+    span = (kernels[-1].time_range.end - kernels[0].time_range.start) / 20
+    gaps = [
+        (max(0.0, b.time_range.start - a.time_range.end), a.name[:40], b.name[:40])
+        for a, b in zip(kernels, kernels[1:], strict=False)
+    ]
+    small = [g for g in gaps if g[0] <= 20]
+    big = sorted((g for g in gaps if g[0] > 20), reverse=True)
+    print(
+        f"per step: span {span:.0f} us, kernels busy {busy:.0f} us, "
+        f"{len(small) / 20:.0f} gaps <= 20 us totalling {sum(g[0] for g in small) / 20:.0f} us, "
+        f"{len(big) / 20:.1f} gaps > 20 us totalling {sum(g[0] for g in big) / 20:.0f} us"
+    )
+    for gap in big[:6]:
+        print(f"  gap {gap[0]:.0f} us after {gap[1]} before {gap[2]}")
     engine.abort(["r"])
     engine.shutdown()
     del llm, engine

@@ -51,7 +51,15 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), False) if bias else None
 
+    # A config of the skinny Triton GEMM, set where it measured faster than cuBLAS
+    # (``SkinnyDispatch``); used for inputs of at most 16 rows (small-batch decode).
+    skinny: tuple[int, int, int, int] | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.skinny is not None and x.dim() == 2 and x.shape[0] <= 16 and x.stride(1) == 1:
+            from tokenloom.plugins.models.skinny_gemm import skinny_gemm
+
+            return skinny_gemm(x, self.weight, self.skinny, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def slots(self, names: Sequence[str]) -> Slots:
