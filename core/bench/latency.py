@@ -109,6 +109,7 @@ def main(argv: list[str]) -> int:
         "decode_tokens_per_s": tok_s,
         "step_ms": step_ms,
         "memory_gib": dict(getattr(engine.executor, "memory", {})),
+        "startup_s": dict(getattr(engine.executor, "timings", {})),
     }
     rows: list[tuple[str, Any]] = [
         ("decode tokens/s (median)", tok_s),
@@ -130,7 +131,10 @@ def main(argv: list[str]) -> int:
             ("bytes per step GB", step_bytes / 1e9),
             ("roofline tokens/s", roofline),
             ("% of roofline", 100 * tok_s / roofline),
-            ("graph capture s", engine.executor.memory.get("graph_capture_s", 0.0)),
+            (
+                "graph capture s",
+                getattr(engine.executor, "timings", {}).get("graph_capture_s", 0.0),
+            ),
         ]
     print_table(f"latency: {args.model}", rows)
     write_json(args.out, "bench-latency.json", result)

@@ -150,6 +150,7 @@ def main(argv: list[str]) -> int:
         "num_prompts": args.num_prompts,
         "tokenloom": ours,
         "memory_gib": dict(getattr(llm.engine.executor, "memory", {})),
+        "startup_s": dict(getattr(llm.engine.executor, "timings", {})),
     }
     rows = [
         (

@@ -174,9 +174,12 @@ class SkinnyDispatch:
             else:
                 _DECIDED[key] = self._measure(w)
                 stored[key] = _DECIDED[key]
-                try:
-                    _cache_file().parent.mkdir(parents=True, exist_ok=True)
-                    _cache_file().write_text(json.dumps(stored, indent=1))
+                try:  # write-then-rename: readers never see half a file
+                    target = _cache_file()
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    partial = target.with_suffix(f".{os.getpid()}.tmp")
+                    partial.write_text(json.dumps(stored, indent=1))
+                    os.replace(partial, target)
                 except OSError as err:
                     log.warning("could not store skinny GEMM choices: %s", err)
         self.choices[key] = _DECIDED[key]

@@ -17,6 +17,8 @@ Invariants kept between calls:
   step's ``update`` (async scheduling: the engine builds step N+1 while step N
   runs); called alternately, there is never a pending token at ``schedule``.
 - A request is never started or resumed while it has pending tokens.
+- A request that is aborted or times out while a step of it is in flight loses the
+  token that step sampled (the synchronous engine would have delivered it).
 """
 
 from __future__ import annotations
@@ -82,6 +84,9 @@ class BatchScheduler(Scheduler):
         self._deadlines: list[tuple[float, int, RequestState]] = []
         self._first_blocks_in_flight: dict[tuple[int, ...], int] = {}
         self._finished_ids: list[str] = []
+        # The states a built step's chunks belong to, until its update: a request id
+        # can be reused (abort, then resubmit) while an old step of it is in flight.
+        self._step_states: dict[int, list[RequestState]] = {}
         self._pending_deltas: list[TokenDelta] = []
         self._num_arrivals = 0
         self._step_id = 0
@@ -174,6 +179,8 @@ class BatchScheduler(Scheduler):
         if chunks:
             self.num_steps += 1
             _decodes_first(chunks)
+            requests = self._requests
+            self._step_states[self._step_id] = [requests[c.request_id] for c in chunks]
         return StepInput(self._step_id, chunks, new, finished, self._max_batched_tokens - budget)
 
     def update(self, step: StepInput, output: StepOutput) -> list[TokenDelta]:
@@ -189,12 +196,14 @@ class BatchScheduler(Scheduler):
         sample_index = -1
         num_generated = 0
         any_finished = False
-        for chunk in step.chunks:
+        states = self._step_states.pop(step.step_id, None)
+        finished = Status.FINISHED
+        for index, chunk in enumerate(step.chunks):
             if chunk.sample:
                 sample_index += 1
             request_id = chunk.request_id
-            state = requests.get(request_id)
-            if state is None:
+            state = states[index] if states is not None else requests.get(request_id)
+            if state is None or state.status == finished:
                 continue  # finished (stopped, aborted, timed out) after this step was built
             start = chunk.start_pos
             end = start + len(chunk.token_ids)

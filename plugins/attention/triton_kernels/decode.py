@@ -129,7 +129,9 @@ def _decode_kernel(
         part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None], mask=mask_hd
     )
     tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=mask_h)
-    # Release our partials, acquire everyone else's: the last to arrive merges.
+    # Release our partials, acquire everyone else's: the last to arrive merges. The
+    # barrier makes every thread's stores precede the (one-thread) release.
+    tl.debug_barrier()
     counter = counters_ptr + seq * NUM_KV_HEADS + kv_head
     arrived = tl.atomic_add(counter, 1, sem="acq_rel")
     if arrived != num_active - 1:

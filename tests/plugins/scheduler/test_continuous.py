@@ -116,6 +116,25 @@ def test_pipelined_scheduling_keeps_one_step_in_flight_and_the_same_tokens() -> 
     assert [d[0].finish_reason for d in deltas] == [None, None, FinishReason.LENGTH]
 
 
+def test_a_reused_request_id_is_not_confused_with_its_old_step_in_flight() -> None:
+    # Pipelined: the old R's second step is still in flight when R is aborted and a
+    # new R arrives; that step's token must not land in the new R.
+    scheduler, _, _ = make()
+    scheduler.add_request(request("R", [7, 7, 7], max_tokens=10))
+    first = scheduler.schedule()
+    second = scheduler.schedule()
+    scheduler.update(first, StepOutput(first.step_id, ["R"], [[98]]))
+    scheduler.abort_requests(["R"])
+    scheduler.add_request(request("R", [5, 5], max_tokens=4))
+    third = scheduler.schedule()
+    assert [c.token_ids for c in third.chunks] == [[5, 5]]
+    assert scheduler.update(second, StepOutput(second.step_id, ["R"], [[99]])) == []
+    deltas = scheduler.update(third, StepOutput(third.step_id, ["R"], [[11]]))
+    assert [d.new_token_ids for d in deltas] == [[11]]
+    fourth = scheduler.schedule()
+    assert [(c.start_pos, c.token_ids) for c in fourth.chunks] == [(2, [11])]
+
+
 def test_new_request_data_is_sent_once_even_across_preemption() -> None:
     scheduler, _, executor = make(12, max_num_seqs=4)
     for i, prompt in enumerate(random_prompts(6, seed=3)):
