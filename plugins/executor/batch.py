@@ -32,10 +32,10 @@ class FlatBatch:
     positions: torch.Tensor  # [T] int64 device
     meta: AttentionMetadata
     sample_index: torch.Tensor | None  # [S] int64 device: rows whose logits are sampled; None: all
+    sample_slots: torch.Tensor  # [S] int64 device: the sampled rows' token slots
     sample_request_ids: list[str]
     num_tokens: int
     num_seqs: int
-    sample_slots: torch.Tensor | None = None  # [S] int64 device: the rows' token slots
 
 
 class BatchBuilder:
@@ -70,8 +70,7 @@ class BatchBuilder:
     def remember(self, batch: FlatBatch, token_ids: torch.Tensor) -> None:
         """Keep the tokens just sampled (device, one per sampling row) for the
         placeholders of later steps."""
-        if batch.sample_slots is not None:
-            self.last_tokens.index_copy_(0, batch.sample_slots, token_ids.to(torch.int32))
+        self.last_tokens.index_copy_(0, batch.sample_slots, token_ids.to(torch.int32))
 
     # ------------------------------------------------------------------ batches
 
