@@ -61,6 +61,17 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     request_timeout_s: float | None = None
     shutdown_grace_s: float = 5.0
     engine_start_timeout_s: float = 600.0
+    # limits every frontend applies alike (HTTP and ZeroMQ), checked before any work
+    max_request_body_mb: float = 16.0  # HTTP bodies and ZeroMQ frames; 413 / error reply
+    max_n: int = 128  # choices per request (params.n)
+    max_prompts_per_request: int = 256  # prompts in one batched completion request
+    max_stop_sequences: int = 16  # entries in stop and in stop_token_ids, each
+    max_request_id_bytes: int = 256  # a client's job id (ZeroMQ) or request id, UTF-8
+    zmq_heartbeat_timeout_s: float = 30.0  # a silent ZeroMQ client's jobs are aborted
+    # engine-core failure policy: restart it with backoff, then give up (exit non-zero)
+    restart_engine: bool = True
+    max_engine_restarts: int = 5  # consecutive failed starts or deaths before exiting
+    metrics_require_api_key: bool = False  # /metrics and /version behind the API key
     # plugin settings: [plugin.NAME] tables
     plugin: dict[str, dict[str, Any]] = {}
 
@@ -87,6 +98,16 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(f"kv_cache_memory_gb: must be > 0, got {self.kv_cache_memory_gb}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port: must be in [0, 65535], got {self.port}")
+        if self.max_request_body_mb <= 0:
+            raise ConfigError(f"max_request_body_mb: must be > 0, got {self.max_request_body_mb}")
+        for name in ("max_n", "max_prompts_per_request", "max_stop_sequences"):
+            _at_least(name, getattr(self, name), 1)
+        _at_least("max_request_id_bytes", self.max_request_id_bytes, 8)
+        _at_least("max_engine_restarts", self.max_engine_restarts, 0)
+        if self.zmq_heartbeat_timeout_s <= 0:
+            raise ConfigError(
+                f"zmq_heartbeat_timeout_s: must be > 0, got {self.zmq_heartbeat_timeout_s}"
+            )
         if self.shutdown_grace_s < 0:
             raise ConfigError(f"shutdown_grace_s: must be >= 0, got {self.shutdown_grace_s}")
 
