@@ -70,10 +70,31 @@ _QWEN3_06B: dict[str, Any] = {
     "torch_dtype": "bfloat16",
 }
 
+# SmolLM2-135M-Instruct, the built-in default model (its GGUF metadata, as HF config).
+_SMOLLM2_135M: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+}
+
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3-8b": _LLAMA_3_8B,
     "qwen2.5-0.5b": _QWEN25_05B,
     "qwen3-0.6b": _QWEN3_06B,
+    "smollm2-135m": _SMOLLM2_135M,
 }
 
 

@@ -9,13 +9,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tokenloom.model_shapes import SHAPES
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="qwen3-0.6b",
-        help="model directory, or a real shape with random weights: "
-        "llama-3-8b, qwen2.5-0.5b, qwen3-0.6b",
+        help="model directory, or a real shape with random weights: " + ", ".join(SHAPES),
     )
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--attention", default="auto")
