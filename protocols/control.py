@@ -17,6 +17,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True, omit_defaults=True, gc
     block_size: int = 0
     max_num_seqs: int = 0
     eos_token_ids: list[int] = []
+    vocab_size: int = 0  # the model's (its embedding rows); 0: unknown
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True, omit_defaults=True, gc=False):
