@@ -28,6 +28,7 @@ PINS: dict[str, tuple[str, ...]] = {
         "block_size",
         "max_num_seqs",
         "eos_token_ids",
+        "vocab_size",
     ),
     "control.Shutdown": ("grace_s",),
     "control.Failed": ("message",),
