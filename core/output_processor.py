@@ -18,7 +18,7 @@ that arrive later for a finished child (such as the abort's own) are ignored.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -160,6 +160,7 @@ class OutputProcessor:
         """Fold one engine step's deltas into the requests. Finished requests are
         reported once, then forgotten."""
         changed: dict[str, _Request] = {}
+        touched: dict[str, dict[str, _Completion]] = {}  # request id -> changed completions
         abort_ids: list[str] = []
         for delta in deltas:
             request_id = self._parent_of.get(delta.request_id)
@@ -171,10 +172,11 @@ class OutputProcessor:
                 continue
             if self._apply(request, completion, delta):
                 abort_ids.append(delta.request_id)
+            touched.setdefault(request_id, {})[delta.request_id] = completion
             request.num_cached_tokens = max(request.num_cached_tokens, delta.num_cached_tokens)
             changed[request_id] = request
         outputs = [
-            self._output(request)
+            self._output(request, touched[request.request_id].values())
             for request in changed.values()
             if self.stream or request.num_unfinished == 0
         ]
@@ -257,10 +259,16 @@ class OutputProcessor:
         request.num_unfinished -= 1
 
     @staticmethod
-    def _output(request: _Request) -> RequestOutput:
+    def _output(request: _Request, changed: Iterable[_Completion]) -> RequestOutput:
+        """The request's output: every completion once it finished, else only the
+        ``changed`` ones (in index order), so that a step costs O(changed), not O(n)."""
         holdback = max(map(len, request.stop), default=1) - 1
+        if request.num_unfinished == 0:
+            completions: Iterable[_Completion] = request.completions.values()
+        else:
+            completions = sorted(changed, key=lambda c: c.index)
         outputs = []
-        for c in request.completions.values():
+        for c in completions:
             releasable = len(c.text) if c.finish_reason is not None else len(c.text) - holdback
             releasable = max(releasable, c.num_sent_chars)
             text = c.text if releasable == len(c.text) else c.text[:releasable]
