@@ -63,6 +63,7 @@ class _Request:
     completions: dict[str, _Completion]  # by engine request id
     num_unfinished: int
     num_cached_tokens: int = 0
+    prompt_logprobs: list[float] | None = None
 
 
 class OutputProcessor:
@@ -174,6 +175,8 @@ class OutputProcessor:
                 abort_ids.append(delta.request_id)
             touched.setdefault(request_id, {})[delta.request_id] = completion
             request.num_cached_tokens = max(request.num_cached_tokens, delta.num_cached_tokens)
+            if delta.prompt_logprobs is not None:
+                request.prompt_logprobs = delta.prompt_logprobs
             changed[request_id] = request
         outputs = [
             self._output(request, touched[request.request_id].values())
@@ -295,6 +298,7 @@ class OutputProcessor:
             outputs=outputs,
             finished=request.num_unfinished == 0,
             num_cached_tokens=request.num_cached_tokens,
+            prompt_logprobs=request.prompt_logprobs,
         )
 
 

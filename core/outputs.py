@@ -52,3 +52,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # With SamplingParams.prompt_logprobs: the logprob of each prompt token after the
+    # first, given the tokens before it (len(prompt_token_ids) - 1 values).
+    prompt_logprobs: list[float] | None = None

@@ -32,6 +32,7 @@ class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     top_logprobs: list[TopLogprobs] | None = None  # one per new token
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: list[float] | None = None  # first delta, when asked: prompt[1:]'s logprobs
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True, gc=False):

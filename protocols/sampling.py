@@ -29,6 +29,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token; 0 = only the sampled one
     skip_special_tokens: bool = True
+    prompt_logprobs: bool = False  # also return each prompt token's logprob (no prefix cache)
 
     def __post_init__(self) -> None:
         _check(self.n >= 1, "n", "must be >= 1")

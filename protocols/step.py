@@ -69,6 +69,9 @@ class StepOutput(msgspec.Struct, tag="step_output", array_like=True, omit_defaul
     token_ids: list[list[int]]  # sampled ids per request (more than one with speculation)
     logprobs: list[list[float]] | None = None  # per sampled token, when any request asked
     top_logprobs: list[list[TopLogprobs]] | None = None
+    # Per sampled request: its prompt tokens' logprobs (len(prompt) - 1 values, see
+    # SamplingParams.prompt_logprobs), once, in the step that samples its first token.
+    prompt_logprobs: list[list[float] | None] | None = None
 
 
 StepMessage = StepInput | StepOutput

@@ -21,6 +21,8 @@ from tokenloom.config import EngineConfig
 from tokenloom.plugins.executor import staging
 from tokenloom.plugins.executor.batch import BatchBuilder, FlatBatch
 from tokenloom.plugins.executor.cuda_graphs import DecodeGraphs
+from tokenloom.plugins.executor.prompt_logprobs import PromptLogprobs
+from tokenloom.plugins.executor.prompt_logprobs import to_host as prompt_values_to_host
 from tokenloom.plugins.executor.sampler import PendingHostSample
 from tokenloom.protocols.components import (
     ComponentSpec,
@@ -41,13 +43,23 @@ GiB = 1 << 30
 
 
 class PendingSample(PendingStep):
-    def __init__(self, step_id: int, request_ids: list[str], host: PendingHostSample) -> None:
+    def __init__(
+        self,
+        step_id: int,
+        request_ids: list[str],
+        host: PendingHostSample,
+        prompt_values: list[torch.Tensor | None] | None = None,
+    ) -> None:
         self.step_id = step_id
         self.request_ids = request_ids
         self.host = host
+        self.prompt_values = prompt_values
 
     def result(self) -> StepOutput:
-        return self.host.wait().to_step_output(self.step_id, self.request_ids)
+        output = self.host.wait().to_step_output(self.step_id, self.request_ids)
+        if self.prompt_values is not None:
+            output.prompt_logprobs = prompt_values_to_host(self.prompt_values)
+        return output
 
 
 class ModelRunner(Executor):
@@ -90,6 +102,7 @@ class ModelRunner(Executor):
         if self.device.type == "cuda":
             self._choose_skinny_gemms()
         self.sampler = Sampler(self.info.vocab_size, self.device)
+        self.prompt_logprobs = PromptLogprobs(self.device)
         self.batches = BatchBuilder(
             self.config.block_size, self.device, capacity=2 * self.config.max_num_seqs
         )
@@ -240,13 +253,17 @@ class ModelRunner(Executor):
         if step.finished_request_ids:
             sampler.remove_requests(step.finished_request_ids)
             batches.remove_requests(step.finished_request_ids)
+            self.prompt_logprobs.remove_requests(step.finished_request_ids)
         for new in step.new_requests:
             sampler.add_request(new)
             batches.add_request(new.request_id)
+            self.prompt_logprobs.add_request(new)
         if not step.chunks:
             return DoneStep(StepOutput(step.step_id, [], []))
         batch = batches.build(step)
         hidden = self._forward(batch)
+        if self.prompt_logprobs.wanted():
+            self.prompt_logprobs.record(step.chunks, hidden, self.model.compute_logits)
         request_ids = batch.sample_request_ids
         if not request_ids:
             return DoneStep(StepOutput(step.step_id, [], []))
@@ -255,7 +272,8 @@ class ModelRunner(Executor):
         result = sampler.sample(logits, request_ids)
         sampler.record_sampled(request_ids, result)
         batches.remember(batch, result.token_ids)
-        return PendingSample(step.step_id, request_ids, result.copy_to_host())
+        prompt_values = self.prompt_logprobs.take(step.chunks, request_ids)
+        return PendingSample(step.step_id, request_ids, result.copy_to_host(), prompt_values)
 
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
         meta = batch.meta

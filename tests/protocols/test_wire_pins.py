@@ -48,6 +48,7 @@ PINS: dict[str, tuple[str, ...]] = {
         "top_logprobs",
         "num_prompt_tokens",
         "num_cached_tokens",
+        "prompt_logprobs",
     ),
     "outputs.EngineOutputs": ("outputs", "timestamp"),
     "outputs.ErrorReply": ("code", "message", "request_id"),
@@ -94,11 +95,19 @@ PINS: dict[str, tuple[str, ...]] = {
         "ignore_eos",
         "logprobs",
         "skip_special_tokens",
+        "prompt_logprobs",
     ),
     "step.NewRequestData": ("request_id", "prompt_token_ids", "params", "eos_token_ids"),
     "step.ScheduledChunk": ("request_id", "token_ids", "start_pos", "block_ids", "sample"),
     "step.StepInput": ("step_id", "chunks", "new_requests", "finished_request_ids", "num_tokens"),
-    "step.StepOutput": ("step_id", "request_ids", "token_ids", "logprobs", "top_logprobs"),
+    "step.StepOutput": (
+        "step_id",
+        "request_ids",
+        "token_ids",
+        "logprobs",
+        "top_logprobs",
+        "prompt_logprobs",
+    ),
     "tensors.TensorRef": ("dtype", "shape", "frame"),
 }
 
