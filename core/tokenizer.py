@@ -50,8 +50,15 @@ class Tokenizer:
     def from_dir(cls, path: str | Path) -> Tokenizer:
         """Load tokenizer.json, tokenizer_config.json and the model's eos ids from
         config.json and generation_config.json. Raises FileNotFoundError naming the
-        missing tokenizer.json."""
+        missing tokenizer.json. ``path`` may also be a GGUF file or a directory holding
+        one: its tokenizer is rebuilt from the file (``plugins.models.gguf``)."""
+        from tokenloom.plugins.models.gguf import find_gguf
+
         root = Path(path)
+        if (gguf_file := find_gguf(root)) is not None:
+            from tokenloom.plugins.models.gguf.checkpoint import converted_dir
+
+            root = converted_dir(gguf_file)
         tokenizer_file = root / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise FileNotFoundError(f"{tokenizer_file}: no tokenizer.json in the model directory")

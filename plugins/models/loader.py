@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from tokenloom.plugins.models.gguf import find_gguf
 from tokenloom.plugins.models.layers import Slots
 from tokenloom.protocols.components import ModelInfo
 from tokenloom.tokenizer import model_eos_token_ids
@@ -59,10 +60,21 @@ def load_model(
     FileNotFoundError for a missing config or weights, CheckpointError for bad files
     or tensors. ``random_weights`` skips the checkpoint and fills the weights with
     random values (benchmarks of real shapes: speed does not depend on the values).
+    ``model_dir`` may also be a GGUF file or a directory holding one (see
+    ``plugins.models.gguf``).
     """
-    root = Path(model_dir)
-    hf_config = read_hf_config(root)
-    architecture = _architecture(hf_config, root)
+    root = files_root = Path(model_dir)
+    weight_files: list[Path] | None = None
+    if (gguf_file := find_gguf(root)) is not None:  # converted once into the cache
+        from tokenloom.plugins.models.gguf.checkpoint import converted_dir, converted_weights
+
+        if random_weights:
+            files_root = converted_dir(gguf_file)
+        else:
+            files_root, weights = converted_weights(gguf_file, dtype)
+            weight_files = [weights]
+    hf_config = read_hf_config(files_root)
+    architecture = _architecture(hf_config, files_root)
     factory = _lookup_factory(architecture, registry)
     target = torch.device(device)
     with torch.device(target):
@@ -70,10 +82,10 @@ def load_model(
     if random_weights:
         randomize_weights(model)
     else:
-        load_weights(model, checkpoint_files(root))
+        load_weights(model, weight_files or checkpoint_files(root))
     model.eval().requires_grad_(False)
     info = model_info_from_config(hf_config, name=str(root), dtype=dtype, device=target)
-    info.eos_token_ids = model_eos_token_ids(root)
+    info.eos_token_ids = model_eos_token_ids(files_root)
     return model, info
 
 
