@@ -4,7 +4,10 @@ One background task reads the output socket and routes each message by a table:
 deltas go to their request's queue, error replies with a request id raise from that
 request's iterator, health and stats replies resolve the future of their nonce.
 Once the engine is known dead (``mark_dead``, called by the supervisor's watcher),
-every waiting iterator and future fails with EngineDeadError.
+every waiting iterator and future fails with EngineDeadError; ``reconnect`` points the
+same client at a restarted engine-core. An output message that cannot be decoded is
+never dropped silently: the requests it names (or, when none can be read from it,
+every request in flight) fail with a 500 EngineError.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import itertools
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -67,11 +71,13 @@ class AsyncEngineClient(EngineClient):
         ctx: zmq.asyncio.Context | None = None,
         reply_timeout_s: float = 10.0,
         max_request_bytes: int | None = None,
+        max_request_id_bytes: int | None = None,
     ) -> None:
         self._own_ctx = ctx is None
         self._ctx = ctx or zmq.asyncio.Context()
         self._input = make_socket(self._ctx, "engine-input", input_endpoint, bind=False)
         self._output = make_socket(self._ctx, "engine-output", output_endpoint, bind=False)
+        self.max_request_id_bytes = max_request_id_bytes  # None: the engine's check alone
         self._encoder = Encoder()
         self._decoder: Decoder[Any] = Decoder(
             EngineOutput, SOCKETS["engine-output"].max_message_bytes
@@ -106,6 +112,9 @@ class AsyncEngineClient(EngineClient):
         rid = request.request_id
         if rid in self._queues:
             raise ValueError(f"request id {rid!r} is already in flight")
+        limit = self.max_request_id_bytes
+        if limit is not None and len(rid.encode()) > limit:
+            raise EngineError(400, f"request_id: longer than {limit} bytes")
         frames = self._encoder.encode(request)
         size = sum(len(frame) for frame in frames)
         if size > self._max_request_bytes:
@@ -177,9 +186,20 @@ class AsyncEngineClient(EngineClient):
             try:
                 msg = self._decoder.decode(frames)
             except DecodeError as exc:
-                log.error("dropped an engine output: %s", exc)
+                self._on_undecodable(frames, exc)
                 continue
             self._routes[type(msg)](msg)
+
+    def _on_undecodable(self, frames: list[Any], exc: DecodeError) -> None:
+        """Fail the requests an undecodable output was for: their deltas are lost."""
+        ids = _salvage_request_ids(memoryview(frames[0])) if frames else None
+        targets = list(self._queues) if ids is None else [i for i in ids if i in self._queues]
+        log.error(
+            "engine output could not be decoded (%s); failing %d request(s)", exc, len(targets)
+        )
+        error = EngineError(500, f"engine output lost: {exc.reason}")
+        for rid in targets:
+            self._queues[rid].put_nowait(error)
 
     def _on_outputs(self, msg: EngineOutputs) -> None:
         queues = self._queues
@@ -225,6 +245,23 @@ class AsyncEngineClient(EngineClient):
             if not future.done():
                 future.set_exception(EngineDeadError(reason))
 
+    async def reconnect(self, input_endpoint: str, output_endpoint: str) -> None:
+        """Serve from a restarted engine-core at these endpoints: fresh sockets, and the
+        client is alive again. Requests of the dead engine have failed already (with
+        EngineDeadError); frontends keep holding this same object."""
+        if self._dead_reason is None:
+            self._fail_all("engine-core replaced")
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+            self._reader = None
+        self._input.close(linger=0)
+        self._output.close(linger=0)
+        self._input = make_socket(self._ctx, "engine-input", input_endpoint, bind=False)
+        self._output = make_socket(self._ctx, "engine-output", output_endpoint, bind=False)
+        self._dead_reason = None
+
     async def close(self) -> None:
         """Stop reading and close the sockets (requests in flight are not aborted; their
         iterators raise EngineDeadError instead of waiting forever)."""
@@ -238,3 +275,22 @@ class AsyncEngineClient(EngineClient):
         self._output.close(linger=0)
         if self._own_ctx:
             self._ctx.term()
+
+
+_raw_list = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_raw_str = msgspec.msgpack.Decoder(str)
+
+
+def _salvage_request_ids(body: Any) -> list[str] | None:
+    """The request ids of an ``EngineOutputs`` or ``ErrorReply`` body that failed to
+    decode, read one array level at a time (no deep recursion); None if unreadable."""
+    try:
+        fields = _raw_list.decode(body)
+        tag = _raw_str.decode(fields[0])
+        if tag == "outputs":
+            return [_raw_str.decode(_raw_list.decode(d)[0]) for d in _raw_list.decode(fields[1])]
+        if tag == "error" and len(fields) > 3:
+            return [_raw_str.decode(fields[3])]
+    except (msgspec.MsgspecError, IndexError):
+        return None
+    return None

@@ -45,6 +45,9 @@ from tokenloom.sockets import SOCKETS, EngineEndpoints, make_socket, remove_ipc_
 log = get_logger(__name__)
 
 IDLE_POLL_MS = 250  # an idle kernel wakes this often to notice a stop request
+# Room for the prefixes a frontend puts before a client's id (its connection's
+# identity, the choice index of an n-way request).
+REQUEST_ID_MARGIN = 1024
 EngineFactory = Callable[[EngineConfig, Any], Any]  # (config, plugin_manager) -> engine
 
 
@@ -62,6 +65,8 @@ class Kernel:
         *,
         control_sock: zmq.asyncio.Socket | None = None,
         max_message_bytes: int | None = None,
+        max_output_bytes: int | None = None,
+        max_request_id_bytes: int | None = None,
     ) -> None:
         self.engine = engine
         self.input = input_sock
@@ -69,6 +74,8 @@ class Kernel:
         self.control = control_sock
         limit = max_message_bytes or SOCKETS["engine-input"].max_message_bytes
         self.decoder: Decoder[Any] = Decoder(EngineInput, limit)
+        self.max_output_bytes = max_output_bytes or SOCKETS["engine-output"].max_message_bytes
+        self.max_request_id_bytes = max_request_id_bytes or request_id_limit(EngineConfig())
         self.control_decoder: Decoder[Any] = Decoder(
             ControlMessage, SOCKETS["control"].max_message_bytes
         )
@@ -147,6 +154,13 @@ class Kernel:
 
     def _on_generate(self, req: GenerateRequest) -> ErrorReply | None:
         rid = req.request_id
+        if len(rid.encode()) > self.max_request_id_bytes:
+            # Refused before it can be echoed in every step's output. The one reply
+            # carries the id: the engine client routes by it (and refuses such ids
+            # itself before sending them).
+            return ErrorReply(
+                400, f"request_id: longer than {self.max_request_id_bytes} bytes", rid
+            )
         if self.stop_deadline is not None:
             return ErrorReply(503, "engine is shutting down", rid)
         try:
@@ -191,11 +205,39 @@ class Kernel:
         for delta in deltas:
             if delta.finish_reason is not None:
                 live.discard(delta.request_id)
-        await self._send(EngineOutputs(deltas, time.monotonic()))
+        await self._send_outputs(deltas)
+
+    async def _send_outputs(self, deltas: list[Any]) -> None:
+        """Send ``deltas`` in as few ``EngineOutputs`` as keep each under the channel's
+        limit (one, unless a step's output is huge). A single delta over the limit
+        cannot be sent: its request gets a 500 error reply and is aborted."""
+        frames = self.encoder.encode(EngineOutputs(deltas, time.monotonic()))
+        size = sum(len(frame) for frame in frames)
+        if size <= self.max_output_bytes:
+            await self.output.send_multipart(frames, copy=len(frames) == 1)
+        elif len(deltas) > 1:
+            half = len(deltas) // 2
+            await self._send_outputs(deltas[:half])
+            await self._send_outputs(deltas[half:])
+        else:
+            rid = deltas[0].request_id
+            log.error("output of request %.80r: %d bytes over the channel's limit", rid, size)
+            await self._send(ErrorReply(500, f"engine output of {size} bytes too large", rid))
+            if deltas[0].finish_reason is None:
+                self.engine.abort([rid])  # its abort delta would go nowhere
+            self.live.discard(rid)
 
     async def _send(self, msg: Any) -> None:
         frames = self.encoder.encode(msg)
         await self.output.send_multipart(frames, copy=len(frames) == 1)
+
+
+def request_id_limit(config: EngineConfig) -> int:
+    """The longest request id, in UTF-8 bytes, the engine accepts: a client's own id
+    (``config.max_request_id_bytes``, which the frontends enforce) plus the frontend's
+    prefixes. Every id is echoed in each of its request's outputs, so this bounds a
+    step's output size."""
+    return config.max_request_id_bytes + REQUEST_ID_MARGIN
 
 
 async def run_kernel(
@@ -207,6 +249,7 @@ async def run_kernel(
     grace_s: float = 5.0,
     handle_signals: bool = False,
     max_message_bytes: int | None = None,
+    max_request_id_bytes: int | None = None,
 ) -> None:
     """Serve ``engine`` until stopped (``Shutdown`` on the control socket, or SIGTERM /
     SIGINT with ``handle_signals``). On stop: new requests get 503, in-flight ones get
@@ -217,6 +260,7 @@ async def run_kernel(
         output_sock,
         control_sock=control_sock,
         max_message_bytes=max_message_bytes,
+        max_request_id_bytes=max_request_id_bytes,
     )
     loop = asyncio.get_running_loop()
     signals = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
@@ -298,6 +342,7 @@ async def _serve(
                 control_sock=control,
                 grace_s=config.shutdown_grace_s,
                 handle_signals=True,
+                max_request_id_bytes=request_id_limit(config),
             )
         finally:  # also after a failed step: plugins and devices are released
             pm.hook.tokenloom_shutdown(process="engine-core")

@@ -192,3 +192,33 @@ async def test_idle_kernel_does_not_spin(loop: Loop) -> None:
     await asyncio.sleep(0.3)
     assert loop.engine.num_steps == 0
     assert not loop.task.done()
+
+
+async def test_a_huge_request_id_is_refused_alone_and_other_requests_stream_on(
+    loop: Loop,
+) -> None:
+    huge = "j" * 2000  # over the engine's request id limit, under the message limit
+    await loop.send(generate(huge, max_tokens=3))
+    await loop.send(generate("other", max_tokens=3))
+    reply = await loop.recv()
+    assert isinstance(reply, ErrorReply) and reply.code == 400 and reply.request_id == huge
+    deltas = await loop.deltas_until_finished("other")
+    assert [d.new_token_ids for d in deltas] == [[0], [1], [2]]
+    assert huge not in loop.engine.limits
+
+
+async def test_a_step_over_the_output_limit_is_split_and_nothing_is_lost(loop: Loop) -> None:
+    loop.kernel.max_output_bytes = 200
+    ids = [f"{i}-" + "r" * 60 for i in range(4)]  # four ~70-byte deltas per step
+    for rid in ids:
+        await loop.send(generate(rid, max_tokens=3))
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    finished: set[str] = set()
+    while finished != set(ids):
+        frames = await asyncio.wait_for(loop.pull.recv_multipart(), 5)
+        assert sum(len(f) for f in frames) <= 200
+        for delta in loop.decoder.decode(frames).outputs:
+            tokens[delta.request_id] += delta.new_token_ids
+            if delta.finish_reason is not None:
+                finished.add(delta.request_id)
+    assert all(t == [0, 1, 2] for t in tokens.values())
