@@ -5,6 +5,8 @@ Both connect a DEALER socket to the frontend's ROUTER and multiplex jobs on it:
 ``submit`` returns a job id, ``stream(job_id)`` yields that job's ``JobOutput``s
 until its ``JobDone``, ``abort(job_id)`` stops it, ``generate`` does all three for
 one prompt and gathers the result. A ``JobError`` reply raises ``JobFailed``.
+Each opens its session with ``hello`` (carrying ``api_key``) before its first job,
+and pings in the background while it has live jobs (the server's heartbeat).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import contextlib
 import itertools
 import os
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -25,11 +28,13 @@ import zmq.asyncio
 from tokenloom.protocols.jobs import (
     MAX_JOB_MESSAGE_BYTES,
     AbortJob,
+    HelloJob,
     JobDone,
     JobError,
     JobOutput,
     JobPong,
     JobReply,
+    JobWelcome,
     PingJob,
     SubmitJob,
 )
@@ -114,9 +119,21 @@ class _JobIds:
 
 class JobClient:
     """Blocking client; not thread-safe (one per thread). ``timeout_s`` bounds each
-    wait for a reply (None: wait forever)."""
+    wait for a reply (None: wait forever). ``api_key`` is sent in the ``hello`` that
+    opens the session (before the first message); a wrong key raises ``JobFailed``
+    (401). While it waits for replies of live jobs it pings every ``heartbeat_s``
+    seconds (default: a third of the server's timeout), so a caller that holds live
+    jobs without calling into the client for longer than the server's
+    ``zmq_heartbeat_timeout_s`` loses them (code 408)."""
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout_s: float | None = 60.0) -> None:
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        timeout_s: float | None = 60.0,
+        *,
+        api_key: str | None = None,
+        heartbeat_s: float | None = None,
+    ) -> None:
         self._ctx = zmq.Context()
         self._sock = make_socket(self._ctx, "jobs", endpoint, bind=False)
         self._encoder = msgspec.msgpack.Encoder()
@@ -124,14 +141,20 @@ class JobClient:
         self._timeout_ms = None if timeout_s is None else int(timeout_s * 1000)
         self._inbox: dict[str | None, deque[Any]] = {}
         self._ids = _JobIds()
+        self._api_key = api_key
+        self._heartbeat_s = heartbeat_s
+        self._welcome: JobWelcome | None = None
+        self._nonces = itertools.count(1)
+        self._last_send = 0.0
 
     def submit(
         self, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0
     ) -> str:
+        self._open()
         job_id = self._ids.next()
         body = _encode_submit(self._encoder, job_id, prompt, params, priority)
         self._inbox[job_id] = deque()
-        self._sock.send(body)
+        self._send_bytes(body)
         return job_id
 
     def stream(self, job_id: str) -> Iterator[JobOutput | JobDone]:
@@ -172,10 +195,12 @@ class JobClient:
 
     def ping(self) -> bool:
         """True if the frontend answers and its engine is alive."""
-        self._inbox.setdefault(None, deque())
-        self._send(PingJob(1))
-        msg = self._next(None)
-        return isinstance(msg, JobPong) and msg.engine_alive
+        nonce = next(self._nonces)
+        self._send(PingJob(nonce))
+        while True:
+            msg = self._next(None)
+            if isinstance(msg, JobPong) and msg.nonce == nonce:
+                return msg.engine_alive
 
     def close(self) -> None:
         self._sock.close(linger=0)
@@ -187,41 +212,80 @@ class JobClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _open(self) -> None:
+        """Open the session (``hello``) once, before the first job."""
+        if self._welcome is not None:
+            return
+        self._send(HelloJob(self._api_key))
+        while self._welcome is None:
+            msg = self._next(None)
+            if isinstance(msg, JobError):
+                raise JobFailed(None, msg.code, msg.message)
+            if isinstance(msg, JobWelcome):
+                self._welcome = msg
+
     def _send(self, msg: Any) -> None:
-        self._sock.send(self._encoder.encode(msg))
+        self._send_bytes(self._encoder.encode(msg))
+
+    def _send_bytes(self, body: bytes) -> None:
+        self._sock.send(body)
+        self._last_send = time.monotonic()
 
     def _next(self, job_id: str | None) -> Any:
         inbox = self._inbox.setdefault(job_id, deque())
+        deadline = None if self._timeout_ms is None else time.monotonic() + self._timeout_ms / 1e3
         while not inbox:
-            if not self._sock.poll(self._timeout_ms):
-                raise TimeoutError(f"no reply for job {job_id} in time")
+            interval = _heartbeat_interval(self._heartbeat_s, self._welcome)
+            wait = interval if deadline is None else min(interval, deadline - time.monotonic())
+            if not self._sock.poll(max(0, int(wait * 1000))):
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"no reply for job {job_id} in time")
+                live = any(key is not None for key in self._inbox)
+                if live and time.monotonic() - self._last_send >= interval:
+                    self._send(PingJob(0))  # heartbeat: live jobs, nothing sent lately
+                continue
             msg = self._decoder.decode(self._sock.recv())
-            key = None if isinstance(msg, JobPong) else msg.job_id
+            key = _reply_key(msg)
             if key in self._inbox:  # replies of abandoned jobs are dropped
                 self._inbox[key].append(msg)
         return inbox.popleft()
 
 
 class AsyncJobClient:
-    """asyncio client: one background reader routes replies to each job's queue."""
+    """asyncio client: one background reader routes replies to each job's queue.
+    ``api_key`` and ``heartbeat_s`` as for ``JobClient``; a background task pings
+    while the client has live jobs, whatever the caller does meanwhile."""
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT) -> None:
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        *,
+        api_key: str | None = None,
+        heartbeat_s: float | None = None,
+    ) -> None:
         self._ctx = zmq.asyncio.Context()
         self._sock = make_socket(self._ctx, "jobs", endpoint, bind=False)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(JobReply)
         self._queues: dict[str | None, asyncio.Queue[Any]] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
         self._ids = _JobIds()
+        self._api_key = api_key
+        self._heartbeat_s = heartbeat_s
+        self._welcome: JobWelcome | None = None
+        self._opening: asyncio.Lock | None = None
+        self._nonces = itertools.count(1)
+        self._last_send = 0.0
 
     async def submit(
         self, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0
     ) -> str:
-        self._ensure_reader()
+        await self._open()
         job_id = self._ids.next()
         body = _encode_submit(self._encoder, job_id, prompt, params, priority)
         self._queues[job_id] = asyncio.Queue()
-        await self._sock.send(body)
+        await self._send_bytes(body)
         return job_id
 
     async def stream(self, job_id: str) -> AsyncIterator[JobOutput | JobDone]:
@@ -244,7 +308,7 @@ class AsyncJobClient:
                     await self.abort(job_id)
 
     async def abort(self, job_id: str) -> None:
-        await self._sock.send(self._encoder.encode(AbortJob(job_id)))
+        await self._send_bytes(self._encoder.encode(AbortJob(job_id)))
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0
@@ -261,14 +325,19 @@ class AsyncJobClient:
     async def ping(self, timeout_s: float = 5.0) -> bool:
         self._ensure_reader()
         queue = self._queues.setdefault(None, asyncio.Queue())
-        await self._sock.send(self._encoder.encode(PingJob(1)))
-        msg = await asyncio.wait_for(queue.get(), timeout_s)
-        return isinstance(msg, JobPong) and msg.engine_alive
+        nonce = next(self._nonces)
+        await self._send_bytes(self._encoder.encode(PingJob(nonce)))
+        async with asyncio.timeout(timeout_s):
+            while True:
+                msg = await queue.get()
+                if isinstance(msg, JobPong) and msg.nonce == nonce:
+                    return msg.engine_alive
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+        for task in (self._reader, self._heartbeat):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         self._sock.close(linger=0)
         self._ctx.term()
 
@@ -278,6 +347,30 @@ class AsyncJobClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    async def _open(self, timeout_s: float = 60.0) -> None:
+        """Open the session (``hello``) once, before the first job."""
+        if self._welcome is not None:
+            return
+        self._ensure_reader()
+        self._opening = self._opening or asyncio.Lock()
+        async with self._opening:
+            queue = self._queues.setdefault(None, asyncio.Queue())
+            if self._welcome is None:
+                await self._send_bytes(self._encoder.encode(HelloJob(self._api_key)))
+            async with asyncio.timeout(timeout_s):
+                while self._welcome is None:
+                    msg = await queue.get()
+                    if isinstance(msg, JobError):
+                        raise JobFailed(None, msg.code, msg.message)
+                    if isinstance(msg, JobWelcome):
+                        self._welcome = msg
+        if self._heartbeat is None:
+            self._heartbeat = asyncio.create_task(self._beat())
+
+    async def _send_bytes(self, body: bytes) -> None:
+        await self._sock.send(body)
+        self._last_send = time.monotonic()
+
     def _ensure_reader(self) -> None:
         if self._reader is None:
             self._reader = asyncio.create_task(self._read())
@@ -285,12 +378,34 @@ class AsyncJobClient:
     async def _read(self) -> None:
         while True:
             msg = self._decoder.decode(await self._sock.recv())
-            # Sizes are checked before sending, so a JobError without a job id can
-            # only answer a ping (or a peer's bug): it goes to the ping queue.
-            key = None if isinstance(msg, JobPong) else msg.job_id
-            target = self._queues.get(key)
+            target = self._queues.get(_reply_key(msg))
             if target is not None:
                 target.put_nowait(msg)
+
+    async def _beat(self) -> None:
+        """Ping while jobs are live and nothing else was sent for a heartbeat interval."""
+        while True:
+            interval = _heartbeat_interval(self._heartbeat_s, self._welcome)
+            await asyncio.sleep(max(0.0, self._last_send + interval - time.monotonic()))
+            live = any(key is not None for key in self._queues)
+            if live and time.monotonic() - self._last_send >= interval:
+                with contextlib.suppress(zmq.ZMQError):
+                    await self._send_bytes(self._encoder.encode(PingJob(0)))
+            elif not live:
+                await asyncio.sleep(interval)
+
+
+def _reply_key(msg: Any) -> str | None:
+    """The inbox a reply belongs to: its job's, or None for pongs, welcomes and errors
+    that name no job (sizes are checked before sending, so such an error answers a
+    hello or a ping, or a peer's bug)."""
+    return None if isinstance(msg, JobPong | JobWelcome) else msg.job_id
+
+
+def _heartbeat_interval(heartbeat_s: float | None, welcome: JobWelcome | None) -> float:
+    if heartbeat_s is not None:
+        return heartbeat_s
+    return (welcome.heartbeat_timeout_s if welcome else 30.0) / 3
 
 
 def _encode_submit(

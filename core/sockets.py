@@ -55,18 +55,27 @@ SOCKETS: dict[str, SocketSpec] = {
 }
 
 
-def make_socket(ctx: zmq.Context, name: str, endpoint: str, *, bind: bool) -> zmq.Socket:
+def make_socket(
+    ctx: zmq.Context,
+    name: str,
+    endpoint: str,
+    *,
+    bind: bool,
+    max_message_bytes: int | None = None,
+) -> zmq.Socket:
     """Build, configure and bind (``bind=True``) or connect the socket of channel
-    ``name`` on ``endpoint``. The socket's type follows from the channel and the side.
+    ``name`` on ``endpoint``. The socket's type follows from the channel and the side;
+    ``max_message_bytes`` replaces the channel's limit (e.g. from the config).
     Raises KeyError for an unknown channel; zmq.ZMQError if the endpoint is unusable.
     """
     spec = SOCKETS[name]
+    limit = spec.max_message_bytes if max_message_bytes is None else max_message_bytes
     sock = ctx.socket(spec.binder_type if bind else spec.connector_type)
     try:
         sock.setsockopt(zmq.LINGER, spec.linger_ms)
         sock.setsockopt(zmq.SNDHWM, spec.hwm)
         sock.setsockopt(zmq.RCVHWM, spec.hwm)
-        sock.setsockopt(zmq.MAXMSGSIZE, spec.max_message_bytes * HARD_LIMIT_FACTOR)
+        sock.setsockopt(zmq.MAXMSGSIZE, limit * HARD_LIMIT_FACTOR)
         if sock.type == zmq.SUB:
             sock.setsockopt(zmq.SUBSCRIBE, b"")
         if bind:

@@ -37,12 +37,20 @@ class AbortJob(msgspec.Struct, tag="abort", array_like=True, omit_defaults=True,
 
 
 class PingJob(msgspec.Struct, tag="ping", array_like=True, omit_defaults=True, gc=False):
-    """Liveness probe; answered with ``JobPong``."""
+    """Liveness probe and heartbeat; answered with ``JobPong``. Needs no API key."""
 
     nonce: int = 0
 
 
-JobRequest = SubmitJob | AbortJob | PingJob
+class HelloJob(msgspec.Struct, tag="hello", array_like=True, omit_defaults=True, gc=False):
+    """Open a session on this connection: the first message a client sends. Required
+    (with the server's API key) when the server has one; answered with ``JobWelcome``,
+    or ``JobError`` code 401 for a wrong key."""
+
+    api_key: str | None = None
+
+
+JobRequest = SubmitJob | AbortJob | PingJob | HelloJob
 
 # ----------------------------------------------------------------- frontend -> client
 
@@ -71,8 +79,7 @@ class JobDone(msgspec.Struct, tag="done", array_like=True, omit_defaults=True, g
 class JobError(msgspec.Struct, tag="error", array_like=True, omit_defaults=True, gc=False):
     """A message or job failed. ``job_id`` is None when the message could not be
     decoded. A job that gets an error is over (no ``JobDone`` follows).
-    ``code`` is HTTP-like: 400 bad message, 409 duplicate job id, 503 overloaded or
-    engine down, 500 internal."""
+    ``code`` is HTTP-like; see ``ERROR_CODES``."""
 
     job_id: str | None
     code: int
@@ -84,7 +91,31 @@ class JobPong(msgspec.Struct, tag="pong", array_like=True, omit_defaults=True, g
     engine_alive: bool = True
 
 
-JobReply = JobOutput | JobDone | JobError | JobPong
+class JobWelcome(msgspec.Struct, tag="welcome", array_like=True, omit_defaults=True, gc=False):
+    """Answer to ``HelloJob``: the session is open. A client with live jobs must send
+    some message (a ``ping`` will do) at least every ``heartbeat_timeout_s`` seconds,
+    or its jobs are ended with code 408; frames over ``max_message_bytes`` get 413."""
+
+    heartbeat_timeout_s: float = 30.0
+    max_message_bytes: int = 16 * 1024 * 1024
+
+
+JobReply = JobOutput | JobDone | JobError | JobPong | JobWelcome
+
+ERROR_CODES: dict[int, str] = {
+    400: "invalid message or job (the message names the field)",
+    401: "no session: send hello with the server's API key first (or the key is wrong)",
+    404: "abort of a job id that is not live on this connection",
+    408: "the client sent nothing for heartbeat_timeout_s while it had live jobs",
+    409: "job id already live on this connection",
+    413: "frame larger than the server's limit",
+    500: "internal error",
+    503: "engine overloaded or not running",
+}
+"""``JobError.code`` values. A ``JobError`` with a job id ends that job, except 404
+and 409, which answer a message about a job (abort, duplicate submit) and leave any
+live job of that id running."""
 
 MAX_JOB_MESSAGE_BYTES = 16 * 1024 * 1024
-"""Larger client frames are refused with a JobError (code 413)."""
+"""The default frame limit (``max_request_body_mb``); the server announces its own in
+``JobWelcome``. Larger client frames are refused with a JobError (code 413)."""

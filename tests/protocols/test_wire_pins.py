@@ -35,6 +35,8 @@ PINS: dict[str, tuple[str, ...]] = {
     "jobs.SubmitJob": ("job_id", "prompt", "prompt_token_ids", "params", "priority"),
     "jobs.AbortJob": ("job_id",),
     "jobs.PingJob": ("nonce",),
+    "jobs.HelloJob": ("api_key",),
+    "jobs.JobWelcome": ("heartbeat_timeout_s", "max_message_bytes"),
     "jobs.JobOutput": ("job_id", "index", "text", "token_ids", "finish_reason", "logprobs"),
     "jobs.JobDone": ("job_id", "num_prompt_tokens", "num_generated_tokens"),
     "jobs.JobError": ("job_id", "code", "message"),

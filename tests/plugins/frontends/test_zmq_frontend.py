@@ -6,14 +6,17 @@ from __future__ import annotations
 import msgspec
 import pytest
 import zmq
+from conftest import API_KEY
 
 from tokenloom.protocols.jobs import (
     AbortJob,
+    HelloJob,
     JobDone,
     JobError,
     JobOutput,
     JobPong,
     JobReply,
+    JobWelcome,
     PingJob,
     SubmitJob,
 )
@@ -28,6 +31,8 @@ def dealer(live_server):
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(live_server.zmq_endpoint)
+    _send(sock, HelloJob(API_KEY))
+    assert isinstance(_recv(sock), JobWelcome)
     yield sock
     sock.close()
     ctx.term()
