@@ -37,5 +37,8 @@ PACKAGES, PACKAGE_DIR = find_packages()
 setup(
     packages=PACKAGES,
     package_dir=PACKAGE_DIR,
-    package_data={"tokenloom.protocols": ["README.md"]},
+    package_data={
+        "tokenloom.protocols": ["README.md"],
+        "tokenloom.eval": ["data/*.json", "data/*.txt", "data/*.md"],
+    },
 )

@@ -66,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
         "tiny-model", help="write a small random checkpoint (see its --help)", add_help=False
     )
     tiny.set_defaults(command="tiny-model", run=_lazy("tokenloom.tiny_models"), passthrough=True)
+
+    evaluate = commands.add_parser(
+        "eval",
+        help="measure a config's quality: perplexity, golden completions (see its --help)",
+        add_help=False,
+    )
+    evaluate.set_defaults(command="eval", run=_lazy("tokenloom.eval.cli"), passthrough=True)
     return parser
 
 
