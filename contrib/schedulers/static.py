@@ -17,7 +17,7 @@ from collections.abc import Callable
 from operator import attrgetter
 from typing import Any
 
-from tokenloom.plugins.scheduler.base import BatchScheduler
+from tokenloom.plugins.scheduler.batch_scheduler import BatchScheduler
 from tokenloom.plugins.scheduler.request_state import RequestState
 from tokenloom.protocols.components import ComponentSpec, KVCacheManager
 from tokenloom.protocols.hookspecs import hookimpl

@@ -15,7 +15,7 @@ prompts in one batch) share the prompt's blocks instead of computing them twice.
 
 from __future__ import annotations
 
-from tokenloom.plugins.scheduler.base import BatchScheduler
+from tokenloom.plugins.scheduler.batch_scheduler import BatchScheduler
 from tokenloom.plugins.scheduler.request_state import RequestState
 from tokenloom.protocols.components import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl

@@ -9,7 +9,7 @@ import pytest
 from tokenloom.config import EngineConfig
 from tokenloom.contrib.schedulers.static import StaticScheduler, tokenloom_register_components
 from tokenloom.plugins.kv_cache.paged import PagedKVCache
-from tokenloom.plugins.scheduler.base import BatchScheduler
+from tokenloom.plugins.scheduler.batch_scheduler import BatchScheduler
 from tokenloom.plugins.scheduler.continuous import ContinuousScheduler
 from tokenloom.plugins.scheduler.fake_executor import FakeExecutor, Generation, run_until_idle
 from tokenloom.protocols.requests import GenerateRequest

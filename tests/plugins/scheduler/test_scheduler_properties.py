@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from tokenloom.config import EngineConfig
 from tokenloom.contrib.schedulers.static import StaticScheduler
 from tokenloom.plugins.kv_cache.paged import PagedKVCache
-from tokenloom.plugins.scheduler.base import BatchScheduler
+from tokenloom.plugins.scheduler.batch_scheduler import BatchScheduler
 from tokenloom.plugins.scheduler.continuous import ContinuousScheduler
 from tokenloom.plugins.scheduler.fake_executor import FakeExecutor, next_token
 from tokenloom.protocols.components import QueueFullError
