@@ -106,8 +106,11 @@ def _first_or_logprob_delta(
     kept = len(new_ids)
     logprobs = output.logprobs
     top = output.top_logprobs
-    return state.delta(
+    delta = state.delta(
         new_ids,
         logprobs[sample_index][:kept] if logprobs is not None else None,
         top[sample_index][:kept] if top is not None else None,
     )
+    if output.prompt_logprobs is not None:
+        delta.prompt_logprobs = output.prompt_logprobs[sample_index]
+    return delta

@@ -149,7 +149,9 @@ class StepBuilding:
             return -1
         tokens = state.all_token_ids
         num_tokens = len(tokens)
-        cached = self.kv_cache.num_cached_prefix_tokens(tokens) if self._prefix_caching else 0
+        # Prompt logprobs need every prompt position computed: no prefix cache for those.
+        use_cache = self._prefix_caching and not state.params.prompt_logprobs
+        cached = self.kv_cache.num_cached_prefix_tokens(tokens) if use_cache else 0
         num_new = min(num_tokens - cached, budget)
         end = cached + num_new
         if reserve_all or end == num_tokens:
