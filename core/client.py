@@ -236,13 +236,13 @@ class JobClient:
         deadline = None if self._timeout_ms is None else time.monotonic() + self._timeout_ms / 1e3
         while not inbox:
             interval = _heartbeat_interval(self._heartbeat_s, self._welcome)
+            live = any(key is not None for key in self._inbox)
+            if live and time.monotonic() - self._last_send >= interval:
+                self._send(PingJob(0))  # heartbeat: live jobs, nothing sent lately
             wait = interval if deadline is None else min(interval, deadline - time.monotonic())
             if not self._sock.poll(max(0, int(wait * 1000))):
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"no reply for job {job_id} in time")
-                live = any(key is not None for key in self._inbox)
-                if live and time.monotonic() - self._last_send >= interval:
-                    self._send(PingJob(0))  # heartbeat: live jobs, nothing sent lately
                 continue
             msg = self._decoder.decode(self._sock.recv())
             key = _reply_key(msg)

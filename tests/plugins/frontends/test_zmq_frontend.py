@@ -125,3 +125,84 @@ def test_server_keeps_serving_after_garbage(dealer):
         assert isinstance(_recv(dealer), JobError)
     _send(dealer, SubmitJob("after", prompt_token_ids=[40], params=SamplingParams(max_tokens=2)))
     assert isinstance(_until_done(dealer)[-1], JobDone)
+
+
+def _ping_pong(sock: zmq.Socket, nonce: int = 7) -> None:
+    _send(sock, PingJob(nonce))
+    assert _recv(sock) == JobPong(nonce, True)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\x91" * 1000
+        + b"\xc0",  # arrays nested 1,000 deep: once a RecursionError that killed serve
+        b"\x81\xa1k" * 5000 + b"\xc0",  # maps nested 5,000 deep
+        b"\x93\xa6submit\xa1j" + b"\x91" * 100_000 + b"\xc0",  # deep inside a valid head
+    ],
+)
+def test_deeply_nested_frame_gets_400_and_the_server_keeps_serving(dealer, raw):
+    _send(dealer, raw)
+    reply = _recv(dealer)
+    assert isinstance(reply, JobError) and reply.code == 400
+    _ping_pong(dealer)
+    _send(
+        dealer, SubmitJob("after-deep", prompt_token_ids=[40], params=SamplingParams(max_tokens=2))
+    )
+    assert isinstance(_until_done(dealer)[-1], JobDone)
+
+
+def test_frame_over_the_limit_is_refused_with_413(dealer, live_server):
+    limit = int(live_server.config.max_request_body_mb * (1 << 20))
+    _send(dealer, msgspec.msgpack.encode(SubmitJob("big", "x" * (limit + 10))))
+    reply = _recv(dealer, timeout_ms=20_000)
+    assert isinstance(reply, JobError) and reply.code == 413 and reply.job_id is None
+    _ping_pong(dealer)
+
+
+@pytest.mark.parametrize(
+    ("submit", "field"),
+    [
+        (SubmitJob("j" * 257, prompt_token_ids=[30]), "job_id"),
+        (SubmitJob("n", prompt_token_ids=[30], params=SamplingParams(n=129)), "n"),
+        (SubmitJob("stop", prompt_token_ids=[30], params=SamplingParams(stop=["a"] * 17)), "stop"),
+        (
+            SubmitJob("sti", prompt_token_ids=[30], params=SamplingParams(stop_token_ids=[1] * 17)),
+            "stop_token_ids",
+        ),
+        (SubmitJob("long", prompt_token_ids=[30] * 300), "prompt_token_ids"),
+        (SubmitJob("topk", prompt_token_ids=[30], params=SamplingParams(top_k=2**64 - 1)), "top_k"),
+        (SubmitJob("prio", prompt_token_ids=[30], priority=2**64 - 1), "priority"),
+        (
+            SubmitJob(
+                "sti64", prompt_token_ids=[30], params=SamplingParams(stop_token_ids=[2**64 - 1])
+            ),
+            "stop_token_ids",
+        ),
+    ],
+)
+def test_job_over_a_limit_is_refused_with_400_naming_the_field(dealer, submit, field):
+    _send(dealer, submit)
+    reply = _recv(dealer)
+    assert isinstance(reply, JobError) and reply.code == 400
+    assert field in reply.message
+    if field == "job_id":
+        assert reply.job_id is None  # a long id is not echoed back
+    _ping_pong(dealer)
+
+
+def test_abort_right_after_submit_ends_the_job_and_frees_its_id(dealer):
+    params = SamplingParams(n=2, max_tokens=50, ignore_eos=True)
+    for _ in range(3):  # the id is free again each time
+        _send(dealer, SubmitJob("quick", prompt_token_ids=[30, 31], params=params))
+        _send(dealer, AbortJob("quick"))
+        replies = _until_done(dealer)
+        assert isinstance(replies[-1], JobDone)
+        reasons = sorted(
+            (r.index, r.finish_reason)
+            for r in replies
+            if isinstance(r, JobOutput) and r.finish_reason
+        )
+        assert reasons == [(0, "abort"), (1, "abort")]
+    _ping_pong(dealer)
+    assert not dealer.poll(100), "nothing after the job's JobDone"

@@ -1,0 +1,184 @@
+"""The zmq frontend's sessions, spoken raw over DEALER sockets: the API key gates
+jobs, a job's outputs go only to the connection that submitted it, and a client that
+goes silent loses its jobs after the heartbeat timeout."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+import zmq
+from conftest import API_KEY, server_config
+from serving_fakes import ServerThread
+
+from tokenloom.client import JobClient, JobFailed
+from tokenloom.protocols.jobs import (
+    AbortJob,
+    HelloJob,
+    JobDone,
+    JobError,
+    JobOutput,
+    JobPong,
+    JobReply,
+    JobWelcome,
+    PingJob,
+    SubmitJob,
+)
+from tokenloom.protocols.sampling import SamplingParams
+
+DECODER = msgspec.msgpack.Decoder(JobReply)
+LONG = SamplingParams(max_tokens=200, ignore_eos=True)
+
+
+@pytest.fixture
+def ctx():
+    context = zmq.Context()
+    yield context
+    context.term()
+
+
+def _dealer(ctx: zmq.Context, endpoint: str, identity: bytes | None = None) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    sock.connect(endpoint)
+    return sock
+
+
+def _send(sock: zmq.Socket, msg: object) -> None:
+    sock.send(msgspec.msgpack.encode(msg))
+
+
+def _recv(sock: zmq.Socket, timeout_ms: int = 5000):
+    assert sock.poll(timeout_ms), "no reply"
+    return DECODER.decode(sock.recv())
+
+
+def _hello(sock: zmq.Socket, key: str | None = API_KEY) -> None:
+    _send(sock, HelloJob(key))
+    assert isinstance(_recv(sock), JobWelcome)
+
+
+def _wait_until(predicate, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def test_jobs_need_hello_with_the_api_key_but_ping_is_open(live_server, ctx):
+    sock = _dealer(ctx, live_server.zmq_endpoint)
+    _send(sock, SubmitJob("j", prompt_token_ids=[30]))
+    assert (reply := _recv(sock)) == JobError("j", 401, reply.message)
+    _send(sock, AbortJob("j"))
+    assert _recv(sock).code == 401
+    _send(sock, PingJob(3))
+    assert _recv(sock) == JobPong(3, True)
+    for wrong in (None, "", "test-kez", API_KEY + "x"):
+        _send(sock, HelloJob(wrong))
+        assert (reply := _recv(sock)) == JobError(None, 401, reply.message)
+        _send(sock, SubmitJob("j", prompt_token_ids=[30]))
+        assert _recv(sock).code == 401
+    _hello(sock)
+    _send(sock, SubmitJob("j", prompt_token_ids=[30], params=SamplingParams(max_tokens=2)))
+    while not isinstance(reply := _recv(sock), JobDone | JobError):
+        pass
+    assert isinstance(reply, JobDone)
+    sock.close()
+
+
+def test_python_clients_send_the_api_key(live_server):
+    with JobClient(live_server.zmq_endpoint, api_key=API_KEY) as client:
+        assert client.generate([30], SamplingParams(max_tokens=3)).num_generated_tokens == 3
+    with (
+        JobClient(live_server.zmq_endpoint, api_key="wrong") as client,
+        pytest.raises(JobFailed) as info,
+    ):
+        client.submit([30])
+    assert info.value.code == 401
+
+
+def test_a_second_connection_with_a_live_routing_id_gets_nothing_and_aborts_nothing(
+    live_server, ctx
+):
+    victim = _dealer(ctx, live_server.zmq_endpoint, b"alice")
+    _hello(victim)
+    _send(victim, SubmitJob("secret", prompt_token_ids=[30], params=SamplingParams(max_tokens=60)))
+    assert isinstance(_recv(victim), JobOutput)
+    thief = _dealer(ctx, live_server.zmq_endpoint, b"alice")
+    thief.send(msgspec.msgpack.encode(HelloJob(API_KEY)))
+    thief.send(msgspec.msgpack.encode(AbortJob("secret")))
+    replies = []
+    while not isinstance(reply := _recv(victim), JobDone | JobError):
+        replies.append(reply)
+    assert isinstance(reply, JobDone) and reply.num_generated_tokens == 60
+    assert all(r.finish_reason in (None, "length") for r in replies)
+    assert not thief.poll(200), "the thief received something"
+    victim.close()
+    thief.close()
+
+
+def test_outputs_never_reach_a_newcomer_that_reuses_a_gone_routing_id(live_server, ctx):
+    frontend = live_server.frontend("zmq")
+    victim = _dealer(ctx, live_server.zmq_endpoint, b"bob")
+    _hello(victim)
+    _send(victim, SubmitJob("secret", prompt_token_ids=[30], params=LONG))
+    assert isinstance(_recv(victim), JobOutput)
+    victim.close()
+    thief = _dealer(ctx, live_server.zmq_endpoint, b"bob")
+    assert not thief.poll(500), "the newcomer received the gone client's outputs"
+    _send(thief, AbortJob("secret"))
+    assert _recv(thief).code == 401  # a new connection: no session, no jobs
+    _hello(thief)
+    _send(thief, AbortJob("secret"))
+    assert (reply := _recv(thief)) == JobError("secret", 404, reply.message)
+    _wait_until(lambda: len(frontend.live) == 0)  # the gone client's job was aborted
+    thief.close()
+
+
+@pytest.fixture(scope="module")
+def heartbeat_server(served_model_dir):
+    config = server_config(
+        served_model_dir, frontends=["zmq"], zmq_heartbeat_timeout_s=0.6,
+        plugin={"fake": {"step_s": 0.02}},
+    )  # fmt: skip
+    server = ServerThread(config).start()
+    yield server
+    assert server.stop() == 0
+
+
+def test_a_silent_client_loses_its_jobs_with_408(heartbeat_server, ctx):
+    sock = _dealer(ctx, heartbeat_server.zmq_endpoint)
+    _send(sock, SubmitJob("quiet", prompt_token_ids=[30], params=LONG))  # 200 steps: 4 s
+    started = time.monotonic()
+    while not isinstance(reply := _recv(sock), JobDone | JobError):
+        assert reply.finish_reason is None
+    assert reply == JobError("quiet", 408, reply.message)
+    assert 0.6 <= time.monotonic() - started < 2.5
+    _wait_until(lambda: len(heartbeat_server.frontend("zmq").live) == 0)
+    sock.close()
+
+
+def test_a_client_that_pings_keeps_its_jobs(heartbeat_server, ctx):
+    sock = _dealer(ctx, heartbeat_server.zmq_endpoint)
+    _send(sock, SubmitJob("chatty", prompt_token_ids=[30], params=SamplingParams(max_tokens=80)))
+    last_ping = time.monotonic()
+    while True:  # 80 steps: 1.6 s, more than twice the timeout
+        if time.monotonic() - last_ping > 0.2:
+            _send(sock, PingJob(0))
+            last_ping = time.monotonic()
+        reply = _recv(sock)
+        if isinstance(reply, JobDone | JobError):
+            break
+    assert isinstance(reply, JobDone) and reply.num_generated_tokens == 80
+    sock.close()
+
+
+def test_python_clients_ping_in_the_background(heartbeat_server):
+    with JobClient(heartbeat_server.zmq_endpoint) as client:
+        job = client.submit([30], SamplingParams(max_tokens=80))
+        time.sleep(0.1)
+        result = list(client.stream(job))
+    assert isinstance(result[-1], JobDone) and result[-1].num_generated_tokens == 80
