@@ -71,12 +71,49 @@ def decode_run(engine: Any, prompt: list[int], output_len: int, request_id: str)
     return arrivals
 
 
+def hf_decode_tokens_per_s(
+    model_dir: str, random_weights: bool, prompt: list[int], output_len: int, runs: int = 3
+) -> float:
+    """transformers ``generate`` at batch 1, greedy, EOS ignored: decode tokens/s from the
+    difference between ``output_len`` and one new token (prefill cancels), median of runs
+    after a warm-up."""
+    import torch
+
+    from tokenloom.bench.throughput import hf_model
+
+    model, device = hf_model(model_dir, random_weights)
+    ids = torch.tensor([prompt], device=device)
+
+    def timed(new: int) -> float:
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        sync()
+        started = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        sync()
+        return time.perf_counter() - started
+
+    timed(8)
+    decode_s = statistics.median(timed(output_len) - timed(1) for _ in range(runs))
+    return (output_len - 1) / decode_s
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tokenloom bench latency", description=__doc__)
     add_engine_args(parser)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument(
+        "--peer", choices=["none", "hf"], default="none", help="also time transformers generate"
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -135,6 +172,17 @@ def main(argv: list[str]) -> int:
                 "graph capture s",
                 getattr(engine.executor, "timings", {}).get("graph_capture_s", 0.0),
             ),
+        ]
+    if args.peer == "hf":
+        model_dir = engine.config.model
+        random_weights = engine.config.load_format == "random"
+        engine.shutdown()
+        del llm, engine
+        peer_tok_s = hf_decode_tokens_per_s(model_dir, random_weights, prompt, args.output_len)
+        result["hf_decode_tokens_per_s"] = peer_tok_s
+        rows += [
+            ("hf decode tokens/s", peer_tok_s),
+            ("tokenloom / hf", tok_s / peer_tok_s),
         ]
     print_table(f"latency: {args.model}", rows)
     write_json(args.out, "bench-latency.json", result)

@@ -64,8 +64,8 @@ def run_tokenloom(llm: Any, passes: list[list[tuple[list[int], int]]]) -> dict[s
     }
 
 
-def run_hf(model_dir: str, random_weights: bool, work: list[tuple[list[int], int]], batch: int):
-    """transformers generate, batched with left padding; counts only requested tokens."""
+def hf_model(model_dir: str, random_weights: bool) -> tuple[Any, str]:
+    """The transformers model of ``model_dir`` in eval mode: bf16 on CUDA, fp32 on the CPU."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -81,6 +81,14 @@ def run_hf(model_dir: str, random_weights: bool, work: list[tuple[list[int], int
         # descriptor: mypy sees an unbound method and takes `device` for `self`.
         model = model.to(device)  # type: ignore[arg-type]
     model.eval()
+    return model, device
+
+
+def run_hf(model_dir: str, random_weights: bool, work: list[tuple[list[int], int]], batch: int):
+    """transformers generate, batched with left padding; counts only requested tokens."""
+    import torch
+
+    model, device = hf_model(model_dir, random_weights)
     pad = 0
     _sync()
     started = time.perf_counter()
