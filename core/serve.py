@@ -5,8 +5,14 @@
 ``config.frontends`` in this process's event loop until SIGINT or SIGTERM. Stopping
 is graceful: the frontends stop accepting and give in-flight requests
 ``config.shutdown_grace_s`` to finish (the rest are aborted), then the engine-core
-is shut down; no process outlives ``main``. If the engine-core dies, the frontends
-keep answering (503 on /health, an error to every request) until stopped.
+is shut down; no process outlives ``main``.
+
+Failures stay contained. A frontend whose ``serve()`` raises is logged and served
+again after a backoff, while the others keep serving; one that fails
+``MAX_FRONTEND_FAILURES`` times in a row is left stopped, and ``run`` returns 1 once
+no frontend is left. If the engine-core dies, the ``EngineKeeper`` restarts it
+(``restart_engine``, with backoff; /health answers 503 meanwhile, pending requests
+fail at once), and ``run`` returns 1 once it gives up (``max_engine_restarts``).
 """
 
 from __future__ import annotations
@@ -26,6 +32,10 @@ from tokenloom.protocols.control import Ready
 
 log = get_logger(__name__)
 
+FRONTEND_BACKOFF_S = (0.1, 5.0)  # first delay before serving a failed frontend again, cap
+FRONTEND_STABLE_S = 30.0  # a frontend that served this long starts its count afresh
+MAX_FRONTEND_FAILURES = 5  # failures in a row before a frontend is left stopped
+
 
 @dataclass
 class ServerHandle:
@@ -33,11 +43,16 @@ class ServerHandle:
 
     config: EngineConfig
     ready: Ready
-    supervisor: Any  # tokenloom.supervisor.Supervisor
-    engine: Any  # tokenloom.engine_client.AsyncEngineClient
+    keeper: Any  # tokenloom.engine_keeper.EngineKeeper
+    engine: Any  # tokenloom.engine_client.AsyncEngineClient (the same across restarts)
     frontends: list[Any] = field(default_factory=list)
     loop: asyncio.AbstractEventLoop | None = None
     stop_event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def supervisor(self) -> Any:
+        """The current engine-core's ``Supervisor`` (a new one after each restart)."""
+        return self.keeper.supervisor
 
     def stop(self) -> None:
         """Begin a graceful stop; safe to call from any thread."""
@@ -46,7 +61,8 @@ class ServerHandle:
 
 
 def main(config: EngineConfig) -> int:
-    """Serve until SIGINT/SIGTERM. Returns 0 after a clean stop, 1 if start-up failed."""
+    """Serve until SIGINT/SIGTERM. Returns 0 after a clean stop, 1 if start-up failed,
+    the engine-core could not be kept running, or every frontend failed."""
     return asyncio.run(run(config, handle_signals=True))
 
 
@@ -56,13 +72,15 @@ async def run(
     engine_factory: Callable[..., Any] | None = None,
     on_started: Callable[[ServerHandle], None] | None = None,
     handle_signals: bool = False,
+    engine_backoff_s: tuple[float, float] = (0.5, 30.0),
 ) -> int:
     """Serve until ``handle.stop()`` (or a signal, with ``handle_signals``).
     ``engine_factory`` replaces the engine built in the engine-core process (it
-    must be importable by reference: ``(config, plugin_manager) -> engine``)."""
-    from tokenloom.engine_client import AsyncEngineClient
+    must be importable by reference: ``(config, plugin_manager) -> engine``);
+    ``engine_backoff_s`` is the engine-core's first restart delay and its cap."""
+    from tokenloom.engine_keeper import EngineKeeper
     from tokenloom.plugin_manager import PluginError, PluginManager
-    from tokenloom.supervisor import EngineStartError, Supervisor
+    from tokenloom.supervisor import EngineStartError
     from tokenloom.tokenizer import Tokenizer
 
     if not config.model:
@@ -75,17 +93,16 @@ async def run(
     except PluginError as exc:
         log.error("%s", exc)
         return 1
-    supervisor = Supervisor(config, engine_factory=engine_factory)
+    keeper = EngineKeeper(config, engine_factory=engine_factory, backoff_s=engine_backoff_s)
     try:
-        ready = await supervisor.start_async()
+        ready = await keeper.start()
     except EngineStartError as exc:
         log.error("%s", exc)
         return 1
     config = msgspec.structs.replace(config, max_model_len=ready.max_model_len)
     log_capacity(config, ready)
-    engine = AsyncEngineClient(supervisor.endpoints.input, supervisor.endpoints.output)
-    supervisor.watch(lambda code: engine.mark_dead(f"engine-core exited with code {code}"))
-    handle = ServerHandle(config, ready, supervisor, engine, loop=asyncio.get_running_loop())
+    engine = keeper.client
+    handle = ServerHandle(config, ready, keeper, engine, loop=asyncio.get_running_loop())
     exit_code = 0
     tasks: list[asyncio.Task[None]] = []
     try:
@@ -93,7 +110,8 @@ async def run(
         plugins.configure(config)
         handle.frontends = [spec.factory(config, engine, tokenizer, ready=ready) for spec in specs]
         tasks = [
-            asyncio.create_task(f.serve(), name=f"frontend-{f.name}") for f in handle.frontends
+            asyncio.create_task(_keep_serving(f), name=f"frontend-{f.name}")
+            for f in handle.frontends
         ]
         if handle_signals:
             _stop_on_signals(handle)
@@ -108,10 +126,9 @@ async def run(
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         plugins.hook.tokenloom_shutdown(process="frontend")
-        await engine.close()
         # The frontends drained or aborted their requests already: the engine-core
         # needs no grace of its own.
-        await supervisor.stop_async(grace_s=1.0)
+        await keeper.stop(grace_s=1.0)
         log.info("stopped")
     return exit_code
 
@@ -131,15 +148,57 @@ def log_capacity(config: EngineConfig, ready: Ready) -> None:
 
 
 async def _serve_until_stopped(handle: ServerHandle, tasks: list[asyncio.Task[None]]) -> int:
+    """Wait for a stop, the keeper giving up on the engine-core, or no frontend left
+    serving. Returns the exit code."""
     stopper = asyncio.create_task(handle.stop_event.wait())
-    done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
-    stopper.cancel()
-    for task in done:
-        if task is not stopper and not task.cancelled() and task.exception() is not None:
-            log.error("frontend %s failed: %s", task.get_name(), task.exception())
-            return 1
+    gave_up = asyncio.create_task(handle.keeper.gave_up.wait())
+    pending = set(tasks)
+    exit_code = 0
+    try:
+        while True:
+            done, pending = await asyncio.wait(
+                {stopper, gave_up, *pending}, return_when=asyncio.FIRST_COMPLETED
+            )
+            pending -= {stopper, gave_up}
+            if stopper in done:
+                break
+            if gave_up in done:
+                exit_code = 1
+                break
+            if not pending:
+                log.error("no frontend left serving: stopping")
+                exit_code = 1
+                break
+    finally:
+        stopper.cancel()
+        gave_up.cancel()
     log.info("stopping (grace %.1fs)", handle.config.shutdown_grace_s)
-    return 0
+    return exit_code
+
+
+async def _keep_serving(frontend: Any) -> None:
+    """Run ``frontend.serve()``; when it raises, log it and serve again after a backoff
+    (doubling from ``FRONTEND_BACKOFF_S``). Returns when it returns; raises after
+    ``MAX_FRONTEND_FAILURES`` failures in a row (the frontend is left stopped)."""
+    loop = asyncio.get_running_loop()
+    failures = 0
+    while True:
+        started = loop.time()
+        try:
+            await frontend.serve()
+            return
+        except Exception:
+            if loop.time() - started >= FRONTEND_STABLE_S:
+                failures = 0
+            failures += 1
+            if failures >= MAX_FRONTEND_FAILURES:
+                log.exception("frontend %s failed %d times in a row: left stopped",
+                              frontend.name, failures)  # fmt: skip
+                raise
+            first, cap = FRONTEND_BACKOFF_S
+            delay = min(first * 2 ** (failures - 1), cap)
+            log.exception("frontend %s failed; serving it again in %.1fs", frontend.name, delay)
+        await asyncio.sleep(delay)
 
 
 def _stop_on_signals(handle: ServerHandle) -> None:
