@@ -23,7 +23,7 @@ from tokenloom.plugins.executor.batch import BatchBuilder, FlatBatch
 from tokenloom.plugins.executor.cuda_graphs import DecodeGraphs
 from tokenloom.plugins.executor.prompt_logprobs import PromptLogprobs
 from tokenloom.plugins.executor.prompt_logprobs import to_host as prompt_values_to_host
-from tokenloom.plugins.executor.sampler import PendingHostSample
+from tokenloom.plugins.executor.sampling.sampler import PendingHostSample
 from tokenloom.protocols.components import (
     ComponentSpec,
     DoneStep,
@@ -80,7 +80,7 @@ class ModelRunner(Executor):
     # ------------------------------------------------------------------ start-up
 
     def load_model(self) -> ModelInfo:
-        from tokenloom.plugins.executor.sampler import Sampler
+        from tokenloom.plugins.executor.sampling.sampler import Sampler
         from tokenloom.plugins.models.loader import load_model
 
         torch.manual_seed(self.config.seed)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from tokenloom.plugins.executor.penalties import TokenCounts, apply_penalties
-from tokenloom.plugins.executor.sampler import Sampler
+from tokenloom.plugins.executor.sampling.penalties import TokenCounts, apply_penalties
+from tokenloom.plugins.executor.sampling.sampler import Sampler
 from tokenloom.protocols.sampling import SamplingParams
 from tokenloom.protocols.step import NewRequestData
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tokenloom.plugins.executor.sampling_batch import upload
+from tokenloom.plugins.executor.staging import upload
 
 
 def apply_penalties(

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenloom.plugins.executor.logits_filters import (
+from tokenloom.plugins.executor.sampling.logits_filters import (
     apply_min_p,
     apply_top_k,
     apply_top_k_top_p,
     exponential_race,
 )
-from tokenloom.plugins.executor.penalties import TokenCounts, apply_penalties
-from tokenloom.plugins.executor.sampling_batch import (
+from tokenloom.plugins.executor.sampling.penalties import TokenCounts, apply_penalties
+from tokenloom.plugins.executor.sampling.sampling_batch import (
     RequestSamplingState,
     SamplingBatch,
     build_sampling_batch,

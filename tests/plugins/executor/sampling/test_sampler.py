@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenloom.plugins.executor.sampler import Sampler
+from tokenloom.plugins.executor.sampling.sampler import Sampler
 from tokenloom.protocols.sampling import SamplingParams
 from tokenloom.protocols.step import NewRequestData
 
