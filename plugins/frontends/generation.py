@@ -7,6 +7,9 @@ queue, runs the deltas through the processor (detokenization, stop strings) and
 yields ``ChoiceUpdate`` batches: the new text and token ids of each choice, and its
 finish reason. Closing it early (client gone) aborts every unfinished child in the
 engine. A per-request timeout finishes the unfinished choices with reason "timeout".
+
+A generation may hold an admission ``Reservation`` for its sequences: each choice
+gives its one back when it finishes, ``close`` gives back the rest.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 
 from tokenloom.engine_client import EngineDeadError
 from tokenloom.output_processor import OutputProcessor
+from tokenloom.plugins.frontends.admission import Admission, Reservation
 from tokenloom.plugins.frontends.metrics import ServingMetrics
 from tokenloom.protocols.components import EngineClient
 from tokenloom.protocols.outputs import FinishReason, TokenDelta, TopLogprobs
@@ -72,8 +76,10 @@ class Generation:
         timeout_s: float | None = None,
         metrics: ServingMetrics | None = None,
         live: LiveGenerations | None = None,
+        reservation: Reservation | None = None,
     ) -> None:
         self.engine = engine
+        self.reservation = reservation
         self.processor = processor
         self.request_id = request_id
         self.timeout_s = timeout_s
@@ -144,6 +150,8 @@ class Generation:
                 child.task.cancel()
         self._finish_unfinished(FinishReason.ABORT)
         self.processor.abort_request(self.request_id)  # forget it, even if never started
+        if self.reservation is not None:
+            self.reservation.release()
         if live and self.engine.is_alive:
             with contextlib.suppress(EngineDeadError):
                 await self.engine.abort(live)
@@ -240,6 +248,8 @@ class Generation:
         child.last_time = now
 
     def _record_finished(self, reason: str) -> None:
+        if self.reservation is not None:
+            self.reservation.release(1)
         if self.metrics is not None and self.finished:
             self.metrics.record_finished(reason, self.num_prompt_tokens, self.num_generated_tokens)
 
@@ -248,7 +258,11 @@ class LiveGenerations:
     """The requests a frontend has in flight: starts each with the frontend's shared
     output processor, EOS ids, timeout and metrics, and lets shutdown wait for them
     to drain. A dead engine needs nothing here: the engine client fails every
-    pending stream with EngineDeadError, which each ``updates()`` raises."""
+    pending stream with EngineDeadError, which each ``updates()`` raises.
+
+    With an ``admission``, ``reserve`` holds a request's sequences before any work is
+    done for it (raising ``QueueFullError`` at once when they do not fit), and ``new``
+    without a reservation reserves ``params.n`` itself."""
 
     def __init__(
         self,
@@ -257,8 +271,10 @@ class LiveGenerations:
         eos_token_ids: list[int],
         timeout_s: float | None = None,
         metrics: ServingMetrics | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.engine = engine
+        self.admission = admission
         self.processor = OutputProcessor(tokenizer)
         self.eos_token_ids = eos_token_ids
         self.timeout_s = timeout_s
@@ -275,12 +291,21 @@ class LiveGenerations:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
+        reservation: Reservation | None = None,
     ) -> Generation:
-        """A generation that joins the live set once its ``updates()`` starts."""
+        """A generation that joins the live set once its ``updates()`` starts; it
+        gives back ``reservation`` (or one it makes for ``params.n``) as it ends."""
+        if reservation is None and self.admission is not None:
+            reservation = self.admission.reserve(params.n)
         return Generation(
             self.engine, self.processor, request_id, prompt, prompt_token_ids, params,
-            self.eos_token_ids, priority, self.timeout_s, self.metrics, self,
+            self.eos_token_ids, priority, self.timeout_s, self.metrics, self, reservation,
         )  # fmt: skip
+
+    def reserve(self, num_sequences: int) -> Reservation | None:
+        """Hold ``num_sequences`` of the admission (None without one); raises
+        ``QueueFullError`` when they do not fit."""
+        return None if self.admission is None else self.admission.reserve(num_sequences)
 
     def add(self, generation: Generation) -> None:
         self.generations.add(generation)

@@ -1,11 +1,15 @@
-"""The OpenAI-compatible HTTP routes: /v1/completions, /v1/chat/completions,
-/v1/models, /health, /metrics, /version.
+"""The OpenAI-compatible HTTP routes: /v1/completions, /v1/chat/completions, and the
+cheap routes of ``info`` (/v1/models, /health, /metrics, /version, /openapi.json).
 
-Each generation request is decoded into a Struct, tokenized, checked against the
-model length, then run as one ``Generation`` per prompt. Errors before the first
-output become HTTP statuses (400 invalid, 401 key, 404 model, 503 overloaded or
-engine down, with Retry-After); errors after a stream started become an SSE
-``error`` event. A client that disconnects aborts its request at once.
+A generation request goes through, in order, each step refusing with a 4xx/503 that
+names the field before the next costs anything: the API key; the body
+(``read_json_body``: 415 media type, 413 size, 400 nesting); decoding into a Struct;
+the model name; the engine being alive; ``request_params`` (the shared limits);
+admission of its ``n`` x prompts sequences (503 + Retry-After at once when they do not
+fit); tokenization; the model length. Decoding and tokenizing an input larger than
+``OFFLOAD_BYTES`` run in a worker thread, so a huge body never stalls the event loop
+(and /health). Then one ``Generation`` per prompt runs. Errors after a stream started
+become an SSE ``error`` event. A client that disconnects aborts its request at once.
 
 With ``config.request_timeout_s`` set, a request still running after that long is
 aborted in the engine and answered normally with what it generated so far, its
@@ -15,24 +19,25 @@ open choices finishing with ``finish_reason: "timeout"``.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-import tokenloom
 from tokenloom.engine_client import EngineDeadError, EngineError
+from tokenloom.plugins.frontends.admission import Reservation
 from tokenloom.plugins.frontends.generation import ChoiceUpdate, Generation
 from tokenloom.plugins.frontends.limits import PromptError
 from tokenloom.plugins.frontends.openai import formatting as fmt
+from tokenloom.plugins.frontends.openai.body import check_json_depth, read_json_body
+from tokenloom.plugins.frontends.openai.info import InfoRoutes, json_response, unauthorized
 from tokenloom.plugins.frontends.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -40,6 +45,7 @@ from tokenloom.plugins.frontends.openai.schemas import (
     decode_chat,
     decode_completion,
     message_text,
+    request_params,
     sampling_params,
 )
 from tokenloom.plugins.frontends.openai.streaming import (
@@ -48,17 +54,18 @@ from tokenloom.plugins.frontends.openai.streaming import (
     sse_event,
     unless_disconnected,
 )
+from tokenloom.protocols.components import QueueFullError
+from tokenloom.protocols.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from tokenloom.plugins.frontends.openai.frontend import OpenAIFrontend
 
+T = TypeVar("T")
 Merged = AsyncGenerator[tuple[int, list[ChoiceUpdate]], None]  # (prompt index, updates)
-_encode = msgspec.json.Encoder().encode
+Prompts = list[tuple[str | None, list[int]]]
 CLIENT_CLOSED = 499  # nginx's status for "client closed request"; nobody reads it
-
-
-def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(_encode(body), status, headers, media_type="application/json")
+OFFLOAD_BYTES = 64 * 1024  # inputs larger than this are decoded and tokenized off the loop
+MAX_ECHOED_CHARS = 100  # of a client's string quoted back in an error
 
 
 def error_response(error: RequestError) -> Response:
@@ -69,6 +76,8 @@ def error_response(error: RequestError) -> Response:
 def engine_error(exc: BaseException) -> RequestError:
     if isinstance(exc, EngineDeadError):
         return RequestError("the engine is not running", None, 503, "service_unavailable")
+    if isinstance(exc, QueueFullError):
+        return RequestError(f"queue full: {exc}", None, 503, "service_unavailable")
     code = int(getattr(exc, "code", 500))
     message = str(getattr(exc, "message", exc))
     kind = "service_unavailable" if code == 503 else None
@@ -81,99 +90,86 @@ class OpenAIApp:
     def __init__(self, frontend: OpenAIFrontend) -> None:
         self.frontend = frontend
         self.texts = fmt.TokenTexts(frontend.tokenizer)
-        self.created = int(time.time())
+        self.max_body_bytes = int(frontend.config.max_request_body_mb * 1024 * 1024)
+        # few workers: a flood of huge prompts queues here instead of taking all memory
+        self.workers = ThreadPoolExecutor(2, thread_name_prefix="tokenloom-openai")
+        info = InfoRoutes(frontend)
         self.starlette = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-                Route("/v1/models", self.models, methods=["GET"]),
-                Route("/health", self.health, methods=["GET"]),
-                Route("/metrics", self.metrics, methods=["GET"]),
-                Route("/version", self.version, methods=["GET"]),
+                Route("/v1/models", info.models, methods=["GET"]),
+                Route("/health", info.health, methods=["GET"]),
+                Route("/metrics", info.metrics, methods=["GET"]),
+                Route("/version", info.version, methods=["GET"]),
+                Route("/openapi.json", info.openapi, methods=["GET"]),
             ]
         )
-
-    # ------------------------------------------------------------------ info routes
-
-    async def models(self, request: Request) -> Response:
-        if (denied := self._authorize(request)) is not None:
-            return denied
-        card = {
-            "id": self.frontend.model_name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "tokenloom",
-            "root": self.frontend.config.model,
-            "parent": None,
-            "max_model_len": self.frontend.limits.max_model_len,
-        }
-        return json_response({"object": "list", "data": [card]})
-
-    async def health(self, request: Request) -> Response:
-        if self.frontend.engine.is_alive:
-            return json_response({"status": "ok"})
-        return json_response({"status": "engine dead"}, 503)
-
-    async def metrics(self, request: Request) -> Response:
-        engine = self.frontend.engine
-        stats = None
-        if engine.is_alive:
-            try:
-                stats = await asyncio.wait_for(engine.stats(), 2.0)
-            except (TimeoutError, EngineError, EngineDeadError):
-                stats = None
-        text = self.frontend.metrics.render(stats, engine.is_alive)
-        return Response(text, media_type="text/plain; version=0.0.4")
-
-    async def version(self, request: Request) -> Response:
-        return json_response({"version": tokenloom.__version__})
 
     # ------------------------------------------------------------------ generation routes
 
     async def completions(self, request: Request) -> Response:
-        try:
-            if (denied := self._authorize(request)) is not None:
-                return denied
-            req = decode_completion(await request.body())
-            self._check_model(req.model)
-            prompts = self._completion_prompts(req)
-            return await self._generate(request, req, prompts, chat=False)
-        except RequestError as exc:
-            return error_response(exc)
+        return await self._handle(request, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
+        return await self._handle(request, chat=True)
+
+    async def _handle(self, request: Request, chat: bool) -> Response:
+        frontend = self.frontend
+        reservation: Reservation | None = None
         try:
-            if (denied := self._authorize(request)) is not None:
+            if (denied := unauthorized(frontend.config.api_key, request)) is not None:
+                frontend.metrics.record_refused(401)
                 return denied
-            req = decode_chat(await request.body())
+            body = await read_json_body(request, self.max_body_bytes)
+            req = await self._off_loop(len(body), _decode, body, chat)
             self._check_model(req.model)
-            messages = [{"role": m.role, "content": message_text(m)} for m in req.messages]
-            tokenizer = self.frontend.tokenizer
+            if not frontend.engine.is_alive:
+                raise engine_error(EngineDeadError())
+            num_prompts = 1 if chat else _num_prompts(req.prompt)
+            base = request_params(req, frontend.config, num_prompts)
             try:
-                text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            except ValueError as exc:  # ChatTemplateError: the template refused them
-                raise RequestError(f"messages: {exc}", "messages") from exc
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            return await self._generate(request, req, [(None, ids)], chat=True)
+                reservation = frontend.live.reserve(base.n * num_prompts)
+            except QueueFullError as exc:
+                raise engine_error(exc) from exc
+            if chat:
+                prompts = await self._chat_prompt(req)
+            else:
+                prompts = await self._completion_prompts(req)
+            return await self._generate(request, req, prompts, base, reservation, chat)
         except RequestError as exc:
+            frontend.metrics.record_refused(exc.status)
             return error_response(exc)
+        finally:
+            if reservation is not None:
+                reservation.release()  # what no generation took (all of it on an error)
+
+    async def _off_loop(self, size: int, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, in a worker thread when the input is over ``OFFLOAD_BYTES``."""
+        if size <= OFFLOAD_BYTES:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
 
     async def _generate(
         self,
         request: Request,
         req: CompletionRequest | ChatCompletionRequest,
-        prompts: list[tuple[str | None, list[int]]],
+        prompts: Prompts,
+        base: SamplingParams,
+        reservation: Reservation | None,
         chat: bool,
     ) -> Response:
         frontend = self.frontend
-        if not frontend.engine.is_alive:
-            raise engine_error(EngineDeadError())
-        params = [sampling_params(req, len(ids), frontend.limits) for _, ids in prompts]
+        limits, config = frontend.limits, frontend.config
+        params = [sampling_params(req, len(ids), limits, config, base) for _, ids in prompts]
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         generations = [
-            frontend.live.new(f"{request_id}-{i}", text, ids, sp, req.priority)
+            frontend.live.new(
+                f"{request_id}-{i}", text, ids, sp, req.priority,
+                reservation.split(sp.n) if reservation is not None else None,
+            )
             for i, ((text, ids), sp) in enumerate(zip(prompts, params, strict=True))
-        ]
+        ]  # fmt: skip
         merged = _merge(generations)
         try:
             first = await unless_disconnected(anext(merged, None), request.receive)
@@ -269,28 +265,19 @@ class OpenAIApp:
 
     # ------------------------------------------------------------------ helpers
 
-    def _authorize(self, request: Request) -> Response | None:
-        key = self.frontend.config.api_key
-        if not key:
-            return None
-        given = request.headers.get("authorization", "")
-        if hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-            return None
-        error = RequestError("invalid or missing API key", None, 401, "authentication_error")
-        return json_response(error.body(), 401, {"WWW-Authenticate": "Bearer"})
-
     def _check_model(self, model: str | None) -> None:
         served = (self.frontend.model_name, self.frontend.config.model)
         if model is not None and model not in served and Path(model).name not in served:
-            raise RequestError(f"model: {model!r} is not served here", "model", 404)
+            shown = model if len(model) <= MAX_ECHOED_CHARS else model[:MAX_ECHOED_CHARS] + "..."
+            raise RequestError(f"model: {shown!r} is not served here", "model", 404)
 
-    def _completion_prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
-        encode = self.frontend.tokenizer.encode
+    async def _completion_prompts(self, req: CompletionRequest) -> Prompts:
         prompt = req.prompt
-        if isinstance(prompt, str):
-            return [(prompt, encode(prompt))]
-        if isinstance(prompt[0], str):
-            return [(p, encode(p)) for p in prompt]  # type: ignore[arg-type]
+        if isinstance(prompt, str) or isinstance(prompt[0], str):
+            texts: list[str] = [prompt] if isinstance(prompt, str) else prompt  # type: ignore[list-item]
+            size = sum(len(text) for text in texts)
+            ids = await self._off_loop(size, _encode_all, self.frontend.tokenizer, texts)
+            return list(zip(texts, ids, strict=True))
         id_lists = [prompt] if isinstance(prompt[0], int) else prompt
         for ids in id_lists:
             try:
@@ -299,11 +286,40 @@ class OpenAIApp:
                 raise RequestError(str(exc), exc.field) from exc
         return [(None, list(ids)) for ids in id_lists]  # type: ignore[arg-type]
 
+    async def _chat_prompt(self, req: ChatCompletionRequest) -> Prompts:
+        messages = [{"role": m.role, "content": message_text(m)} for m in req.messages]
+        size = sum(len(m["content"]) for m in messages)
+        ids = await self._off_loop(size, _chat_ids, self.frontend.tokenizer, messages)
+        return [(None, ids)]
+
     def _logprobs(self, count: int, req: Any, chat: bool) -> list[fmt.ChoiceLogprobs] | None:
         wanted = req.logprobs if chat else req.logprobs is not None
         if not wanted:
             return None
         return [fmt.ChoiceLogprobs(chat, self.texts) for _ in range(count)]
+
+
+def _decode(body: bytes, chat: bool) -> CompletionRequest | ChatCompletionRequest:
+    check_json_depth(body)
+    return decode_chat(body) if chat else decode_completion(body)
+
+
+def _num_prompts(prompt: str | list[Any]) -> int:
+    if isinstance(prompt, str) or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
+
+
+def _encode_all(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    return [tokenizer.encode(text) for text in texts]
+
+
+def _chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except ValueError as exc:  # ChatTemplateError: the template refused them
+        raise RequestError(f"messages: {exc}", "messages") from exc
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def _usage(generations: list[Generation]) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 Constructed as ``OpenAIFrontend(config, engine, tokenizer, ready=None)``; ``ready``
 (the engine-core's ``Ready``) supplies the model length, EOS ids and model name,
-else they come from the config and the tokenizer. ``serve()`` returns when
+else they come from the config and the tokenizer. The metrics and the admission count
+are those of the engine client (``for_engine``), shared with the other frontends. ``serve()`` returns when
 cancelled, after a graceful stop: no new connections, in-flight requests get up to
 ``config.shutdown_grace_s`` to finish, then are cancelled (which aborts them).
 """
@@ -19,6 +20,7 @@ import uvicorn
 
 from tokenloom.config import EngineConfig
 from tokenloom.logging import get_logger
+from tokenloom.plugins.frontends.admission import Admission
 from tokenloom.plugins.frontends.generation import LiveGenerations
 from tokenloom.plugins.frontends.limits import ModelLimits
 from tokenloom.plugins.frontends.metrics import ServingMetrics
@@ -57,10 +59,13 @@ class OpenAIFrontend(Frontend):
         self.limits = ModelLimits.of(config, tokenizer, ready)
         if not self.limits.max_model_len:
             raise ValueError("openai frontend: the model length is unknown (no Ready, no config)")
-        self.metrics = ServingMetrics()
+        self.metrics = ServingMetrics.for_engine(engine)  # shared with the other frontends
+        max_num_seqs = (ready.max_num_seqs if ready else 0) or config.max_num_seqs
+        self.admission = Admission.for_engine(engine, max_num_seqs + config.max_waiting_requests)
         self.live = LiveGenerations(
-            engine, tokenizer, self.limits.eos_token_ids, config.request_timeout_s, self.metrics
-        )
+            engine, tokenizer, self.limits.eos_token_ids, config.request_timeout_s, self.metrics,
+            self.admission,
+        )  # fmt: skip
         self.app = OpenAIApp(self)
         self.server: uvicorn.Server | None = None
 

@@ -1,19 +1,28 @@
 """OpenAI request bodies as msgspec Structs, and their translation to SamplingParams.
 
 Unknown fields are ignored (msgspec's default); a wrong type or an out-of-range
-value raises ``RequestError`` naming the field, answered as HTTP 400.
+value raises ``RequestError`` naming the field, answered as HTTP 400. OpenAI fields
+this server does not implement are declared so that a request using them is refused
+by name (``UNSUPPORTED``), not silently served without them: ``logit_bias``,
+``best_of`` > 1, ``suffix``, ``echo``, ``tools``/``functions`` and a ``tool_choice``
+other than "none", a ``response_format`` other than text, and non-text content parts.
+
+``request_params`` builds a request's SamplingParams and runs the shared
+``check_request_limits`` before any tokenization; ``sampling_params`` then fits
+``max_tokens`` to each prompt's length.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import msgspec
 
-from tokenloom.plugins.frontends.limits import ModelLimits, PromptError
+from tokenloom.config import EngineConfig
+from tokenloom.plugins.frontends.limits import ModelLimits, PromptError, check_request_limits
 from tokenloom.protocols.sampling import InvalidParameter, SamplingParams
 
-MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -40,6 +49,10 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str
+
+
 class _SamplingFields(msgspec.Struct, kw_only=True):
     """Fields shared by both endpoints (OpenAI's and the extras)."""
 
@@ -64,12 +77,21 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] = []
     skip_special_tokens: bool = True
     priority: int = 0
+    # OpenAI fields that are not implemented: refused unless left at their no-op value
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
     prompt: str | list[str | int | list[int]]
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -79,7 +101,7 @@ class ContentPart(msgspec.Struct, kw_only=True):
 
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart] | None = None  # required; None only to name it
     name: str | None = None
 
 
@@ -107,6 +129,9 @@ def decode_completion(body: bytes) -> CompletionRequest:
             raise RequestError("prompt: a token-id list must not be empty", "prompt")
     if request.echo:
         raise RequestError("echo: is not supported", "echo")
+    if request.suffix:
+        raise RequestError("suffix: is not supported", "suffix")
+    _refuse_unsupported(request)
     return request
 
 
@@ -120,6 +145,14 @@ def decode_chat(body: bytes) -> ChatCompletionRequest:
                 f"messages[{i}].role: must be one of {', '.join(CHAT_ROLES)}",
                 f"messages[{i}].role",
             )
+        if message.content is None:
+            raise RequestError(f"messages[{i}].content: is required", f"messages[{i}].content")
+        if isinstance(message.content, list):
+            for j, part in enumerate(message.content):
+                if part.type != "text":
+                    field = f"messages[{i}].content[{j}].type"
+                    raise RequestError(f"{field}: only text parts are supported", field)
+    _refuse_unsupported(request)
     if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
         raise RequestError(f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
     return request
@@ -133,30 +166,21 @@ def message_text(message: ChatMessage) -> str:
     return "".join(part.text for part in message.content if part.type == "text")
 
 
-def sampling_params(
-    request: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int, limits: ModelLimits
+def request_params(
+    request: CompletionRequest | ChatCompletionRequest, config: EngineConfig, num_prompts: int = 1
 ) -> SamplingParams:
-    """The request's SamplingParams; rejects a prompt that cannot fit the model length.
-
-    With no max_tokens the output may use the rest of the model length.
-    """
-    if not 1 <= request.n <= MAX_N:
-        raise RequestError(f"n: must be in [1, {MAX_N}]", "n")
-    max_tokens, max_field = request.max_tokens, "max_tokens"
+    """The request's SamplingParams with ``max_tokens`` as asked, checked against the
+    config's limits and the engine's ranges (``check_request_limits``); cheap, so it
+    runs before admission and tokenization."""
+    max_tokens, max_field = _max_tokens(request)
     logprobs: int | None
     if isinstance(request, ChatCompletionRequest):
-        if request.max_completion_tokens is not None:
-            max_tokens, max_field = request.max_completion_tokens, "max_completion_tokens"
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
     else:
         logprobs = request.logprobs
-    try:
-        max_tokens = limits.output_room(num_prompt_tokens, max_tokens, max_field)
-    except PromptError as exc:
-        raise RequestError(str(exc), exc.field) from exc
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     try:
-        return SamplingParams(
+        params = SamplingParams(
             n=request.n,
             temperature=1.0 if request.temperature is None else request.temperature,
             top_p=1.0 if request.top_p is None else request.top_p,
@@ -174,11 +198,70 @@ def sampling_params(
             logprobs=logprobs,
             skip_special_tokens=request.skip_special_tokens,
         )
+        check_request_limits(config, params, num_prompts=num_prompts, priority=request.priority)
     except InvalidParameter as exc:
-        field = max_field if exc.field == "max_tokens" else exc.field
-        if isinstance(request, ChatCompletionRequest) and exc.field == "logprobs":
-            field = "top_logprobs"
-        raise RequestError(str(exc).replace(exc.field, field, 1), field) from exc
+        raise _field_error(request, exc.field, str(exc), max_field) from exc
+    except PromptError as exc:
+        raise _field_error(request, exc.field, str(exc), max_field) from exc
+    return params
+
+
+def sampling_params(
+    request: CompletionRequest | ChatCompletionRequest,
+    num_prompt_tokens: int,
+    limits: ModelLimits,
+    config: EngineConfig | None = None,
+    base: SamplingParams | None = None,
+) -> SamplingParams:
+    """The request's SamplingParams for one prompt of ``num_prompt_tokens``: ``base``
+    (else ``request_params``) with ``max_tokens`` fitted to the model length; rejects a
+    prompt that cannot fit. With no max_tokens the output may use the rest of it."""
+    if base is None:
+        base = request_params(request, config or EngineConfig())
+    max_tokens, max_field = _max_tokens(request)
+    try:
+        room = limits.output_room(num_prompt_tokens, max_tokens, max_field)
+    except PromptError as exc:
+        raise RequestError(str(exc), exc.field) from exc
+    if room == base.max_tokens:
+        return base
+    if base.min_tokens > room:
+        raise RequestError(f"min_tokens: must be <= {room}, the room left", "min_tokens")
+    return msgspec.structs.replace(base, max_tokens=room)
+
+
+def _max_tokens(request: CompletionRequest | ChatCompletionRequest) -> tuple[int | None, str]:
+    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
+        return request.max_completion_tokens, "max_completion_tokens"
+    return request.max_tokens, "max_tokens"
+
+
+def _field_error(
+    request: CompletionRequest | ChatCompletionRequest, field: str, message: str, max_field: str
+) -> RequestError:
+    """A SamplingParams field's error under the name the HTTP request gave it."""
+    name = max_field if field == "max_tokens" else field
+    if isinstance(request, ChatCompletionRequest) and field == "logprobs":
+        name = "top_logprobs"
+    if isinstance(request, ChatCompletionRequest) and field == "prompt":
+        name = "messages"
+    return RequestError(message.replace(field, name, 1), name)
+
+
+def _refuse_unsupported(request: CompletionRequest | ChatCompletionRequest) -> None:
+    """Refuse, by name, an OpenAI field this server would otherwise ignore."""
+    for field, ok in (
+        ("logit_bias", not request.logit_bias),
+        ("best_of", request.best_of is None or request.best_of <= 1),
+        ("tools", not request.tools),
+        ("functions", not request.functions),
+        ("tool_choice", request.tool_choice in (None, "none", "auto")),
+        ("function_call", request.function_call in (None, "none", "auto")),
+        ("response_format", request.response_format is None
+         or request.response_format.type == "text"),
+    ):  # fmt: skip
+        if not ok:
+            raise RequestError(f"{field}: is not supported by this server", field)
 
 
 def _decode(decoder: msgspec.json.Decoder, body: bytes):  # type: ignore[no-untyped-def]
@@ -192,4 +275,6 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes):  # type: ignore[no-unty
             param = text.rsplit("`", 2)[-2] if text.count("`") >= 2 else None
         raise RequestError(f"{param}: {_AT_FIELD.sub('', text)}" if param else text, param) from exc
     except msgspec.DecodeError as exc:
-        raise RequestError(f"body is not valid JSON: {exc}") from exc
+        raise RequestError(f"body: not valid JSON: {exc}", "body") from exc
+    except RecursionError as exc:  # a backstop: read_json_body limits the depth first
+        raise RequestError("body: JSON nested too deeply", "body") from exc

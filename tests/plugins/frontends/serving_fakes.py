@@ -46,6 +46,7 @@ class FakeEngine:
         model_config = json.loads((Path(config.model) / "config.json").read_text())
         tokenizer = json.loads((Path(config.model) / "tokenizer.json").read_text())
         self.vocab = len(tokenizer["model"]["vocab"])
+        self.model_vocab = int(model_config.get("vocab_size", self.vocab))  # padded: larger
         self.max_model_len = config.max_model_len or model_config["max_position_embeddings"]
         self.block_size = config.block_size
         self.num_blocks = config.num_blocks or 256
@@ -153,6 +154,7 @@ class FakeEngine:
             block_size=self.block_size,
             max_num_seqs=self.max_running,
             eos_token_ids=self.eos,
+            vocab_size=self.model_vocab,
         )
 
     def shutdown(self) -> None:
@@ -232,3 +234,62 @@ class ServerThread:
             self.handle.stop()
         self._thread.join(timeout_s)
         return self.exit_code
+
+
+class InProcessEngine:
+    """An ``EngineClient`` in the test's own event loop, for the ASGI-level tests: each
+    request gets ``params.max_tokens`` tokens (``token``), one per ``step_s``; while
+    ``hold`` is clear no request makes progress, so requests pile up in flight."""
+
+    def __init__(self, token: int = FIRST_TOKEN + 5, step_s: float = 0.0) -> None:
+        import asyncio
+
+        self.token = token
+        self.step_s = step_s
+        self.hold = asyncio.Event()
+        self.hold.set()
+        self.alive = True
+        self.in_flight = 0
+        self.num_generated = 0
+        self.aborted: list[str] = []
+
+    async def generate(self, request: GenerateRequest) -> Any:
+        import asyncio
+
+        self.in_flight += 1
+        try:
+            limit = request.params.max_tokens or 1
+            for i in range(limit):
+                await self.hold.wait()
+                await asyncio.sleep(self.step_s)
+                self.num_generated += 1
+                done = FinishReason.LENGTH if i + 1 == limit else None
+                delta = TokenDelta(request.request_id, [self.token], done)
+                if i == 0:
+                    delta.num_prompt_tokens = len(request.prompt_token_ids)
+                yield delta
+        finally:
+            self.in_flight -= 1
+
+    async def abort(self, request_ids: Any) -> None:
+        self.aborted.extend(request_ids)
+
+    async def stats(self) -> EngineStats:
+        return EngineStats(num_running=self.in_flight)
+
+    @property
+    def is_alive(self) -> bool:
+        return self.alive
+
+
+def asgi_frontend(model_dir: Any, engine: Any = None, vocab_size: int = 0, **options: Any) -> Any:
+    """An ``OpenAIFrontend`` (not listening) over ``engine`` (a new ``InProcessEngine``
+    by default), for ``httpx.ASGITransport(frontend.app.starlette)``."""
+    from tokenloom.config import make_config
+    from tokenloom.plugins.frontends.openai.frontend import OpenAIFrontend
+    from tokenloom.tokenizer import Tokenizer
+
+    config = make_config({"model": str(model_dir), "max_model_len": 256, **options})
+    ready = Ready(pid=os.getpid(), max_model_len=256, eos_token_ids=[2], vocab_size=vocab_size)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    return OpenAIFrontend(config, engine or InProcessEngine(), tokenizer, ready)

@@ -13,7 +13,7 @@ OK_CHAT = [{"role": "user", "content": "hi"}]
 
 # (path, body (dict, or raw bytes), expected status, expected "param" or None)
 BAD_REQUESTS = [
-    (COMPLETIONS, b"{not json", 400, None),
+    (COMPLETIONS, b"{not json", 400, "body"),
     (COMPLETIONS, b"[1, 2]", 400, None),
     (COMPLETIONS, {"max_tokens": 3}, 400, "prompt"),
     (COMPLETIONS, {"prompt": 5}, 400, "prompt"),
@@ -50,7 +50,33 @@ BAD_REQUESTS = [
     (CHAT, {"messages": OK_CHAT, "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs"),
     (CHAT, {"messages": OK_CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     (CHAT, {"messages": OK_CHAT, "logprobs": 3}, 400, "logprobs"),
-]
+    # issue 15: integers past 64 bits were a 500 (OverflowError in serde.encode)
+    (COMPLETIONS, {"prompt": "x", "top_k": 2**64}, 400, "top_k"),
+    (COMPLETIONS, {"prompt": "x", "top_k": 2**40}, 400, "top_k"),
+    (COMPLETIONS, {"prompt": "x", "priority": 10**30}, 400, "priority"),
+    (COMPLETIONS, {"prompt": "x", "priority": -(10**30)}, 400, "priority"),
+    (COMPLETIONS, {"prompt": "x", "stop_token_ids": [2**64]}, 400, "stop_token_ids"),
+    (CHAT, {"messages": OK_CHAT, "stop_token_ids": [-(2**70)]}, 400, "stop_token_ids"),
+    # JSON nested 1,000 deep was a 500 (RecursionError), in any field
+    (COMPLETIONS, b'{"prompt": "x", "extra": ' + b"[" * 1000 + b"]" * 1000 + b"}", 400, "body"),
+    (CHAT, b'{"messages": ' + b"[" * 1000 + b"]" * 1000 + b"}", 400, "body"),
+    # the shared limits
+    (COMPLETIONS, {"prompt": "x", "stop": ["s"] * 17}, 400, "stop"),
+    (COMPLETIONS, {"prompt": "x", "stop_token_ids": list(range(17))}, 400, "stop_token_ids"),
+    (COMPLETIONS, {"prompt": ["x"] * 257, "max_tokens": 1}, 400, "prompt"),
+    # fields not implemented are refused, not ignored
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 100}}, 400, "logit_bias"),
+    (COMPLETIONS, {"prompt": "x", "best_of": 3}, 400, "best_of"),
+    (COMPLETIONS, {"prompt": "x", "suffix": "tail"}, 400, "suffix"),
+    (CHAT, {"messages": OK_CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    (CHAT, {"messages": OK_CHAT, "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    (CHAT, {"messages": OK_CHAT, "tool_choice": "required"}, 400, "tool_choice"),
+    # a chat message without content (OpenAI refuses it), or with an image part
+    (CHAT, {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages[0].content[0].type"),
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +115,13 @@ def test_server_still_serves_after_every_bad_request(http):
     response = http.post(COMPLETIONS, json={"prompt": "still here", "max_tokens": 2})
     assert response.status_code == 200
     assert response.json()["usage"]["completion_tokens"] == 2
+
+
+def test_no_op_values_of_unimplemented_fields_are_accepted(http):
+    body = {"prompt": "x", "max_tokens": 2, "best_of": 1, "logit_bias": {}, "suffix": ""}
+    assert http.post(COMPLETIONS, json=body).status_code == 200
+    body = {"messages": OK_CHAT, "max_tokens": 2, "response_format": {"type": "text"}, "tools": []}
+    assert http.post(CHAT, json=body).status_code == 200
 
 
 def test_unknown_fields_are_ignored(http):

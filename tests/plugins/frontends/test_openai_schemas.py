@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tokenloom.plugins.frontends.limits import ModelLimits
-from tokenloom.plugins.frontends.metrics import Histogram, ServingMetrics
+from tokenloom.plugins.frontends.metrics import ServingMetrics
 from tokenloom.plugins.frontends.openai.schemas import (
     RequestError,
     decode_chat,
@@ -68,16 +68,18 @@ def test_out_of_range_values_name_their_field(fields, param):
     assert info.value.body()["error"]["param"] == param
 
 
-def test_histogram_buckets_are_cumulative():
-    histogram = Histogram("x_seconds", "x", buckets=(0.1, 1.0))
+def test_latency_histograms_are_cumulative_prometheus_buckets():
+    metrics = ServingMetrics()
     for value in (0.05, 0.5, 0.7, 5.0):
-        histogram.observe(value)
-    lines: list[str] = []
-    histogram.render(lines)
-    assert 'tokenloom_x_seconds_bucket{le="0.1"} 1' in lines
-    assert 'tokenloom_x_seconds_bucket{le="1.0"} 3' in lines
-    assert 'tokenloom_x_seconds_bucket{le="+Inf"} 4' in lines
-    assert "tokenloom_x_seconds_count 4" in lines
+        metrics.ttft.observe(value)
+    lines = metrics.render(None, engine_alive=False).decode().splitlines()
+    name = "tokenloom_time_to_first_token_seconds"
+    assert f'{name}_bucket{{le="0.1"}} 1.0' in lines
+    assert f'{name}_bucket{{le="1.0"}} 3.0' in lines
+    assert f'{name}_bucket{{le="+Inf"}} 4.0' in lines
+    assert f"{name}_count 4.0" in lines
+    assert "tokenloom_engine_alive 0.0" in lines
+    assert not any("_created" in line for line in lines)
 
 
 def test_metrics_render_engine_gauges_and_hit_rate():
@@ -87,9 +89,9 @@ def test_metrics_render_engine_gauges_and_hit_rate():
         num_waiting=2, num_blocks_total=10, num_blocks_free=4, prefix_cache_queries=8,
         prefix_cache_hits=2,
     )  # fmt: skip
-    text = metrics.render(stats, engine_alive=True)
+    text = metrics.render(stats, engine_alive=True).decode()
     assert "tokenloom_num_requests_waiting 2.0" in text
     assert "tokenloom_kv_cache_usage_ratio 0.6" in text
     assert "tokenloom_prefix_cache_hit_rate 0.25" in text
-    assert 'tokenloom_request_success_total{finished_reason="stop"} 1' in text
+    assert 'tokenloom_request_success_total{finished_reason="stop"} 1.0' in text
     assert "tokenloom_generation_tokens_total 4.0" in text

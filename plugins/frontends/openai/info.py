@@ -1,0 +1,110 @@
+"""The cheap routes (/health, /v1/models, /metrics, /version, /openapi.json) and the
+API-key check every route shares.
+
+These routes are open to anyone who can reach the server (``/v1/models`` and, with
+``metrics_require_api_key``, ``/metrics`` and ``/version`` take the key), so each
+must cost next to nothing: the bodies that do not change are encoded once, and
+``/health`` awaits nothing. Concurrent ``/metrics`` scrapes share one request for
+the engine's stats, so a flood of scrapers costs the engine one round trip at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+import tokenloom
+from tokenloom.engine_client import EngineDeadError, EngineError
+from tokenloom.plugins.frontends.metrics import CONTENT_TYPE
+from tokenloom.plugins.frontends.openai.openapi import openapi_document
+from tokenloom.plugins.frontends.openai.schemas import RequestError
+from tokenloom.protocols.outputs import EngineStats
+
+if TYPE_CHECKING:
+    from tokenloom.plugins.frontends.openai.frontend import OpenAIFrontend
+
+_encode = msgspec.json.Encoder().encode
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_encode(body), status, headers, media_type="application/json")
+
+
+def _raw_json(body: bytes, status: int = 200) -> Response:
+    return Response(body, status, media_type="application/json")
+
+
+def unauthorized(api_key: str | None, request: Request) -> Response | None:
+    """None if ``request`` carries ``Authorization: Bearer <api_key>`` (the scheme in
+    any case, RFC 9110) or no key is set; else the 401 response."""
+    if not api_key:
+        return None
+    scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        return None
+    error = RequestError("invalid or missing API key", None, 401, "authentication_error")
+    return json_response(error.body(), 401, {"WWW-Authenticate": "Bearer"})
+
+
+class InfoRoutes:
+    def __init__(self, frontend: OpenAIFrontend) -> None:
+        self.frontend = frontend
+        card = {
+            "id": frontend.model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "tokenloom",
+            "root": frontend.config.model,
+            "parent": None,
+            "max_model_len": frontend.limits.max_model_len,
+        }
+        self._models = _encode({"object": "list", "data": [card]})
+        self._version = _encode({"version": tokenloom.__version__})
+        self._openapi = _encode(openapi_document())
+        self._ok = _encode({"status": "ok"})
+        self._dead = _encode({"status": "engine dead"})
+        self._stats: asyncio.Future[EngineStats | None] | None = None  # the fetch in flight
+
+    def _gate(self, request: Request, always: bool = True) -> Response | None:
+        config = self.frontend.config
+        if always or config.metrics_require_api_key:
+            return unauthorized(config.api_key, request)
+        return None
+
+    async def health(self, request: Request) -> Response:
+        return _raw_json(self._ok) if self.frontend.engine.is_alive else _raw_json(self._dead, 503)
+
+    async def models(self, request: Request) -> Response:
+        return self._gate(request) or _raw_json(self._models)
+
+    async def version(self, request: Request) -> Response:
+        return self._gate(request, always=False) or _raw_json(self._version)
+
+    async def openapi(self, request: Request) -> Response:
+        return _raw_json(self._openapi)
+
+    async def metrics(self, request: Request) -> Response:
+        if (denied := self._gate(request, always=False)) is not None:
+            return denied
+        engine = self.frontend.engine
+        stats = await self._engine_stats() if engine.is_alive else None
+        text = self.frontend.metrics.render(stats, engine.is_alive)
+        return Response(text, media_type=CONTENT_TYPE)
+
+    async def _engine_stats(self) -> EngineStats | None:
+        """The engine's stats; scrapes that come while a fetch is in flight share it."""
+        if self._stats is None or self._stats.done():
+            self._stats = asyncio.ensure_future(self._fetch_stats())
+        return await asyncio.shield(self._stats)
+
+    async def _fetch_stats(self) -> EngineStats | None:
+        try:
+            return await asyncio.wait_for(self.frontend.engine.stats(), 2.0)
+        except (TimeoutError, EngineError, EngineDeadError):
+            return None
