@@ -4,6 +4,7 @@ goes silent loses its jobs after the heartbeat timeout."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import msgspec
@@ -12,7 +13,7 @@ import zmq
 from conftest import API_KEY, server_config
 from serving_fakes import ServerThread
 
-from tokenloom.client import JobClient, JobFailed
+from tokenloom.client import AsyncJobClient, JobClient, JobFailed
 from tokenloom.protocols.jobs import (
     AbortJob,
     HelloJob,
@@ -182,3 +183,21 @@ def test_python_clients_ping_in_the_background(heartbeat_server):
         time.sleep(0.1)
         result = list(client.stream(job))
     assert isinstance(result[-1], JobDone) and result[-1].num_generated_tokens == 80
+
+
+async def test_async_client_sends_the_api_key(live_server):
+    async with AsyncJobClient(live_server.zmq_endpoint, api_key=API_KEY) as client:
+        result = await client.generate([30], SamplingParams(max_tokens=3))
+        assert result.num_generated_tokens == 3
+    async with AsyncJobClient(live_server.zmq_endpoint, api_key="wrong") as client:
+        with pytest.raises(JobFailed) as info:
+            await client.submit([30])
+    assert info.value.code == 401
+
+
+async def test_async_client_keeps_jobs_alive_while_the_caller_does_other_work(heartbeat_server):
+    async with AsyncJobClient(heartbeat_server.zmq_endpoint) as client:
+        job = await client.submit([30], SamplingParams(max_tokens=60))
+        await asyncio.sleep(1.5)  # 2.5 heartbeat timeouts without reading: the pinger speaks
+        messages = [m async for m in client.stream(job)]
+    assert isinstance(messages[-1], JobDone) and messages[-1].num_generated_tokens == 60
