@@ -44,6 +44,7 @@ class ModelLimits:
     max_model_len: int  # 0: unknown, every prompt is refused
     vocab_size: int  # 0: unknown, token ids are not checked
     eos_token_ids: list[int]
+    max_token_chars: int = 0  # the longest vocabulary entry; 0: unknown, text not bounded
 
     @classmethod
     def of(cls, config: EngineConfig, tokenizer: Any, ready: Ready | None = None) -> ModelLimits:
@@ -51,7 +52,19 @@ class ModelLimits:
         eos = list(ready.eos_token_ids) if ready and ready.eos_token_ids else []
         eos = eos or list(getattr(tokenizer, "eos_token_ids", []))
         vocab = (ready.vocab_size if ready else 0) or int(getattr(tokenizer, "vocab_size", 0) or 0)
-        return cls(max_model_len, vocab, eos)
+        return cls(max_model_len, vocab, eos, _longest_token(tokenizer))
+
+    def check_text_length(self, num_chars: int, field: str = "prompt") -> None:
+        """Refuse, before tokenizing it, a text too long to fit the model length
+        whatever its tokens: no token covers more than ``max_token_chars`` characters
+        (doubled for normalizers that merge characters). Tokenizing megabytes would
+        hold the GIL for seconds only to refuse the prompt afterwards."""
+        bound = 2 * self.max_model_len * self.max_token_chars
+        if self.max_token_chars and num_chars > bound:
+            raise PromptError(
+                f"{num_chars} characters cannot fit the model length {self.max_model_len}",
+                field,
+            )
 
     def check_token_ids(self, ids: Sequence[int], field: str = "prompt") -> None:
         """Refuse ids outside the vocabulary (a client's own token ids)."""
@@ -122,6 +135,14 @@ def check_request_limits(
     for name in _FLOAT_FIELDS:
         if not math.isfinite(getattr(params, name)):
             raise PromptError("must be a finite number", name)
+
+
+def _longest_token(tokenizer: Any) -> int:
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+    vocab = int(getattr(tokenizer, "vocab_size", 0) or 0)
+    if convert is None or not vocab:
+        return 0
+    return max((len(token) for token in convert(list(range(vocab))) if token), default=0)
 
 
 def _check_int(value: int, field: str, low: int, high: int) -> None:

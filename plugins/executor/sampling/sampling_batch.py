@@ -16,6 +16,8 @@ import torch
 from tokenloom.plugins.executor.staging import upload
 from tokenloom.protocols.sampling import SamplingParams
 
+MIN_TEMPERATURE = 1e-5  # below it a row samples greedily (as vLLM's _SAMPLING_EPS)
+
 
 @dataclass(slots=True)
 class RequestSamplingState:
@@ -77,7 +79,9 @@ def build_sampling_batch(
 ) -> SamplingBatch:
     """Gather the rows' parameters into device tensors (host work, once per composition)."""
     params = [s.params for s in states]
-    greedy = [p.greedy for p in params]
+    # A temperature this small is greedy: dividing by it overflows the logits to inf,
+    # whose softmax is NaN, and the draw then returned token 0 (an empty answer).
+    greedy = [p.greedy or p.temperature < MIN_TEMPERATURE for p in params]
     all_greedy = all(greedy)
     # A greedy row keeps only its argmax, like top-k 1; saying so lets a batch where every
     # sampled row has a top-k take the cheap topk path instead of a full sort.

@@ -290,6 +290,9 @@ def asgi_frontend(model_dir: Any, engine: Any = None, vocab_size: int = 0, **opt
     from tokenloom.tokenizer import Tokenizer
 
     config = make_config({"model": str(model_dir), "max_model_len": 256, **options})
-    ready = Ready(pid=os.getpid(), max_model_len=256, eos_token_ids=[2], vocab_size=vocab_size)
+    ready = Ready(
+        pid=os.getpid(), max_model_len=config.max_model_len, eos_token_ids=[2],
+        vocab_size=vocab_size,
+    )  # fmt: skip
     tokenizer = Tokenizer.from_dir(model_dir)
     return OpenAIFrontend(config, engine or InProcessEngine(), tokenizer, ready)
