@@ -267,14 +267,15 @@ class AsyncJobClient:
         self._sock = make_socket(self._ctx, "jobs", endpoint, bind=False)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(JobReply)
-        self._queues: dict[str | None, asyncio.Queue[Any]] = {}
+        self._queues: dict[str, asyncio.Queue[Any]] = {}  # per live job
+        self._pongs: dict[int, asyncio.Future[JobPong]] = {}  # per ping in flight, by nonce
+        self._hello: asyncio.Future[Any] | None = None  # JobWelcome, or the JobError
         self._reader: asyncio.Task[None] | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self._ids = _JobIds()
         self._api_key = api_key
         self._heartbeat_s = heartbeat_s
         self._welcome: JobWelcome | None = None
-        self._opening: asyncio.Lock | None = None
         self._nonces = itertools.count(1)
         self._last_send = 0.0
 
@@ -324,14 +325,13 @@ class AsyncJobClient:
 
     async def ping(self, timeout_s: float = 5.0) -> bool:
         self._ensure_reader()
-        queue = self._queues.setdefault(None, asyncio.Queue())
         nonce = next(self._nonces)
-        await self._send_bytes(self._encoder.encode(PingJob(nonce)))
-        async with asyncio.timeout(timeout_s):
-            while True:
-                msg = await queue.get()
-                if isinstance(msg, JobPong) and msg.nonce == nonce:
-                    return msg.engine_alive
+        pong = self._pongs[nonce] = asyncio.get_running_loop().create_future()
+        try:
+            await self._send_bytes(self._encoder.encode(PingJob(nonce)))
+            return (await asyncio.wait_for(pong, timeout_s)).engine_alive
+        finally:
+            self._pongs.pop(nonce, None)
 
     async def close(self) -> None:
         for task in (self._reader, self._heartbeat):
@@ -352,18 +352,14 @@ class AsyncJobClient:
         if self._welcome is not None:
             return
         self._ensure_reader()
-        self._opening = self._opening or asyncio.Lock()
-        async with self._opening:
-            queue = self._queues.setdefault(None, asyncio.Queue())
-            if self._welcome is None:
-                await self._send_bytes(self._encoder.encode(HelloJob(self._api_key)))
-            async with asyncio.timeout(timeout_s):
-                while self._welcome is None:
-                    msg = await queue.get()
-                    if isinstance(msg, JobError):
-                        raise JobFailed(None, msg.code, msg.message)
-                    if isinstance(msg, JobWelcome):
-                        self._welcome = msg
+        if self._hello is None:  # the first caller says hello; the others wait for it
+            self._hello = asyncio.get_running_loop().create_future()
+            await self._send_bytes(self._encoder.encode(HelloJob(self._api_key)))
+        reply = await asyncio.wait_for(asyncio.shield(self._hello), timeout_s)
+        if isinstance(reply, JobError):
+            self._hello = None  # a later call may try again
+            raise JobFailed(None, reply.code, reply.message)
+        self._welcome = reply
         if self._heartbeat is None:
             self._heartbeat = asyncio.create_task(self._beat())
 
@@ -378,16 +374,22 @@ class AsyncJobClient:
     async def _read(self) -> None:
         while True:
             msg = self._decoder.decode(await self._sock.recv())
-            target = self._queues.get(_reply_key(msg))
-            if target is not None:
-                target.put_nowait(msg)
+            key = _reply_key(msg)
+            if key is not None:
+                if (queue := self._queues.get(key)) is not None:
+                    queue.put_nowait(msg)
+            elif isinstance(msg, JobPong):
+                if (pong := self._pongs.get(msg.nonce)) is not None and not pong.done():
+                    pong.set_result(msg)
+            elif self._hello is not None and not self._hello.done():
+                self._hello.set_result(msg)  # JobWelcome, or the JobError that answers hello
 
     async def _beat(self) -> None:
         """Ping while jobs are live and nothing else was sent for a heartbeat interval."""
         while True:
             interval = _heartbeat_interval(self._heartbeat_s, self._welcome)
             await asyncio.sleep(max(0.0, self._last_send + interval - time.monotonic()))
-            live = any(key is not None for key in self._queues)
+            live = bool(self._queues)
             if live and time.monotonic() - self._last_send >= interval:
                 with contextlib.suppress(zmq.ZMQError):
                     await self._send_bytes(self._encoder.encode(PingJob(0)))
