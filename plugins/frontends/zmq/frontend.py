@@ -186,7 +186,8 @@ class ZmqFrontend(Frontend):
             reason = f"job_id: longer than {self.config.max_request_id_bytes} bytes"
             self._send(session, JobError(None, 400, reason))  # not echoed back
             return
-        if job_id in session.jobs:
+        live = session.jobs.get(job_id)
+        if live is not None and not live.ended:
             self._send(session, JobError(job_id, 409, "job id already in flight"))
             return
         try:
@@ -200,7 +201,7 @@ class ZmqFrontend(Frontend):
 
     def _on_abort(self, session: Session, msg: AbortJob) -> None:
         job = session.jobs.get(msg.job_id)
-        if job is None or job.task is None:
+        if job is None or job.task is None or job.ended:
             self._send(session, JobError(msg.job_id, 404, "no such job in flight"))
             return
         job.task.cancel()
