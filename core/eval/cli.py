@@ -35,6 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--max-tokens", type=int, metavar="N", help="with --record: new tokens")
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="torch CPU threads (default: torch's, one per core); 1 is much faster on a "
+        "CPU that other processes keep busy",
+    )
     add_config_flags(parser)
     return parser
 
@@ -45,6 +52,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tokenloom.eval.evaluate import evaluate
     from tokenloom.eval.report import format_table
 
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(max(1, args.threads))
     try:
         report = evaluate(
             config,

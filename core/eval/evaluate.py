@@ -65,7 +65,10 @@ def evaluate(
     scores = score(reference, run)
     llm.engine.shutdown()
     finished = time.perf_counter()
+    import torch
+
     timings = {
+        "threads": torch.get_num_threads(),
         "load_s": loaded - started,
         "perplexity_s": ppl.seconds,
         "golden_s": run.seconds,

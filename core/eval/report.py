@@ -13,7 +13,8 @@ Keys of the report (``tokenloom eval --json PATH`` writes exactly this):
   ``num_prompts``, ``num_exact``, ``num_agreed_tokens``, ``num_reference_tokens``,
   and ``prompts``: per prompt ``id``, ``exact``, ``agreed_tokens``,
   ``reference_tokens``, ``output_tokens``, ``same_prompt_tokens``.
-- ``timings``: ``load_s``, ``perplexity_s``, ``golden_s``, ``total_s`` (seconds).
+- ``timings``: ``load_s``, ``perplexity_s``, ``golden_s``, ``total_s`` (seconds), and
+  ``threads`` (torch's CPU threads).
 - ``warnings``: why the comparison may not be like for like (another model, another
   text, prompts that tokenize differently).
 """
@@ -135,7 +136,7 @@ def format_table(report: dict[str, Any]) -> str:
     ]
     lines.append(
         f"time (s): load {t['load_s']:.1f}, perplexity {t['perplexity_s']:.1f}, "
-        f"golden {t['golden_s']:.1f}, total {t['total_s']:.1f}"
+        f"golden {t['golden_s']:.1f}, total {t['total_s']:.1f} ({t['threads']} threads)"
     )
     lines += [f"warning: {w}" for w in report["warnings"]]
     return "\n".join(lines)
