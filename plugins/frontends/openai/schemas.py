@@ -15,7 +15,7 @@ other than "none", a ``response_format`` other than text, and non-text content p
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -95,13 +95,13 @@ class CompletionRequest(_SamplingFields, kw_only=True):
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
-    type: str
+    type: Literal["text"]  # images and audio are refused by name
     text: str = ""
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
-    role: str
-    content: str | list[ContentPart] | None = None  # required; None only to name it
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ContentPart]
     name: str | None = None
 
 
@@ -145,13 +145,6 @@ def decode_chat(body: bytes) -> ChatCompletionRequest:
                 f"messages[{i}].role: must be one of {', '.join(CHAT_ROLES)}",
                 f"messages[{i}].role",
             )
-        if message.content is None:
-            raise RequestError(f"messages[{i}].content: is required", f"messages[{i}].content")
-        if isinstance(message.content, list):
-            for j, part in enumerate(message.content):
-                if part.type != "text":
-                    field = f"messages[{i}].content[{j}].type"
-                    raise RequestError(f"{field}: only text parts are supported", field)
     _refuse_unsupported(request)
     if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
         raise RequestError(f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
@@ -159,11 +152,9 @@ def decode_chat(body: bytes) -> ChatCompletionRequest:
 
 
 def message_text(message: ChatMessage) -> str:
-    if message.content is None:
-        return ""
     if isinstance(message.content, str):
         return message.content
-    return "".join(part.text for part in message.content if part.type == "text")
+    return "".join(part.text for part in message.content)
 
 
 def request_params(
@@ -271,8 +262,9 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes):  # type: ignore[no-unty
         text = str(exc)
         match = _AT_FIELD.search(text)
         param = match.group(1) if match else None
-        if param is None and "missing required field" in text:
-            param = text.rsplit("`", 2)[-2] if text.count("`") >= 2 else None
+        if "missing required field" in text and text.count("`") >= 2:
+            missing = text.split("`", 2)[1]
+            param = f"{param}.{missing}" if param else missing
         raise RequestError(f"{param}: {_AT_FIELD.sub('', text)}" if param else text, param) from exc
     except msgspec.DecodeError as exc:
         raise RequestError(f"body: not valid JSON: {exc}", "body") from exc

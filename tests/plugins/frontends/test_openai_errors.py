@@ -46,7 +46,7 @@ BAD_REQUESTS = [
     (CHAT, {"messages": []}, 400, "messages"),
     (CHAT, {"messages": "hi"}, 400, "messages"),
     (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
-    (CHAT, {"messages": [{"content": "x"}]}, 400, "messages[0]"),
+    (CHAT, {"messages": [{"content": "x"}]}, 400, "messages[0].role"),
     (CHAT, {"messages": OK_CHAT, "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs"),
     (CHAT, {"messages": OK_CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     (CHAT, {"messages": OK_CHAT, "logprobs": 3}, 400, "logprobs"),
