@@ -209,6 +209,7 @@ class Engine:
             block_size=self.kv_cache.block_size,
             max_num_seqs=self.config.max_num_seqs,
             eos_token_ids=list(self.info.eos_token_ids),
+            vocab_size=self.info.vocab_size,
         )
 
     def shutdown(self) -> None:

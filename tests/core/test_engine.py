@@ -90,6 +90,8 @@ def test_kv_pool_is_capped_and_reported_in_ready(tiny_model_factory):
     assert ready.max_model_len == 64
     assert ready.num_blocks == engine.kv_cache.num_blocks <= 4 * 2 * (64 // 16)
     assert ready.eos_token_ids
+    # The model's vocabulary (embedding rows), which frontends check token ids against.
+    assert ready.vocab_size == engine.info.vocab_size > 0
 
 
 def test_speculative_settings_are_refused_until_speculation_exists(tiny_model_factory):
