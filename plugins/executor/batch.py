@@ -9,9 +9,9 @@ positions, slot mapping and the padded block table itself (O(batch + blocks), in
 thirty, which at batch 1 is a measurable part of the step.
 
 Placeholder inputs (``PLACEHOLDER_TOKEN``, async scheduling) are filled on the device
-from ``last_tokens``: each live request owns a slot there, and every step writes
-the tokens it samples into its rows' slots (``remember``), so the next step reads
-them without the host ever seeing them.
+from ``last_tokens``: each live request owns a slot there, and every step writes the
+tokens it samples into its rows' slots (``store_sampled_tokens``), so the next step
+reads them without the host ever seeing them.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class BatchBuilder:
             if slot is not None:
                 self._free.append(slot)
 
-    def remember(self, batch: FlatBatch, token_ids: torch.Tensor) -> None:
+    def store_sampled_tokens(self, batch: FlatBatch, token_ids: torch.Tensor) -> None:
         """Keep the tokens just sampled (device, one per sampling row) for the
         placeholders of later steps."""
         self.last_tokens.index_copy_(0, batch.sample_slots, token_ids.to(torch.int32))

@@ -22,8 +22,6 @@ from tokenloom.plugins.executor import staging
 from tokenloom.plugins.executor.batch import BatchBuilder, FlatBatch
 from tokenloom.plugins.executor.cuda_graphs import DecodeGraphs
 from tokenloom.plugins.executor.prompt_logprobs import PromptLogprobs
-from tokenloom.plugins.executor.prompt_logprobs import to_host as prompt_values_to_host
-from tokenloom.plugins.executor.sampling.sampler import PendingHostSample
 from tokenloom.protocols.components import (
     ComponentSpec,
     DoneStep,
@@ -42,26 +40,6 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 GiB = 1 << 30
 
 
-class PendingSample(PendingStep):
-    def __init__(
-        self,
-        step_id: int,
-        request_ids: list[str],
-        host: PendingHostSample,
-        prompt_values: list[torch.Tensor | None] | None = None,
-    ) -> None:
-        self.step_id = step_id
-        self.request_ids = request_ids
-        self.host = host
-        self.prompt_values = prompt_values
-
-    def result(self) -> StepOutput:
-        output = self.host.wait().to_step_output(self.step_id, self.request_ids)
-        if self.prompt_values is not None:
-            output.prompt_logprobs = prompt_values_to_host(self.prompt_values)
-        return output
-
-
 class ModelRunner(Executor):
     supports_pipelining = True
 
@@ -74,6 +52,7 @@ class ModelRunner(Executor):
         self.dtype = DTYPES[config.dtype]
         self.graphs: DecodeGraphs | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._kv: torch.Tensor | None = None
         self.memory: dict[str, float] = {}  # GiB
         self.timings: dict[str, float] = {}  # seconds of start-up work
 
@@ -158,7 +137,7 @@ class ModelRunner(Executor):
         cfg = self.config
         max_len = cfg.max_model_len or self.info.max_model_len
         budget = cfg.max_num_batched_tokens
-        lengths = []
+        lengths: list[int] = []
         while budget > 0 and len(lengths) < cfg.max_num_seqs:
             lengths.append(min(budget, max_len))
             budget -= lengths[-1]
@@ -205,11 +184,11 @@ class ModelRunner(Executor):
     def init_kv_cache(self, num_blocks: int, block_size: int, capture: bool = True) -> None:
         info = self.info
         shape = (info.num_layers, 2, num_blocks, block_size, info.num_kv_heads, info.head_dim)
-        self._kv: torch.Tensor | None = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-        self.kv_caches = [(self._kv[i, 0], self._kv[i, 1]) for i in range(info.num_layers)]
+        kv = self._kv = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        self.kv_caches = [(kv[i, 0], kv[i, 1]) for i in range(info.num_layers)]
         self.block_size = block_size
         if self.device.type == "cuda":
-            self.memory["kv_gib"] = self._kv.numel() * self._kv.element_size() / GiB
+            self.memory["kv_gib"] = kv.numel() * kv.element_size() / GiB
         graphs_ok = getattr(self.attn, "supports_cuda_graphs", False)
         if capture and self.device.type == "cuda" and not self.config.enforce_eager and graphs_ok:
             self._capture_graphs()
@@ -249,7 +228,7 @@ class ModelRunner(Executor):
     def submit(self, step: StepInput) -> PendingStep:
         sampler = self.sampler
         batches = self.batches
-        staging.rewind(self.device)
+        staging.begin_step(self.device)
         if step.finished_request_ids:
             sampler.remove_requests(step.finished_request_ids)
             batches.remove_requests(step.finished_request_ids)
@@ -270,10 +249,10 @@ class ModelRunner(Executor):
         rows = hidden if batch.sample_index is None else hidden[batch.sample_index]
         logits = self.model.compute_logits(rows)
         result = sampler.sample(logits, request_ids)
-        sampler.record_sampled(request_ids, result)
-        batches.remember(batch, result.token_ids)
+        sampler.count_sampled(request_ids, result)
+        batches.store_sampled_tokens(batch, result.token_ids)
         prompt_values = self.prompt_logprobs.take(step.chunks, request_ids)
-        return PendingSample(step.step_id, request_ids, result.copy_to_host(), prompt_values)
+        return result.copy_to_host(step.step_id, request_ids, prompt_values)
 
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
         meta = batch.meta

@@ -2,7 +2,7 @@
 
 Allocating pinned memory costs far more than the copy itself, so each device gets
 two growing pinned buffers, used by alternate steps, each handed out by a bump
-pointer. ``rewind`` (once per step) switches to the other buffer and waits for the
+pointer. ``begin_step`` (once per step) switches to the other buffer and waits for the
 copies made from it two steps ago: with one step in flight (async scheduling) those
 are long done, whereas waiting for the last step's copies would wait for that
 step's forward pass whenever a copy was queued after it (the sampler's). A CUDA
@@ -33,7 +33,7 @@ class PinnedStaging:
         self._current = 0
         self.offset = 0
 
-    def rewind(self) -> None:
+    def begin_step(self) -> None:
         """Start a new step on the other buffer: wait (normally no wait) for the copies
         made from it two steps ago."""
         self._current ^= 1
@@ -80,7 +80,8 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return staging.upload(host)
 
 
-def rewind(device: torch.device) -> None:
+def begin_step(device: torch.device) -> None:
+    """Start a step's uploads to ``device`` (see ``PinnedStaging.begin_step``)."""
     staging = staging_for(device)
     if staging is not None:
-        staging.rewind()
+        staging.begin_step()

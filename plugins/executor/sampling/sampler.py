@@ -9,13 +9,12 @@ Everything runs on the device and is vectorised over the batch; the only host wo
 per step is comparing the batch key and, for rows still short of min_tokens, one
 small index copy. Nothing here reads a device value on the host: the executor does
 that once, through ``SampleResult.copy_to_host`` (an asynchronous copy it waits for
-only when it needs the ids).
+only when it needs the ids; see ``result``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -26,97 +25,14 @@ from tokenloom.plugins.executor.sampling.logits_filters import (
     exponential_race,
 )
 from tokenloom.plugins.executor.sampling.penalties import TokenCounts, apply_penalties
+from tokenloom.plugins.executor.sampling.result import SampleResult
 from tokenloom.plugins.executor.sampling.sampling_batch import (
     RequestSamplingState,
     SamplingBatch,
     build_sampling_batch,
-    upload,
 )
-from tokenloom.protocols.outputs import TopLogprobs
-from tokenloom.protocols.step import NewRequestData, StepOutput
-
-
-@dataclass(slots=True)
-class HostSample:
-    """A ``SampleResult`` read to the host: plain lists, one entry per row."""
-
-    token_ids: list[int]
-    logprobs: list[float] | None = None
-    top_logprobs: list[TopLogprobs] | None = None  # trimmed to each row's own k
-
-    def to_step_output(self, step_id: int, request_ids: list[str]) -> StepOutput:
-        """The executor's reply for a step with one sampled token per request."""
-        return StepOutput(
-            step_id=step_id,
-            request_ids=request_ids,
-            token_ids=[[t] for t in self.token_ids],
-            logprobs=None if self.logprobs is None else [[lp] for lp in self.logprobs],
-            top_logprobs=None if self.top_logprobs is None else [[t] for t in self.top_logprobs],
-        )
-
-
-@dataclass(slots=True)
-class SampleResult:
-    token_ids: torch.Tensor  # [B] int64
-    logprobs: torch.Tensor | None = None  # [B] float32: logprob of the sampled token
-    top_ids: torch.Tensor | None = None  # [B, K] int64, K = largest k asked for
-    top_logprobs: torch.Tensor | None = None  # [B, K] float32, descending
-    num_logprobs: Sequence[int] = ()  # host, per row: k asked for (-1 = none)
-
-    def to_host(self) -> HostSample:
-        """Read everything to the host with one device sync."""
-        return self.copy_to_host().wait()
-
-    def copy_to_host(self) -> PendingHostSample:
-        """Start copying the result to the host (pinned memory, asynchronous on CUDA);
-        ``wait`` on the returned object reads it."""
-        if self.logprobs is None or self.top_ids is None or self.top_logprobs is None:
-            return PendingHostSample(_to_host_async(self.token_ids), 0, ())
-        # float64 holds every token id exactly, so one tensor carries all fields.
-        packed = torch.cat(
-            (
-                self.token_ids.unsqueeze(1).double(),
-                self.logprobs.unsqueeze(1).double(),
-                self.top_ids.double(),
-                self.top_logprobs.double(),
-            ),
-            dim=1,
-        )  # [B, 2 + 2K]
-        return PendingHostSample(_to_host_async(packed), self.top_ids.shape[1], self.num_logprobs)
-
-
-@dataclass(slots=True)
-class PendingHostSample:
-    """A sample result on its way to the host."""
-
-    host: tuple[torch.Tensor, torch.cuda.Event | None]  # host tensor, copy-done event
-    width: int  # K of the packed logprobs layout; 0 = token ids only
-    num_logprobs: Sequence[int]
-
-    def wait(self) -> HostSample:
-        tensor, done = self.host
-        if done is not None:
-            done.synchronize()
-        if not self.width and not self.num_logprobs:
-            return HostSample(tensor.tolist())
-        packed = tensor.tolist()
-        width = self.width
-        tops = []
-        for row, k in zip(packed, self.num_logprobs, strict=True):
-            k = max(k, 0)
-            ids = [int(t) for t in row[2 : 2 + k]]
-            tops.append(TopLogprobs(ids, row[2 + width : 2 + width + k]))
-        return HostSample([int(r[0]) for r in packed], [r[1] for r in packed], tops)
-
-
-def _to_host_async(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    if tensor.device.type != "cuda":
-        return tensor, None
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    return host, done
+from tokenloom.plugins.executor.staging import upload
+from tokenloom.protocols.step import NewRequestData
 
 
 class Sampler:
@@ -168,7 +84,9 @@ class Sampler:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 
-    def record(self, request_ids: Sequence[str], token_ids: Sequence[int | Sequence[int]]) -> None:
+    def count_host_tokens(
+        self, request_ids: Sequence[str], token_ids: Sequence[int | Sequence[int]]
+    ) -> None:
         """Count each request's accepted tokens (an int, or a list of ints with
         speculation) from host lists, for the penalties and min_tokens; unknown ids are
         ignored."""
@@ -179,11 +97,11 @@ class Sampler:
                 state.num_output += len(ids)
         self._counts.record(request_ids, new_ids)
 
-    def record_sampled(self, request_ids: Sequence[str], result: SampleResult) -> None:
+    def count_sampled(self, request_ids: Sequence[str], result: SampleResult) -> None:
         """Count the tokens ``sample`` just drew for ``request_ids`` (one per row), on
         the device, without waiting for them: the next step's penalties and
         min_tokens mask see them even before the host has read them. The executor
-        calls this or ``record``, not both."""
+        calls this or ``count_host_tokens``, not both."""
         batch = self._batch_for(request_ids)
         for row in batch.min_tokens_rows:
             self._requests[batch.key[row]].num_output += 1

@@ -49,11 +49,11 @@ def test_decode_fast_path_matches_the_general_path() -> None:
     assert builder.build(step).sample_index is None  # build takes the fast path
 
 
-def test_remembered_tokens_fill_the_next_steps_placeholders() -> None:
+def test_stored_sampled_tokens_fill_the_next_steps_placeholders() -> None:
     builder = _builder()
     step = _decode_step()
     first = builder.build(step)
-    builder.remember(first, torch.tensor([7, 8, 9]))
+    builder.store_sampled_tokens(first, torch.tensor([7, 8, 9]))
     again = builder.build(step)
     assert again.input_ids.tolist() == [7, 42, 9]
     builder.remove_requests(["a"])

@@ -22,9 +22,9 @@ def make_sampler(requests: dict[str, SamplingParams], vocab: int = VOCAB) -> Sam
 def draw_sequence(sampler: Sampler, logits: torch.Tensor, ids: list[str], steps: int) -> list:
     tokens = []
     for _ in range(steps):
-        host = sampler.sample(logits, ids).to_host()
-        sampler.record(ids, host.token_ids)
-        tokens.append(host.token_ids)
+        out = sampler.sample(logits, ids).to_step_output(0, ids)
+        sampler.count_host_tokens(ids, out.token_ids)
+        tokens.append([row[0] for row in out.token_ids])
     return tokens
 
 
@@ -187,12 +187,12 @@ def test_logprobs_are_the_raw_log_softmax_and_trimmed_per_request() -> None:
     assert result.logprobs is not None and result.top_ids is not None
     assert torch.allclose(result.logprobs, raw.gather(1, result.token_ids[:, None]).squeeze(1))
     assert torch.equal(result.top_ids, raw.topk(2).indices)
-    host = result.to_host()
-    assert host.top_logprobs is not None
-    assert host.top_logprobs[0].token_ids == raw[0].topk(2).indices.tolist()
-    assert host.top_logprobs[0].logprobs == pytest.approx(raw[0].topk(2).values.tolist())
-    assert host.top_logprobs[1].token_ids == [] and host.top_logprobs[2].token_ids == []
-    step = host.to_step_output(4, ["two", "none", "zero"])
+    step = result.to_step_output(4, ["two", "none", "zero"])
+    assert step.top_logprobs is not None
+    top = [row[0] for row in step.top_logprobs]
+    assert top[0].token_ids == raw[0].topk(2).indices.tolist()
+    assert top[0].logprobs == pytest.approx(raw[0].topk(2).values.tolist())
+    assert top[1].token_ids == [] and top[2].token_ids == []
     assert step.token_ids == [[t] for t in result.token_ids.tolist()]
 
 

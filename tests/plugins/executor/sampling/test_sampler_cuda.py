@@ -33,7 +33,7 @@ def test_sampling_with_every_feature_never_syncs_the_host() -> None:
     sampler = make_sampler(EVERY_FEATURE)
     ids = list(EVERY_FEATURE)
     logits = torch.randn(len(ids), VOCAB, device="cuda")
-    sampler.record(ids, sampler.sample(logits, ids).to_host().token_ids)  # warm-up
+    sampler.count_host_tokens(ids, sampler.sample(logits, ids).to_step_output(0, ids).token_ids)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -42,11 +42,11 @@ def test_sampling_with_every_feature_never_syncs_the_host() -> None:
             batch_changed = sampler.sample(logits[1:], ids[1:])
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    host = result.to_host()
-    sampler.record(ids, host.token_ids)
-    assert host.token_ids[0] == logits[0].argmax().item()
+    out = result.to_step_output(0, ids)
+    sampler.count_host_tokens(ids, out.token_ids)
+    assert out.token_ids[0] == [logits[0].argmax().item()]
     assert batch_changed.token_ids.shape == (len(ids) - 1,)
-    assert host.top_logprobs is not None and len(host.top_logprobs[1].token_ids) == 3
+    assert out.top_logprobs is not None and len(out.top_logprobs[1][0].token_ids) == 3
 
 
 def test_a_seeded_row_on_the_gpu_ignores_the_rest_of_the_batch() -> None:
@@ -60,5 +60,5 @@ def test_a_seeded_row_on_the_gpu_ignores_the_rest_of_the_batch() -> None:
         expected = alone.sample(row, ["seeded"]).token_ids.tolist()[0]
         got = batched.sample(batch, ids).token_ids.tolist()
         assert got[2] == expected
-        alone.record(["seeded"], [expected])
-        batched.record(ids, got)
+        alone.count_host_tokens(["seeded"], [expected])
+        batched.count_host_tokens(ids, got)

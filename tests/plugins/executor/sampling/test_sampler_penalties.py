@@ -38,8 +38,9 @@ def test_the_sampler_penalises_from_the_prompt_and_the_recorded_history() -> Non
     )
     sampler.add_request(NewRequestData("p", [0], params))
     sampler.add_request(NewRequestData("plain", [0], SamplingParams(temperature=0.0)))
-    sampler.record(["p", "plain"], [2, 2])
-    sampler.record(["p", "plain"], [[2, 3], [3]])  # a list per request, as with speculation
+    sampler.count_host_tokens(["p", "plain"], [2, 2])
+    # A list per request, as with speculation:
+    sampler.count_host_tokens(["p", "plain"], [[2, 3], [3]])
     logits = torch.tensor([[4.0, 4.0, 4.0, -4.0, 4.0, 4.0]]).repeat(2, 1)
     out = sampler.process_logits(logits, ["plain", "p"])
     assert out[0].tolist() == logits[0].tolist()
