@@ -10,8 +10,8 @@ probes a running server (``--url``; the engine-kill probe then needs
 - mid-stream disconnects: KV blocks still used once the engine is idle (/metrics);
 - a flood of concurrent requests against a small queue: 503 latency, and /health
   latency during the flood;
-- engine-core SIGKILL: time until /health answers 200 again, and a completion after;
-- a short soak: requests served and the RSS slope of both processes.
+- a short soak: requests served and the RSS slope of both processes;
+- engine-core SIGKILL: time until /health answers 200 again, and a completion after.
 
 Prints a table and writes JSON (``--out``). The default run takes about 2-3 minutes.
 Usage: ``.venv/bin/python scripts/abuse.py [--model DIR] [--concurrency 500]``.
@@ -231,16 +231,29 @@ async def probe_flood(http: httpx.AsyncClient, concurrency: int) -> Row:
             health.append(time.perf_counter() - started)
             await asyncio.sleep(0.05)
 
+    async def one_at_a_time() -> None:
+        """Once the burst is answered and the queue is still full: single refusals,
+        without the burst's own HTTP work in front of them."""
+        while sum(statuses.values()) < len(bodies) - 40:
+            await asyncio.sleep(0.01)
+        for _ in range(20):
+            started = time.perf_counter()
+            response = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 4})
+            if response.status_code == 503:
+                single.append(time.perf_counter() - started)
+
+    single: list[float] = []
     poller = asyncio.create_task(poll_health())
     bodies = [{"prompt": f"flood {i}", "max_tokens": 4} for i in range(concurrency)]
     bodies += [{"prompt": "wide", "max_tokens": 4, "n": 128},
                {"prompt": ["many"] * 200, "max_tokens": 4}]  # fmt: skip
-    await asyncio.gather(*(one(body) for body in bodies))
+    await asyncio.gather(one_at_a_time(), *(one(body) for body in bodies))
     flooding = False
     await poller
-    slow = max(refusals, default=0.0)
+    slow = max(single, default=0.0)
     return {"probe": "flood", "requests": len(bodies), "by_status": dict(sorted(statuses.items())),
-            "refusal_latency": _ms(refusals), "refusal_max_s": round(slow, 3),
+            "burst_refusal_latency": _ms(refusals), "single_refusal_latency": _ms(single),
+            "single_refusal_max_s": round(slow, 3),
             "retry_after_headers": retry_after, "health_latency": _ms(health),
             "health_max_s": round(max(health, default=0.0), 3),
             "ok": slow < 0.05 and max(health, default=0.0) < 0.05}  # fmt: skip
@@ -325,8 +338,8 @@ async def probe_all(args: argparse.Namespace, base: str, zmq_ep: str, pid: int |
             rows.append(await probe_zmq_frames(zmq_ep, http, args.zmq_frames))
         rows.append(await probe_disconnects(http, args.disconnects))
         rows.append(await probe_flood(http, args.concurrency))
+        rows.append(await probe_soak(http, pid, args.soak_s))  # before the kill: a warm engine
         rows.append(await probe_engine_kill(http, pid))
-        rows.append(await probe_soak(http, pid, args.soak_s))
     return rows
 
 
