@@ -30,6 +30,8 @@ def test_eval_cli_records_then_writes_the_documented_json(tiny_model_factory, tm
         "float32",
         "--attention",
         "torch",
+        "--threads",
+        "0",  # keep this test process's torch threads as they are
     ]
     args = ["--record", "--prompts", str(tmp_path / "prompts.json")]
     assert main(["eval", *common, *args]) == 0
@@ -61,7 +63,14 @@ def test_eval_cli_records_then_writes_the_documented_json(tiny_model_factory, tm
 def test_eval_cli_refuses_an_unrecorded_golden_file(tiny_model_factory, tmp_path, capsys):
     (tmp_path / "prompts.json").write_text(json.dumps(PROMPTS))
     code = main(
-        ["eval", str(tiny_model_factory("llama")), "--golden", str(tmp_path / "prompts.json")]
+        [
+            "eval",
+            str(tiny_model_factory("llama")),
+            "--golden",
+            str(tmp_path / "prompts.json"),
+            "--threads",
+            "0",
+        ]
     )
     assert code == 2
     assert "--record" in capsys.readouterr().err
