@@ -34,8 +34,25 @@ class UnsupportedGGUFError(ValueError):
 
 
 def read_metadata(reader: Any) -> dict[str, Any]:
-    """Every key-value field of a ``gguf.GGUFReader`` as plain Python values."""
-    return {name: field.contents() for name, field in reader.fields.items()}
+    """Every key-value field of a ``gguf.GGUFReader`` as plain Python values (str,
+    int, float, bool, or a list of them). Reads ``parts``/``data``/``types``, which
+    every gguf release has (``ReaderField.contents`` came later)."""
+    return {name: _field_value(field) for name, field in reader.fields.items()}
+
+
+def _field_value(field: Any) -> Any:
+    from gguf import GGUFValueType
+
+    def item(part: Any, kind: Any) -> Any:
+        if kind == GGUFValueType.STRING:
+            return bytes(part).decode("utf-8")
+        return part[0].item()
+
+    parts = [field.parts[i] for i in field.data]
+    if field.types and field.types[0] == GGUFValueType.ARRAY:
+        kind = field.types[-1]
+        return [item(part, kind) for part in parts]
+    return item(parts[0], field.types[0]) if parts else None
 
 
 def architecture(metadata: dict[str, Any]) -> str:
