@@ -41,16 +41,28 @@ def converted_dir(gguf_path: Path) -> Path:
     """The cache directory of ``gguf_path`` with its config and tokenizer files,
     written now if missing. Raises UnsupportedGGUFError (a ValueError) naming an
     unsupported architecture, tensor type or tokenizer."""
-    out = cache_root() / f"{file_digest(gguf_path)}-v{FORMAT_VERSION}"
-    if not all((out / name).is_file() for name in METADATA_FILES):
-        _write_metadata_files(_open(gguf_path), out)
+    out, _ = _convert(gguf_path, None)
     return out
 
 
 def converted_weights(gguf_path: Path, dtype: Any) -> tuple[Path, Path]:
     """(cache directory, safetensors file of the weights in ``dtype``, a
     ``torch.dtype``), converting what is missing."""
-    out = converted_dir(gguf_path)
+    out, weights = _convert(gguf_path, dtype)
+    assert weights is not None
+    return out, weights
+
+
+def _convert(gguf_path: Path, dtype: Any) -> tuple[Path, Path | None]:
+    """Write what the cache entry lacks, opening the file (slow: seconds for a large
+    vocabulary) at most once."""
+    out = cache_root() / f"{file_digest(gguf_path)}-v{FORMAT_VERSION}"
+    reader = None
+    if not all((out / name).is_file() for name in METADATA_FILES):
+        reader = _open(gguf_path)
+        _write_metadata_files(reader, out)
+    if dtype is None:
+        return out, None
     weights = out / f"model.{str(dtype).removeprefix('torch.')}.safetensors"
     if not weights.is_file():
         from safetensors.torch import save_file
@@ -58,7 +70,7 @@ def converted_weights(gguf_path: Path, dtype: Any) -> tuple[Path, Path]:
         from tokenloom.plugins.models.gguf.tensors import hf_tensors
 
         config = json.loads((out / "config.json").read_text(encoding="utf-8"))
-        tensors = dict(hf_tensors(_open(gguf_path), config, dtype))
+        tensors = dict(hf_tensors(reader or _open(gguf_path), config, dtype))
         _write_atomically(weights, lambda tmp: save_file(tensors, str(tmp)))
     return out, weights
 
