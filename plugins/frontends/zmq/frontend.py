@@ -36,8 +36,10 @@ import zmq.asyncio
 from tokenloom.config import EngineConfig
 from tokenloom.engine_client import EngineDeadError, EngineError
 from tokenloom.logging import get_logger
+from tokenloom.plugins.frontends.admission import Admission, Reservation
 from tokenloom.plugins.frontends.generation import Generation, LiveGenerations
 from tokenloom.plugins.frontends.limits import ModelLimits, PromptError, check_request_limits
+from tokenloom.plugins.frontends.metrics import ServingMetrics
 from tokenloom.plugins.frontends.zmq.sessions import Connections, Job, Session, source_fd
 from tokenloom.protocols.components import EngineClient, Frontend, QueueFullError
 from tokenloom.protocols.control import Ready
@@ -79,9 +81,15 @@ class ZmqFrontend(Frontend):
         self.engine = engine
         self.tokenizer = tokenizer
         self.limits = ModelLimits.of(config, tokenizer, ready)
+        # One admission count and one set of metrics for every frontend of the engine:
+        # a job's sequences are refused at once when HTTP requests fill the queue, and
+        # finished jobs show in /metrics.
+        max_num_seqs = (ready.max_num_seqs if ready else 0) or config.max_num_seqs
         self.live = LiveGenerations(
-            engine, tokenizer, self.limits.eos_token_ids, config.request_timeout_s
-        )
+            engine, tokenizer, self.limits.eos_token_ids, config.request_timeout_s,
+            ServingMetrics.for_engine(engine),
+            Admission.for_engine(engine, max_num_seqs + config.max_waiting_requests),
+        )  # fmt: skip
         self.max_message_bytes = int(config.max_request_body_mb * (1 << 20))
         self.decoder = msgspec.msgpack.Decoder(JobRequest)
         self.head_decoder = msgspec.msgpack.Decoder(_Head)
@@ -281,6 +289,18 @@ class ZmqFrontend(Frontend):
         self._end(session, job, JobDone(job.job_id, prompt_tokens, generated))
 
     async def _start(self, session: Session, submit: SubmitJob) -> Generation:
+        # Admission first: a full queue refuses before any tokenizing.
+        reservation = self.live.reserve(submit.params.n)
+        try:
+            return await self._prepare(session, submit, reservation)
+        except BaseException:
+            if reservation is not None:
+                reservation.release()
+            raise
+
+    async def _prepare(
+        self, session: Session, submit: SubmitJob, reservation: Reservation | None
+    ) -> Generation:
         if submit.prompt is not None:
             if len(submit.prompt) > THREAD_TOKENIZE_CHARS:
                 ids = await asyncio.to_thread(self.tokenizer.encode, submit.prompt)
@@ -291,7 +311,9 @@ class ZmqFrontend(Frontend):
         max_tokens = self.limits.output_room(len(ids), submit.params.max_tokens)
         params = msgspec.structs.replace(submit.params, max_tokens=max_tokens)
         request_id = f"job-{session.serial}-{submit.job_id}"
-        return self.live.new(request_id, submit.prompt, ids, params, submit.priority)
+        return self.live.new(
+            request_id, submit.prompt, ids, params, submit.priority, reservation=reservation
+        )
 
     def _job_finished(self, session: Session, job: Job, task: asyncio.Task[None]) -> None:
         """Forget the job; end it if its task never ran (cancelled before it started)."""

@@ -36,7 +36,7 @@ LONG = SamplingParams(max_tokens=200, ignore_eos=True)
 def ctx():
     context = zmq.Context()
     yield context
-    context.term()
+    context.destroy(linger=0)  # closes what a failed test left open (term() would hang)
 
 
 def _dealer(ctx: zmq.Context, endpoint: str, identity: bytes | None = None) -> zmq.Socket:
@@ -201,3 +201,55 @@ async def test_async_client_keeps_jobs_alive_while_the_caller_does_other_work(he
         await asyncio.sleep(1.5)  # 2.5 heartbeat timeouts without reading: the pinger speaks
         messages = [m async for m in client.stream(job)]
     assert isinstance(messages[-1], JobDone) and messages[-1].num_generated_tokens == 60
+
+
+@pytest.fixture(scope="module")
+def small_queue_server(served_model_dir):
+    """HTTP and ZeroMQ over one engine with room for 4 sequences (1 running + 3 waiting)."""
+    config = server_config(
+        served_model_dir, max_num_seqs=1, max_waiting_requests=3,
+        plugin={"fake": {"step_s": 0.02}},
+    )  # fmt: skip
+    server = ServerThread(config).start()
+    yield server
+    assert server.stop() == 0
+
+
+def test_http_and_zmq_share_one_admission_count_and_one_metrics(small_queue_server, ctx):
+    import httpx
+
+    busy = _dealer(ctx, small_queue_server.zmq_endpoint)
+    _send(busy, SubmitJob("fill", prompt_token_ids=[30], params=SamplingParams(n=3, **_LONG)))
+    _wait_until(lambda: small_queue_server.frontend("zmq").live.admission.in_flight == 3)
+    # HTTP sees the ZeroMQ job's sequences: refused at once, before any engine work.
+    with httpx.Client(base_url=small_queue_server.base_url) as http:
+        started = time.monotonic()
+        body = {"prompt": [30], "max_tokens": 2, "n": 2}  # 3 + 2 sequences > 4
+        refused = http.post("/v1/completions", json=body)
+        assert refused.status_code == 503 and "retry-after" in refused.headers
+        assert time.monotonic() - started < 0.5
+        # ... and so does a second ZeroMQ job.
+        late = _dealer(ctx, small_queue_server.zmq_endpoint)
+        _send(late, SubmitJob("late", prompt_token_ids=[30], params=SamplingParams(n=2)))
+        reply = _recv(late)
+        assert isinstance(reply, JobError) and reply.code == 503
+        _send(busy, AbortJob("fill"))
+        while not isinstance(_recv(busy), JobDone):
+            pass
+        _wait_until(lambda: small_queue_server.frontend("zmq").live.admission.in_flight == 0)
+        _send(late, SubmitJob("ok", prompt_token_ids=[30], params=SamplingParams(max_tokens=2)))
+        while not isinstance(reply := _recv(late), JobDone | JobError):
+            pass
+        assert isinstance(reply, JobDone)
+        # Finished ZeroMQ jobs are counted in /metrics with the HTTP requests.
+        metrics = http.get("/metrics").text
+    counted = [
+        line for line in metrics.splitlines()
+        if line.startswith("tokenloom_request_success_total") and not line.startswith("#")
+    ]  # fmt: skip
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in counted) >= 2  # "fill" and "ok"
+    busy.close()
+    late.close()
+
+
+_LONG = {"max_tokens": 200, "ignore_eos": True}
