@@ -2,6 +2,6 @@
 
 import sys
 
-from tokenloom.cli import main
+from tokenloom.entrypoints.cli import main
 
 sys.exit(main())

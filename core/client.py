@@ -39,7 +39,7 @@ from tokenloom.protocols.jobs import (
     SubmitJob,
 )
 from tokenloom.protocols.sampling import SamplingParams
-from tokenloom.sockets import make_socket
+from tokenloom.transport.sockets import make_socket
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
 Prompt = str | list[int]

@@ -17,9 +17,9 @@ from tokenloom.protocols.components import QueueFullError
 from tokenloom.protocols.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from tokenloom.engine import Engine
-    from tokenloom.outputs import RequestOutput
+    from tokenloom.engine.engine_core import Engine
     from tokenloom.protocols.requests import GenerateRequest
+    from tokenloom.text.request_output import RequestOutput
 
 Prompt = str | list[int]
 
@@ -28,7 +28,7 @@ class LLM:
     """An engine and its tokenizer, for batch generation in this process.
 
     ``model`` is a checkpoint directory or a .gguf file; empty means the built-in
-    default, SmolLM2-135M-Instruct (``tokenloom.default_model.default_model``).
+    default, SmolLM2-135M-Instruct (``tokenloom.checkpoints.default_model.default_model``).
     ``engine_options`` are ``EngineConfig`` fields (``max_num_seqs=64``,
     ``dtype="float32"``, ``scheduler="static"``, ...); ``plugins`` are extra plugin
     objects (modules or instances with ``@hookimpl`` functions) to register.
@@ -41,10 +41,10 @@ class LLM:
         plugins: Sequence[object] = (),
         **engine_options: Any,
     ) -> None:
-        from tokenloom.engine import Engine
-        from tokenloom.output_processor import OutputProcessor
+        from tokenloom.engine.engine_core import Engine
         from tokenloom.plugin_manager import PluginManager
-        from tokenloom.tokenizer import Tokenizer
+        from tokenloom.text.output_processor import OutputProcessor
+        from tokenloom.text.tokenizer import Tokenizer
 
         pm = PluginManager.default()
         for i, plugin in enumerate(plugins):

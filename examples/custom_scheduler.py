@@ -10,11 +10,11 @@ reuses the default continuous scheduler and only changes the queue order.
 import tempfile
 
 from tokenloom import LLM, SamplingParams
+from tokenloom.checkpoints.tiny_models import write_tiny_model
 from tokenloom.plugins.scheduler.continuous import ContinuousScheduler
 from tokenloom.protocols.components import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
 from tokenloom.protocols.requests import GenerateRequest
-from tokenloom.tiny_models import write_tiny_model
 
 
 class ShortestPromptFirst(ContinuousScheduler):

@@ -10,7 +10,7 @@ import sys
 import tempfile
 
 from tokenloom import LLM, SamplingParams
-from tokenloom.tiny_models import write_tiny_model
+from tokenloom.checkpoints.tiny_models import write_tiny_model
 
 
 def main():

@@ -3,7 +3,7 @@
 One ``EngineOutputs`` batch per engine step carries a ``TokenDelta`` for every
 request that produced tokens or finished in that step; a step whose batch would
 exceed the channel's message limit is sent as several batches. Request ids are
-bounded at intake (``tokenloom.kernel.request_id_limit``), since each delta
+bounded at intake (``tokenloom.engine.loop.request_id_limit``), since each delta
 echoes its id.
 """
 

@@ -70,11 +70,11 @@ def _rss_mb(pid: int) -> float:
 
 
 def _engine_pid(server_pid: int) -> int | None:
-    """The engine-core: the server's child running ``tokenloom.kernel``."""
+    """The engine-core: the server's child running ``tokenloom.engine.process``."""
     for task in Path(f"/proc/{server_pid}/task").glob("*"):
         for child in (task / "children").read_text().split():
             cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-            if b"tokenloom.kernel" in cmdline:
+            if b"tokenloom.engine.process" in cmdline:
                 return int(child)
     return None
 

@@ -11,7 +11,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from tokenloom import LLM, SamplingParams
-from tokenloom.model_shapes import write_shape_dir
+from tokenloom.checkpoints.model_shapes import write_shape_dir
 from tokenloom.protocols.requests import GenerateRequest
 
 shape = sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b"

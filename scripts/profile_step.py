@@ -10,7 +10,7 @@ import tempfile
 import time
 
 from tokenloom import LLM, SamplingParams
-from tokenloom.model_shapes import write_shape_dir
+from tokenloom.checkpoints.model_shapes import write_shape_dir
 from tokenloom.protocols.requests import GenerateRequest
 
 shape = sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b"

@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from tokenloom import LLM, SamplingParams
 from tokenloom.bench.throughput import make_workload
-from tokenloom.model_shapes import write_shape_dir
+from tokenloom.checkpoints.model_shapes import write_shape_dir
 from tokenloom.protocols.requests import GenerateRequest
 
 

@@ -35,7 +35,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory):
     """``make(arch, **options) -> Path``: a small random checkpoint, cached per options."""
-    from tokenloom.tiny_models import write_tiny_model
+    from tokenloom.checkpoints.tiny_models import write_tiny_model
 
     cache: dict[tuple, object] = {}
 

@@ -82,4 +82,4 @@ def test_the_console_script_points_at_the_cli(wheel: Path, wheel_names: set[str]
     (entry_points,) = [n for n in wheel_names if n.endswith(".dist-info/entry_points.txt")]
     with zipfile.ZipFile(wheel) as zf:
         text = zf.read(entry_points).decode()
-    assert "tokenloom = tokenloom.cli:main" in text
+    assert "tokenloom = tokenloom.entrypoints.cli:main" in text

@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tokenloom.model_shapes import SHAPES
+from tokenloom.checkpoints.model_shapes import SHAPES
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +36,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    from tokenloom.model_shapes import is_shape_name, write_shape_dir
+    from tokenloom.checkpoints.model_shapes import is_shape_name, write_shape_dir
 
     model = args.model
     options: dict[str, Any] = {}

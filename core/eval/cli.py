@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from tokenloom.cli import add_config_flags, config_from_args
+from tokenloom.entrypoints.cli import add_config_flags, config_from_args
 from tokenloom.eval import GOLDEN_PATH, PROMPTS_PATH, TEXT_PATH
 
 

@@ -21,14 +21,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from tokenloom.engine_client import EngineDeadError
-from tokenloom.output_processor import OutputProcessor
+from tokenloom.engine.client import EngineDeadError
 from tokenloom.plugins.frontends.admission import Admission, Reservation
 from tokenloom.plugins.frontends.metrics import ServingMetrics
 from tokenloom.protocols.components import EngineClient
 from tokenloom.protocols.outputs import FinishReason, TokenDelta, TopLogprobs
 from tokenloom.protocols.requests import GenerateRequest
 from tokenloom.protocols.sampling import SamplingParams
+from tokenloom.text.output_processor import OutputProcessor
 
 _TIMEOUT = object()  # queue sentinel: the request's timeout expired
 

@@ -12,8 +12,8 @@ def test_seed_outside_a_signed_64_bit_range_is_refused(seed):
 
 
 def test_largest_seed_is_accepted_and_children_wrap(tiny_model_factory):
-    from tokenloom.output_processor import OutputProcessor
-    from tokenloom.tokenizer import Tokenizer
+    from tokenloom.text.output_processor import OutputProcessor
+    from tokenloom.text.tokenizer import Tokenizer
 
     proc = OutputProcessor(Tokenizer.from_dir(tiny_model_factory("llama")))
     children = proc.add_request("r", None, [1, 2], SamplingParams(seed=MAX_SEED - 1, n=2), [2])

@@ -17,7 +17,7 @@ import msgspec.inspect as mi
 import pytest
 
 import tokenloom.protocols
-from tokenloom.serde import Decoder, Encoder
+from tokenloom.transport.serde import Decoder, Encoder
 
 PINS: dict[str, tuple[str, ...]] = {
     "control.Ready": (

@@ -31,7 +31,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from tokenloom.engine_client import EngineDeadError, EngineError
+from tokenloom.engine.client import EngineDeadError, EngineError
 from tokenloom.plugins.frontends.admission import Reservation
 from tokenloom.plugins.frontends.generation import ChoiceUpdate, Generation
 from tokenloom.plugins.frontends.limits import PromptError

@@ -32,7 +32,7 @@ log = get_logger(__name__)
 
 
 class _EmbeddedServer(uvicorn.Server):
-    """uvicorn without its signal handlers: the process owner (``tokenloom.serve``)
+    """uvicorn without its signal handlers: the process owner (``tokenloom.entrypoints.serve``)
     handles SIGINT/SIGTERM and stops the frontends by cancelling them."""
 
     @contextlib.contextmanager

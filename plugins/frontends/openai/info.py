@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 import tokenloom
-from tokenloom.engine_client import EngineDeadError, EngineError
+from tokenloom.engine.client import EngineDeadError, EngineError
 from tokenloom.plugins.frontends.metrics import CONTENT_TYPE
 from tokenloom.plugins.frontends.openai.openapi import openapi_document
 from tokenloom.plugins.frontends.openai.schemas import RequestError

@@ -34,7 +34,7 @@ import zmq
 import zmq.asyncio
 
 from tokenloom.config import EngineConfig
-from tokenloom.engine_client import EngineDeadError, EngineError
+from tokenloom.engine.client import EngineDeadError, EngineError
 from tokenloom.logging import get_logger
 from tokenloom.plugins.frontends.admission import Admission, Reservation
 from tokenloom.plugins.frontends.generation import Generation, LiveGenerations
@@ -57,7 +57,7 @@ from tokenloom.protocols.jobs import (
 )
 from tokenloom.protocols.outputs import FinishReason
 from tokenloom.protocols.sampling import InvalidParameter
-from tokenloom.sockets import make_socket
+from tokenloom.transport.sockets import make_socket
 
 log = get_logger(__name__)
 

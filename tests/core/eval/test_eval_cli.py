@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tokenloom.cli import main
+from tokenloom.entrypoints.cli import main
 from tokenloom.eval.report import REPORT_KEYS
 
 PROMPTS = {

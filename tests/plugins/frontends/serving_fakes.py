@@ -166,7 +166,7 @@ def make_fake_engine(config: Any, plugin_manager: Any) -> FakeEngine:
 
 
 class ServerThread:
-    """``tokenloom.serve.run`` in a background thread with its own event loop.
+    """``tokenloom.entrypoints.serve.run`` in a background thread with its own event loop.
 
     ``start()`` returns once every frontend listens; ``base_url`` and
     ``zmq_endpoint`` are then set. ``stop()`` stops it gracefully and joins.
@@ -183,7 +183,7 @@ class ServerThread:
     def _main(self) -> None:
         import asyncio
 
-        from tokenloom.serve import run
+        from tokenloom.entrypoints.serve import run
 
         def on_started(handle: Any) -> None:
             self.handle = handle
@@ -287,7 +287,7 @@ def asgi_frontend(model_dir: Any, engine: Any = None, vocab_size: int = 0, **opt
     by default), for ``httpx.ASGITransport(frontend.app.starlette)``."""
     from tokenloom.config import make_config
     from tokenloom.plugins.frontends.openai.frontend import OpenAIFrontend
-    from tokenloom.tokenizer import Tokenizer
+    from tokenloom.text.tokenizer import Tokenizer
 
     config = make_config({"model": str(model_dir), "max_model_len": 256, **options})
     ready = Ready(

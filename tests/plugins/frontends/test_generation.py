@@ -8,15 +8,15 @@ from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
-from tokenloom.engine_client import EngineDeadError
-from tokenloom.output_processor import OutputProcessor
+from tokenloom.engine.client import EngineDeadError
 from tokenloom.plugins.frontends.generation import Generation, LiveGenerations
 from tokenloom.plugins.frontends.metrics import ServingMetrics
 from tokenloom.protocols.components import EngineClient
 from tokenloom.protocols.outputs import EngineStats, FinishReason, TokenDelta
 from tokenloom.protocols.requests import GenerateRequest
 from tokenloom.protocols.sampling import SamplingParams
-from tokenloom.tokenizer import Tokenizer
+from tokenloom.text.output_processor import OutputProcessor
+from tokenloom.text.tokenizer import Tokenizer
 
 
 class ScriptedEngine(EngineClient):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenloom.tokenizer import Tokenizer
+from tokenloom.text.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -14,11 +14,11 @@ import torch
 from gguf_files import gguf_name, llama_cpp_permute, write_gguf
 from safetensors.torch import load_file
 
+from tokenloom.checkpoints.tiny_models import write_tiny_model
 from tokenloom.plugins.models.gguf import find_gguf
 from tokenloom.plugins.models.gguf.checkpoint import converted_dir, converted_weights
 from tokenloom.plugins.models.loader import load_model
-from tokenloom.tiny_models import write_tiny_model
-from tokenloom.tokenizer import Tokenizer
+from tokenloom.text.tokenizer import Tokenizer
 
 QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 # K-quants need rows of whole 256-value blocks: every input dimension is 256 or 512.

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenloom.checkpoints.tiny_models import write_tiny_model
 from tokenloom.plugins.models.loader import load_model
-from tokenloom.tiny_models import write_tiny_model
 
 transformers = pytest.importorskip("transformers")
 

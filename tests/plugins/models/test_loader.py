@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tokenloom.checkpoints.tiny_models import write_tiny_model
 from tokenloom.plugins.models import MODEL_FACTORIES, tokenloom_register_components
 from tokenloom.plugins.models.loader import CheckpointError, load_model, model_info_from_config
-from tokenloom.tiny_models import write_tiny_model
 
 
 @pytest.fixture

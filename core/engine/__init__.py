@@ -1,0 +1,1 @@
+"""The engine-core: the loop, its process, its supervision, and the client that talks to it."""

@@ -1,0 +1,232 @@
+"""The in-process engine: the components the config names, wired together.
+
+``Engine.step()`` is one iteration of the engine-core: schedule, execute, update.
+The kernel loop (engine-core process) and the offline ``LLM`` both drive it; the
+hot path is direct method calls on the built components.
+
+With async scheduling (``async_scheduling``, on for CUDA) the iteration is
+pipelined: schedule and submit step N+1, then wait for step N and fold its tokens
+in. The host's work for the next step (scheduling, batch building, launches) and
+for the last one (update, output processing by the caller) overlaps the device's
+current step. Step N+1's inputs that depend on step N's tokens are placeholders the
+executor fills on the device. A request that stops by itself in step N has already
+been scheduled in step N+1; that one token of work is discarded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from tokenloom.config import EngineConfig
+from tokenloom.protocols.control import Ready
+from tokenloom.protocols.outputs import EngineStats, TokenDelta
+from tokenloom.protocols.requests import GenerateRequest
+
+if TYPE_CHECKING:
+    from tokenloom.plugin_manager import PluginManager
+    from tokenloom.protocols.components import (
+        Executor,
+        KVCacheManager,
+        ModelInfo,
+        PendingStep,
+        Scheduler,
+    )
+    from tokenloom.protocols.step import StepInput
+
+log = logging.getLogger("tokenloom.engine.engine_core")
+
+
+def resolve_config(config: EngineConfig) -> EngineConfig:
+    """Fill the "auto" choices from the machine: device, dtype, attention, model."""
+    import torch
+
+    changes: dict[str, Any] = {}
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        changes["device"] = device
+    if config.dtype == "auto":
+        changes["dtype"] = "bfloat16" if device == "cuda" else "float32"
+    if config.attention == "auto":
+        changes["attention"] = "triton" if device == "cuda" else "torch"
+    if not config.model:
+        from tokenloom.checkpoints.default_model import default_model
+
+        changes["model"] = default_model()
+    return msgspec.structs.replace(config, **changes) if changes else config
+
+
+def pipelined_for(config: EngineConfig, executor: Executor) -> bool:
+    """Whether the engine runs async scheduling: ``async_scheduling``, where None
+    means on for CUDA; the executor must support pipelining."""
+    wanted = config.async_scheduling
+    supported = bool(getattr(executor, "supports_pipelining", False))
+    if wanted is None:
+        return supported and config.device == "cuda"
+    if wanted and not supported:
+        raise ValueError(
+            f"async_scheduling: executor {config.executor!r} does not support pipelining; "
+            "set async_scheduling = false"
+        )
+    return wanted
+
+
+class Engine:
+    """Scheduler + KV cache manager + executor, built from one config."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        scheduler: Scheduler,
+        kv_cache: KVCacheManager,
+        executor: Executor,
+        info: ModelInfo,
+        plugins: PluginManager | None = None,
+    ) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.kv_cache = kv_cache
+        self.executor = executor
+        self.info = info
+        self.plugins = plugins
+        # Output-token totals for tokenloom_request_finished, kept only when a plugin
+        # observes it: the hot path pays nothing otherwise.
+        self._observed = bool(
+            plugins is not None and plugins.hook.tokenloom_request_finished.get_hookimpls()
+        )
+        self._num_output: dict[str, int] = {}
+        self._observed_added = bool(
+            plugins is not None and plugins.hook.tokenloom_request_added.get_hookimpls()
+        )
+        self.pipelined = pipelined_for(config, executor)
+        self._in_flight: tuple[StepInput, PendingStep] | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, plugins: PluginManager | None = None) -> Engine:
+        from tokenloom.plugin_manager import PluginManager
+
+        pm = plugins or PluginManager.default()
+        if config.num_speculative_tokens or config.proposer != "none":
+            raise ValueError(
+                "num_speculative_tokens / proposer: speculative decoding is not wired into "
+                'the executor yet; use num_speculative_tokens = 0 and proposer = "none"'
+            )
+        config = resolve_config(config)
+        pm.configure(config)
+        started = time.perf_counter()
+        executor = pm.build("executor", config.executor, config, pm)
+        info = executor.load_model()
+        max_len = min(config.max_model_len or info.max_model_len, info.max_model_len)
+        config = msgspec.structs.replace(config, max_model_len=max_len)
+        min_blocks = -(-max_len // config.block_size)
+        num_blocks = config.num_blocks or min(
+            executor.num_kv_blocks(config.block_size),
+            # More blocks than every running sequence at full length can use only
+            # serve the prefix cache; cap them so small models do not hoard memory.
+            4 * config.max_num_seqs * min_blocks,
+        )
+        if num_blocks < min_blocks:
+            log.warning(
+                "KV pool of %d blocks holds fewer than one sequence of max_model_len %d; "
+                "long prompts will be refused",
+                num_blocks,
+                max_len,
+            )
+        kv = pm.build("kv_cache", config.kv_cache, config, num_blocks, config.block_size)
+        scheduler = pm.build("scheduler", config.scheduler, config, kv)
+        executor.init_kv_cache(num_blocks, config.block_size)
+        engine = cls(config, scheduler, kv, executor, info, pm)
+        pm.hook.tokenloom_components_built(
+            components={"scheduler": scheduler, "kv_cache": kv, "executor": executor}
+        )
+        log.info(
+            "engine ready in %.1fs: %s on %s (%s), %d KV blocks x %d tokens = %d tokens, "
+            "async scheduling %s",
+            time.perf_counter() - started,
+            info.name,
+            config.device,
+            config.dtype,
+            num_blocks,
+            config.block_size,
+            num_blocks * config.block_size,
+            "on" if engine.pipelined else "off",
+        )
+        return engine
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request: GenerateRequest) -> None:
+        if not request.eos_token_ids and self.info.eos_token_ids:
+            request.eos_token_ids = list(self.info.eos_token_ids)
+        self.scheduler.add_request(request)
+        if self._observed_added and self.plugins is not None:
+            self.plugins.hook.tokenloom_request_added(
+                request_id=request.request_id, num_prompt_tokens=len(request.prompt_token_ids)
+            )
+
+    def abort(self, request_ids: Iterable[str]) -> list[TokenDelta]:
+        deltas = self.scheduler.abort_requests(list(request_ids))
+        self._observe_finished(deltas)
+        return deltas
+
+    def step(self) -> list[TokenDelta]:
+        scheduler = self.scheduler
+        step = scheduler.schedule()
+        if not self.pipelined:
+            if not step.chunks and not step.finished_request_ids:
+                return []
+            deltas = scheduler.update(step, self.executor.execute(step))
+        else:
+            submitted = None
+            if step.chunks or step.finished_request_ids:
+                submitted = (step, self.executor.submit(step))
+            in_flight, self._in_flight = self._in_flight, submitted
+            if in_flight is None:
+                return []
+            deltas = scheduler.update(in_flight[0], in_flight[1].result())
+        self._observe_finished(deltas)
+        return deltas
+
+    def has_unfinished(self) -> bool:
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
+
+    def stats(self) -> EngineStats:
+        return self.scheduler.stats()
+
+    def ready_info(self) -> Ready:
+        import os
+
+        return Ready(
+            pid=os.getpid(),
+            model_name=self.info.name,
+            max_model_len=self.config.max_model_len or self.info.max_model_len,
+            num_blocks=self.kv_cache.num_blocks,
+            block_size=self.kv_cache.block_size,
+            max_num_seqs=self.config.max_num_seqs,
+            eos_token_ids=list(self.info.eos_token_ids),
+            vocab_size=self.info.vocab_size,
+        )
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+    def _observe_finished(self, deltas: list[TokenDelta]) -> None:
+        if not self._observed or self.plugins is None:
+            return
+        counts = self._num_output
+        for delta in deltas:
+            total = counts.get(delta.request_id, 0) + len(delta.new_token_ids)
+            if delta.finish_reason is None:
+                counts[delta.request_id] = total
+                continue
+            counts.pop(delta.request_id, None)
+            self.plugins.hook.tokenloom_request_finished(
+                request_id=delta.request_id,
+                finish_reason=delta.finish_reason,
+                num_output_tokens=total,
+            )

@@ -1,0 +1,1 @@
+"""How messages cross processes: msgspec serialisation and the one socket factory."""
