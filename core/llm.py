@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from tokenloom.config import load_config
-from tokenloom.protocols.components import QueueFullError
+from tokenloom.protocols.components.errors import QueueFullError
 from tokenloom.protocols.sampling import SamplingParams
 
 if TYPE_CHECKING:

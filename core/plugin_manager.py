@@ -26,7 +26,7 @@ import pluggy
 
 from tokenloom.logging import get_logger
 from tokenloom.protocols import hookspecs
-from tokenloom.protocols.components import KINDS, ComponentSpec
+from tokenloom.protocols.components.registry import KINDS, ComponentSpec
 
 log = get_logger(__name__)
 

@@ -12,7 +12,7 @@ import tempfile
 from tokenloom import LLM, SamplingParams
 from tokenloom.checkpoints.tiny_models import write_tiny_model
 from tokenloom.plugins.scheduler.continuous import ContinuousScheduler
-from tokenloom.protocols.components import ComponentSpec
+from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
 from tokenloom.protocols.requests import GenerateRequest
 

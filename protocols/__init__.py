@@ -6,5 +6,7 @@
 - ``step``: scheduler <-> executor (one engine step's inputs and outputs).
 - ``jobs``: external programs <-> the ``zmq`` frontend (the public job protocol).
 - ``hookspecs``: the pluggy hook specifications.
-- ``components``: the interfaces (ABCs) of every pluggable component kind.
+- ``components``: the interfaces of every component kind, one module per kind
+  (scheduler, kv_cache, attention, model, executor, quant, proposer, frontend,
+  engine), the errors that cross them, and the registry record (``ComponentSpec``).
 """

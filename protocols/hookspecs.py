@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from tokenloom.protocols.components import ComponentSpec
+    from tokenloom.protocols.components.registry import ComponentSpec
 
 PROJECT = "tokenloom"
 hookspec = pluggy.HookspecMarker(PROJECT)

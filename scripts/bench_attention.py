@@ -31,7 +31,8 @@ import triton.testing
 
 from tokenloom.plugins.attention.torch_backend import TorchAttention
 from tokenloom.plugins.attention.triton_backend import SETTINGS, TritonAttention
-from tokenloom.protocols.components import AttentionMetadata, ModelInfo
+from tokenloom.protocols.components.attention import AttentionMetadata
+from tokenloom.protocols.components.model import ModelInfo
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 L2_ROTATION_BYTES = 512 * 2**20  # KV bytes per replay: well past the 60 MB L2

@@ -19,7 +19,8 @@ from typing import Any
 
 from tokenloom.plugins.scheduler.batch_scheduler import BatchScheduler
 from tokenloom.plugins.scheduler.request_state import RequestState
-from tokenloom.protocols.components import ComponentSpec, KVCacheManager
+from tokenloom.protocols.components.kv_cache import KVCacheManager
+from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
 from tokenloom.protocols.step import NewRequestData, ScheduledChunk
 

@@ -20,7 +20,8 @@ from typing import Any
 
 from tokenloom.bench.common import print_table, write_json
 from tokenloom.config import EngineConfig
-from tokenloom.protocols.components import ComponentSpec, Scheduler
+from tokenloom.protocols.components.registry import ComponentSpec
+from tokenloom.protocols.components.scheduler import Scheduler
 from tokenloom.protocols.requests import GenerateRequest
 from tokenloom.protocols.sampling import SamplingParams
 from tokenloom.protocols.step import StepInput, StepOutput

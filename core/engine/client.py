@@ -23,7 +23,8 @@ import zmq
 import zmq.asyncio
 
 from tokenloom.logging import get_logger
-from tokenloom.protocols.components import EngineClient
+from tokenloom.protocols.components.engine import EngineClient
+from tokenloom.protocols.components.errors import EngineDeadError, EngineError
 from tokenloom.protocols.outputs import (
     EngineOutput,
     EngineOutputs,
@@ -43,19 +44,6 @@ from tokenloom.transport.serde import DecodeError, Decoder, Encoder
 from tokenloom.transport.sockets import SOCKETS, make_socket
 
 log = get_logger(__name__)
-
-
-class EngineError(RuntimeError):
-    """The engine refused or failed a request; ``code`` is HTTP-like (400, 413, 503, 500)."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-class EngineDeadError(RuntimeError):
-    """The engine-core process is gone."""
 
 
 class AsyncEngineClient(EngineClient):

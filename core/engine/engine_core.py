@@ -29,13 +29,10 @@ from tokenloom.protocols.requests import GenerateRequest
 
 if TYPE_CHECKING:
     from tokenloom.plugin_manager import PluginManager
-    from tokenloom.protocols.components import (
-        Executor,
-        KVCacheManager,
-        ModelInfo,
-        PendingStep,
-        Scheduler,
-    )
+    from tokenloom.protocols.components.executor import Executor, PendingStep
+    from tokenloom.protocols.components.kv_cache import KVCacheManager
+    from tokenloom.protocols.components.model import ModelInfo
+    from tokenloom.protocols.components.scheduler import Scheduler
     from tokenloom.protocols.step import StepInput
 
 log = logging.getLogger("tokenloom.engine.engine_core")

@@ -23,7 +23,7 @@ import zmq.asyncio
 
 from tokenloom.config import EngineConfig
 from tokenloom.logging import get_logger
-from tokenloom.protocols.components import QueueFullError
+from tokenloom.protocols.components.errors import QueueFullError
 from tokenloom.protocols.control import ControlMessage, Shutdown
 from tokenloom.protocols.outputs import EngineOutputs, ErrorReply, HealthReply, StatsReply
 from tokenloom.protocols.requests import (

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tokenloom.protocols.components import AttentionBackend, AttentionMetadata, ComponentSpec
+from tokenloom.protocols.components.attention import AttentionBackend, AttentionMetadata
+from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
 
 

@@ -25,7 +25,8 @@ import torch
 from tokenloom.plugins.attention.triton_kernels.decode import decode_attention
 from tokenloom.plugins.attention.triton_kernels.kv_write import write_kv
 from tokenloom.plugins.attention.triton_kernels.prefill import prefill_attention
-from tokenloom.protocols.components import AttentionBackend, AttentionMetadata, ComponentSpec
+from tokenloom.protocols.components.attention import AttentionBackend, AttentionMetadata
+from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
 
 SETTINGS = (

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenloom.plugins.executor.staging import upload
-from tokenloom.protocols.components import AttentionMetadata
+from tokenloom.protocols.components.attention import AttentionMetadata
 from tokenloom.protocols.step import PLACEHOLDER_TOKEN, StepInput
 
 

@@ -14,7 +14,11 @@ from typing import Any
 
 import torch
 
-from tokenloom.protocols.components import AttentionBackend, AttentionMetadata, ForwardContext
+from tokenloom.protocols.components.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    ForwardContext,
+)
 
 log = logging.getLogger("tokenloom.executor")
 

@@ -22,14 +22,10 @@ from tokenloom.plugins.executor import staging
 from tokenloom.plugins.executor.batch import BatchBuilder, FlatBatch
 from tokenloom.plugins.executor.cuda_graphs import DecodeGraphs
 from tokenloom.plugins.executor.prompt_logprobs import PromptLogprobs
-from tokenloom.protocols.components import (
-    ComponentSpec,
-    DoneStep,
-    Executor,
-    ForwardContext,
-    ModelInfo,
-    PendingStep,
-)
+from tokenloom.protocols.components.attention import ForwardContext
+from tokenloom.protocols.components.executor import DoneStep, Executor, PendingStep
+from tokenloom.protocols.components.model import ModelInfo
+from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
 from tokenloom.protocols.sampling import SamplingParams
 from tokenloom.protocols.step import NewRequestData, ScheduledChunk, StepInput, StepOutput

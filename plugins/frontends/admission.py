@@ -19,7 +19,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from tokenloom.protocols.components import QueueFullError
+from tokenloom.protocols.components.errors import QueueFullError
 
 
 class Reservation:

@@ -21,10 +21,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from tokenloom.engine.client import EngineDeadError
 from tokenloom.plugins.frontends.admission import Admission, Reservation
 from tokenloom.plugins.frontends.metrics import ServingMetrics
-from tokenloom.protocols.components import EngineClient
+from tokenloom.protocols.components.engine import EngineClient
+from tokenloom.protocols.components.errors import EngineDeadError
 from tokenloom.protocols.outputs import FinishReason, TokenDelta, TopLogprobs
 from tokenloom.protocols.requests import GenerateRequest
 from tokenloom.protocols.sampling import SamplingParams

@@ -20,7 +20,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from tokenloom.protocols.components import ComponentSpec, KVCacheManager
+from tokenloom.protocols.components.kv_cache import KVCacheManager
+from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
 
 BlockKey = tuple[int, tuple[int, ...]]  # (parent key id, the block's token ids)

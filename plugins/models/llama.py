@@ -26,7 +26,7 @@ from tokenloom.plugins.models.layers import (
     silu_and_mul,
     whole,
 )
-from tokenloom.protocols.components import ForwardContext
+from tokenloom.protocols.components.attention import ForwardContext
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) at the batch's positions, [T, 1, D/2]
 

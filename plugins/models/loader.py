@@ -20,7 +20,7 @@ from torch import nn
 
 from tokenloom.plugins.models.gguf import find_gguf
 from tokenloom.plugins.models.layers import Slots
-from tokenloom.protocols.components import ModelInfo
+from tokenloom.protocols.components.model import ModelInfo
 from tokenloom.text.tokenizer import model_eos_token_ids
 
 ModelLookup = Mapping[str, Callable[..., Any]] | Callable[[str], Callable[..., Any] | None]

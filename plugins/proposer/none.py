@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tokenloom.protocols.components import ComponentSpec, Proposer
+from tokenloom.protocols.components.proposer import Proposer
+from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenloom.protocols.components import ComponentSpec, QuantMethod
+from tokenloom.protocols.components.quant import QuantMethod
+from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
 
 

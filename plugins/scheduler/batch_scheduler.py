@@ -38,7 +38,9 @@ from tokenloom.plugins.scheduler.request_state import RequestState, Status, max_
 from tokenloom.plugins.scheduler.result_folding import ResultFolding
 from tokenloom.plugins.scheduler.step_building import StepBuilding
 from tokenloom.plugins.scheduler.waiting_queue import WaitingQueue
-from tokenloom.protocols.components import KVCacheManager, QueueFullError, Scheduler
+from tokenloom.protocols.components.errors import QueueFullError
+from tokenloom.protocols.components.kv_cache import KVCacheManager
+from tokenloom.protocols.components.scheduler import Scheduler
 from tokenloom.protocols.outputs import EngineStats, FinishReason, TokenDelta
 from tokenloom.protocols.requests import GenerateRequest
 from tokenloom.protocols.step import NewRequestData, ScheduledChunk

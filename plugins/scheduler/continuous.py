@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from tokenloom.plugins.scheduler.batch_scheduler import BatchScheduler
 from tokenloom.plugins.scheduler.request_state import RequestState
-from tokenloom.protocols.components import ComponentSpec
+from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
 from tokenloom.protocols.step import NewRequestData, ScheduledChunk
 

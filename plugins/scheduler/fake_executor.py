@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenloom.protocols.components import Scheduler
+from tokenloom.protocols.components.scheduler import Scheduler
 from tokenloom.protocols.outputs import TokenDelta
 from tokenloom.protocols.step import PLACEHOLDER_TOKEN, StepInput, StepOutput
 

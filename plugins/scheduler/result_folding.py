@@ -19,7 +19,7 @@ from tokenloom.protocols.outputs import TokenDelta
 from tokenloom.protocols.step import StepInput, StepOutput
 
 if TYPE_CHECKING:
-    from tokenloom.protocols.components import KVCacheManager
+    from tokenloom.protocols.components.kv_cache import KVCacheManager
 
 
 class ResultFolding:

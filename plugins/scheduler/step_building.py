@@ -25,7 +25,7 @@ from tokenloom.protocols.step import (
 )
 
 if TYPE_CHECKING:
-    from tokenloom.protocols.components import KVCacheManager
+    from tokenloom.protocols.components.kv_cache import KVCacheManager
 
 _by_sort_key = attrgetter("sort_key")
 

@@ -11,7 +11,7 @@ import pytest
 from tokenloom.config import EngineConfig, load_config
 from tokenloom.plugin_manager import PluginError, PluginManager
 from tokenloom.plugins import BUILTIN_PLUGINS
-from tokenloom.protocols.components import ComponentSpec
+from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
 
 

@@ -17,7 +17,7 @@ from tokenloom.config import load_config
 from tokenloom.plugin_manager import PluginError, PluginManager
 
 FIFO_MODULE = """
-from tokenloom.protocols.components import ComponentSpec
+from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
 
 

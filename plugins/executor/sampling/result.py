@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenloom.plugins.executor.prompt_logprobs import to_host as prompt_values_to_host
-from tokenloom.protocols.components import PendingStep
+from tokenloom.protocols.components.executor import PendingStep
 from tokenloom.protocols.outputs import TopLogprobs
 from tokenloom.protocols.step import StepOutput
 

@@ -31,7 +31,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from tokenloom.engine.client import EngineDeadError, EngineError
 from tokenloom.plugins.frontends.admission import Reservation
 from tokenloom.plugins.frontends.generation import ChoiceUpdate, Generation
 from tokenloom.plugins.frontends.limits import PromptError
@@ -54,7 +53,7 @@ from tokenloom.plugins.frontends.openai.streaming import (
     sse_event,
     unless_disconnected,
 )
-from tokenloom.protocols.components import QueueFullError
+from tokenloom.protocols.components.errors import EngineDeadError, EngineError, QueueFullError
 from tokenloom.protocols.sampling import SamplingParams
 
 if TYPE_CHECKING:

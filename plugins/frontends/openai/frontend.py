@@ -25,7 +25,8 @@ from tokenloom.plugins.frontends.generation import LiveGenerations
 from tokenloom.plugins.frontends.limits import ModelLimits
 from tokenloom.plugins.frontends.metrics import ServingMetrics
 from tokenloom.plugins.frontends.openai.app import OpenAIApp
-from tokenloom.protocols.components import EngineClient, Frontend
+from tokenloom.protocols.components.engine import EngineClient
+from tokenloom.protocols.components.frontend import Frontend
 from tokenloom.protocols.control import Ready
 
 log = get_logger(__name__)

@@ -20,10 +20,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 import tokenloom
-from tokenloom.engine.client import EngineDeadError, EngineError
 from tokenloom.plugins.frontends.metrics import CONTENT_TYPE
 from tokenloom.plugins.frontends.openai.openapi import openapi_document
 from tokenloom.plugins.frontends.openai.schemas import RequestError
+from tokenloom.protocols.components.errors import EngineDeadError, EngineError
 from tokenloom.protocols.outputs import EngineStats
 
 if TYPE_CHECKING:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenloom.protocols.components import ComponentSpec
+from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
 
 

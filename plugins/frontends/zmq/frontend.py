@@ -34,14 +34,15 @@ import zmq
 import zmq.asyncio
 
 from tokenloom.config import EngineConfig
-from tokenloom.engine.client import EngineDeadError, EngineError
 from tokenloom.logging import get_logger
 from tokenloom.plugins.frontends.admission import Admission, Reservation
 from tokenloom.plugins.frontends.generation import Generation, LiveGenerations
 from tokenloom.plugins.frontends.limits import ModelLimits, PromptError, check_request_limits
 from tokenloom.plugins.frontends.metrics import ServingMetrics
 from tokenloom.plugins.frontends.zmq.sessions import Connections, Job, Session, source_fd
-from tokenloom.protocols.components import EngineClient, Frontend, QueueFullError
+from tokenloom.protocols.components.engine import EngineClient
+from tokenloom.protocols.components.errors import EngineDeadError, EngineError, QueueFullError
+from tokenloom.protocols.components.frontend import Frontend
 from tokenloom.protocols.control import Ready
 from tokenloom.protocols.jobs import (
     AbortJob,

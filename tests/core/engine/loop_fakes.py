@@ -11,7 +11,7 @@ import os
 import time
 from typing import Any
 
-from tokenloom.protocols.components import QueueFullError
+from tokenloom.protocols.components.errors import QueueFullError
 from tokenloom.protocols.control import Ready
 from tokenloom.protocols.outputs import EngineStats, FinishReason, TokenDelta
 from tokenloom.protocols.requests import GenerateRequest

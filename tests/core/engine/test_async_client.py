@@ -11,7 +11,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from tokenloom.engine.client import AsyncEngineClient, EngineDeadError, EngineError
+from tokenloom.engine.client import AsyncEngineClient
+from tokenloom.protocols.components.errors import EngineDeadError, EngineError
 from tokenloom.protocols.outputs import (
     EngineOutputs,
     EngineStats,

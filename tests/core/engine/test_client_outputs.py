@@ -13,7 +13,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from tokenloom.engine.client import AsyncEngineClient, EngineError
+from tokenloom.engine.client import AsyncEngineClient
+from tokenloom.protocols.components.errors import EngineError
 from tokenloom.protocols.outputs import EngineOutputs, TokenDelta
 from tokenloom.protocols.requests import EngineInput, GenerateRequest
 from tokenloom.protocols.sampling import SamplingParams

@@ -15,8 +15,9 @@ import pytest
 from loop_fakes import make_fake_engine
 
 from tokenloom.config import EngineConfig
-from tokenloom.engine.client import AsyncEngineClient, EngineDeadError, EngineError
+from tokenloom.engine.client import AsyncEngineClient
 from tokenloom.engine.supervisor import EngineStartError, Supervisor
+from tokenloom.protocols.components.errors import EngineDeadError, EngineError
 from tokenloom.protocols.requests import GenerateRequest
 from tokenloom.protocols.sampling import SamplingParams
 from tokenloom.transport.sockets import remove_ipc_file

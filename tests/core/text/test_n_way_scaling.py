@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Sequence
 import pytest
 
 from tokenloom.plugins.frontends.generation import Generation
-from tokenloom.protocols.components import EngineClient
+from tokenloom.protocols.components.engine import EngineClient
 from tokenloom.protocols.outputs import EngineStats, FinishReason, TokenDelta
 from tokenloom.protocols.requests import GenerateRequest
 from tokenloom.protocols.sampling import SamplingParams

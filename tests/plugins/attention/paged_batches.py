@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenloom.protocols.components import AttentionMetadata, ModelInfo
+from tokenloom.protocols.components.attention import AttentionMetadata
+from tokenloom.protocols.components.model import ModelInfo
 
 
 def model_info(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str):

@@ -22,7 +22,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from tokenloom.protocols.components import QueueFullError
+from tokenloom.protocols.components.errors import QueueFullError
 from tokenloom.protocols.control import Ready
 from tokenloom.protocols.outputs import EngineStats, FinishReason, TokenDelta, TopLogprobs
 from tokenloom.protocols.requests import GenerateRequest

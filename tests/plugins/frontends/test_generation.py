@@ -8,10 +8,10 @@ from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
-from tokenloom.engine.client import EngineDeadError
 from tokenloom.plugins.frontends.generation import Generation, LiveGenerations
 from tokenloom.plugins.frontends.metrics import ServingMetrics
-from tokenloom.protocols.components import EngineClient
+from tokenloom.protocols.components.engine import EngineClient
+from tokenloom.protocols.components.errors import EngineDeadError
 from tokenloom.protocols.outputs import EngineStats, FinishReason, TokenDelta
 from tokenloom.protocols.requests import GenerateRequest
 from tokenloom.protocols.sampling import SamplingParams

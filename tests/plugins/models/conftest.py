@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenloom.protocols.components import (
+from tokenloom.protocols.components.attention import (
     AttentionBackend,
     AttentionMetadata,
     ForwardContext,
-    ModelInfo,
 )
+from tokenloom.protocols.components.model import ModelInfo
 
 
 class DenseAttention(AttentionBackend):

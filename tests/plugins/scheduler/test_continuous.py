@@ -20,7 +20,7 @@ from tokenloom.plugins.scheduler.fake_executor import (
     next_token,
     run_until_idle,
 )
-from tokenloom.protocols.components import QueueFullError
+from tokenloom.protocols.components.errors import QueueFullError
 from tokenloom.protocols.outputs import FinishReason, TopLogprobs
 from tokenloom.protocols.requests import GenerateRequest
 from tokenloom.protocols.sampling import SamplingParams

@@ -24,7 +24,7 @@ from tokenloom.plugins.kv_cache.paged import PagedKVCache
 from tokenloom.plugins.scheduler.batch_scheduler import BatchScheduler
 from tokenloom.plugins.scheduler.continuous import ContinuousScheduler
 from tokenloom.plugins.scheduler.fake_executor import FakeExecutor, next_token
-from tokenloom.protocols.components import QueueFullError
+from tokenloom.protocols.components.errors import QueueFullError
 from tokenloom.protocols.outputs import TokenDelta
 from tokenloom.protocols.requests import GenerateRequest
 from tokenloom.protocols.sampling import SamplingParams

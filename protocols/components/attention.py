@@ -1,0 +1,80 @@
+"""The attention backend interface: paged attention over the KV cache, and the
+per-step metadata and forward context every attention layer reads."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of a flat batch reads and writes the paged KV cache.
+
+    Built once per step by the executor, shared by all layers. Device tensors keep a
+    fixed address under CUDA graphs (the executor copies into static buffers).
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64 cuda/cpu: block_id * block_size + offset; -1 = skip
+    query_start_loc: torch.Tensor  # [B + 1] int32: token offsets of each request's queries
+    seq_lens: torch.Tensor  # [B] int32: KV length of each request after this step
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    decode_only: bool  # every request has exactly one query token
+    query_lens_cpu: list[int] = field(default_factory=list)  # [B] host copies, for
+    seq_lens_cpu: list[int] = field(default_factory=list)  # readable reference backends
+    extra: dict[str, Any] = field(default_factory=dict)  # backend-owned buffers
+
+
+class AttentionBackend(ABC):
+    """Paged attention: writes the new keys/values, then attends over the cache.
+
+    Constructed as ``factory(config: EngineConfig, model_info: ModelInfo)``; the model
+    info carries num_heads, num_kv_heads, head_dim, dtype and device. Called by every
+    attention layer of the model, in the engine-core (or worker) process. ``forward``
+    must not sync the host, allocate host memory, or read tensor values on the host:
+    it runs inside CUDA graphs on decode steps.
+    """
+
+    name: str
+    # True when ``forward`` on a decode batch can be captured in a CUDA graph: no host
+    # syncs, no reads of ``meta.query_lens_cpu`` / ``seq_lens_cpu`` (graph metadata
+    # leaves them empty), launches that depend on tensor shapes only.
+    supports_cuda_graphs: bool = False
+    # True when ``forward`` accepts ``kv_written=True``: the model already stored k and
+    # v at ``meta.slot_mapping`` in the cache layout below (fused into its rope
+    # kernel), so the backend only attends. The model passes the keyword only then.
+    accepts_written_kv: bool = False
+
+    def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027
+        """Called once per step before the forward pass; may fill ``meta.extra``."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Store k and v at ``meta.slot_mapping``, then causal attention of each
+        request's queries over its whole KV (cached prefix plus new tokens)."""
+
+
+@dataclass
+class ForwardContext:
+    """What a model's forward pass needs beyond token ids and positions: the
+    attention backend, this step's metadata and every layer's KV cache. Built by the
+    executor once per step (once per CUDA graph on decode)."""
+
+    attn: AttentionBackend
+    meta: AttentionMetadata
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
