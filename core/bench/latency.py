@@ -145,8 +145,8 @@ def main(argv: list[str]) -> int:
         "runs": per_run,
         "decode_tokens_per_s": tok_s,
         "step_ms": step_ms,
-        "memory_gib": dict(getattr(engine.executor, "memory", {})),
-        "startup_s": dict(getattr(engine.executor, "timings", {})),
+        "memory_gib": dict(engine.executor.memory),
+        "startup_s": dict(engine.executor.timings),
     }
     rows: list[tuple[str, Any]] = [
         ("decode tokens/s (median)", tok_s),
@@ -170,7 +170,7 @@ def main(argv: list[str]) -> int:
             ("% of roofline", 100 * tok_s / roofline),
             (
                 "graph capture s",
-                getattr(engine.executor, "timings", {}).get("graph_capture_s", 0.0),
+                engine.executor.timings.get("graph_capture_s", 0.0),
             ),
         ]
     if args.peer == "hf":

@@ -157,8 +157,8 @@ def main(argv: list[str]) -> int:
         "config": {k: v for k, v in options.items() if k != "model"},
         "num_prompts": args.num_prompts,
         "tokenloom": ours,
-        "memory_gib": dict(getattr(llm.engine.executor, "memory", {})),
-        "startup_s": dict(getattr(llm.engine.executor, "timings", {})),
+        "memory_gib": dict(llm.engine.executor.memory),
+        "startup_s": dict(llm.engine.executor.timings),
     }
     rows = [
         (

@@ -62,7 +62,7 @@ def pipelined_for(config: EngineConfig, executor: Executor) -> bool:
     """Whether the engine runs async scheduling: ``async_scheduling``, where None
     means on for CUDA; the executor must support pipelining."""
     wanted = config.async_scheduling
-    supported = bool(getattr(executor, "supports_pipelining", False))
+    supported = executor.supports_pipelining
     if wanted is None:
         return supported and config.device == "cuda"
     if wanted and not supported:

@@ -185,7 +185,7 @@ class ModelRunner(Executor):
         self.block_size = block_size
         if self.device.type == "cuda":
             self.memory["kv_gib"] = kv.numel() * kv.element_size() / GiB
-        graphs_ok = getattr(self.attn, "supports_cuda_graphs", False)
+        graphs_ok = self.attn.supports_cuda_graphs
         if capture and self.device.type == "cuda" and not self.config.enforce_eager and graphs_ok:
             self._capture_graphs()
         if capture:

@@ -129,7 +129,7 @@ class LlamaAttention(nn.Module):
             eps = self.q_norm.eps if self.q_norm is not None else 0.0
             # The backend may let the rope kernel write the KV cache (one kernel less).
             kv_write = None
-            if getattr(ctx.attn, "accepts_written_kv", False):
+            if ctx.attn.accepts_written_kv:
                 kv_write = (v, k_cache, v_cache, ctx.meta.slot_mapping)
                 written["kv_written"] = True
             fused_ops.qk_norm_rope_(q, k, *rope, q_w, k_w, eps, kv_write)  # in place, in qkv

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -42,6 +44,11 @@ class Executor(ABC):
     # runs (async scheduling): it must accept ``PLACEHOLDER_TOKEN`` inputs (see
     # ``protocols.step``) and run submitted steps in order.
     supports_pipelining: bool = False
+    # Start-up reports for ``tokenloom bench`` (read after ``init_kv_cache``): device
+    # memory by use in GiB (weights_gib, kv_gib, ...) and seconds of start-up work by
+    # phase (graph_capture_s, ...). Empty when the executor measures nothing.
+    memory: Mapping[str, float] = MappingProxyType({})
+    timings: Mapping[str, float] = MappingProxyType({})
 
     @abstractmethod
     def load_model(self) -> ModelInfo:

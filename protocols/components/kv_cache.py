@@ -17,6 +17,11 @@ class KVCacheManager(ABC):
 
     block_size: int
     num_blocks: int
+    # Prefix-cache counters for /metrics, reported by the scheduler's ``stats``:
+    # prompt tokens looked up by successful ``allocate`` calls, and how many of them
+    # were served from the cache. A manager without a prefix cache leaves both at 0.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     @abstractmethod
