@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
+from tokenloom.config import EngineConfig
 from tokenloom.plugins.attention.torch_backend import TorchAttention
 from tokenloom.plugins.attention.triton_backend import SETTINGS, TritonAttention
 from tokenloom.protocols.components.attention import AttentionMetadata
@@ -108,7 +109,9 @@ def check(attn: TritonAttention, step: tuple, dtype: torch.dtype) -> float:
     scale = HEAD_DIM**-0.5
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     out = attn.forward(q, k, v, k_cache, v_cache, meta, scale).float()
-    ref = TorchAttention(None, model_info(dtype)).forward(q, k, v, k_ref, v_ref, meta, scale)
+    ref = TorchAttention(EngineConfig(), model_info(dtype)).forward(
+        q, k, v, k_ref, v_ref, meta, scale
+    )
     ref = ref.float()
     if not (torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)):
         return float("inf")
@@ -232,7 +235,7 @@ def main() -> int:
         return 2
     dtype = getattr(torch, args.dtype)
     settings = {k: int(v) for k, v in (s.split("=", 1) for s in args.setting)}
-    attn = TritonAttention(None, model_info(dtype), **settings)
+    attn = TritonAttention(EngineConfig(), model_info(dtype), **settings)
     props = torch.cuda.get_device_properties(0)
     copy_gbps = copy_bandwidth_gbps()
     result: dict[str, Any] = {

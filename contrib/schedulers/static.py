@@ -15,8 +15,8 @@ import time
 from bisect import insort
 from collections.abc import Callable
 from operator import attrgetter
-from typing import Any
 
+from tokenloom.config import EngineConfig
 from tokenloom.plugins.scheduler.batch_scheduler import BatchScheduler
 from tokenloom.plugins.scheduler.request_state import RequestState
 from tokenloom.protocols.components.kv_cache import KVCacheManager
@@ -30,7 +30,7 @@ _by_sort_key = attrgetter("sort_key")
 class StaticScheduler(BatchScheduler):
     def __init__(
         self,
-        config: Any,
+        config: EngineConfig,
         kv_cache: KVCacheManager,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

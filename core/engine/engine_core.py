@@ -1,7 +1,7 @@
 """The in-process engine: the components the config names, wired together.
 
 ``Engine.step()`` is one iteration of the engine-core: schedule, execute, update.
-The kernel loop (engine-core process) and the offline ``LLM`` both drive it; the
+The engine-core loop (``engine.loop``) and the offline ``LLM`` both drive it; the
 hot path is direct method calls on the built components.
 
 With async scheduling (``async_scheduling``, on for CUDA) the iteration is
@@ -58,7 +58,7 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     return msgspec.structs.replace(config, **changes) if changes else config
 
 
-def pipelined_for(config: EngineConfig, executor: Executor) -> bool:
+def async_scheduling_enabled(config: EngineConfig, executor: Executor) -> bool:
     """Whether the engine runs async scheduling: ``async_scheduling``, where None
     means on for CUDA; the executor must support pipelining."""
     wanted = config.async_scheduling
@@ -74,7 +74,8 @@ def pipelined_for(config: EngineConfig, executor: Executor) -> bool:
 
 
 class Engine:
-    """Scheduler + KV cache manager + executor, built from one config."""
+    """Scheduler + KV cache manager + executor, built from one config: the default
+    ``EngineCore`` (``protocols.components.engine``)."""
 
     def __init__(
         self,
@@ -100,7 +101,7 @@ class Engine:
         self._observed_added = bool(
             plugins is not None and plugins.hook.tokenloom_request_added.get_hookimpls()
         )
-        self.pipelined = pipelined_for(config, executor)
+        self.pipelined = async_scheduling_enabled(config, executor)
         self._in_flight: tuple[StepInput, PendingStep] | None = None
 
     @classmethod

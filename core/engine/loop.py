@@ -5,9 +5,9 @@
 process around it (building the engine, ``Ready``/``Failed``, signals) is
 ``tokenloom.engine.process``.
 
-The engine object (``tokenloom.engine.engine_core.Engine``) provides: ``add_request(req)``
-(raises QueueFullError or ValueError), ``abort(ids) -> deltas``, ``step() -> deltas``
-(blocking), ``has_unfinished()``, ``stats()``, ``ready_info() -> Ready``, ``shutdown()``.
+The engine is any ``EngineCore`` (``protocols.components.engine``; the default is
+``tokenloom.engine.engine_core.Engine``): ``add_request``, ``abort``, ``step``
+(blocking), ``has_unfinished``, ``stats``, ``ready_info``, ``shutdown``.
 """
 
 from __future__ import annotations
@@ -23,9 +23,16 @@ import zmq.asyncio
 
 from tokenloom.config import EngineConfig
 from tokenloom.logging import get_logger
+from tokenloom.protocols.components.engine import EngineCore
 from tokenloom.protocols.components.errors import QueueFullError
 from tokenloom.protocols.control import ControlMessage, Shutdown
-from tokenloom.protocols.outputs import EngineOutputs, ErrorReply, HealthReply, StatsReply
+from tokenloom.protocols.outputs import (
+    EngineOutputs,
+    ErrorReply,
+    HealthReply,
+    StatsReply,
+    TokenDelta,
+)
 from tokenloom.protocols.requests import (
     AbortRequest,
     EngineInput,
@@ -52,7 +59,7 @@ class EngineLoop:
 
     def __init__(
         self,
-        engine: Any,
+        engine: EngineCore,
         input_sock: zmq.asyncio.Socket,
         output_sock: zmq.asyncio.Socket,
         *,
@@ -80,7 +87,7 @@ class EngineLoop:
             StatsRequest: self._on_stats,
         }
         self.live: set[str] = set()  # accepted and not finished: aborted at shutdown
-        self.pending: list[Any] = []  # deltas made between steps (aborts)
+        self.pending: list[TokenDelta] = []  # deltas made between steps (aborts)
         self.stop_deadline: float | None = None  # monotonic; set once shutdown begins
         self.poller = zmq.asyncio.Poller()
         self.poller.register(input_sock, zmq.POLLIN)
@@ -177,9 +184,9 @@ class EngineLoop:
     def _on_stats(self, req: StatsRequest) -> StatsReply:
         return StatsReply(req.nonce, self.engine.stats())
 
-    async def _step(self) -> list[Any]:
+    async def _step(self) -> list[TokenDelta]:
         try:
-            return self.engine.step()  # type: ignore[no-any-return]
+            return self.engine.step()
         except Exception:
             # The engine's state is unknown now: fail every request, then die so
             # that the supervisor sees it.
@@ -188,7 +195,7 @@ class EngineLoop:
                 await self._send(ErrorReply(500, "engine step failed", rid))
             raise
 
-    async def _emit(self, deltas: list[Any]) -> None:
+    async def _emit(self, deltas: list[TokenDelta]) -> None:
         if self.pending:
             deltas = self.pending + deltas
             self.pending = []
@@ -200,7 +207,7 @@ class EngineLoop:
                 live.discard(delta.request_id)
         await self._send_outputs(deltas)
 
-    async def _send_outputs(self, deltas: list[Any]) -> None:
+    async def _send_outputs(self, deltas: list[TokenDelta]) -> None:
         """Send ``deltas`` in as few ``EngineOutputs`` as keep each under the channel's
         limit (one, unless a step's output is huge). A single delta over the limit
         cannot be sent: its request gets a 500 error reply and is aborted."""
@@ -234,7 +241,7 @@ def request_id_limit(config: EngineConfig) -> int:
 
 
 async def run_engine_loop(
-    engine: Any,
+    engine: EngineCore,
     input_sock: zmq.asyncio.Socket,
     output_sock: zmq.asyncio.Socket,
     *,

@@ -26,13 +26,14 @@ import zmq.asyncio
 from tokenloom.config import EngineConfig
 from tokenloom.engine.loop import request_id_limit, run_engine_loop
 from tokenloom.logging import get_logger
+from tokenloom.protocols.components.engine import EngineCore
 from tokenloom.protocols.control import Failed
 from tokenloom.transport.serde import Encoder
 from tokenloom.transport.sockets import EngineEndpoints, make_socket, remove_ipc_file
 
 log = get_logger(__name__)
 
-EngineFactory = Callable[[EngineConfig, Any], Any]  # (config, plugin_manager) -> engine
+EngineFactory = Callable[[EngineConfig, Any], EngineCore]  # (config, plugin_manager) -> engine
 
 
 class LaunchSpec(msgspec.Struct, kw_only=True):
@@ -130,8 +131,8 @@ def _resolve_factory(factory: EngineFactory | str | None) -> EngineFactory:
     return factory
 
 
-def _default_engine_factory(config: EngineConfig, pm: Any) -> Any:
-    from tokenloom.engine.engine_core import Engine  # type: ignore[import-not-found, unused-ignore]
+def _default_engine_factory(config: EngineConfig, pm: Any) -> EngineCore:
+    from tokenloom.engine.engine_core import Engine
 
     return Engine.from_config(config, pm)
 

@@ -10,12 +10,12 @@ It loops over requests on the host, reading ``meta.query_lens_cpu`` and
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
+from tokenloom.config import EngineConfig
 from tokenloom.protocols.components.attention import AttentionBackend, AttentionMetadata
+from tokenloom.protocols.components.model import ModelInfo
 from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
 
@@ -63,7 +63,7 @@ class TorchAttention(AttentionBackend):
 
     name = "torch"
 
-    def __init__(self, config: Any, model_info: Any) -> None:
+    def __init__(self, config: EngineConfig, model_info: ModelInfo) -> None:
         self.num_heads = int(model_info.num_heads)
         self.num_kv_heads = int(model_info.num_kv_heads)
         self.head_dim = int(model_info.head_dim)

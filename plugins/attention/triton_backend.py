@@ -22,10 +22,12 @@ from typing import Any
 
 import torch
 
+from tokenloom.config import EngineConfig
 from tokenloom.plugins.attention.triton_kernels.decode import decode_attention
 from tokenloom.plugins.attention.triton_kernels.kv_write import write_kv
 from tokenloom.plugins.attention.triton_kernels.prefill import prefill_attention
 from tokenloom.protocols.components.attention import AttentionBackend, AttentionMetadata
+from tokenloom.protocols.components.model import ModelInfo
 from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
 
@@ -80,7 +82,7 @@ class TritonAttention(AttentionBackend):
     supports_cuda_graphs = True
     accepts_written_kv = True
 
-    def __init__(self, config: Any, model_info: Any, **overrides: int) -> None:
+    def __init__(self, config: EngineConfig, model_info: ModelInfo, **overrides: int) -> None:
         self.num_heads = int(model_info.num_heads)
         self.num_kv_heads = int(model_info.num_kv_heads)
         self.head_dim = int(model_info.head_dim)
@@ -96,7 +98,7 @@ class TritonAttention(AttentionBackend):
                 "attention 'triton' needs a CUDA device (or TRITON_INTERPRET=1 on the CPU); "
                 "use attention = 'torch' here"
             )
-        self.max_num_seqs = int(getattr(config, "max_num_seqs", 256))
+        self.max_num_seqs = config.max_num_seqs
         settings = _plugin_settings(config)
         settings.update(overrides)
         unknown = set(settings) - set(SETTINGS)
@@ -232,9 +234,8 @@ class TritonAttention(AttentionBackend):
         return out
 
 
-def _plugin_settings(config: Any) -> dict[str, Any]:
-    plugin = getattr(config, "plugin", None) or {}
-    return dict(plugin.get("triton", {}))
+def _plugin_settings(config: EngineConfig) -> dict[str, Any]:
+    return dict(config.plugin.get("triton", {}))
 
 
 @hookimpl

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,9 @@ from tokenloom.protocols.hookspecs import hookimpl
 from tokenloom.protocols.sampling import SamplingParams
 from tokenloom.protocols.step import NewRequestData, ScheduledChunk, StepInput, StepOutput
 
+if TYPE_CHECKING:
+    from tokenloom.plugin_manager import PluginManager
+
 log = logging.getLogger("tokenloom.executor")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -39,7 +42,7 @@ GiB = 1 << 30
 class ModelRunner(Executor):
     supports_pipelining = True
 
-    def __init__(self, config: EngineConfig, plugins: Any) -> None:
+    def __init__(self, config: EngineConfig, plugins: PluginManager) -> None:
         self.config = config
         self.plugins = plugins
         self.device = torch.device(config.device)

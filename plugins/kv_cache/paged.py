@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
 
+from tokenloom.config import EngineConfig
 from tokenloom.protocols.components.kv_cache import KVCacheManager
 from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
@@ -43,14 +43,14 @@ class _BlockTable:
 class PagedKVCache(KVCacheManager):
     """Block pool with per-request block tables and LRU-evicted prefix caching."""
 
-    def __init__(self, config: Any, num_blocks: int, block_size: int) -> None:
+    def __init__(self, config: EngineConfig, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}"
             )
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.enable_prefix_caching = bool(getattr(config, "enable_prefix_caching", True))
+        self.enable_prefix_caching = config.enable_prefix_caching
         self._ref_counts = [0] * num_blocks
         self._keys: list[BlockKey | None] = [None] * num_blocks
         self._key_ids = [ROOT_KEY_ID] * num_blocks

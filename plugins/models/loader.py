@@ -13,31 +13,18 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
 from tokenloom.plugins.models.gguf import find_gguf
-from tokenloom.plugins.models.layers import Slots
-from tokenloom.protocols.components.model import ModelInfo
+from tokenloom.protocols.components.model import Model, ModelInfo
 from tokenloom.text.tokenizer import model_eos_token_ids
 
 ModelLookup = Mapping[str, Callable[..., Any]] | Callable[[str], Callable[..., Any] | None]
 
 _MAX_LISTED = 8
-
-
-class LoadableModel(Protocol):
-    """What the loader needs of a model besides being an ``nn.Module``."""
-
-    def checkpoint_slots(self) -> Slots:
-        """Every tensor the checkpoint must hold, by name, and where it goes."""
-        ...
-
-    def ignores_checkpoint_tensor(self, name: str) -> bool:
-        """True for tensors a checkpoint may hold that the model does not need."""
-        ...
 
 
 class CheckpointError(ValueError):
@@ -165,7 +152,7 @@ def checkpoint_files(root: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: LoadableModel, files: list[Path]) -> None:
+def load_weights(model: Model, files: list[Path]) -> None:
     """Copy every tensor of ``files`` into the slot ``model.checkpoint_slots()`` names
     for it, converting dtype and device on the way."""
     from safetensors import safe_open

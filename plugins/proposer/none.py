@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
+from tokenloom.config import EngineConfig
 from tokenloom.protocols.components.proposer import Proposer
 from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
@@ -13,7 +13,7 @@ from tokenloom.protocols.hookspecs import hookimpl
 class NoProposer(Proposer):
     name = "none"
 
-    def __init__(self, config: Any = None) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
 
     def propose(self, token_histories: Sequence[Sequence[int]], k: int) -> list[list[int]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenloom.config import EngineConfig
 from tokenloom.protocols.components.quant import QuantMethod
 from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
@@ -12,7 +13,7 @@ from tokenloom.protocols.hookspecs import hookimpl
 class NoQuant(QuantMethod):
     name = "none"
 
-    def __init__(self, config: Any = None) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
 
     def quantize_model(self, model: Any) -> None:

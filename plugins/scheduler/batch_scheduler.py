@@ -32,8 +32,8 @@ import heapq
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterable
-from typing import Any
 
+from tokenloom.config import EngineConfig
 from tokenloom.plugins.scheduler.request_state import RequestState, Status, max_total_len
 from tokenloom.plugins.scheduler.result_folding import ResultFolding
 from tokenloom.plugins.scheduler.step_building import StepBuilding
@@ -59,7 +59,7 @@ class BatchScheduler(StepBuilding, ResultFolding, Scheduler):
 
     def __init__(
         self,
-        config: Any,
+        config: EngineConfig,
         kv_cache: KVCacheManager,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -75,7 +75,7 @@ class BatchScheduler(StepBuilding, ResultFolding, Scheduler):
         self._max_waiting = int(config.max_waiting_requests)
         self._prefix_caching = bool(config.enable_prefix_caching)
         # Speculative decoding writes draft KV past the last token: reserve slots for it.
-        self._lookahead = int(getattr(config, "num_speculative_tokens", 0))
+        self._lookahead = config.num_speculative_tokens
         self._pool_tokens = kv_cache.num_blocks * kv_cache.block_size - self._lookahead
         self._requests: dict[str, RequestState] = {}
         self._waiting = WaitingQueue()

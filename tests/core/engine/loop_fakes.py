@@ -1,4 +1,4 @@
-"""A fake engine with the kernel's engine API, for kernel and supervisor tests.
+"""A fake ``EngineCore`` (``protocols.components.engine``), for loop and supervisor tests.
 
 Each step gives every running request one token (token = its step count); a
 request finishes after ``params.max_tokens`` tokens. Module-level so that a spawned
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from tokenloom.protocols.components.errors import QueueFullError
@@ -36,7 +37,7 @@ class FakeEngine:
         self.running[req.request_id] = []
         self.limits[req.request_id] = req.params.max_tokens or 16
 
-    def abort(self, request_ids: list[str]) -> list[TokenDelta]:
+    def abort(self, request_ids: Sequence[str]) -> list[TokenDelta]:
         deltas = []
         for rid in request_ids:
             if self.running.pop(rid, None) is not None:

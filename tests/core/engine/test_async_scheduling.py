@@ -8,7 +8,7 @@ import pytest
 
 from tokenloom import LLM, SamplingParams
 from tokenloom.config import load_config
-from tokenloom.engine.engine_core import Engine, pipelined_for
+from tokenloom.engine.engine_core import Engine, async_scheduling_enabled
 from tokenloom.protocols.requests import GenerateRequest
 from tokenloom.protocols.step import PLACEHOLDER_TOKEN
 
@@ -162,5 +162,5 @@ def test_async_scheduling_is_refused_for_an_executor_that_cannot_pipeline():
 
     config = load_config(model="x", async_scheduling=True)
     with pytest.raises(ValueError, match="async_scheduling"):
-        pipelined_for(config, Plain())  # type: ignore[arg-type]
-    assert not pipelined_for(load_config(model="x"), Plain())  # type: ignore[arg-type]
+        async_scheduling_enabled(config, Plain())  # type: ignore[arg-type]
+    assert not async_scheduling_enabled(load_config(model="x"), Plain())  # type: ignore[arg-type]

@@ -6,6 +6,7 @@ import pytest
 import torch
 from paged_batches import dense_reference, make_batch, model_info, relative_error
 
+from tokenloom.config import EngineConfig
 from tokenloom.plugins.attention import torch_backend
 from tokenloom.plugins.attention.torch_backend import TorchAttention
 
@@ -14,7 +15,7 @@ FP32_TOLERANCE = 1e-5
 
 def run(batch, num_heads=4, num_kv_heads=2, head_dim=32):
     backend = TorchAttention(
-        None, model_info(num_heads, num_kv_heads, head_dim, torch.float32, "cpu")
+        EngineConfig(), model_info(num_heads, num_kv_heads, head_dim, torch.float32, "cpu")
     )
     return backend.forward(
         batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale

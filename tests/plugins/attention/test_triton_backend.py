@@ -12,6 +12,7 @@ import pytest
 import torch
 from paged_batches import dense_reference, make_batch, model_info, relative_error
 
+from tokenloom.config import EngineConfig
 from tokenloom.plugins.attention import triton_backend
 from tokenloom.plugins.attention.torch_backend import TorchAttention
 from tokenloom.plugins.attention.triton_backend import TritonAttention
@@ -22,7 +23,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def backends(num_heads, num_kv_heads, head_dim, dtype, device=DEVICE, **settings):
     info = model_info(num_heads, num_kv_heads, head_dim, dtype, device)
-    return TritonAttention(None, info, **settings), TorchAttention(None, info)
+    return TritonAttention(EngineConfig(), info, **settings), TorchAttention(EngineConfig(), info)
 
 
 def forward(backend, batch):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from paged_batches import dense_reference, make_batch, model_info, relative_error
 
+from tokenloom.config import EngineConfig
 from tokenloom.plugins.attention.torch_backend import TorchAttention
 from tokenloom.plugins.attention.triton_backend import TritonAttention
 
@@ -26,12 +27,12 @@ def make(query_lens, seq_lens, dtype, seed=0):
 def run_both(batch, dtype):
     info = model_info(HEADS, KV_HEADS, HEAD_DIM, dtype, "cuda")
     k_ref, v_ref = batch.clone_caches()
-    attn = TritonAttention(None, info)
+    attn = TritonAttention(EngineConfig(), info)
     attn.prepare(batch.meta)
     out = attn.forward(
         batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale
     )
-    ref = TorchAttention(None, info).forward(
+    ref = TorchAttention(EngineConfig(), info).forward(
         batch.q, batch.k, batch.v, k_ref, v_ref, batch.meta, batch.scale
     )
     torch.cuda.synchronize()
@@ -61,7 +62,7 @@ def test_prefill_and_mixed_batches_at_llama_shapes_match_references(dtype):
 def test_decode_replayed_from_a_cuda_graph_matches_eager_torch_backend():
     dtype, batch_size, max_blocks, num_blocks = torch.bfloat16, 8, 64, 400
     info = model_info(HEADS, KV_HEADS, HEAD_DIM, dtype, "cuda")
-    attn, reference = TritonAttention(None, info), TorchAttention(None, info)
+    attn, reference = TritonAttention(EngineConfig(), info), TorchAttention(EngineConfig(), info)
     first = make([1] * batch_size, [5] * batch_size, dtype)
     meta = first.meta
     static = {

@@ -1,6 +1,6 @@
 """A deterministic fake engine behind the real serving stack, and a server-in-a-thread.
 
-``FakeEngine`` has the kernel's engine API (add_request, abort, step, stats,
+``FakeEngine`` is an ``EngineCore`` (add_request, abort, step, stats,
 ready_info, ...) and runs in a real engine-core process started by the real
 Supervisor, so the frontends, engine client, sockets and supervision are the real
 ones. Tokens are a pure function of the prompt, the output so far and (when
@@ -19,6 +19,7 @@ import random
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,7 @@ class FakeEngine:
             raise QueueFullError(f"{len(self.waiting)} requests waiting")
         self.waiting.append(_Seq(req))
 
-    def abort(self, request_ids: list[str]) -> list[TokenDelta]:
+    def abort(self, request_ids: Sequence[str]) -> list[TokenDelta]:
         ids = set(request_ids)
         deltas = [
             TokenDelta(s.req.request_id, [], FinishReason.ABORT)
