@@ -16,6 +16,8 @@ import msgspec
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "random")
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+DISTRIBUTED_BACKENDS = ("auto", "nccl", "gloo")
 
 
 class ConfigError(ValueError):
@@ -30,6 +32,9 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seed: int = 0
     max_model_len: int | None = None  # None: from config.json
     load_format: str = "auto"  # auto: the checkpoint's safetensors; random: random weights
+    # parallelism: one worker process per rank; heads and MLP columns split across ranks
+    tensor_parallel_size: int = 1
+    distributed_backend: str = "auto"  # auto: nccl on CUDA, gloo on the CPU
     # components (kind = name)
     scheduler: str = "continuous"
     kv_cache: str = "paged"
@@ -43,6 +48,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     num_blocks: int | None = None  # None: sized from memory
     kv_cache_memory_gb: float = 1.0  # CPU budget for the KV pool
     gpu_memory_utilization: float = 0.90
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8 | int8: quantized KV cache
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
@@ -52,7 +58,10 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Build and launch step N+1 while step N runs on the device (the engine reads
     # step N's tokens afterwards). None: on for CUDA, off elsewhere (no overlap there).
     async_scheduling: bool | None = None
+    # speculative decoding: the proposer (config ``proposer``) drafts this many tokens
+    # per step; a request may set its own (SamplingParams); 0 turns it off
     num_speculative_tokens: int = 0
+    draft_model: str = ""  # the ``draft`` proposer's model (HF directory or GGUF)
     # serving
     host: str = "127.0.0.1"
     port: int = 8000
@@ -79,6 +88,9 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _choice("dtype", self.dtype, DTYPES)
         _choice("device", self.device, DEVICES)
         _choice("load_format", self.load_format, LOAD_FORMATS)
+        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _choice("distributed_backend", self.distributed_backend, DISTRIBUTED_BACKENDS)
+        _at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
         _at_least("block_size", self.block_size, 1)
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size: must be a power of two, got {self.block_size}")

@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+SHORT_FLAGS = {"tensor_parallel_size": ("-tp",)}
+
+
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One ``--flag`` per EngineConfig field: bools as ``--x/--no-x``, lists
     comma-separated. Every default is None, so only given flags override the file."""
@@ -86,14 +89,14 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     for field in EngineConfig.__struct_fields__:
         if field in SKIPPED_FIELDS:
             continue
-        flag = "--" + field.replace("_", "-")
+        flags = ["--" + field.replace("_", "-"), *SHORT_FLAGS.get(field, ())]
         kind = _unwrap_optional(hints[field])
         if kind is bool:
-            group.add_argument(flag, dest=field, action=argparse.BooleanOptionalAction)
+            group.add_argument(*flags, dest=field, action=argparse.BooleanOptionalAction)
         elif typing.get_origin(kind) is list:
-            group.add_argument(flag, dest=field, type=_comma_list, metavar="A,B")
+            group.add_argument(*flags, dest=field, type=_comma_list, metavar="A,B")
         elif kind in (int, float, str):
-            group.add_argument(flag, dest=field, type=kind, metavar=kind.__name__.upper())
+            group.add_argument(*flags, dest=field, type=kind, metavar=kind.__name__.upper())
         else:
             raise TypeError(f"no CLI flag for config field {field} of type {kind}")
 

@@ -65,16 +65,17 @@ class ModelRunner(Executor):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         started = time.perf_counter()
+        self.quant = self.plugins.build("quant", self.config.quant, self.config)
         self.model, self.info = load_model(
             self.config.model,
             self.dtype,
             self.device,
             registry=self._model_factory,
             random_weights=self.config.load_format == "random",
+            prepare=self.quant.prepare_model,
         )
         self.model.eval()
         self.attn = self.plugins.build("attention", self.config.attention, self.config, self.info)
-        self.quant = self.plugins.build("quant", self.config.quant, self.config)
         self.quant.quantize_model(self.model)
         self.kv_dtype = self.quant.kv_cache_dtype(self.dtype)
         if self.device.type == "cuda":
@@ -99,7 +100,7 @@ class ModelRunner(Executor):
         dispatch = SkinnyDispatch()
         lm_head = getattr(self.model, "lm_head", None)  # compute_logits calls F.linear
         for module in self.model.modules():
-            if isinstance(module, Linear) and module is not lm_head:
+            if isinstance(module, Linear) and module is not lm_head and module.kernel is None:
                 module.skinny = dispatch.choose(module.weight)
         chosen = sum(c is not None for c in dispatch.choices.values())
         self.timings["skinny_gemm_s"] = time.perf_counter() - started

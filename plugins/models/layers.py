@@ -13,20 +13,30 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenloom.plugins.models import parallel as parallel_state
+
+if TYPE_CHECKING:
+    from tokenloom.protocols.components.quant import LinearKernel
+
 
 @dataclass(frozen=True)
 class WeightSlot:
-    """Rows ``[start, stop)`` of ``param`` receive one checkpoint tensor."""
+    """Rows ``[start, stop)`` of ``param`` receive one checkpoint tensor, or, with
+    ``source`` = ``(dim, begin, end)``, only that range of the checkpoint tensor along
+    ``dim`` (this rank's shard; the loader reads no more of the file than that).
+    ``source_size`` is the checkpoint tensor's full length along ``dim``, checked."""
 
     param: nn.Parameter
     start: int
     stop: int
+    source: tuple[int, int, int] | None = None
+    source_size: int | None = None
 
     def target(self) -> torch.Tensor:
         return self.param.data.narrow(0, self.start, self.stop - self.start)
@@ -39,37 +49,106 @@ def whole(param: nn.Parameter) -> WeightSlot:
     return WeightSlot(param, 0, param.shape[0])
 
 
-class Linear(nn.Module):
-    """``y = x W^T (+ b)``; ``output_sizes`` splits the rows into merged projections."""
+LinearParallel = Literal["replicated", "column", "row"]
 
-    def __init__(
-        self, in_features: int, output_sizes: Sequence[int], bias: bool, dtype: torch.dtype
-    ) -> None:
-        super().__init__()
-        self.output_sizes = list(output_sizes)
-        out_features = sum(self.output_sizes)
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), False)
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), False) if bias else None
+
+class Linear(nn.Module):
+    """``y = x W^T (+ b)``; ``output_sizes`` splits the rows into merged projections.
+
+    The one place where a linear layer is sharded and quantized:
+
+    - ``parallel`` (see ``plugins.models.parallel``): ``replicated`` holds the whole
+      weight; ``column`` holds, of each merged part ``i``, the checkpoint rows
+      ``part_ranges[i]`` (default: an even split across the ranks) and leaves its
+      output sharded; ``row`` holds an even split of the input columns and all-reduces
+      its output, adding the bias once after the sum.
+    - ``kernel`` (a ``protocols.components.quant.LinearKernel``, set by a quant method
+      after loading): computes ``x W^T`` from its own, quantized copy of this rank's
+      shard; ``weight`` is then released (an empty tensor). None: dense GEMM, with the
+      skinny Triton GEMM for small batches where it measured faster (``skinny``).
+
+    ``output_sizes``/``in_features`` are this rank's (local) sizes after sharding.
+    """
 
     # A config of the skinny Triton GEMM, set where it measured faster than cuBLAS
     # (``SkinnyDispatch``); used for inputs of at most 16 rows (small-batch decode).
     skinny: tuple[int, int, int, int] | None = None
+    kernel: LinearKernel | None = None
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: Sequence[int],
+        bias: bool,
+        dtype: torch.dtype,
+        parallel: LinearParallel = "replicated",
+        part_ranges: Sequence[tuple[int, int]] | None = None,
+    ) -> None:
+        super().__init__()
+        group = self.group = parallel_state.current()
+        self.parallel = parallel
+        self.full_output_sizes = list(output_sizes)
+        self.full_in_features = in_features
+        if parallel == "column" and group.size > 1:
+            if part_ranges is None:
+                part_ranges = [
+                    parallel_state.even_range(n, group.size, group.rank) for n in output_sizes
+                ]
+        elif part_ranges is None:
+            part_ranges = [(0, n) for n in output_sizes]
+        self.part_ranges = list(part_ranges)
+        self.output_sizes = [stop - start for start, stop in self.part_ranges]
+        self.in_range = (0, in_features)
+        if parallel == "row" and group.size > 1:
+            self.in_range = parallel_state.even_range(in_features, group.size, group.rank)
+        self.in_features = self.in_range[1] - self.in_range[0]
+        out_features = sum(self.output_sizes)
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_features, dtype=dtype), False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), False) if bias else None
+        # row-parallel: every rank's partial sum would add the bias; add it after the sum
+        self._reduce = parallel == "row" and group.size > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.skinny is not None and x.dim() == 2 and x.shape[0] <= 16 and x.stride(1) == 1:
+        bias = None if self._reduce else self.bias
+        if self.kernel is not None:
+            y = self.kernel.apply(x, bias)
+        elif self.skinny is not None and x.dim() == 2 and x.shape[0] <= 16 and x.stride(1) == 1:
             from tokenloom.plugins.models.skinny_gemm import skinny_gemm
 
-            return skinny_gemm(x, self.weight, self.skinny, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            y = skinny_gemm(x, self.weight, self.skinny, bias)
+        else:
+            y = F.linear(x, self.weight, bias)
+        if self._reduce:
+            y = self.group.all_reduce(y)
+            if self.bias is not None:
+                y = y + self.bias
+        return y
 
     def slots(self, names: Sequence[str]) -> Slots:
         """Checkpoint names (without ``.weight``) of each merged part, in row order."""
         result: Slots = {}
         start = 0
-        for name, size in zip(names, self.output_sizes, strict=True):
-            result[f"{name}.weight"] = WeightSlot(self.weight, start, start + size)
-            if self.bias is not None:
-                result[f"{name}.bias"] = WeightSlot(self.bias, start, start + size)
+        parts = zip(names, self.part_ranges, self.full_output_sizes, strict=True)
+        for name, (begin, end), full in parts:
+            size = end - begin
+            if self.parallel == "row" and self._reduce:
+                lo, hi = self.in_range
+                result[f"{name}.weight"] = WeightSlot(
+                    self.weight, start, start + size, (1, lo, hi), self.full_in_features
+                )
+                if self.bias is not None:
+                    result[f"{name}.bias"] = WeightSlot(self.bias, start, start + size)
+            else:
+                sharded = (begin, end) != (0, full)
+                source = (0, begin, end) if sharded else None
+                result[f"{name}.weight"] = WeightSlot(
+                    self.weight, start, start + size, source, full if sharded else None
+                )
+                if self.bias is not None:
+                    result[f"{name}.bias"] = WeightSlot(
+                        self.bias, start, start + size, source, full if sharded else None
+                    )
             start += size
         return result
 

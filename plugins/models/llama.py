@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenloom.plugins.models import parallel
 from tokenloom.plugins.models.layers import (
     Embedding,
     Linear,
@@ -96,15 +97,24 @@ class LlamaAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads, self.num_kv_heads = shape.num_heads, shape.num_kv_heads
-        self.head_dim = shape.head_dim
-        self.q_size = shape.num_heads * shape.head_dim
-        self.kv_size = shape.num_kv_heads * shape.head_dim
+        group = parallel.current()
+        head_dim = self.head_dim = shape.head_dim
+        # this rank's heads (see plugins.models.parallel for the rule)
+        q_rows = parallel.head_range(shape.num_heads, head_dim, group.size, group.rank)
+        kv_rows = parallel.head_range(shape.num_kv_heads, head_dim, group.size, group.rank)
+        self.q_size, self.kv_size = q_rows[1] - q_rows[0], kv_rows[1] - kv_rows[0]
+        self.num_heads, self.num_kv_heads = self.q_size // head_dim, self.kv_size // head_dim
         self.scale = shape.head_dim**-0.5
+        full_q, full_kv = shape.num_heads * head_dim, shape.num_kv_heads * head_dim
         self.qkv_proj = Linear(
-            shape.hidden_size, (self.q_size, self.kv_size, self.kv_size), features.qkv_bias, dtype
+            shape.hidden_size,
+            (full_q, full_kv, full_kv),
+            features.qkv_bias,
+            dtype,
+            "column",
+            (q_rows, kv_rows, kv_rows),
         )
-        self.o_proj = Linear(self.q_size, (shape.hidden_size,), features.o_bias, dtype)
+        self.o_proj = Linear(full_q, (shape.hidden_size,), features.o_bias, dtype, "row")
         self.q_norm = (
             RMSNorm(shape.head_dim, shape.rms_norm_eps, dtype) if features.qk_norm else None
         )
@@ -153,8 +163,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, shape: DecoderShape, dtype: torch.dtype) -> None:
         super().__init__()
         inter = shape.intermediate_size
-        self.gate_up_proj = Linear(shape.hidden_size, (inter, inter), False, dtype)
-        self.down_proj = Linear(inter, (shape.hidden_size,), False, dtype)
+        self.gate_up_proj = Linear(shape.hidden_size, (inter, inter), False, dtype, "column")
+        self.down_proj = Linear(inter, (shape.hidden_size,), False, dtype, "row")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from tokenloom.plugins.models.gguf import find_gguf
+from tokenloom.plugins.models.layers import WeightSlot
 from tokenloom.protocols.components.model import Model, ModelInfo
 from tokenloom.text.tokenizer import model_eos_token_ids
 
@@ -37,6 +38,7 @@ def load_model(
     device: str | torch.device,
     registry: ModelLookup | None = None,
     random_weights: bool = False,
+    prepare: Callable[[nn.Module, dict[str, Any]], None] | None = None,
 ) -> tuple[nn.Module, ModelInfo]:
     """Build the model of ``model_dir`` on ``device`` in ``dtype`` and load its weights.
 
@@ -48,7 +50,10 @@ def load_model(
     or tensors. ``random_weights`` skips the checkpoint and fills the weights with
     random values (benchmarks of real shapes: speed does not depend on the values).
     ``model_dir`` may also be a GGUF file or a directory holding one (see
-    ``plugins.models.gguf``).
+    ``plugins.models.gguf``). ``prepare(model, hf_config)`` runs after the model is
+    built and before its weights load (a quant method's ``prepare_model``). The model
+    is built for the current ``plugins.models.parallel`` group: each rank reads only
+    its shard of every tensor.
     """
     root = files_root = Path(model_dir)
     weight_files: list[Path] | None = None
@@ -66,6 +71,8 @@ def load_model(
     target = torch.device(device)
     with torch.device(target):
         model = factory(hf_config, dtype)
+    if prepare is not None:
+        prepare(model, hf_config)
     if random_weights:
         randomize_weights(model)
     else:
@@ -171,7 +178,7 @@ def load_weights(model: Model, files: list[Path]) -> None:
                         continue
                     if name in loaded:
                         raise CheckpointError(f"{path.name}: tensor {name!r} appears twice")
-                    tensor = reader.get_tensor(name)
+                    tensor = _read(reader, name, slot, path)
                     target = slot.target()
                     if tensor.shape != target.shape:
                         raise CheckpointError(
@@ -189,6 +196,23 @@ def load_weights(model: Model, files: list[Path]) -> None:
     missing = [name for name in slots if name not in loaded]
     if missing:
         raise CheckpointError(f"checkpoint lacks tensors: {_list(missing)}")
+
+
+def _read(reader: Any, name: str, slot: WeightSlot, path: Path) -> torch.Tensor:
+    """The tensor ``name``, or only the range ``slot.source`` names (a rank's shard)."""
+    if slot.source is None:
+        return reader.get_tensor(name)
+    dim, begin, end = slot.source
+    view = reader.get_slice(name)
+    shape = list(view.get_shape())
+    if dim >= len(shape) or shape[dim] != slot.source_size:
+        raise CheckpointError(
+            f"{path.name}: tensor {name!r} has shape {tuple(shape)}, the model expects "
+            f"{slot.source_size} along dim {dim}"
+        )
+    index = [slice(None)] * len(shape)
+    index[dim] = slice(begin, end)
+    return view[tuple(index)]
 
 
 def _architecture(hf_config: dict[str, Any], root: Path) -> str:

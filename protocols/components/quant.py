@@ -1,26 +1,45 @@
-"""The quantization interface: weight and KV-cache formats."""
+"""The quantization interface: weight and KV-cache formats.
+
+Weights are quantized per linear layer: a quant method gives each
+``plugins.models.layers.Linear`` a ``LinearKernel`` that holds that layer's weight
+(this rank's shard, already sharded by tensor parallelism) in its own format and
+computes the layer's matmul. Sharding happens first and quantization second, so the
+two compose without knowing each other.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
 
+class LinearKernel(ABC):
+    """One linear layer's quantized weight and the matmul that reads it."""
+
+    @abstractmethod
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x [T, in] -> x W^T (+ bias) [T, out]`` in ``x``'s dtype."""
+
+
 class QuantMethod(ABC):
     """Weight and KV-cache quantization. Constructed as ``factory(config: EngineConfig)``.
 
-    Applied by the executor once, after the weights are loaded, in every process
-    that holds a model shard.
+    Called by the executor in every process that holds a model shard: ``prepare_model``
+    after the model is built and before its weights load (a pre-quantized checkpoint's
+    tensors need their own slots), then ``quantize_model`` once the weights are loaded.
     """
 
     name: str
 
+    def prepare_model(self, model: torch.nn.Module, hf_config: dict[str, Any]) -> None:  # noqa: B027
+        """Before loading: adapt the model to the checkpoint's format (default: nothing)."""
+
     @abstractmethod
     def quantize_model(self, model: torch.nn.Module) -> None:
-        """Replace or convert the model's linear weights in place."""
+        """Give the model's linear layers their kernels (``Linear.kernel``), in place."""
 
     def kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The dtype of the KV cache; the model's own by default."""
