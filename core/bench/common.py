@@ -32,6 +32,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="overlap the host's next step with the device's current one (default: on CUDA)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quant", default="none", help="weight quantization method")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | int8")
+    parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--proposer", default="none", help="speculative-decoding proposer")
+    parser.add_argument("--num-speculative-tokens", type=int, default=0)
+    parser.add_argument("--draft-model", default="", help="the draft proposer's model")
+    parser.add_argument(
+        "--plugin-option",
+        action="append",
+        default=[],
+        metavar="NAME.KEY=VALUE",
+        help="a [plugin.NAME] setting (JSON value, else a string); repeatable",
+    )
     parser.add_argument("--out", default=None, help="JSON output file")
 
 
@@ -54,8 +67,39 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         seed=args.seed,
+        quant=args.quant,
+        kv_cache_dtype=args.kv_cache_dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
+        proposer=args.proposer,
+        num_speculative_tokens=args.num_speculative_tokens,
+        draft_model=_shape_or_dir(args.draft_model),
+        plugin=plugin_options(args.plugin_option),
     )
     return options
+
+
+def _shape_or_dir(model: str) -> str:
+    from tokenloom.checkpoints.model_shapes import is_shape_name, write_shape_dir
+
+    if model and is_shape_name(model):
+        return str(write_shape_dir(model, Path(tempfile.mkdtemp(prefix="tokenloom-shape-"))))
+    return model
+
+
+def plugin_options(items: list[str]) -> dict[str, dict[str, Any]]:
+    """``["replay.acceptance=0.8"]`` -> ``{"replay": {"acceptance": 0.8}}``."""
+    result: dict[str, dict[str, Any]] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        name, dot, field = key.partition(".")
+        if not sep or not dot or not name or not field:
+            raise SystemExit(f"--plugin-option {item!r}: expected NAME.KEY=VALUE")
+        try:
+            value: Any = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        result.setdefault(name, {})[field] = value
+    return result
 
 
 def median(values: list[float]) -> float:
