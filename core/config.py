@@ -81,6 +81,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     restart_engine: bool = True
     max_engine_restarts: int = 5  # consecutive failed starts or deaths before exiting
     metrics_require_api_key: bool = False  # /metrics and /version behind the API key
+    record_trace: str = ""  # JSONL request log for `tokenloom sim` (no text); "" = off
     # plugin settings: [plugin.NAME] tables
     plugin: dict[str, dict[str, Any]] = {}
 
