@@ -27,6 +27,42 @@ class TopLogprobs(msgspec.Struct, array_like=True, gc=False):
     logprobs: list[float]
 
 
+class RequestMetrics(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One request's timings and counters, on its last delta.
+
+    Times are seconds on the engine clock (``time.monotonic`` of the engine-core
+    process unless the engine was given another clock); only differences between
+    them mean anything outside that process. A time is 0.0 when the event never
+    happened (a request aborted while waiting was never scheduled).
+    """
+
+    arrival_time: float = 0.0  # the request's arrival_time, or when the engine received it
+    first_scheduled_time: float = 0.0  # the step that first gave it a chunk was built
+    first_token_time: float = 0.0  # the step that sampled its first token was folded in
+    finished_time: float = 0.0  # it stopped, hit its length, was aborted or timed out
+    num_preemptions: int = 0  # times its blocks were taken back (recomputed later)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def queue_time(self) -> float:
+        """Seconds from arrival to first scheduled (0.0 when never scheduled)."""
+        if not self.first_scheduled_time:
+            return 0.0
+        return max(0.0, self.first_scheduled_time - self.arrival_time)
+
+    @property
+    def time_to_first_token(self) -> float:
+        """Seconds from arrival to the first token (0.0 when none came)."""
+        if not self.first_token_time:
+            return 0.0
+        return max(0.0, self.first_token_time - self.arrival_time)
+
+    @property
+    def e2e_time(self) -> float:
+        """Seconds from arrival to finish."""
+        return max(0.0, self.finished_time - self.arrival_time)
+
+
 class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     request_id: str
     new_token_ids: list[int]
@@ -36,11 +72,12 @@ class TokenDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: list[float] | None = None  # first delta, when asked: prompt[1:]'s logprobs
+    metrics: RequestMetrics | None = None  # the last delta (finish_reason set) only
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True, gc=False):
     outputs: list[TokenDelta]
-    timestamp: float = 0.0
+    timestamp: float = 0.0  # time.monotonic() of the engine-core when the batch was sent
 
 
 class ErrorReply(msgspec.Struct, tag="error", array_like=True, omit_defaults=True, gc=False):

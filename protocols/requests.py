@@ -21,6 +21,8 @@ class GenerateRequest(
     priority: int = 0  # lower runs first; ties by arrival
     arrival_time: float = 0.0  # time.monotonic() of the sender; 0 = on receipt
     deadline: float | None = None  # seconds after arrival; the engine aborts it past that
+    tenant: str = ""  # who asked (OpenAI ``user``, a ZeroMQ job's tenant); schedulers may use it
+    metadata: dict[str, str] = {}  # free-form, for scheduling policies and observers
 
 
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True, omit_defaults=True, gc=False):

@@ -49,10 +49,23 @@ class RequestState:
         "first_block_key",
         "holds_first_block",
         "queue_entry",
+        "arrival_seq",
+        "arrival_time",
+        "tenant",
+        "metadata",
+        "first_scheduled_time",
+        "first_token_time",
+        "num_preemptions",
+        "policy_data",
     )
 
     def __init__(
-        self, request: GenerateRequest, arrival_seq: int, max_len: int, deadline_at: float | None
+        self,
+        request: GenerateRequest,
+        arrival_seq: int,
+        max_len: int,
+        deadline_at: float | None,
+        arrival_time: float = 0.0,
     ) -> None:
         params = request.params
         self.request_id = request.request_id
@@ -78,6 +91,15 @@ class RequestState:
         self.first_block_key: tuple[int, ...] | None = None  # first full prompt block, if cached
         self.holds_first_block = False  # its first block is being prefilled right now
         self.queue_entry = 0  # id of its live waiting-queue entry; 0 = not queued
+        # For scheduling policies and per-request metrics (times on the scheduler's clock).
+        self.arrival_seq = arrival_seq  # 1, 2, ... in the order the scheduler received them
+        self.arrival_time = arrival_time or request.arrival_time
+        self.tenant = request.tenant
+        self.metadata = request.metadata
+        self.first_scheduled_time = 0.0  # 0.0 until a step first gives it a chunk
+        self.first_token_time = 0.0  # 0.0 until its first sampled token is folded in
+        self.num_preemptions = 0
+        self.policy_data: object = None  # free for the scheduling policy's own use
 
     @property
     def num_tokens(self) -> int:
