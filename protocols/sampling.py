@@ -30,6 +30,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     logprobs: int | None = None  # number of top logprobs per token; 0 = only the sampled one
     skip_special_tokens: bool = True
     prompt_logprobs: bool = False  # also return each prompt token's logprob (no prefix cache)
+    # Speculative decoding: drafts verified per step for this request; None: the
+    # engine's ``num_speculative_tokens``, 0: off. Capped by the engine's value.
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.n >= 1, "n", "must be >= 1")
@@ -51,6 +54,11 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             "must be <= max_tokens",
         )
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
+        _check(
+            self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= 64,
+            "num_speculative_tokens",
+            "must be in [0, 64]",
+        )
 
     @property
     def greedy(self) -> bool:

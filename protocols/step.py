@@ -35,7 +35,8 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 class ScheduledChunk(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """The tokens one request computes in this step.
 
-    ``token_ids`` sit at positions ``start_pos .. start_pos + len(token_ids) - 1``;
+    ``token_ids`` sit at positions ``start_pos .. start_pos + len(token_ids) - 1``
+    (drafts included);
     positions ``< start_pos`` are already in the KV cache (or written by an earlier
     step still in flight). Trailing ids may be ``PLACEHOLDER_TOKEN``. ``block_ids`` is the
     request's whole block table and covers every position up to the chunk's end.
@@ -46,6 +47,11 @@ class ScheduledChunk(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     start_pos: int
     block_ids: list[int]
     sample: bool = True  # the chunk ends at the last known token: sample the next one
+    # Speculative decoding: the last ``num_draft_tokens`` ids are a proposer's drafts
+    # that follow the request's last known token. The executor verifies them in this
+    # forward (see ``StepOutput.token_ids``); their KV slots are reserved like any
+    # other, and those of rejected drafts are rewritten by later steps.
+    num_draft_tokens: int = 0
 
 
 class StepInput(msgspec.Struct, tag="step", array_like=True, omit_defaults=True, gc=False):
@@ -62,7 +68,15 @@ class StepInput(msgspec.Struct, tag="step", array_like=True, omit_defaults=True,
 
 
 class StepOutput(msgspec.Struct, tag="step_output", array_like=True, omit_defaults=True, gc=False):
-    """``request_ids`` lists the chunks with ``sample=True``, in chunk order."""
+    """``request_ids`` lists the chunks with ``sample=True``, in chunk order.
+
+    Speculative decoding: for a chunk with ``num_draft_tokens = k`` the request's
+    ``token_ids`` are the ``a`` accepted drafts (a prefix of the chunk's drafts)
+    followed by one token the target sampled (the correction, or the bonus token
+    when ``a == k``): ``1 .. k + 1`` ids. Positions past ``start_pos + a`` hold
+    rejected KV. ``draft_token_ids`` carries the proposer's drafts for each sampled
+    request's next step (empty lists when it proposed none).
+    """
 
     step_id: int
     request_ids: list[str]
@@ -72,6 +86,8 @@ class StepOutput(msgspec.Struct, tag="step_output", array_like=True, omit_defaul
     # Per sampled request: its prompt tokens' logprobs (len(prompt) - 1 values, see
     # SamplingParams.prompt_logprobs), once, in the step that samples its first token.
     prompt_logprobs: list[list[float] | None] | None = None
+    # Per sampled request: the drafts to verify in its next step; None: no proposer ran.
+    draft_token_ids: list[list[int]] | None = None
 
 
 StepMessage = StepInput | StepOutput

@@ -16,8 +16,13 @@ class NoProposer(Proposer):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
 
-    def propose(self, token_histories: Sequence[Sequence[int]], k: int) -> list[list[int]]:
-        return [[] for _ in token_histories]
+    def propose(
+        self,
+        request_ids: Sequence[str],
+        token_histories: Sequence[Sequence[int]],
+        num_tokens: Sequence[int],
+    ) -> list[list[int]]:
+        return [[] for _ in request_ids]
 
 
 @hookimpl

@@ -109,9 +109,17 @@ PINS: dict[str, tuple[str, ...]] = {
         "logprobs",
         "skip_special_tokens",
         "prompt_logprobs",
+        "num_speculative_tokens",
     ),
     "step.NewRequestData": ("request_id", "prompt_token_ids", "params", "eos_token_ids"),
-    "step.ScheduledChunk": ("request_id", "token_ids", "start_pos", "block_ids", "sample"),
+    "step.ScheduledChunk": (
+        "request_id",
+        "token_ids",
+        "start_pos",
+        "block_ids",
+        "sample",
+        "num_draft_tokens",
+    ),
     "step.StepInput": ("step_id", "chunks", "new_requests", "finished_request_ids", "num_tokens"),
     "step.StepOutput": (
         "step_id",
@@ -120,6 +128,7 @@ PINS: dict[str, tuple[str, ...]] = {
         "logprobs",
         "top_logprobs",
         "prompt_logprobs",
+        "draft_token_ids",
     ),
     "tensors.TensorRef": ("dtype", "shape", "frame"),
 }

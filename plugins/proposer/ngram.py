@@ -1,0 +1,77 @@
+"""Proposer plugin ``ngram``: prompt lookup.
+
+For each request, match the last ``n`` tokens of its history (``n`` from
+``max_n`` down to ``min_n``) against earlier positions of the same history (prompt
+and output), and propose the tokens that followed the most recent match. Pays off
+when the output repeats the input (editing code, quoting, extraction). Pure host
+work; deterministic, so each draft is a one-hot proposal.
+
+Options (``[plugin.ngram]`` or ``--plugin-option ngram.KEY=VALUE``): ``min_n``
+(default 1), ``max_n`` (default 4), ``window`` (default 4096: only the last this
+many tokens are searched, which bounds the host cost per step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenloom.config import EngineConfig
+from tokenloom.protocols.components.proposer import Proposer
+from tokenloom.protocols.components.registry import ComponentSpec
+from tokenloom.protocols.hookspecs import hookimpl
+
+
+def ngram_lookup(
+    history: Sequence[int], k: int, min_n: int = 1, max_n: int = 4, window: int = 4096
+) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the
+    longest suffix (``max_n`` .. ``min_n`` tokens) of ``history``; [] when none."""
+    size = len(history)
+    if k <= 0 or size < min_n + 1:
+        return []
+    lo = max(0, size - window)
+    tokens = list(history[lo:])
+    size = len(tokens)
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        suffix = tokens[size - n :]
+        first = suffix[0]
+        # Latest match first: the most recent context is the likeliest to repeat.
+        start = size - n - 1
+        while start >= 0:
+            if tokens[start] == first and tokens[start : start + n] == suffix:
+                follow = tokens[start + n : start + n + k]
+                if follow:
+                    return follow
+            start -= 1
+    return []
+
+
+class NgramProposer(Proposer):
+    name = "ngram"
+
+    def __init__(self, config: EngineConfig) -> None:
+        options = config.plugin.get("ngram", {})
+        self.min_n = int(options.get("min_n", 1))
+        self.max_n = int(options.get("max_n", 4))
+        self.window = int(options.get("window", 4096))
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError(
+                f"plugin.ngram: need 1 <= min_n <= max_n, got min_n={self.min_n}, "
+                f"max_n={self.max_n}"
+            )
+
+    def propose(
+        self,
+        request_ids: Sequence[str],
+        token_histories: Sequence[Sequence[int]],
+        num_tokens: Sequence[int],
+    ) -> list[list[int]]:
+        return [
+            ngram_lookup(history, k, self.min_n, self.max_n, self.window)
+            for history, k in zip(token_histories, num_tokens, strict=True)
+        ]
+
+
+@hookimpl
+def tokenloom_register_components() -> list[ComponentSpec]:
+    return [ComponentSpec("proposer", "ngram", NgramProposer, "prompt-lookup n-gram drafts")]
