@@ -11,7 +11,7 @@ receive several checkpoint tensors; ``WeightSlot`` names such a range.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -74,6 +74,9 @@ class Linear(nn.Module):
     # (``SkinnyDispatch``); used for inputs of at most 16 rows (small-batch decode).
     skinny: tuple[int, int, int, int] | None = None
     kernel: LinearKernel | None = None
+    # Set by a quant method's prepare_model for a pre-quantized checkpoint: maps the
+    # dense slots below to the slots of the checkpoint's quantized tensors.
+    slot_hook: Callable[[Linear, Slots], Slots] | None = None
 
     def __init__(
         self,
@@ -150,7 +153,7 @@ class Linear(nn.Module):
                         self.bias, start, start + size, source, full if sharded else None
                     )
             start += size
-        return result
+        return result if self.slot_hook is None else self.slot_hook(self, result)
 
 
 class Embedding(nn.Module):
