@@ -180,6 +180,8 @@ def load_weights(model: Model, files: list[Path]) -> None:
                         raise CheckpointError(f"{path.name}: tensor {name!r} appears twice")
                     tensor = _read(reader, name, slot, path)
                     target = slot.target()
+                    if tensor.numel() == 1 == target.numel():  # a scale stored as [] or [1]
+                        tensor = tensor.reshape(target.shape)
                     if tensor.shape != target.shape:
                         raise CheckpointError(
                             f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
