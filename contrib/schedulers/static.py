@@ -14,20 +14,19 @@ from __future__ import annotations
 import time
 from bisect import insort
 from collections.abc import Callable
-from operator import attrgetter
 
 from tokenloom.config import EngineConfig
 from tokenloom.plugins.scheduler.batch_scheduler import BatchScheduler
 from tokenloom.plugins.scheduler.request_state import RequestState
+from tokenloom.plugins.scheduler.waiting_queue import by_sort_key
 from tokenloom.protocols.components.kv_cache import KVCacheManager
 from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
-from tokenloom.protocols.step import NewRequestData, ScheduledChunk
-
-_by_sort_key = attrgetter("sort_key")
 
 
 class StaticScheduler(BatchScheduler):
+    """Built on the public policy API only: ``admit``, ``start``, ``requeue``."""
+
     def __init__(
         self,
         config: EngineConfig,
@@ -37,41 +36,41 @@ class StaticScheduler(BatchScheduler):
         super().__init__(config, kv_cache, clock)
         self._batch_preempted: list[RequestState] = []  # members waiting to resume
 
-    def _admit(self, chunks: list[ScheduledChunk], new: list[NewRequestData], budget: int) -> int:
+    def admit(self, budget: int) -> int:
         preempted = self._batch_preempted
         if preempted:
             while preempted:
-                used = self._start(preempted[0], budget, chunks, new, reserve_all=True)
+                used = self.start(preempted[0], budget, reserve_all=True)
                 if used < 0:
                     break
                 preempted.pop(0)
                 budget -= used
             return budget
-        if self._running:
+        if self.running:
             return budget  # the batch is still running: no admissions
-        waiting = self._waiting
-        while len(self._running) < self._max_num_seqs:
+        waiting = self.waiting
+        while len(self.running) < self.config.max_num_seqs:
             state = waiting.peek()
             if state is None:
                 break
-            used = self._start(state, budget, chunks, new, reserve_all=True)
+            used = self.start(state, budget, reserve_all=True)
             if used < 0:
                 break
             waiting.pop()
             budget -= used
         return budget
 
-    def _requeue(self, state: RequestState) -> None:
-        insort(self._batch_preempted, state, key=_by_sort_key)
+    def requeue(self, state: RequestState) -> None:
+        insort(self._batch_preempted, state, key=by_sort_key)
 
-    def _unqueue(self, state: RequestState) -> None:
+    def unqueue(self, state: RequestState) -> None:
         if state in self._batch_preempted:
             self._batch_preempted.remove(state)
         else:
-            self._waiting.discard(state)
+            self.waiting.discard(state)
 
-    def _num_queued(self) -> int:
-        return len(self._waiting) + len(self._batch_preempted)
+    def num_queued(self) -> int:
+        return len(self.waiting) + len(self._batch_preempted)
 
 
 @hookimpl

@@ -20,23 +20,27 @@ from typing import Any
 
 from tokenloom.bench.common import print_table, write_json
 from tokenloom.config import EngineConfig
-from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.components.scheduler import Scheduler
 from tokenloom.protocols.requests import GenerateRequest
 from tokenloom.protocols.sampling import SamplingParams
 from tokenloom.protocols.step import StepInput, StepOutput
 
+SCHEDULER_PLUGINS = (
+    "tokenloom.plugins.scheduler.continuous",
+    "tokenloom.contrib.schedulers.static",
+)
+
 
 def scheduler_factories() -> dict[str, Callable[..., Scheduler]]:
-    """The scheduler components, straight from their plugins' registration hooks
-    (the full plugin manager would import torch for the other kinds)."""
-    from tokenloom.contrib.schedulers import static
-    from tokenloom.plugins.scheduler import continuous
+    """Every registered scheduler: the built-in ones and those of the autoloaded
+    entry points (third-party packages). Only the scheduler built-ins are loaded:
+    the others would import torch for nothing."""
+    from tokenloom.plugin_manager import PluginManager
 
-    specs: list[ComponentSpec] = []
-    for module in (continuous, static):
-        specs.extend(module.tokenloom_register_components())
-    return {spec.name: spec.factory for spec in specs if spec.kind == "scheduler"}
+    pm = PluginManager()
+    pm.load_modules(SCHEDULER_PLUGINS)
+    pm.load_entry_points()
+    return {c.name: c.spec.factory for c in pm.components() if c.kind == "scheduler"}
 
 
 def fake_output(step: StepInput, rng: random.Random, vocab_size: int) -> StepOutput:
@@ -72,7 +76,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_waiting_requests=args.num_waiting + 1,
     )
     kv = PagedKVCache(config, num_blocks, bs)
-    scheduler = scheduler_factories()[args.scheduler](config, kv)
+    factories = scheduler_factories()
+    if args.scheduler not in factories:
+        raise SystemExit(
+            f"--scheduler: no scheduler named {args.scheduler!r}; registered: "
+            + ", ".join(sorted(factories))
+        )
+    scheduler = factories[args.scheduler](config, kv, clock=time.monotonic)
     params = SamplingParams(max_tokens=None, ignore_eos=True)
 
     def prompt(length: int) -> list[int]:
@@ -133,7 +143,11 @@ def _prefilling(scheduler: Any) -> bool:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tokenloom bench scheduler", description=__doc__)
-    parser.add_argument("--scheduler", default="continuous", choices=sorted(scheduler_factories()))
+    parser.add_argument(
+        "--scheduler",
+        default="continuous",
+        help="any registered scheduler, third-party ones included (tokenloom plugins)",
+    )
     parser.add_argument("--num-running", type=int, default=256)
     parser.add_argument("--num-waiting", type=int, default=1000)
     parser.add_argument("--prompt-len", type=int, default=128)

@@ -16,37 +16,14 @@ prompts in one batch) share the prompt's blocks instead of computing them twice.
 from __future__ import annotations
 
 from tokenloom.plugins.scheduler.batch_scheduler import BatchScheduler
-from tokenloom.plugins.scheduler.request_state import RequestState
 from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
-from tokenloom.protocols.step import NewRequestData, ScheduledChunk
 
 
 class ContinuousScheduler(BatchScheduler):
-    def _admit(self, chunks: list[ScheduledChunk], new: list[NewRequestData], budget: int) -> int:
-        waiting = self._waiting
-        if not len(waiting):
-            return budget
-        kv = self.kv_cache
-        in_flight = self._first_blocks_in_flight
-        running = self._running
-        deferred: list[RequestState] = []
-        while budget > 0 and len(running) < self._max_num_seqs and kv.num_free_blocks:
-            state = waiting.peek()
-            if state is None:
-                break
-            if in_flight and state.first_block_key in in_flight:
-                waiting.pop()
-                deferred.append(state)
-                continue
-            used = self._start(state, budget, chunks, new)
-            if used < 0:
-                break  # strict order: nothing behind the head jumps ahead of it
-            waiting.pop()
-            budget -= used
-        for state in deferred:
-            waiting.push(state)
-        return budget
+    """``BatchScheduler``'s default policy, unchanged: (priority, arrival) order for
+    admission, the tail of the running list as the victim, strict-order admission
+    (``BatchScheduler.admit``)."""
 
 
 @hookimpl

@@ -51,6 +51,7 @@ class StepBuilding:
     _preempted_this_step: bool
     _admit: Callable[[list[ScheduledChunk], list[NewRequestData], int], int]
     _preempt: Callable[[RequestState], None]
+    _take_victim: Callable[[list[RequestState], int], RequestState]
     _expire_deadlines: Callable[[], None]
 
     def schedule(self) -> StepInput:
@@ -112,7 +113,7 @@ class StepBuilding:
                 if not kv.append(request_id, reserve):
                     victim = None
                     while victim is not state:
-                        victim = states.pop()
+                        victim = self._take_victim(states, index - 1)
                         self._preempt(victim)
                         if victim is not state and kv.append(request_id, reserve):
                             break

@@ -173,7 +173,7 @@ class Harness:
         assert kv.num_free_blocks == num_unreferenced
         assert kv.num_free_blocks + kv.num_used_blocks == kv.num_blocks
         assert not set(holders) & set(self.done)
-        running = {state.request_id for state in self.scheduler._running}
+        running = {state.request_id for state in self.scheduler.running}
         assert set(holders) == running
 
 
