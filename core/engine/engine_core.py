@@ -60,9 +60,19 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
 
 def async_scheduling_enabled(config: EngineConfig, executor: Executor) -> bool:
     """Whether the engine runs async scheduling: ``async_scheduling``, where None
-    means on for CUDA; the executor must support pipelining."""
+    means on for CUDA; the executor must support pipelining. Off with speculative
+    decoding."""
     wanted = config.async_scheduling
     supported = executor.supports_pipelining
+    if config.num_speculative_tokens > 0 and config.proposer != "none":
+        # Drafts are proposed from the tokens a step returns, so the next step can
+        # only be built once they are on the host (see plugins/executor/speculative.py).
+        if wanted:
+            raise ValueError(
+                "async_scheduling: speculative decoding (num_speculative_tokens > 0) runs "
+                "without it; set async_scheduling = false or leave it unset"
+            )
+        return False
     if wanted is None:
         return supported and config.device == "cuda"
     if wanted and not supported:
@@ -109,10 +119,10 @@ class Engine:
         from tokenloom.plugin_manager import PluginManager
 
         pm = plugins or PluginManager.default()
-        if config.num_speculative_tokens or config.proposer != "none":
+        if config.num_speculative_tokens and config.proposer == "none":
             raise ValueError(
-                "num_speculative_tokens / proposer: speculative decoding is not wired into "
-                'the executor yet; use num_speculative_tokens = 0 and proposer = "none"'
+                "num_speculative_tokens: speculative decoding needs a proposer "
+                '(proposer = "ngram", "draft", ...); got proposer = "none"'
             )
         config = resolve_config(config)
         pm.configure(config)

@@ -31,8 +31,10 @@ class FlatBatch:
     input_ids: torch.Tensor  # [T] int32 device
     positions: torch.Tensor  # [T] int64 device
     meta: AttentionMetadata
-    sample_index: torch.Tensor | None  # [S] int64 device: rows whose logits are sampled; None: all
-    sample_slots: torch.Tensor  # [S] int64 device: the sampled rows' token slots
+    # [S'] int64 device: rows whose logits are sampled (k + 1 per chunk with k drafts,
+    # else one); None: all
+    sample_index: torch.Tensor | None
+    sample_slots: torch.Tensor  # [S] int64 device: the sampled requests' token slots
     sample_request_ids: list[str]
     num_tokens: int
     num_seqs: int
@@ -114,7 +116,9 @@ class BatchBuilder:
                 fill_rows.append(len(ids) - 1)
                 fill_slots.append(slots[chunk.request_id])
             if chunk.sample:
-                sample_rows.append(len(ids) - 1)
+                # A chunk with drafts keeps the logits of its last known token and of
+                # every draft: the rows that verify them (speculative decoding).
+                sample_rows.extend(range(len(ids) - 1 - chunk.num_draft_tokens, len(ids)))
                 sample_slots.append(slots[chunk.request_id])
                 sample_ids.append(chunk.request_id)
         num_tokens, num_seqs = len(ids), len(chunks)
@@ -124,7 +128,7 @@ class BatchBuilder:
             dtype=torch.int32,
         )  # fmt: skip
         packed = upload(host, self.device)
-        num_sample, num_fill = len(sample_rows), len(fill_rows)
+        num_rows, num_sample, num_fill = len(sample_rows), len(sample_slots), len(fill_rows)
         d_ids, d_starts, d_qlens, d_blens, d_sample, d_slots, d_fill, d_fill_slots, d_blocks = (
             torch.split(
                 packed,
@@ -133,7 +137,7 @@ class BatchBuilder:
                     num_seqs,
                     num_seqs,
                     num_seqs,
-                    num_sample,
+                    num_rows,
                     num_sample,
                     num_fill,
                     num_fill,

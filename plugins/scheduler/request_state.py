@@ -57,6 +57,7 @@ class RequestState:
         "first_token_time",
         "num_preemptions",
         "policy_data",
+        "draft_token_ids",
     )
 
     def __init__(
@@ -91,6 +92,9 @@ class RequestState:
         self.first_block_key: tuple[int, ...] | None = None  # first full prompt block, if cached
         self.holds_first_block = False  # its first block is being prefilled right now
         self.queue_entry = 0  # id of its live waiting-queue entry; 0 = not queued
+        # Speculative decoding: the proposer's drafts for the next chunk (from the last
+        # StepOutput); consumed by the next schedule, used only if it reaches the end.
+        self.draft_token_ids: list[int] = []
         # For scheduling policies and per-request metrics (times on the scheduler's clock).
         self.arrival_seq = arrival_seq  # 1, 2, ... in the order the scheduler received them
         self.arrival_time = arrival_time or request.arrival_time

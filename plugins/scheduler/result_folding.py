@@ -4,6 +4,10 @@
 (a request id may be reused while an old step of it is in flight), appends each
 sampled token, applies the stopping rules (``RequestState.append_tokens``), commits
 newly filled blocks to the prefix cache, and releases the requests that finished.
+A chunk with drafts (speculative decoding) gets back the accepted drafts plus one
+token: the rejected drafts' positions are taken back from ``num_computed``, and only
+accepted tokens reach the prefix cache. The output's next drafts are kept on the
+request for the next ``schedule``.
 
 A mixin of ``BatchScheduler``, which owns the state named below and the state
 changes (``_release``, ``_release_first_block``, ``_unqueue``) this module calls.
@@ -29,6 +33,11 @@ class ResultFolding:
     kv_cache: KVCacheManager
     prompt_tokens_total: int
     generation_tokens_total: int
+    # Speculative decoding, for /metrics: drafts verified, of which accepted, and the
+    # verifying chunks (accepted + verify steps = tokens those chunks produced).
+    spec_proposed_total: int = 0
+    spec_accepted_total: int = 0
+    spec_verify_steps: int = 0
     _block_size: int
     _prefix_caching: bool
     _requests: dict[str, RequestState]
@@ -49,6 +58,7 @@ class ResultFolding:
         running_status, finished = Status.RUNNING, Status.FINISHED
         sampled_ids = output.request_ids
         sampled_tokens = output.token_ids
+        drafts = output.draft_token_ids
         num_sampled = len(sampled_ids)
         sample_index = -1
         num_generated = 0
@@ -62,7 +72,8 @@ class ResultFolding:
             if state is None or state.status == finished:
                 continue  # finished (stopped, aborted, timed out) after this step was built
             start = chunk.start_pos
-            end = start + len(chunk.token_ids)
+            num_drafts = chunk.num_draft_tokens
+            end = start + len(chunk.token_ids) - num_drafts  # drafts are not known tokens
             if start < state.num_prompt_tokens:
                 self.prompt_tokens_total += min(end, state.num_prompt_tokens) - start
             running = state.status == running_status  # else preempted since it was built
@@ -75,11 +86,21 @@ class ResultFolding:
                 continue
             state.num_pending -= 1
             if sample_index >= num_sampled:
+                if num_drafts and running:
+                    state.num_computed -= num_drafts
                 continue
             if sampled_ids[sample_index] != request_id:
                 raise RuntimeError("StepOutput.request_ids must list the sampled chunks in order")
             new_ids = sampled_tokens[sample_index]
+            if drafts is not None:
+                state.draft_token_ids = drafts[sample_index]
+            if num_drafts:
+                self._fold_verified(state, running, end, num_drafts, len(new_ids) - 1)
             kept = state.append_tokens(new_ids)
+            if num_drafts and running and commit is not None:
+                accepted_end = min(end + len(new_ids) - 1, len(state.all_token_ids))
+                if accepted_end // block_size != end // block_size:
+                    commit(request_id, state.all_token_ids, accepted_end)
             if kept != len(new_ids):
                 new_ids = new_ids[:kept]
             num_generated += kept
@@ -96,6 +117,22 @@ class ResultFolding:
         if any_finished:
             self._running = [state for state in self._running if state.status == Status.RUNNING]
         return deltas
+
+    def _fold_verified(
+        self, state: RequestState, running: bool, end: int, num_drafts: int, num_accepted: int
+    ) -> None:
+        """A verified chunk: count its drafts, and give back the KV positions of the
+        rejected ones (``end`` is the chunk's end before its drafts). Their slots
+        stay in the block table and are rewritten by the next chunk."""
+        if not 0 <= num_accepted <= num_drafts:
+            raise RuntimeError(
+                f"{state.request_id}: {num_accepted + 1} tokens for {num_drafts} drafts"
+            )
+        self.spec_proposed_total += num_drafts
+        self.spec_accepted_total += num_accepted
+        self.spec_verify_steps += 1
+        if running:
+            state.num_computed = end + num_accepted
 
 
 def _first_or_logprob_delta(

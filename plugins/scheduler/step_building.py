@@ -84,7 +84,9 @@ class StepBuilding:
         spent; returns the budget left. The one rule that turns a request holding
         blocks into a chunk: positions from ``num_computed`` up to its last token
         (pending tokens enter as ``PLACEHOLDER_TOKEN``) or the budget's end, sampling
-        when it reaches the last token. A request that needs another block gets one
+        when it reaches the last token; such a chunk also carries the request's
+        drafts (speculative decoding) as far as the budget, the lookahead and
+        ``max_len`` allow. A request that needs another block gets one
         from the KV manager or, when the pool runs dry, by preempting from the tail of
         ``states`` (``_running``, lowest priority last)."""
         # Runs once per running request per step: loop invariants are read once (the
@@ -107,6 +109,15 @@ class StepBuilding:
             if end <= start:  # the executor returned no token for it last step
                 continue
             request_id = state.request_id
+            drafts = state.draft_token_ids
+            num_drafts = 0
+            if drafts:  # consumed now: they follow only the current last token
+                state.draft_token_ids = []
+                if end == num_tokens and not state.num_pending:
+                    num_drafts = min(
+                        len(drafts), lookahead, budget - (end - start), state.max_len - end - 1
+                    )
+            # With speculation the lookahead covers the drafts' KV slots too.
             reserve = end + lookahead if end == num_tokens else end
             table = state.block_table
             if reserve > len(table) * block_size:  # needs another block
@@ -126,10 +137,15 @@ class StepBuilding:
                 chunk_ids = tokens[start:end]
             else:
                 chunk_ids = tokens[start:] + [PLACEHOLDER_TOKEN] * (end - max(start, num_known))
-            state.num_computed = end
             if end == num_tokens:
                 state.num_pending += 1
-            add_chunk(ScheduledChunk(request_id, chunk_ids, start, table, end == num_tokens))
+            if num_drafts > 0:
+                chunk_ids += drafts[:num_drafts]
+                add_chunk(ScheduledChunk(request_id, chunk_ids, start, table, True, num_drafts))
+                end += num_drafts  # ``update`` takes the rejected ones back
+            else:
+                add_chunk(ScheduledChunk(request_id, chunk_ids, start, table, end == num_tokens))
+            state.num_computed = end
             budget -= end - start
         return budget
 

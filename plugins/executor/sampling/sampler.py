@@ -84,6 +84,11 @@ class Sampler:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 
+    def num_logprobs(self, request_ids: Sequence[str]) -> list[int]:
+        """Per request: top logprobs asked for (0: only the sampled token's; -1: none)."""
+        params = [self._requests[r].params for r in request_ids]
+        return [-1 if p.logprobs is None else p.logprobs for p in params]
+
     def count_host_tokens(
         self, request_ids: Sequence[str], token_ids: Sequence[int | Sequence[int]]
     ) -> None:
@@ -133,6 +138,57 @@ class Sampler:
             num_logprobs=batch.num_logprobs,
         )
 
+    def process_draft_rows(
+        self,
+        logits: torch.Tensor,  # [R, V] float32
+        row_request_ids: Sequence[str],
+        row_drafts: Sequence[Sequence[int]],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Speculative verification: the processed distributions of rows that each
+        follow some drafts. Row r belongs to ``row_request_ids[r]`` and comes after
+        the drafts ``row_drafts[r]`` (as if accepted): its penalties count them and
+        its min_tokens mask sees them, exactly as ``sample`` would have one token at
+        a time. Returns ``(probs [R, V], greedy [R] bool, uniform [R], noise [R, V])``,
+        the draws from each seeded request's own generator in row order."""
+        batch = self._batch_for(row_request_ids)
+        extra = None
+        if batch.penalty_rows is not None and any(row_drafts):
+            slots: list[int] = []
+            tokens: list[int] = []
+            requests = self._requests
+            penalty_rows = [
+                r for r, rid in enumerate(row_request_ids) if requests[rid].has_penalties
+            ]  # the batch's penalty_rows, read on the host
+            for index, row in enumerate(penalty_rows):
+                for token in row_drafts[row]:
+                    if 0 <= token < self.vocab_size:
+                        slots.append(index)
+                        tokens.append(token)
+            if slots:
+                extra = torch.zeros(
+                    batch.penalty_rows.shape[0],
+                    self.vocab_size,
+                    dtype=torch.int32,
+                    device=self.device,
+                )
+                index = upload(torch.tensor([slots, tokens], dtype=torch.int64), self.device)
+                extra.index_put_((index[0], index[1]), self._counts._one.expand(len(slots)), True)
+        offsets = [len(d) for d in row_drafts]
+        processed = self._process(logits, batch, extra, offsets)
+        probs = processed.softmax(dim=-1)
+        num_rows = logits.shape[0]
+        greedy = (
+            batch.greedy.view(-1)
+            if batch.greedy is not None
+            else torch.full((num_rows,), batch.all_greedy, dtype=torch.bool, device=self.device)
+        )
+        uniform = torch.rand(num_rows, device=self.device)
+        noise = torch.empty_like(probs).exponential_()
+        for row, generator in batch.seeded_rows:
+            uniform[row : row + 1].uniform_(generator=generator)
+            noise[row].exponential_(generator=generator)
+        return probs, greedy, uniform, noise
+
     def process_logits(self, logits: torch.Tensor, request_ids: Sequence[str]) -> torch.Tensor:
         """The logits the random draw sees: penalties, min_tokens mask, temperature
         (1 on greedy rows), top-k, top-p, min-p. For inspection and tests."""
@@ -146,8 +202,14 @@ class Sampler:
             self._batch = build_sampling_batch(key, states, slots, self.vocab_size, self.device)
         return self._batch
 
-    def _process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        logits = self._penalise(logits, batch)
+    def _process(
+        self,
+        logits: torch.Tensor,
+        batch: SamplingBatch,
+        extra_counts: torch.Tensor | None = None,
+        row_offsets: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        logits = self._penalise(logits, batch, extra_counts, row_offsets)
         if not batch.all_greedy:
             assert batch.temperature is not None
             logits = logits / batch.temperature
@@ -162,16 +224,25 @@ class Sampler:
                 logits = apply_min_p(logits, batch.min_p)
         return logits
 
-    def _penalise(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def _penalise(
+        self,
+        logits: torch.Tensor,
+        batch: SamplingBatch,
+        extra_counts: torch.Tensor | None = None,  # [P, V] int32: drafts before each row
+        row_offsets: Sequence[int] | None = None,  # per row: output tokens not yet counted
+    ) -> torch.Tensor:
         """Penalties and the min_tokens mask; returns a new tensor when it changes any."""
         if batch.penalty_rows is not None:
             assert batch.penalty_slots is not None
             assert batch.repetition is not None
             assert batch.presence is not None and batch.frequency is not None
             rows, slots = batch.penalty_rows, batch.penalty_slots
+            counts = self._counts.output_counts.index_select(0, slots)
+            if extra_counts is not None:
+                counts += extra_counts
             penalised = apply_penalties(
                 logits.index_select(0, rows),
-                self._counts.output_counts.index_select(0, slots),
+                counts,
                 self._counts.prompt_mask.index_select(0, slots),
                 batch.repetition,
                 batch.presence,
@@ -181,7 +252,8 @@ class Sampler:
         masked: list[int] = []  # flat indices row * V + token into the [B, V] logits
         for row in batch.min_tokens_rows:
             state = self._requests[batch.key[row]]
-            if state.num_output < state.params.min_tokens:
+            offset = row_offsets[row] if row_offsets is not None else 0
+            if state.num_output + offset < state.params.min_tokens:
                 masked.extend(row * self.vocab_size + t for t in state.masked_until_min_tokens)
         if masked:
             if batch.penalty_rows is None:

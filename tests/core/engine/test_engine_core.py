@@ -94,8 +94,8 @@ def test_kv_pool_is_capped_and_reported_in_ready(tiny_model_factory):
     assert ready.vocab_size == engine.info.vocab_size > 0
 
 
-def test_speculative_settings_are_refused_until_speculation_exists(tiny_model_factory):
-    with pytest.raises(ValueError, match="speculative decoding is not wired"):
+def test_speculative_tokens_without_a_proposer_are_refused(tiny_model_factory):
+    with pytest.raises(ValueError, match="needs a proposer"):
         _engine(tiny_model_factory("llama"), num_speculative_tokens=2)
 
 

@@ -1,0 +1,171 @@
+"""Speculative decoding in the executor: verify the drafts of a step, then propose.
+
+The scheduler schedules a speculating request's chunk as ``[last token, d_1 .. d_k]``
+(``num_draft_tokens = k``); the forward pass computes all ``k + 1`` positions on the
+attention's extend path, and the batch keeps the logits of all of them. Here:
+
+1. ``sample``: the sampler turns those rows into the same processed distributions
+   it samples from (penalties and min_tokens counting the drafts before each row,
+   temperature, top-k/p, min-p, each request's generator); ``rejection_sample``
+   accepts a prefix of the drafts and adds one token (correction or bonus). Steps
+   without drafts sample as usual. One host copy reads the tokens (and logprobs).
+2. ``propose``: each speculating request's history (prompt + accepted output, kept
+   here on the host) goes to the proposer, whose drafts return to the scheduler in
+   ``StepOutput.draft_token_ids``.
+
+Speculation needs each step's tokens on the host before the next step is built,
+so the engine turns async scheduling off when it is on (``engine_core``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from tokenloom.config import EngineConfig
+from tokenloom.plugins.executor.prompt_logprobs import to_host as prompt_values_to_host
+from tokenloom.plugins.executor.sampling.rejection import rejection_sample, row_layout
+from tokenloom.plugins.executor.sampling.sampler import Sampler
+from tokenloom.plugins.executor.staging import upload
+from tokenloom.protocols.components.proposer import Proposer
+from tokenloom.protocols.outputs import TopLogprobs
+from tokenloom.protocols.step import NewRequestData, ScheduledChunk, StepOutput
+
+
+def speculative_tokens(config: EngineConfig, data: NewRequestData) -> int:
+    """How many drafts a request verifies per step: its own setting, capped by (and
+    defaulting to) the engine's ``num_speculative_tokens``."""
+    own = data.params.num_speculative_tokens
+    limit = config.num_speculative_tokens
+    return limit if own is None else min(own, limit)
+
+
+class SpeculativeDecoder:
+    """The executor's speculative half: per-request histories and the proposer."""
+
+    def __init__(self, config: EngineConfig, proposer: Proposer, sampler: Sampler) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.sampler = sampler
+        self._k: dict[str, int] = {}  # speculating requests -> drafts per step
+        self._histories: dict[str, list[int]] = {}  # prompt + accepted output
+
+    # ------------------------------------------------------------------ request state
+
+    def add_request(self, data: NewRequestData) -> None:
+        k = speculative_tokens(self.config, data)
+        if k <= 0 or data.request_id in self._k:
+            return
+        self._k[data.request_id] = k
+        self._histories[data.request_id] = list(data.prompt_token_ids)
+        self.proposer.add_request(data)
+
+    def remove_requests(self, request_ids: Iterable[str]) -> None:
+        gone = [r for r in request_ids if self._k.pop(r, None) is not None]
+        for request_id in gone:
+            del self._histories[request_id]
+        if gone:
+            self.proposer.remove_requests(gone)
+
+    # ------------------------------------------------------------------ one step
+
+    def sample(
+        self,
+        step_id: int,
+        chunks: Sequence[ScheduledChunk],
+        logits: torch.Tensor,  # [R, V]: k + 1 rows per sampling chunk with k drafts
+        request_ids: list[str],
+        prompt_values: list[torch.Tensor | None] | None,
+    ) -> StepOutput:
+        """The step's output with every sampled request's tokens, on the host."""
+        sampler = self.sampler
+        drafts = [c.token_ids[len(c.token_ids) - c.num_draft_tokens :] for c in chunks if c.sample]
+        if not any(drafts):
+            result = sampler.sample(logits, request_ids)
+            sampler.count_sampled(request_ids, result)
+            output = result.to_step_output(step_id, request_ids)
+        else:
+            output = self._verify(step_id, logits, request_ids, drafts)
+            sampler.count_host_tokens(request_ids, output.token_ids)
+        if prompt_values is not None:
+            output.prompt_logprobs = prompt_values_to_host(prompt_values)
+        self._propose(output)
+        return output
+
+    def _verify(
+        self,
+        step_id: int,
+        logits: torch.Tensor,
+        request_ids: list[str],
+        drafts: list[list[int]],
+    ) -> StepOutput:
+        device = logits.device
+        row_ids: list[str] = []
+        row_drafts: list[list[int]] = []  # drafts before each row
+        verified: list[int] = []  # the draft each row verifies; -1 on the last row
+        for request_id, request_drafts in zip(request_ids, drafts, strict=True):
+            for j in range(len(request_drafts) + 1):
+                row_ids.append(request_id)
+                row_drafts.append(request_drafts[:j])
+                verified.append(request_drafts[j] if j < len(request_drafts) else -1)
+        layout_host = row_layout([len(d) for d in drafts])
+        sampler = self.sampler
+        probs, greedy, uniform, noise = sampler.process_draft_rows(logits, row_ids, row_drafts)
+        packed = upload(torch.tensor(verified + sum(layout_host, []), dtype=torch.int64), device)
+        draft_rows, layout = packed[: len(verified)], packed[len(verified) :]
+        layout = layout.view(len(drafts), -1)
+        tokens, num_accepted = rejection_sample(probs, draft_rows, greedy, layout, uniform, noise)
+        values = [tokens.double(), num_accepted.double().unsqueeze(1)]
+        asked = sampler.num_logprobs(request_ids)
+        want = max(asked, default=-1)
+        if want >= 0:
+            raw = logits.log_softmax(dim=-1)  # the target's, as ``sample`` reports
+            rows = layout.clamp(min=0)
+            chosen = raw[rows.view(-1)].gather(1, tokens.view(-1, 1)).view_as(tokens)
+            values.append(chosen.double())
+            if want > 0:
+                top = raw[rows.view(-1)].topk(want, dim=-1)  # [B * (K + 1), want]
+                values += [top.indices.double().view(len(drafts), -1)]
+                values += [top.values.double().view(len(drafts), -1)]
+        host = torch.cat(values, dim=1).cpu().tolist()  # the step's one host sync
+        width = tokens.shape[1]
+        output = StepOutput(step_id, request_ids, [])
+        logprobs: list[list[float]] = []
+        tops: list[list[TopLogprobs]] = []
+        for row, k in zip(host, asked, strict=True):
+            count = int(row[width]) + 1
+            output.token_ids.append([int(t) for t in row[:count]])
+            if want < 0:
+                continue
+            logprobs.append(row[width + 1 : width + 1 + count])
+            k = max(k, 0)
+            base = 2 * width + 1
+            entries = []
+            for j in range(count):
+                ids = row[base + j * want : base + j * want + k]
+                vals = row[base + width * want + j * want : base + width * want + j * want + k]
+                entries.append(TopLogprobs([int(t) for t in ids], vals))
+            tops.append(entries)
+        if want >= 0:
+            output.logprobs = logprobs
+            output.top_logprobs = tops
+        return output
+
+    def _propose(self, output: StepOutput) -> None:
+        """Drafts for the next step of each speculating request in ``output``."""
+        ks = self._k
+        if not ks:
+            return
+        histories = self._histories
+        ids: list[str] = []
+        for request_id, new_ids in zip(output.request_ids, output.token_ids, strict=True):
+            history = histories.get(request_id)
+            if history is not None:
+                history += new_ids
+                ids.append(request_id)
+        if not ids:
+            return
+        proposed = self.proposer.propose(ids, [histories[r] for r in ids], [ks[r] for r in ids])
+        by_id = dict(zip(ids, proposed, strict=True))
+        output.draft_token_ids = [by_id.get(r, [])[: ks.get(r, 0)] for r in output.request_ids]
