@@ -1,0 +1,103 @@
+"""What the weight quantization methods share: which layers they quantize, how a
+quantized tensor is kept on its layer, and the loop of ``quantize_model``.
+
+Quantized tensors are registered on their ``Linear`` as frozen parameters (integer
+and fp8 ones too), so ``model.parameters()`` counts the real bytes (the benches'
+rooflines read it) and ``model.to()`` moves them; the dense ``weight`` is replaced by
+an empty tensor, so its memory is really freed.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenloom.config import EngineConfig
+from tokenloom.plugins.models.layers import Linear
+from tokenloom.protocols.components.quant import LinearKernel, QuantMethod
+
+
+def quantizable_linears(model: nn.Module) -> Iterator[tuple[str, Linear]]:
+    """Every ``Linear`` of the model but the LM head (``compute_logits`` reads its
+    dense weight; quantizing the logits' projection costs quality for little speed)."""
+    lm_head = getattr(model, "lm_head", None)
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and module is not lm_head:
+            yield name, module
+
+
+def keep(layer: Linear, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Register ``tensor`` on ``layer`` as the frozen parameter ``name``; returns it."""
+    layer.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+    return tensor
+
+
+def release_weight(layer: Linear) -> None:
+    """Free the dense weight (its shape stays readable as ``out/in_features``)."""
+    layer.weight.data = torch.empty(0, dtype=layer.weight.dtype, device=layer.weight.device)
+
+
+def flat(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., K]`` as a 2-D matrix whose last dim is contiguous (the GEMMs' input)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+class WeightQuantMethod(QuantMethod):
+    """A weight method: ``quantize_model`` gives each quantizable layer the kernel of
+    ``make_kernel``; layers already given one (a pre-quantized checkpoint's, set up by
+    ``prepare_model``) get theirs from ``finish_kernel`` instead."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.prequantized = False  # the checkpoint holds quantized tensors
+        self.prepared: set[str] = set()  # layers that load them (the rest stay dense)
+
+    @abstractmethod
+    def make_kernel(self, layer: Linear) -> LinearKernel:
+        """Quantize ``layer.weight`` (16- or 32-bit, this rank's shard) into a kernel."""
+
+    def finish_kernel(self, layer: Linear) -> LinearKernel:
+        """The kernel of a layer whose quantized tensors were loaded from the checkpoint."""
+        raise NotImplementedError(f"{self.name}: no pre-quantized checkpoint support")
+
+    @torch.no_grad()
+    def quantize_model(self, model: nn.Module) -> None:
+        for name, layer in quantizable_linears(model):
+            if name in self.prepared:
+                layer.kernel = self.finish_kernel(layer)
+            elif not self.prequantized:
+                layer.kernel = self.make_kernel(layer)
+                release_weight(layer)
+
+
+def quantization_config(hf_config: dict[str, Any]) -> dict[str, Any] | None:
+    """The checkpoint's ``quantization_config`` (config.json), or None for 16-bit ones."""
+    qc = hf_config.get("quantization_config")
+    return dict(qc) if isinstance(qc, dict) else None
+
+
+def checkpoint_prefixes(model: nn.Module) -> dict[str, list[str]]:
+    """Per quantizable layer (by module name), the checkpoint names of its merged parts
+    (``model.layers.0.self_attn.q_proj``, ...), read from the model's own slots."""
+    layers = {id(layer.weight): name for name, layer in quantizable_linears(model)}
+    result: dict[str, list[str]] = {name: [] for name in layers.values()}
+    for key, slot in model.checkpoint_slots().items():
+        name = layers.get(id(slot.param))
+        if name is not None and key.endswith(".weight"):
+            result[name].append(key.removesuffix(".weight"))
+    return result
+
+
+def is_skipped(prefixes: list[str], skipped: list[str]) -> bool:
+    """Whether a checkpoint left this layer unquantized (``ignored_layers`` /
+    ``modules_to_not_convert``: full names, or names that a prefix contains)."""
+    return any(
+        s and (p == s or s in p.split(".") or p.endswith("." + s))
+        for p in prefixes
+        for s in skipped
+    )

@@ -1,0 +1,173 @@
+"""Quant plugin ``fp8``: W8A8 in float8 e4m3, one weight scale per output channel and a
+dynamic scale per token for the activations.
+
+Weights come from a 16/32-bit checkpoint (quantized at load: ``s_w = max|w_row| / 448``)
+or from an fp8 checkpoint whose ``quantization_config`` says ``quant_method: fp8``, read
+as vLLM reads it: each projection's ``weight`` (e4m3) with its per-tensor
+``weight_scale`` (and ``input_scale`` for a static activation scheme, read but not
+used: dynamic per-token scales are at least as fine). A merged projection's parts keep
+their own scales, spread over their rows, so nothing is quantized twice.
+
+Each call quantizes the activations per token (``s_x = max|x_row| / 448``). On a GPU
+with fp8 tensor cores (compute capability 8.9+) the GEMM is ``torch._scaled_mm`` with
+row-wise scales; elsewhere, and as its oracle, the reference path dequantizes both
+operands and multiplies in float32, with the same rounding of ``x`` and ``w`` to e4m3.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenloom.plugins.models.layers import Linear, Slots, WeightSlot
+from tokenloom.plugins.quant.common import (
+    WeightQuantMethod,
+    checkpoint_prefixes,
+    flat,
+    is_skipped,
+    keep,
+    quantizable_linears,
+    quantization_config,
+    release_weight,
+)
+from tokenloom.protocols.components.quant import LinearKernel
+from tokenloom.protocols.components.registry import ComponentSpec
+from tokenloom.protocols.hookspecs import hookimpl
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def quantize_fp8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t [R, C]`` -> ``(e4m3 [R, C], scales [R, 1] float32)``, one scale per row."""
+    t32 = t.float()
+    scales = t32.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return (t32 / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8), scales
+
+
+@cache
+def _has_fp8_mma(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+class Fp8Kernel(LinearKernel):
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor) -> None:
+        self.weight = weight  # [N, K] e4m3
+        self.scales = scales  # [N, 1] float32
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x2 = flat(x)
+        if x.dtype in (torch.float16, torch.bfloat16) and _has_fp8_mma(x.device):
+            y = self.scaled_mm(x2, bias)
+        else:
+            y = self.reference(x2, bias)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def scaled_mm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """fp8 tensor cores: ``x`` quantized per token, both scales applied in the GEMM."""
+        xq, x_scales = quantize_fp8_rows(x)
+        y = torch._scaled_mm(
+            xq,
+            self.weight.t(),  # [K, N] column-major, as _scaled_mm wants its second operand
+            scale_a=x_scales,
+            scale_b=self.scales.t(),
+            out_dtype=torch.bfloat16,
+        )
+        if bias is not None:
+            y = y + bias
+        return y.to(x.dtype)
+
+    def reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The same quantization of ``x``, then dequantized operands in float32."""
+        xq, x_scales = quantize_fp8_rows(x)
+        w = self.weight.float() * self.scales
+        y = F.linear(xq.float() * x_scales, w)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype)
+
+
+def fp8_kernel(layer: Linear, weight: torch.Tensor, scales: torch.Tensor) -> Fp8Kernel:
+    return Fp8Kernel(keep(layer, "weight_fp8", weight), keep(layer, "weight_scale", scales))
+
+
+class Fp8Quant(WeightQuantMethod):
+    name = "fp8"
+    static_input = False  # the checkpoint has input_scale tensors (read, not used)
+
+    def prepare_model(self, model: nn.Module, hf_config: dict[str, Any]) -> None:
+        qc = quantization_config(hf_config)
+        if qc is None:
+            return
+        method = qc.get("quant_method")
+        if method != "fp8":
+            raise ValueError(f"--quant fp8: the checkpoint is quantized with {method!r}")
+        if qc.get("weight_block_size"):
+            raise ValueError(
+                "--quant fp8: block-wise fp8 checkpoints (weight_block_size) are not "
+                "supported; per-tensor ones are"
+            )
+        self.prequantized = True
+        self.static_input = qc.get("activation_scheme", "dynamic") == "static"
+        skipped = list(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or [])
+        prefixes = checkpoint_prefixes(model)
+        for name, layer in quantizable_linears(model):
+            if is_skipped(prefixes[name], skipped):
+                continue
+            parts = len(layer.output_sizes)
+            device = layer.weight.device
+            shape = (layer.out_features, layer.in_features)
+            layer.register_parameter(
+                "weight_fp8", nn.Parameter(torch.empty(shape, dtype=FP8, device=device), False)
+            )
+            for extra in ("part_scales", "input_scales"):
+                layer.register_parameter(
+                    extra, nn.Parameter(torch.empty(parts, device=device), False)
+                )
+            release_weight(layer)
+            layer.slot_hook = self._slots
+            self.prepared.add(name)
+
+    def _slots(self, layer: Linear, dense: Slots) -> Slots:
+        """Each part's ``weight`` into the fp8 rows, its scale(s) into one element."""
+        result: Slots = {}
+        part = 0
+        for key, slot in dense.items():
+            if not key.endswith(".weight"):
+                result[key] = slot  # the bias stays 16-bit
+                continue
+            prefix = key.removesuffix(".weight")
+            result[key] = WeightSlot(
+                layer.weight_fp8, slot.start, slot.stop, slot.source, slot.source_size
+            )
+            result[f"{prefix}.weight_scale"] = WeightSlot(layer.part_scales, part, part + 1)
+            if self.static_input:
+                result[f"{prefix}.input_scale"] = WeightSlot(layer.input_scales, part, part + 1)
+            part += 1
+        return result
+
+    def make_kernel(self, layer: Linear) -> LinearKernel:
+        weight, scales = quantize_fp8_rows(layer.weight.data)
+        return fp8_kernel(layer, weight, scales)
+
+    def finish_kernel(self, layer: Linear) -> LinearKernel:
+        sizes = torch.tensor(layer.output_sizes, device=layer.part_scales.device)
+        scales = layer.part_scales.float().repeat_interleave(sizes)[:, None].contiguous()
+        del layer.part_scales, layer.input_scales
+        return Fp8Kernel(layer.weight_fp8.data, keep(layer, "weight_scale", scales))
+
+
+@hookimpl
+def tokenloom_register_components() -> list[ComponentSpec]:
+    return [
+        ComponentSpec(
+            "quant",
+            "fp8",
+            Fp8Quant,
+            "fp8 e4m3 weights and activations (W8A8), per-channel and per-token scales",
+        )
+    ]

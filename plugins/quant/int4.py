@@ -1,0 +1,160 @@
+"""Quant plugin ``int4``: weight-only 4-bit (W4A16), groups of 128 input rows with
+a scale and a zero point each.
+
+Weights come either from a 16/32-bit checkpoint, quantized at load by round-to-
+nearest (``quantize_int4``: per group, ``s = (max - min) / 15``, ``z = round(-min /
+s)``, ``q = clamp(round(w / s) + z, 0, 15)``), or from an AWQ or GPTQ checkpoint,
+whose ``quantization_config`` names the format (``int4_checkpoints``). Both end in
+one layout, the GEMM's: ``qweight [K / 8, N]`` int32 (nibble ``j`` of word ``i`` is
+input row ``8 i + j``), ``scales`` and ``zeros`` ``[G, N]`` in the model's dtype, and
+``w = (q - z) * s``. A layer whose ``K`` is no multiple of 128 has a shorter last group.
+
+On the GPU the layer runs the Triton GEMM of ``kernels.weight_gemm`` (dequantized per
+element in the kernel; a K-split weight stream for batches of at most 16 rows, square
+tiles above). Elsewhere, and as its oracle, the reference path dequantizes and calls
+``F.linear``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenloom.plugins.models.layers import Linear
+from tokenloom.plugins.quant.common import WeightQuantMethod, flat, keep, quantization_config
+from tokenloom.protocols.components.quant import LinearKernel
+from tokenloom.protocols.components.registry import ComponentSpec
+from tokenloom.protocols.hookspecs import hookimpl
+
+GROUP_SIZE = 128
+PACK = 8  # 4-bit values per int32
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """``q [K, N]`` of values 0..15 -> ``[K / 8, N]`` int32, row ``8 i + j`` in nibble ``j``."""
+    k, n = q.shape
+    if k % PACK:
+        raise ValueError(f"int4: the input size {k} is no multiple of {PACK}")
+    q = q.to(torch.int32).view(k // PACK, PACK, n)
+    shifts = torch.arange(0, 4 * PACK, 4, dtype=torch.int32, device=q.device)[None, :, None]
+    return (q << shifts).sum(dim=1, dtype=torch.int32)  # bits never overlap: sum == or
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``pack_int4``: ``[K / 8, N]`` int32 -> ``[K, N]`` int32 in 0..15."""
+    rows, n = packed.shape
+    shifts = torch.arange(0, 4 * PACK, 4, dtype=torch.int32, device=packed.device)
+    return ((packed[:, None, :] >> shifts[None, :, None]) & 0xF).reshape(rows * PACK, n)
+
+
+def quantize_int4(
+    w: torch.Tensor, group: int = GROUP_SIZE
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest of ``w [N, K]`` -> ``(qweight [K/8, N] int32, scales [G, N],
+    zeros [G, N])``, scales and zeros in ``w``'s dtype (zeros are the integers 0..15)."""
+    n, k = w.shape
+    num_groups = -(-k // group)
+    padded = torch.zeros(n, num_groups * group, dtype=torch.float32, device=w.device)
+    padded[:, :k] = w.float()
+    grouped = padded.view(n, num_groups, group)
+    # a partial last group takes its range from its real columns only
+    real = (torch.arange(num_groups * group, device=w.device) < k).view(1, num_groups, group)
+    lo = grouped.masked_fill(~real, float("inf")).amin(dim=2).clamp(max=0.0)
+    hi = grouped.masked_fill(~real, float("-inf")).amax(dim=2).clamp(min=0.0)
+    scales = ((hi - lo) / 15).clamp(min=1e-8)  # [N, G]
+    zeros = torch.round(-lo / scales).clamp(0, 15)
+    # round the scales to the stored dtype first, so q is rounded against what is kept
+    scales = scales.to(w.dtype).float()
+    q = torch.round(grouped / scales[..., None]) + zeros[..., None]
+    q = q.clamp(0, 15).view(n, -1)[:, :k]
+    return pack_int4(q.t()), scales.t().to(w.dtype).contiguous(), zeros.t().to(w.dtype).contiguous()
+
+
+def dequantize_int4(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The weight ``[N, K]`` in ``dtype``: ``(q - z) * s`` per group."""
+    q = unpack_int4(qweight).float()  # [K, N]
+    groups = torch.arange(q.shape[0], device=q.device) // group
+    w = (q - zeros.float()[groups]) * scales.float()[groups]
+    return w.t().to(dtype)
+
+
+class Int4Kernel(LinearKernel):
+    def __init__(
+        self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int
+    ) -> None:
+        self.qweight = qweight  # [K / 8, N] int32
+        self.scales = scales  # [G, N] model dtype
+        self.zeros = zeros  # [G, N] model dtype
+        self.group = group
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+            from tokenloom.plugins.quant.kernels.weight_gemm import weight_gemm
+
+            y = weight_gemm(flat(x), self.qweight, self.scales, self.zeros, 4, self.group, bias)
+            return y.view(*x.shape[:-1], y.shape[-1])
+        return self.reference(x, bias)
+
+    def reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Dequantize, then ``F.linear`` (the CPU path and the GPU kernel's oracle)."""
+        w = dequantize_int4(self.qweight, self.scales, self.zeros, self.group, x.dtype)
+        return F.linear(x, w, bias)
+
+
+def int4_kernel(
+    layer: Linear, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int
+) -> Int4Kernel:
+    """The kernel of ``layer`` over these tensors, which are registered on the layer."""
+    return Int4Kernel(
+        keep(layer, "qweight", qweight),
+        keep(layer, "scales", scales.to(layer.weight.dtype)),
+        keep(layer, "qzeros", zeros.to(layer.weight.dtype)),
+        group,
+    )
+
+
+class Int4Quant(WeightQuantMethod):
+    """RTN at load, or an AWQ / GPTQ checkpoint as its ``quantization_config`` says."""
+
+    name = "int4"
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.group = GROUP_SIZE
+        self.checkpoint: Any = None  # int4_checkpoints.Int4Checkpoint when pre-quantized
+
+    def prepare_model(self, model: nn.Module, hf_config: dict[str, Any]) -> None:
+        qc = quantization_config(hf_config)
+        if qc is None:
+            return
+        from tokenloom.plugins.quant.int4_checkpoints import Int4Checkpoint
+
+        self.checkpoint = Int4Checkpoint.from_config(qc)
+        self.group = self.checkpoint.group
+        self.prepared = self.checkpoint.prepare(model)
+
+    def make_kernel(self, layer: Linear) -> LinearKernel:
+        qweight, scales, zeros = quantize_int4(layer.weight.data, self.group)
+        return int4_kernel(layer, qweight, scales, zeros, self.group)
+
+    def finish_kernel(self, layer: Linear) -> LinearKernel:
+        assert self.checkpoint is not None
+        qweight, scales, zeros = self.checkpoint.convert(layer)
+        return int4_kernel(layer, qweight, scales, zeros, self.group)
+
+
+@hookimpl
+def tokenloom_register_components() -> list[ComponentSpec]:
+    return [
+        ComponentSpec(
+            "quant",
+            "int4",
+            Int4Quant,
+            "4-bit weights (W4A16), groups of 128; RTN at load, AWQ and GPTQ checkpoints",
+        )
+    ]

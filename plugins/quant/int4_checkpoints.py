@@ -1,0 +1,187 @@
+"""AWQ and GPTQ 4-bit checkpoints, read into the ``int4`` layout.
+
+Both store, per projection, ``qweight`` (int32 words of eight 4-bit values),
+``qzeros`` (the zero points, packed the same way along the outputs) and ``scales``
+(``[K / group, N]`` fp16); GPTQ adds ``g_idx`` (the group of each input row). They
+differ in where the packing runs:
+
+- GPTQ: ``qweight [K / 8, N]``, packed along the inputs in order (our layout);
+  ``qzeros [K / group, N / 8]`` packed along the outputs in order, stored minus one
+  (the format's historical offset; ``checkpoint_format: gptq_v2`` stores them as is).
+- AWQ (the GEMM variant): ``qweight [K, N / 8]`` and ``qzeros`` packed along the
+  outputs in the order ``0 2 4 6 1 3 5 7``; zeros stored as they are.
+
+The checkpoint tensors load as they are stored (output columns are this rank's
+range of the full tensor, so tensor parallelism composes), then ``convert`` repacks
+one layer at a time and frees the originals. Act-order GPTQ (``desc_act``: a
+``g_idx`` that is not ``k // group``) is refused: it needs a permutation in the GEMM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenloom.plugins.models.layers import Linear, Slots, WeightSlot
+from tokenloom.plugins.quant.common import (
+    checkpoint_prefixes,
+    is_skipped,
+    quantizable_linears,
+    release_weight,
+)
+from tokenloom.plugins.quant.int4 import PACK, pack_int4, unpack_int4
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's nibble j holds output column AWQ_ORDER[j]
+
+
+@dataclass(frozen=True)
+class ColumnSlot(WeightSlot):
+    """Columns ``[start, stop)`` of ``param`` (these formats store outputs second)."""
+
+    def target(self) -> torch.Tensor:
+        return self.param.data.narrow(1, self.start, self.stop - self.start)
+
+
+def unpack_columns(packed: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """``[R, N / 8]`` int32 packed along the columns -> ``[R, N]`` int32 in 0..15,
+    nibble ``j`` of word ``c`` being column ``8 c + order[j]``."""
+    rows, words = packed.shape
+    shifts = torch.arange(0, 4 * PACK, 4, dtype=torch.int32, device=packed.device)
+    nibbles = (packed[:, :, None] >> shifts) & 0xF  # [R, N / 8, 8] by nibble
+    columns = torch.empty_like(nibbles)
+    columns[:, :, list(order)] = nibbles
+    return columns.reshape(rows, words * PACK)
+
+
+@dataclass(frozen=True)
+class Int4Checkpoint:
+    """One AWQ or GPTQ ``quantization_config``, and how its tensors become ours."""
+
+    method: str  # "awq" | "gptq"
+    group: int
+    zero_offset: int  # added to the stored zeros (GPTQ v1: 1)
+    skipped: tuple[str, ...]
+
+    @classmethod
+    def from_config(cls, qc: dict[str, Any]) -> Int4Checkpoint:
+        method = str(qc.get("quant_method", "")).lower()
+        if method not in ("awq", "gptq"):
+            raise ValueError(f"--quant int4 reads AWQ or GPTQ checkpoints, not {method!r}")
+        bits = qc.get("bits", qc.get("w_bit", 4))
+        if bits != 4:
+            raise ValueError(f"--quant int4: the checkpoint has {bits}-bit weights")
+        if method == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":
+            raise ValueError(f"--quant int4: AWQ version {qc.get('version')!r}; only 'gemm'")
+        if method == "gptq" and qc.get("desc_act"):
+            raise ValueError("--quant int4: act-order GPTQ (desc_act) is not supported")
+        if method == "awq" and qc.get("zero_point") is False:
+            raise ValueError("--quant int4: AWQ without zero points is not supported")
+        group = int(qc.get("group_size", qc.get("q_group_size", 128)))
+        if group <= 0 or group % PACK:
+            raise ValueError(f"--quant int4: group size {group} (a multiple of 8 is needed)")
+        v2 = str(qc.get("checkpoint_format", "gptq")).lower() == "gptq_v2"
+        offset = 1 if method == "gptq" and not v2 else 0
+        skipped = tuple(qc.get("modules_to_not_convert") or ())
+        return cls(method, group, offset, skipped)
+
+    def prepare(self, model: nn.Module) -> set[str]:
+        """Give every quantized layer its checkpoint-layout parameters and slots;
+        returns their module names."""
+        prepared = set()
+        prefixes = checkpoint_prefixes(model)
+        for name, layer in quantizable_linears(model):
+            if is_skipped(prefixes[name], list(self.skipped)):
+                continue
+            n, k = layer.out_features, layer.in_features
+            groups = -(-k // self.group)
+            device, dtype = layer.weight.device, torch.int32
+            if self.method == "gptq":
+                shapes = {
+                    "ckpt_qweight": (k // PACK, n),
+                    "ckpt_g_idx": (len(layer.output_sizes) * k,),
+                }
+            else:
+                shapes = {"ckpt_qweight": (k, n // PACK)}
+            shapes["ckpt_qzeros"] = (groups, n // PACK)
+            for key, shape in shapes.items():
+                layer.register_parameter(
+                    key, nn.Parameter(torch.empty(shape, dtype=dtype, device=device), False)
+                )
+            layer.register_parameter(
+                "ckpt_scales",
+                nn.Parameter(torch.empty(groups, n, dtype=torch.float16, device=device), False),
+            )
+            release_weight(layer)
+            layer.slot_hook = self._slots
+            prepared.add(name)
+        return prepared
+
+    def _slots(self, layer: Linear, dense: Slots) -> Slots:
+        result: Slots = {}
+        part = 0
+        for key, slot in dense.items():
+            if not key.endswith(".weight"):
+                result[key] = slot
+                continue
+            prefix = key.removesuffix(".weight")
+            start, stop = slot.start, slot.stop
+            if start % PACK or stop % PACK:
+                raise ValueError(f"{prefix}: output rows {start}..{stop} are not whole words")
+            packed_n = self.method == "awq"
+            result[f"{prefix}.qweight"] = self._slot(
+                layer.ckpt_qweight, slot, PACK if packed_n else 1, 1 if packed_n else PACK
+            )
+            result[f"{prefix}.qzeros"] = self._slot(layer.ckpt_qzeros, slot, PACK, self.group)
+            result[f"{prefix}.scales"] = self._slot(layer.ckpt_scales, slot, 1, self.group)
+            if self.method == "gptq":
+                k = layer.in_features
+                source = slot.source if slot.source and slot.source[0] == 1 else None
+                result[f"{prefix}.g_idx"] = WeightSlot(
+                    layer.ckpt_g_idx,
+                    part * k,
+                    (part + 1) * k,
+                    None if source is None else (0, source[1], source[2]),
+                    slot.source_size if source else None,
+                )
+            part += 1
+        return result
+
+    @staticmethod
+    def _slot(param: nn.Parameter, dense: WeightSlot, n_div: int, k_div: int) -> ColumnSlot:
+        """The columns of ``param`` for a dense slot's rows; the source range (a
+        rank's shard, along N = checkpoint dim 1 or K = dim 0) in stored units."""
+        source = size = None
+        if dense.source is not None:
+            dim, begin, end = dense.source
+            div = n_div if dim == 0 else k_div
+            if begin % div or end % div or (dense.source_size or 0) % div:
+                raise ValueError(f"a shard {begin}..{end} does not align with {div}-row units")
+            source = (1 - dim, begin // div, end // div)  # dense dim 0 (N) is stored dim 1
+            size = (dense.source_size or 0) // div
+        return ColumnSlot(param, dense.start // n_div, dense.stop // n_div, source, size)
+
+    def convert(self, layer: Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's loaded tensors in the int4 layout ``(qweight, scales, zeros)``;
+        frees the checkpoint-layout ones."""
+        k = layer.in_features
+        if self.method == "gptq":
+            g_idx = layer.ckpt_g_idx.data.view(-1, k)
+            expected = torch.arange(k, device=g_idx.device, dtype=g_idx.dtype) // self.group
+            if not bool((g_idx == expected).all()):
+                raise ValueError("--quant int4: a GPTQ g_idx is not k // group (act-order)")
+            qweight = layer.ckpt_qweight.data
+            zeros = unpack_columns(layer.ckpt_qzeros.data, tuple(range(PACK)))
+            del layer.ckpt_g_idx
+        else:
+            qweight = pack_int4(unpack_columns(layer.ckpt_qweight.data, AWQ_ORDER))
+            zeros = unpack_columns(layer.ckpt_qzeros.data, AWQ_ORDER)
+        zeros = (zeros + self.zero_offset) & 0xF
+        scales = layer.ckpt_scales.data
+        del layer.ckpt_qweight, layer.ckpt_qzeros, layer.ckpt_scales
+        return qweight.contiguous(), scales, zeros
+
+
+__all__ = ["AWQ_ORDER", "ColumnSlot", "Int4Checkpoint", "unpack_columns", "unpack_int4"]

@@ -1,0 +1,74 @@
+"""Quant plugin ``int8``: weight-only int8 (W8A16), one symmetric scale per output
+channel, quantized at load from the 16/32-bit checkpoint.
+
+``q = round(w / s)`` in ``[-127, 127]`` with ``s = max|w_row| / 127``. On the GPU the
+layer runs the Triton GEMM of ``kernels.weight_gemm`` (int8 tiles converted in
+registers, the scale applied once to the accumulator; a K-split weight stream for
+batches of at most 16 rows). Elsewhere, and as the kernel's oracle, the reference
+path dequantizes the weight and calls ``F.linear``. Activations stay 16-bit, so the
+only error is the weights' rounding (half a step of ``max|w_row| / 127``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenloom.plugins.models.layers import Linear
+from tokenloom.plugins.quant.common import WeightQuantMethod, flat, keep
+from tokenloom.protocols.components.quant import LinearKernel
+from tokenloom.protocols.components.registry import ComponentSpec
+from tokenloom.protocols.hookspecs import hookimpl
+
+QMAX = 127
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [N, K]`` -> ``(qweight [K, N] int8, scales [1, N] float32)`` (the
+    transposed layout of the GEMM)."""
+    w32 = w.float()
+    scales = w32.abs().amax(dim=1).clamp(min=1e-12) / QMAX  # [N]
+    q = torch.round(w32 / scales[:, None]).clamp(-QMAX, QMAX).to(torch.int8)
+    return q.t().contiguous(), scales[None, :].contiguous()
+
+
+def dequantize_int8(
+    qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The weight ``[N, K]`` in ``dtype`` that ``quantize_int8`` stored."""
+    return (qweight.t().float() * scales.t()).to(dtype)
+
+
+class Int8Kernel(LinearKernel):
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor) -> None:
+        self.qweight = qweight  # [K, N] int8
+        self.scales = scales  # [1, N] float32
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+            from tokenloom.plugins.quant.kernels.weight_gemm import weight_gemm
+
+            y = weight_gemm(flat(x), self.qweight, self.scales, None, 8, 0, bias)
+            return y.view(*x.shape[:-1], y.shape[-1])
+        return self.reference(x, bias)
+
+    def reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Dequantize, then ``F.linear`` (the CPU path and the GPU kernel's oracle)."""
+        return F.linear(x, dequantize_int8(self.qweight, self.scales, x.dtype), bias)
+
+
+class Int8Quant(WeightQuantMethod):
+    name = "int8"
+
+    def make_kernel(self, layer: Linear) -> LinearKernel:
+        qweight, scales = quantize_int8(layer.weight.data)
+        return Int8Kernel(keep(layer, "qweight", qweight), keep(layer, "weight_scale", scales))
+
+
+@hookimpl
+def tokenloom_register_components() -> list[ComponentSpec]:
+    return [
+        ComponentSpec(
+            "quant", "int8", Int8Quant, "int8 weights (W8A16), per-channel scales, Triton GEMM"
+        )
+    ]

@@ -1,0 +1,1 @@
+"""Triton GEMMs that read quantized weights (dequantized in the kernel)."""

@@ -1,0 +1,199 @@
+"""A Triton GEMM for weight-only quantized linears: ``y = x @ W^T (+ bias)`` with ``W``
+stored as int8 (W8A16) or packed int4 (W4A16) and dequantized inside the kernel.
+
+One weight layout serves both widths: the transposed matrix, ``qweight [K / P, N]``
+with ``P`` values per element (int8: ``P = 1``, one int8 each; int4: ``P = 8``, packed
+in an int32 whose nibble ``j`` holds row ``8 i + j``, GPTQ's layout). A tile of
+``[BLOCK_K, BLOCK_N]`` weights is then a plain 2-D load along ``N`` (coalesced), and
+the int4 nibbles come out by shifting each word by ``4 * (k % 8)``.
+
+Scales: per output channel (``group = 0``: ``scales [1, N]``, applied once to the
+accumulator) or per group of ``group`` input rows (``scales [G, N]``, optional
+``zeros [G, N]``; ``w = (q - z) * s``, applied per element before the dot; the last
+group may be partial when ``K`` is no multiple of ``group``).
+
+Shapes: small batches (``M <= 16``, decode) are a pure weight stream. There the grid
+also splits ``K`` (``split_k`` programs per output tile, fp32 partial sums added by
+one small reduction) so that narrow layers still put enough programs on the GPU.
+Larger batches use square tiles and no split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+
+SKINNY_ROWS = 16
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit(do_not_specialize=["M"])
+def _weight_gemm_kernel(
+    x_ptr,
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    K_CHUNK,  # K range of one split, a multiple of BLOCK_K
+    stride_xm,
+    stride_ym,
+    stride_ysplit,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,  # 0: one scale per output channel
+    HAS_ZEROS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PARTIAL: tl.constexpr,  # split K: write fp32 partial sums
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    k_begin = pid_k * K_CHUNK
+    k_end = tl.minimum(K, k_begin + K_CHUNK)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        mask_k = ks < K
+        x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        mask_w = mask_k[:, None] & mask_n[None, :]
+        if BITS == 8:
+            q = tl.load(qw_ptr + ks[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask_w)
+        else:
+            words = tl.load(
+                qw_ptr + (ks // 8)[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask_w
+            )
+            q = (words >> ((ks % 8) * 4)[:, None]) & 0xF
+        if GROUP > 0:
+            g = (ks // GROUP)[:, None] * N + offs_n[None, :]
+            s = tl.load(s_ptr + g, mask=mask_w, other=0.0).to(tl.float32)
+            if HAS_ZEROS:
+                z = tl.load(z_ptr + g, mask=mask_w, other=0.0).to(tl.float32)
+                w = (q.to(tl.float32) - z) * s
+            else:
+                w = q.to(tl.float32) * s
+        else:
+            w = q.to(tl.float32)
+        acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
+    if GROUP == 0:
+        s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        acc = acc * s[None, :]
+    mask_y = mask_m[:, None] & mask_n[None, :]
+    if not PARTIAL:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_y)
+    else:  # fp32 partial sums, added on the host side of the launch
+        y = y_ptr + pid_k * stride_ysplit + offs_m[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y, acc, mask=mask_y)
+
+
+@cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
+    """Tiles by batch size: a K-split weight stream for decode batches, square tiles
+    above (enough programs for about two waves over the GPU's SMs)."""
+    if m <= SKINNY_ROWS:
+        block_n, block_k = 64, 256
+        tiles = triton.cdiv(n, block_n)
+        k_blocks = triton.cdiv(k, block_k)
+        split = 1
+        while tiles * split < 2 * _num_sms(device) and split * 2 <= max(1, k_blocks // 2):
+            split *= 2
+        return GemmConfig(SKINNY_ROWS, block_n, block_k, split, num_warps=4, num_stages=4)
+    if m <= 64:
+        return GemmConfig(64, 64, 128, num_warps=4, num_stages=3)
+    return GemmConfig(128, 128, 64, num_warps=8, num_stages=3)
+
+
+def weight_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bits: int,
+    group: int,
+    bias: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """``x [M, K] @ dequant(qweight)^T (+ bias) -> [M, N]`` in ``x``'s dtype.
+
+    ``qweight [K / (32 // bits) or K, N]`` (int32 packed for 4 bits, int8 for 8),
+    ``scales [1 or G, N]``, ``zeros`` None or ``[G, N]``; ``group`` 0 means per
+    channel. ``x``'s last dim must be contiguous."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    assert bits in (4, 8) and x.stride(1) == 1
+    assert qweight.shape[0] * (8 if bits == 4 else 1) == k, (tuple(qweight.shape), k)
+    cfg = config or choose_config(m, n, k, x.device)
+    k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_chunk)
+    if split == 1:
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        stride_split = 0
+    else:
+        y = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        stride_split = y.stride(0)
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
+    _weight_gemm_kernel[grid](
+        x,
+        qweight,
+        scales,
+        zeros if zeros is not None else scales,
+        bias if bias is not None else scales,
+        y,
+        m,
+        n,
+        k,
+        k_chunk,
+        x.stride(0),
+        n,
+        stride_split,
+        BITS=bits,
+        GROUP=group,
+        HAS_ZEROS=zeros is not None,
+        HAS_BIAS=bias is not None and split == 1,
+        PARTIAL=split > 1,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if split == 1:
+        return y
+    out = y.sum(0)
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)
