@@ -22,6 +22,7 @@ from tokenloom.plugins.executor import staging
 from tokenloom.plugins.executor.batch import BatchBuilder, FlatBatch
 from tokenloom.plugins.executor.cuda_graphs import DecodeGraphs
 from tokenloom.plugins.executor.prompt_logprobs import PromptLogprobs
+from tokenloom.plugins.executor.speculative import SpeculativeDecoder
 from tokenloom.protocols.components.attention import ForwardContext
 from tokenloom.protocols.components.executor import DoneStep, Executor, PendingStep
 from tokenloom.protocols.components.model import ModelInfo
@@ -82,6 +83,11 @@ class ModelRunner(Executor):
             self._choose_skinny_gemms()
         self.sampler = Sampler(self.info.vocab_size, self.device)
         self.prompt_logprobs = PromptLogprobs(self.device)
+        self.spec: SpeculativeDecoder | None = None  # speculative decoding, when configured
+        if self.config.num_speculative_tokens > 0 and self.config.proposer != "none":
+            proposer = self.plugins.build("proposer", self.config.proposer, self.config)
+            proposer.bind(self.info)
+            self.spec = SpeculativeDecoder(self.config, proposer, self.sampler)
         self.batches = BatchBuilder(
             self.config.block_size, self.device, capacity=2 * self.config.max_num_seqs
         )
@@ -233,10 +239,14 @@ class ModelRunner(Executor):
             sampler.remove_requests(step.finished_request_ids)
             batches.remove_requests(step.finished_request_ids)
             self.prompt_logprobs.remove_requests(step.finished_request_ids)
+            if self.spec is not None:
+                self.spec.remove_requests(step.finished_request_ids)
         for new in step.new_requests:
             sampler.add_request(new)
             batches.add_request(new.request_id)
             self.prompt_logprobs.add_request(new)
+            if self.spec is not None:
+                self.spec.add_request(new)
         if not step.chunks:
             return DoneStep(StepOutput(step.step_id, [], []))
         batch = batches.build(step)
@@ -248,6 +258,12 @@ class ModelRunner(Executor):
             return DoneStep(StepOutput(step.step_id, [], []))
         rows = hidden if batch.sample_index is None else hidden[batch.sample_index]
         logits = self.model.compute_logits(rows)
+        if self.spec is not None:  # verify drafts, then propose (host tokens: no pipelining)
+            prompt_values = self.prompt_logprobs.take(step.chunks, request_ids)
+            spec_output = self.spec.sample(
+                step.step_id, step.chunks, logits, request_ids, prompt_values
+            )
+            return DoneStep(spec_output)
         result = sampler.sample(logits, request_ids)
         sampler.count_sampled(request_ids, result)
         batches.store_sampled_tokens(batch, result.token_ids)
