@@ -12,7 +12,6 @@ BUILTIN_PLUGINS = (
     "tokenloom.plugins.quant.int4",
     "tokenloom.plugins.proposer.none",
     "tokenloom.plugins.proposer.ngram",
-    "tokenloom.plugins.proposer.ngram",
     "tokenloom.plugins.executor.model_runner",
     "tokenloom.plugins.models",
     "tokenloom.plugins.frontends.openai",
