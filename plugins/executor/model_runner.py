@@ -1,9 +1,10 @@
 """Executor plugin ``model``: runs the model on flat batches and samples on the device.
 
-One process, one device. Per step: build the flat batch (one host-to-device copy),
-run the forward pass (a CUDA graph for decode batches on CUDA), compute logits for
-the rows that sample, sample on the device, and copy the sampled ids to pinned host
-memory. ``execute`` waits for that copy (the step's only host sync); ``submit``
+One process, one device; under tensor parallelism each rank runs one of these on its
+own shard (``group``; see ``plugins.executor.parallel``). Per step: build the flat
+batch (one host-to-device copy), run the forward pass (a CUDA graph for decode
+batches on CUDA), compute logits for the rows that sample, sample on the device, and
+copy the sampled ids to pinned host memory. ``execute`` waits for that copy (the step's only host sync); ``submit``
 returns at once, so the engine can build the next step while this one runs. The
 sampled ids also stay on the device, where the next step's placeholder inputs read
 them.
@@ -23,6 +24,7 @@ from tokenloom.plugins.executor.batch import BatchBuilder, FlatBatch
 from tokenloom.plugins.executor.cuda_graphs import DecodeGraphs
 from tokenloom.plugins.executor.prompt_logprobs import PromptLogprobs
 from tokenloom.plugins.executor.speculative import SpeculativeDecoder
+from tokenloom.plugins.models import parallel
 from tokenloom.protocols.components.attention import ForwardContext
 from tokenloom.protocols.components.executor import DoneStep, Executor, PendingStep
 from tokenloom.protocols.components.model import ModelInfo
@@ -53,6 +55,8 @@ class ModelRunner(Executor):
         self.graphs: DecodeGraphs | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._kv: torch.Tensor | None = None
+        # The tensor-parallel group the model is built for (set before load_model).
+        self.group: parallel.ParallelGroup = parallel.SINGLE
         self.memory: dict[str, float] = {}  # GiB
         self.timings: dict[str, float] = {}  # seconds of start-up work
 
@@ -67,16 +71,20 @@ class ModelRunner(Executor):
             torch.cuda.set_device(self.device)
         started = time.perf_counter()
         self.quant = self.plugins.build("quant", self.config.quant, self.config)
-        self.model, self.info = load_model(
-            self.config.model,
-            self.dtype,
-            self.device,
-            registry=self._model_factory,
-            random_weights=self.config.load_format == "random",
-            prepare=self.quant.prepare_model,
-        )
+        with parallel.use(self.group):
+            self.model, self.info = load_model(
+                self.config.model,
+                self.dtype,
+                self.device,
+                registry=self._model_factory,
+                random_weights=self.config.load_format == "random",
+                prepare=self.quant.prepare_model,
+            )
         self.model.eval()
-        self.attn = self.plugins.build("attention", self.config.attention, self.config, self.info)
+        self.rank_info = parallel.rank_model_info(self.info, self.group)
+        self.attn = self.plugins.build(
+            "attention", self.config.attention, self.config, self.rank_info
+        )
         self.quant.quantize_model(self.model)
         self.kv_dtype = self.quant.kv_cache_dtype(self.dtype)
         if self.device.type == "cuda":
@@ -126,7 +134,7 @@ class ModelRunner(Executor):
             return None
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        info = self.info
+        info = self.rank_info
         element = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * info.num_layers * block_size * info.num_kv_heads * info.head_dim * element
 
@@ -188,7 +196,7 @@ class ModelRunner(Executor):
         return int(available // per_block)
 
     def init_kv_cache(self, num_blocks: int, block_size: int, capture: bool = True) -> None:
-        info = self.info
+        info = self.rank_info
         shape = (info.num_layers, 2, num_blocks, block_size, info.num_kv_heads, info.head_dim)
         kv = self._kv = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = [(kv[i, 0], kv[i, 1]) for i in range(info.num_layers)]
@@ -284,8 +292,20 @@ class ModelRunner(Executor):
         self._kv = None
 
 
+def make_executor(config: EngineConfig, plugins: PluginManager) -> Executor:
+    """The ``model`` executor: this runner on one device, or, with
+    ``tensor_parallel_size`` > 1, rank 0 of a tensor-parallel group of them."""
+    if config.tensor_parallel_size > 1:
+        from tokenloom.plugins.executor.parallel.executor import TensorParallelExecutor
+
+        return TensorParallelExecutor(config, plugins)
+    return ModelRunner(config, plugins)
+
+
 @hookimpl
 def tokenloom_register_components() -> list[ComponentSpec]:
     return [
-        ComponentSpec("executor", "model", ModelRunner, "single-device model runner, CUDA graphs")
+        ComponentSpec(
+            "executor", "model", make_executor, "model runner, CUDA graphs, tensor parallel"
+        )
     ]

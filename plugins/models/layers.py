@@ -157,12 +157,52 @@ class Linear(nn.Module):
 
 
 class Embedding(nn.Module):
+    """Token embedding ``[vocab, dim]``, also the LM head's weight (tied or not).
+
+    Vocab-parallel in a group of more than one rank: the vocabulary is padded to a
+    multiple of the group size and each rank holds the rows ``vocab_range`` of it
+    (padding rows are zero and never read from the checkpoint). ``forward`` looks up
+    the ids this rank holds, zeroes the others' and all-reduces; ``logits`` computes
+    this rank's vocab columns and all-gathers them, so every rank holds the full
+    logits ``[N, num_embeddings]`` (the padding columns are cut off, never sampled).
+    """
+
     def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, dim, dtype=dtype), False)
+        group = self.group = parallel_state.current()
+        self.num_embeddings = num_embeddings
+        padded = -(-num_embeddings // group.size) * group.size
+        self.vocab_range = parallel_state.even_range(padded, group.size, group.rank)
+        start, stop = self.vocab_range
+        self.num_real_rows = max(0, min(stop, num_embeddings) - start)  # the rest pad
+        self.weight = nn.Parameter(torch.empty(stop - start, dim, dtype=dtype), False)
+        self.weight.data[self.num_real_rows :].zero_()
+        self._sharded = group.size > 1
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if not self._sharded:
+            return F.embedding(ids, self.weight)
+        start, stop = self.vocab_range
+        outside = (ids < start) | (ids >= stop)
+        local = torch.where(outside, 0, ids - start)
+        hidden = F.embedding(local, self.weight).masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.group.all_reduce(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, dim] -> logits [N, num_embeddings] in the model dtype."""
+        logits = F.linear(hidden, self.weight)
+        if not self._sharded:
+            return logits
+        gathered = self.group.all_gather(logits, dim=-1)  # [N, padded vocab]
+        return gathered[:, : self.num_embeddings]
+
+    def slot(self) -> WeightSlot:
+        """Where the checkpoint's ``[vocab, dim]`` tensor goes: this rank's rows."""
+        if not self._sharded:
+            return whole(self.weight)
+        start = self.vocab_range[0]
+        stop = start + self.num_real_rows
+        return WeightSlot(self.weight, 0, self.num_real_rows, (0, start, stop), self.num_embeddings)
 
 
 class RMSNorm(nn.Module):

@@ -263,10 +263,11 @@ class LlamaForCausalLM(nn.Module):
             self.shape.head_dim, self.shape.max_positions, rope_parameters(hf_config), dtype
         )
         self.model = LlamaModel(self.shape, self.features, rotary, dtype)
-        self.lm_head: Linear | Embedding = (
+        # vocab-parallel like the embedding (see plugins.models.parallel)
+        self.lm_head = (
             self.model.embed_tokens
             if self.shape.tie_word_embeddings
-            else Linear(self.shape.hidden_size, (self.shape.vocab_size,), False, dtype)
+            else Embedding(self.shape.vocab_size, self.shape.hidden_size, dtype)
         )
 
     def forward(
@@ -276,18 +277,19 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] float32."""
-        return torch.nn.functional.linear(hidden, self.lm_head.weight).float()
+        """hidden [N, hidden] -> logits [N, vocab] float32, the full vocabulary on every
+        rank (gathered from the vocab-parallel head)."""
+        return self.lm_head.logits(hidden).float()
 
     def checkpoint_slots(self) -> Slots:
         """Every tensor the checkpoint must hold, by its Hugging Face name."""
-        result: Slots = {"model.embed_tokens.weight": whole(self.model.embed_tokens.weight)}
+        result: Slots = {"model.embed_tokens.weight": self.model.embed_tokens.slot()}
         for i, layer in enumerate(self.model.layers):
             assert isinstance(layer, LlamaDecoderLayer)
             result.update(layer.slots(f"model.layers.{i}"))
         result["model.norm.weight"] = whole(self.model.norm.weight)
         if not self.shape.tie_word_embeddings:
-            result["lm_head.weight"] = whole(self.lm_head.weight)
+            result["lm_head.weight"] = self.lm_head.slot()
         return result
 
     def ignores_checkpoint_tensor(self, name: str) -> bool:

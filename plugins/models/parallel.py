@@ -13,17 +13,22 @@ Sharding rules (the one place they are stated):
 - attention heads split evenly; KV heads split evenly when there are at least as many
   as ranks, else each rank holds KV head ``rank * num_kv // size`` (replicated), so
   every rank's query heads find their group's KV head;
-- embedding and LM head are vocab-parallel: rows ``even_range(vocab_padded, ...)``.
+- embedding and LM head are vocab-parallel: rows ``even_range(vocab_padded, ...)``, the
+  vocabulary padded to a multiple of the size; the LM head's logits are all-gathered,
+  so every rank holds the full logits and samples the same tokens (same seeds).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+    from tokenloom.protocols.components.model import ModelInfo
 
 
 class ParallelGroup:
@@ -81,3 +86,13 @@ def head_range(num_heads: int, head_dim: int, size: int, rank: int) -> tuple[int
     else:
         raise ValueError(f"{num_heads} KV heads cannot be shared by {size} ranks")
     return start * head_dim, stop * head_dim
+
+
+def rank_model_info(info: ModelInfo, group: ParallelGroup) -> ModelInfo:
+    """``info`` as one rank sees it: its own query and KV heads (what its attention
+    backend and KV cache are built for). The same object for a single rank."""
+    if group.size == 1:
+        return info
+    q = head_range(info.num_heads, 1, group.size, group.rank)
+    kv = head_range(info.num_kv_heads, 1, group.size, group.rank)
+    return dataclasses.replace(info, num_heads=q[1] - q[0], num_kv_heads=kv[1] - kv[0])
