@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
         command="tiny-model", run=_lazy("tokenloom.checkpoints.tiny_models"), passthrough=True
     )
 
+    sim = commands.add_parser(
+        "sim",
+        help="compare schedulers on a workload with a GPU cost model, on the CPU (see its --help)",
+        add_help=False,
+    )
+    sim.set_defaults(command="sim", run=_lazy("tokenloom.sim.cli"), passthrough=True)
+
     evaluate = commands.add_parser(
         "eval",
         help="measure a config's quality: perplexity, golden completions (see its --help)",

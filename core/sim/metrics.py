@@ -91,9 +91,8 @@ def summarize(
 def _meets(m: dict[str, float], slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
     if slo_ttft_ms is not None and m["ttft"] * 1000 > slo_ttft_ms:
         return False
-    if slo_tpot_ms is not None and not math.isnan(m["tpot"]) and m["tpot"] * 1000 > slo_tpot_ms:
-        return False
-    return True
+    tpot = m["tpot"]
+    return slo_tpot_ms is None or math.isnan(tpot) or tpot * 1000 <= slo_tpot_ms
 
 
 def _breakdown(done: Sequence[Any], per: Sequence[dict[str, float]], key: str) -> dict[str, Any]:

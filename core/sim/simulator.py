@@ -96,8 +96,7 @@ def simulate(
     kv, scheduler = build_components(config, plugins, lambda: now)
     executor = SimExecutor(cost, config.max_num_seqs, config.enforce_eager)
     records = [
-        RequestRecord(r.arrival_s, r.prompt_len, r.output_len, r.priority, r.tenant)
-        for r in trace
+        RequestRecord(r.arrival_s, r.prompt_len, r.output_len, r.priority, r.tenant) for r in trace
     ]
     index_of: dict[str, int] = {}
     span = trace[-1].arrival_s if trace else 0.0
@@ -206,7 +205,11 @@ def _add(
     try:
         scheduler.add_request(
             GenerateRequest(
-                request_id, prompt, params, priority=request.priority, arrival_time=request.arrival_s
+                request_id,
+                prompt,
+                params,
+                priority=request.priority,
+                arrival_time=request.arrival_s,
             )
         )
     except (QueueFullError, ValueError):

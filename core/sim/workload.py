@@ -15,7 +15,6 @@ arrival times only, never the lengths.
 from __future__ import annotations
 
 import csv
-import json
 import math
 import random
 from collections.abc import Sequence
