@@ -6,6 +6,8 @@ its block table and attended with ``scaled_dot_product_attention`` under a causa
 aligned to the end of the sequence (the queries are the request's last tokens).
 It loops over requests on the host, reading ``meta.query_lens_cpu`` and
 ``meta.seq_lens_cpu``, so it is meant for correctness and the CPU, not CUDA graphs.
+A quantized cache (fp8 / int8, ``kv_quant``) is the reference path of KV
+quantization: quantize on write, dequantize the gathered keys and values, attend.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenloom.config import EngineConfig
+from tokenloom.plugins.attention import kv_quant
 from tokenloom.protocols.components.attention import AttentionBackend, AttentionMetadata
 from tokenloom.protocols.components.model import ModelInfo
 from tokenloom.protocols.components.registry import ComponentSpec
@@ -28,14 +31,22 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
 ) -> None:
     """Store token ``t``'s key and value at flat slot ``slot_mapping[t]``; rows with a
-    negative slot are skipped (the boolean mask syncs the host: reference only)."""
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    flat_k = k_cache.view(num_slots, *k_cache.shape[2:])  # [num_slots, Hkv, D]
-    flat_v = v_cache.view(num_slots, *v_cache.shape[2:])  # [num_slots, Hkv, D]
+    negative slot are skipped (the boolean mask syncs the host: reference only). A
+    quantized cache gets the quantized rows and their scales."""
     keep = slot_mapping >= 0  # [T] bool
     slots = slot_mapping[keep]
-    flat_k.index_copy_(0, slots, k[keep].to(k_cache.dtype))
-    flat_v.index_copy_(0, slots, v[keep].to(v_cache.dtype))
+    for new, cache in ((k[keep], k_cache), (v[keep], v_cache)):
+        if not kv_quant.is_quantized(cache.dtype):
+            flat = cache.view(-1, *cache.shape[2:])  # [num_slots, Hkv, D]
+            flat.index_copy_(0, slots, new.to(cache.dtype))
+            continue
+        data, scales = kv_quant.quantize(new, cache.dtype)
+        # fp8 has no index_copy_ on the CPU: copy the bytes. The data view is strided
+        # (scales follow each block), so index the block and offset separately.
+        block_size = cache.shape[1]
+        blocks, offsets = slots // block_size, slots % block_size
+        cache.view(torch.uint8)[blocks, offsets] = data.view(torch.uint8)
+        kv_quant.scales_of(cache)[blocks, offsets] = scales
 
 
 def gather_kv(
@@ -43,10 +54,17 @@ def gather_kv(
     block_table: torch.Tensor,  # [max_blocks_per_seq] int32
     seq_len: int,
 ) -> torch.Tensor:  # [seq_len, num_kv_heads, head_dim]
-    """The first ``seq_len`` cached tokens of one request, in logical order."""
+    """The first ``seq_len`` cached tokens of one request, in logical order; a
+    quantized cache is dequantized to float32."""
     block_size = cache.shape[1]
     num_blocks = -(-seq_len // block_size)
-    blocks = cache.index_select(0, block_table[:num_blocks].long())  # [nb, bs, Hkv, D]
+    ids = block_table[:num_blocks].long()
+    if kv_quant.is_quantized(cache.dtype):
+        data = cache.view(torch.uint8)[ids].view(cache.dtype)  # [nb, bs, Hkv, D]
+        scales = kv_quant.scales_of(cache)[ids]  # [nb, bs, Hkv]
+        blocks = kv_quant.dequantize(data, scales, torch.float32)
+    else:
+        blocks = cache.index_select(0, ids)  # [nb, bs, Hkv, D]
     return blocks.flatten(0, 1)[:seq_len]
 
 

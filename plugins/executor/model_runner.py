@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tokenloom.config import EngineConfig
+from tokenloom.plugins.attention import kv_quant
 from tokenloom.plugins.executor import staging
 from tokenloom.plugins.executor.batch import BatchBuilder, FlatBatch
 from tokenloom.plugins.executor.cuda_graphs import DecodeGraphs
@@ -86,7 +87,10 @@ class ModelRunner(Executor):
             "attention", self.config.attention, self.config, self.rank_info
         )
         self.quant.quantize_model(self.model)
-        self.kv_dtype = self.quant.kv_cache_dtype(self.dtype)
+        # config.kv_cache_dtype decides; "auto" leaves it to the weight method (the model's).
+        self.kv_dtype = kv_quant.cache_dtype(
+            self.config.kv_cache_dtype, self.quant.kv_cache_dtype(self.dtype)
+        )
         if self.device.type == "cuda":
             self._choose_skinny_gemms()
         self.sampler = Sampler(self.info.vocab_size, self.device)
@@ -135,8 +139,10 @@ class ModelRunner(Executor):
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         info = self.rank_info
-        element = torch.empty((), dtype=self.kv_dtype).element_size()
-        return 2 * info.num_layers * block_size * info.num_kv_heads * info.head_dim * element
+        per_layer = kv_quant.block_bytes(
+            block_size, info.num_kv_heads, info.head_dim, self.kv_dtype
+        )
+        return 2 * info.num_layers * per_layer
 
     def num_kv_blocks(self, block_size: int) -> int:
         per_block = self.kv_bytes_per_block(block_size)
@@ -197,9 +203,16 @@ class ModelRunner(Executor):
 
     def init_kv_cache(self, num_blocks: int, block_size: int, capture: bool = True) -> None:
         info = self.rank_info
-        shape = (info.num_layers, 2, num_blocks, block_size, info.num_kv_heads, info.head_dim)
-        kv = self._kv = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-        self.kv_caches = [(kv[i, 0], kv[i, 1]) for i in range(info.num_layers)]
+        kv, self.kv_caches = kv_quant.allocate(
+            info.num_layers,
+            num_blocks,
+            block_size,
+            info.num_kv_heads,
+            info.head_dim,
+            self.kv_dtype,
+            self.device,
+        )
+        self._kv = kv
         self.block_size = block_size
         if self.device.type == "cuda":
             self.memory["kv_gib"] = kv.numel() * kv.element_size() / GiB
@@ -211,9 +224,20 @@ class ModelRunner(Executor):
                 "KV cache: %d blocks x %d tokens (%s); memory GiB: %s",
                 num_blocks,
                 block_size,
-                self.kv_dtype,
+                self._kv_dtype_note(block_size),
                 ", ".join(f"{k}={v:.2f}" for k, v in self.memory.items()),
             )
+
+    def _kv_dtype_note(self, block_size: int) -> str:
+        """The pool's dtype; a quantized one also says how many more blocks it holds
+        than the model dtype would in the same memory (scales included)."""
+        name, model = (str(d).removeprefix("torch.") for d in (self.kv_dtype, self.dtype))
+        if not kv_quant.is_quantized(self.kv_dtype):
+            return name
+        info = self.info
+        plain = kv_quant.block_bytes(block_size, info.num_kv_heads, info.head_dim, self.dtype)
+        gain = 2 * info.num_layers * plain / self.kv_bytes_per_block(block_size)
+        return f"{name} with per-token-head scales, {gain:.2f}x the {model} blocks"
 
     def _capture_graphs(self) -> None:
         before = torch.cuda.memory_allocated()

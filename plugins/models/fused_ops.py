@@ -4,7 +4,9 @@ Decode steps at small batch are bound by kernel count, not bytes: unfused, one
 layer is ~50 tiny kernels (casts, pow, mean, rsqrt, cat, silu, mul). These three
 kernels replace them: residual-add + RMSNorm, SiLU-and-mul, and per-head RMSNorm +
 rotary embedding applied in place. Each rounds to the model dtype at the same
-points as the unfused torch code (and transformers), so bf16 results agree.
+points as the unfused torch code (and transformers), so bf16 results agree. The
+rope kernel can also write the rotated keys and the values into the paged KV cache,
+quantizing them for an fp8 / int8 cache (``plugins.attention.kv_quant``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from tokenloom.plugins.attention import kv_quant
+from tokenloom.plugins.attention.triton_kernels.kv_write import quantize_with
 
 
 @triton.jit
@@ -159,6 +164,10 @@ def _qk_norm_rope_kernel(
     slot_ptr,
     stride_vt,
     stride_vh,
+    k_scale_ptr,  # KV_QUANT: [num_blocks, PAGE_SIZE, NUM_K] fp32 views
+    v_scale_ptr,
+    stride_cache_block,
+    stride_scale_block,
     eps,
     NUM_Q: tl.constexpr,
     NUM_K: tl.constexpr,
@@ -167,6 +176,10 @@ def _qk_norm_rope_kernel(
     HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
     WRITE_KV: tl.constexpr,
+    KV_QUANT: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    QMAX: tl.constexpr,
+    IS_INT8: tl.constexpr,
 ):
     token = tl.program_id(0)
     cols = tl.arange(0, HALF)[None, :]
@@ -180,20 +193,69 @@ def _qk_norm_rope_kernel(
         k1, k2 = _norm_rope_heads(
             k_ptr, kw_ptr, stride_kt, stride_kh, token, cos, sin, eps, NUM_K, K_P2, HALF, HAS_NORM
         )
-        if WRITE_KV:  # the rotated key and the value into the paged cache (contiguous)
+        if WRITE_KV:  # the rotated key and the value into the paged cache
             slot = tl.load(slot_ptr + token).to(tl.int64)
             if slot >= 0:
-                heads = tl.arange(0, K_P2)[:, None]
-                mask = heads < NUM_K
-                dst = slot * (NUM_K * 2 * HALF) + heads * (2 * HALF) + cols
-                cache_dtype = k_cache_ptr.dtype.element_ty
-                tl.store(k_cache_ptr + dst, k1.to(cache_dtype), mask=mask)
-                tl.store(k_cache_ptr + dst + HALF, k2.to(cache_dtype), mask=mask)
-                src = v_ptr + token * stride_vt + heads * stride_vh + cols
-                v1 = tl.load(src, mask=mask, other=0.0)
-                v2 = tl.load(src + HALF, mask=mask, other=0.0)
-                tl.store(v_cache_ptr + dst, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
-                tl.store(v_cache_ptr + dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+                if KV_QUANT:
+                    _write_quantized_kv(
+                        k1, k2, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                        token, slot, stride_vt, stride_vh, stride_cache_block,
+                        stride_scale_block, NUM_K, K_P2, HALF, PAGE_SIZE, QMAX, IS_INT8,
+                    )  # fmt: skip
+                else:  # contiguous cache
+                    heads = tl.arange(0, K_P2)[:, None]
+                    mask = heads < NUM_K
+                    dst = slot * (NUM_K * 2 * HALF) + heads * (2 * HALF) + cols
+                    cache_dtype = k_cache_ptr.dtype.element_ty
+                    tl.store(k_cache_ptr + dst, k1.to(cache_dtype), mask=mask)
+                    tl.store(k_cache_ptr + dst + HALF, k2.to(cache_dtype), mask=mask)
+                    src = v_ptr + token * stride_vt + heads * stride_vh + cols
+                    v1 = tl.load(src, mask=mask, other=0.0)
+                    v2 = tl.load(src + HALF, mask=mask, other=0.0)
+                    cache_dtype = v_cache_ptr.dtype.element_ty
+                    tl.store(v_cache_ptr + dst, v1.to(cache_dtype), mask=mask)
+                    tl.store(v_cache_ptr + dst + HALF, v2.to(cache_dtype), mask=mask)
+
+
+@triton.jit
+def _store_quantized_halves(
+    x1, x2, cache_ptr, scale_ptr, dst, dst_scale, mask, mask_scale,
+    HALF: tl.constexpr, QMAX: tl.constexpr, IS_INT8: tl.constexpr,
+):  # fmt: skip
+    # One head's two halves [K_P2, HALF] over one absmax scale per head.
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(f1), axis=1), tl.max(tl.abs(f2), axis=1)) / QMAX
+    cache_dtype = cache_ptr.dtype.element_ty
+    tl.store(cache_ptr + dst, quantize_with(f1, scale, QMAX, IS_INT8).to(cache_dtype), mask=mask)
+    y2 = quantize_with(f2, scale, QMAX, IS_INT8).to(cache_dtype)
+    tl.store(cache_ptr + dst + HALF, y2, mask=mask)
+    tl.store(scale_ptr + dst_scale, scale, mask=mask_scale)
+
+
+@triton.jit
+def _write_quantized_kv(
+    k1, k2, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, token, slot,
+    stride_vt, stride_vh, stride_cache_block, stride_scale_block,
+    NUM_K: tl.constexpr, K_P2: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    QMAX: tl.constexpr, IS_INT8: tl.constexpr,
+):  # fmt: skip
+    # The rotated key (as rounded to the model dtype) and the value, per head over its
+    # absmax; the data view is strided by block and its scales follow the data.
+    heads = tl.arange(0, K_P2)
+    cols = tl.arange(0, HALF)[None, :]
+    mask = heads[:, None] < NUM_K
+    block, offset = slot // PAGE_SIZE, slot % PAGE_SIZE
+    dst = block * stride_cache_block + (offset * NUM_K + heads[:, None]) * (2 * HALF) + cols
+    dst_scale = block * stride_scale_block + offset * NUM_K + heads
+    src = v_ptr + token * stride_vt + heads[:, None] * stride_vh + cols
+    v1 = tl.load(src, mask=mask, other=0.0)
+    v2 = tl.load(src + HALF, mask=mask, other=0.0)
+    _store_quantized_halves(
+        k1, k2, k_cache_ptr, k_scale_ptr, dst, dst_scale, mask, heads < NUM_K, HALF, QMAX, IS_INT8
+    )
+    _store_quantized_halves(
+        v1, v2, v_cache_ptr, v_scale_ptr, dst, dst_scale, mask, heads < NUM_K, HALF, QMAX, IS_INT8
+    )
 
 
 def qk_norm_rope_(
@@ -209,16 +271,21 @@ def qk_norm_rope_(
     """Per-head RMSNorm (when weights are given) and rotary embedding of q and k, in
     place. ``kv_write = (v, k_cache, v_cache, slot_mapping)`` also stores the rotated
     keys and the values in the paged cache (``[blocks, block_size, Hkv, D]``,
-    contiguous) at ``slot_mapping`` (slots < 0 are skipped), saving the attention
-    backend its KV-write kernel."""
+    contiguous, or a quantized cache from ``kv_quant.allocate``) at ``slot_mapping``
+    (slots < 0 are skipped), saving the attention backend its KV-write kernel."""
     tokens, num_q, head_dim = q.shape
     if not tokens:
         return
     if kv_write is not None:
         v, k_cache, v_cache, slot_mapping = kv_write
-        assert k_cache.is_contiguous() and v_cache.is_contiguous()
     else:
         v, k_cache, v_cache, slot_mapping = k, k, k, k
+    quantized = kv_write is not None and kv_quant.is_quantized(k_cache.dtype)
+    if quantized:
+        k_scales, v_scales = kv_quant.scales_of(k_cache), kv_quant.scales_of(v_cache)
+    else:
+        assert kv_write is None or (k_cache.is_contiguous() and v_cache.is_contiguous())
+        k_scales, v_scales = k_cache, v_cache
     cos2, sin2 = cos.reshape(tokens, head_dim // 2), sin.reshape(tokens, head_dim // 2)
     has_norm = q_weight is not None and k_weight is not None
     _qk_norm_rope_kernel[(tokens, 2)](
@@ -239,6 +306,10 @@ def qk_norm_rope_(
         slot_mapping,
         v.stride(0),
         v.stride(1),
+        k_scales,
+        v_scales,
+        k_cache.stride(0) if quantized else 0,
+        k_scales.stride(0) if quantized else 0,
         eps,
         NUM_Q=num_q,
         NUM_K=k.shape[1],
@@ -247,5 +318,9 @@ def qk_norm_rope_(
         HALF=head_dim // 2,
         HAS_NORM=has_norm,
         WRITE_KV=kv_write is not None,
+        KV_QUANT=quantized,
+        PAGE_SIZE=k_cache.shape[1] if quantized else 1,
+        QMAX=kv_quant.QMAX[k_cache.dtype] if quantized else 1.0,
+        IS_INT8=quantized and k_cache.dtype == torch.int8,
         num_warps=4,
     )

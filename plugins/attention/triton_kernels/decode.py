@@ -14,6 +14,11 @@ costs about as much as the merge itself.
 Each request's split length is derived on the device from ``seq_lens``; programs
 whose slice is empty exit at once, so the launch depends only on tensor shapes and the
 path is CUDA-graph capturable. Padding rows (seq_len 0) produce zeros.
+
+A quantized cache (``KV_QUANT``, a compile-time switch: the unquantized kernel is
+unchanged) is dequantized on the fly with its per-token-head scales: the raw fp8 /
+int8 keys enter the dot in the query dtype and the scores are scaled per key; the
+probabilities are scaled per value before the second dot.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from tokenloom.plugins.attention import kv_quant
 
 
 @triton.jit
@@ -40,6 +47,8 @@ def _decode_kernel(
     part_out_ptr,  # [B, H, num_splits, HEAD_DIM] fp32
     part_lse_ptr,  # [B, H, num_splits] fp32
     counters_ptr,  # [B, num_kv_heads] int32, zero between launches
+    k_scale_ptr,  # [num_blocks, PAGE_SIZE, NUM_KV_HEADS] fp32 view (KV_QUANT only)
+    v_scale_ptr,
     stride_q_tok,
     stride_q_head,
     stride_o_tok,
@@ -48,6 +57,7 @@ def _decode_kernel(
     stride_cache_block,
     stride_cache_tok,
     stride_cache_head,
+    stride_scale_block,
     scale_log2,  # softmax scale * log2(e)
     num_splits,
     NUM_HEADS: tl.constexpr,
@@ -59,6 +69,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -102,6 +113,9 @@ def _decode_kernel(
             other=0.0,
         )  # [BLOCK_D, BLOCK_N]
         qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
+        if KV_QUANT:
+            s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * NUM_KV_HEADS + kv_head
+            qk = qk * tl.load(k_scale_ptr + s_off, mask=mask_n, other=0.0)[None, :]
         qk = tl.where(mask_n[None, :], qk, float("-inf"))  # [BLOCK_H, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -112,6 +126,9 @@ def _decode_kernel(
             mask=mask_n[:, None] & mask_d[None, :],
             other=0.0,
         )  # [BLOCK_N, BLOCK_D]
+        if KV_QUANT:
+            s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * NUM_KV_HEADS + kv_head
+            p = p * tl.load(v_scale_ptr + s_off, mask=mask_n, other=0.0)[None, :]
         acc = acc * alpha[:, None] + tl.dot(
             p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION
         )
@@ -179,6 +196,9 @@ def decode_attention(
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    quantized = kv_quant.is_quantized(k_cache.dtype)
+    k_scales = kv_quant.scales_of(k_cache) if quantized else k_cache
+    v_scales = kv_quant.scales_of(v_cache) if quantized else v_cache
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -189,6 +209,8 @@ def decode_attention(
         part_out,
         part_lse,
         counters,
+        k_scales,
+        v_scales,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -197,6 +219,7 @@ def decode_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        k_scales.stride(0) if quantized else 0,
         scale * 1.4426950408889634,
         num_splits,
         NUM_HEADS=num_heads,
@@ -208,6 +231,7 @@ def decode_attention(
         BLOCK_N=block_n,
         PAGE_SIZE=k_cache.shape[1],
         DOT_PRECISION=precision,
+        KV_QUANT=quantized,
         num_warps=num_warps,
         num_stages=num_stages,
     )

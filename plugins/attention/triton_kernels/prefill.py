@@ -12,6 +12,10 @@ to the decode kernel); it is an offset into the whole batch's metadata rather th
 sliced tensors, and the batch-dependent integers are not specialised on, so one
 compiled kernel serves every batch (a sliced pointer's alignment or a count's
 divisibility would otherwise compile a new variant mid-run, about a second each).
+
+A quantized cache (``KV_QUANT``, a compile-time switch: the unquantized kernel is
+unchanged) is dequantized as in the decode kernel: scores scaled per key after the
+first dot, probabilities per value before the second.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from tokenloom.plugins.attention import kv_quant
 
 
 @triton.jit
@@ -53,10 +59,16 @@ def _attend_tile(
     scale_log2,
     offs_d,
     mask_d,
+    k_scale_ptr,
+    v_scale_ptr,
+    scale_head_off,  # kv_head: scales are [num_blocks, PAGE_SIZE, num_kv_heads]
+    stride_scale_block,
+    stride_scale_tok,
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < seq_len
@@ -68,6 +80,9 @@ def _attend_tile(
         other=0.0,
     )  # [BLOCK_D, BLOCK_N]
     qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
+    if KV_QUANT:
+        s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * stride_scale_tok
+        qk = qk * tl.load(k_scale_ptr + s_off + scale_head_off, mask=mask_n, other=0.0)[None, :]
     if CAUSAL:
         visible = (offs_n[None, :] <= query_pos[:, None]) & mask_n[None, :]
         qk = tl.where(visible, qk, float("-inf"))  # [BLOCK_M, BLOCK_N]
@@ -80,6 +95,9 @@ def _attend_tile(
         mask=mask_n[:, None] & mask_d[None, :],
         other=0.0,
     )  # [BLOCK_N, BLOCK_D]
+    if KV_QUANT:
+        s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * stride_scale_tok
+        p = p * tl.load(v_scale_ptr + s_off + scale_head_off, mask=mask_n, other=0.0)[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
@@ -103,6 +121,10 @@ def _prefill_kernel(
     stride_cache_block,
     stride_cache_tok,
     stride_cache_head,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_scale_block,
+    stride_scale_tok,
     scale_log2,  # softmax scale * log2(e)
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -111,6 +133,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     head = tl.program_id(0)
     tile = tl.program_id(1)
@@ -152,13 +175,15 @@ def _prefill_kernel(
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, table, head_off,
             stride_cache_block, stride_cache_tok, query_pos, seq_len, scale_log2,
-            offs_d, mask_d, BLOCK_N, PAGE_SIZE, False, DOT_PRECISION,
+            offs_d, mask_d, k_scale_ptr, v_scale_ptr, head // GROUP, stride_scale_block,
+            stride_scale_tok, BLOCK_N, PAGE_SIZE, False, DOT_PRECISION, KV_QUANT,
         )  # fmt: skip
     for n0 in range(unmasked_end, causal_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, table, head_off,
             stride_cache_block, stride_cache_tok, query_pos, seq_len, scale_log2,
-            offs_d, mask_d, BLOCK_N, PAGE_SIZE, True, DOT_PRECISION,
+            offs_d, mask_d, k_scale_ptr, v_scale_ptr, head // GROUP, stride_scale_block,
+            stride_scale_tok, BLOCK_N, PAGE_SIZE, True, DOT_PRECISION, KV_QUANT,
         )  # fmt: skip
 
     # Padding rows (seq_len 0) saw no key: write zeros, not NaN.
@@ -195,6 +220,9 @@ def prefill_attention(
     if num_tokens <= 0 or num_seqs <= 0:
         return
     num_kv_heads = k_cache.shape[2]
+    quantized = kv_quant.is_quantized(k_cache.dtype)
+    k_scales = kv_quant.scales_of(k_cache) if quantized else k_cache
+    v_scales = kv_quant.scales_of(v_cache) if quantized else v_cache
     grid = (num_heads, num_tokens // block_m + num_seqs)
     _prefill_kernel[grid](
         q,
@@ -214,6 +242,10 @@ def prefill_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        k_scales,
+        v_scales,
+        k_scales.stride(0) if quantized else 0,
+        k_scales.stride(1) if quantized else 0,
         scale * 1.4426950408889634,
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
@@ -222,6 +254,7 @@ def prefill_attention(
         BLOCK_N=block_n,
         PAGE_SIZE=k_cache.shape[1],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        KV_QUANT=quantized,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -1,0 +1,108 @@
+"""Quantized KV cache (``kv_cache_dtype`` fp8 | int8): the pool layout and the
+reference quantize / dequantize.
+
+Scales are dynamic, one per token and KV head (absmax of the head's ``head_dim``
+values over the format's largest value: 448 for fp8 e4m3, 127 for int8), computed
+when the token is written. They need no calibration, a row never shares its range
+with an outlier elsewhere, and a block filled one token at a time never has to be
+re-quantized. The cost is 4 bytes per token and head next to ``head_dim`` bytes.
+
+Each block of a quantized pool holds its data, then its scales:
+``[block_size, num_kv_heads, head_dim]`` of fp8/int8 followed by
+``[block_size, num_kv_heads]`` fp32 (the block padded to 16 bytes). The cache a layer
+sees is the data view ``[num_blocks, block_size, num_kv_heads, head_dim]`` (strided:
+one block every ``block_bytes``); ``scales_of(cache)`` gives the scale view of the same
+memory, so the caches still travel as plain tensors through the model, CUDA graphs
+and the attention interface. Unquantized pools are allocated exactly as before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KV_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
+QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
+SCALE_BYTES = 4  # fp32, one per token and KV head
+
+
+def is_quantized(dtype: torch.dtype) -> bool:
+    return dtype in QMAX
+
+
+def cache_dtype(kv_cache_dtype: str, model_kv_dtype: torch.dtype) -> torch.dtype:
+    """The pool's dtype: ``auto`` keeps ``model_kv_dtype`` (the model's, or what the
+    weight quant method asks for); fp8 / int8 quantize, whatever the weights are."""
+    if kv_cache_dtype == "auto":
+        return model_kv_dtype
+    return KV_DTYPES[kv_cache_dtype]
+
+
+def block_bytes(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one block of one layer's keys (or values), scales included."""
+    data = block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    if not is_quantized(dtype):
+        return data
+    return -(-(data + block_size * num_kv_heads * SCALE_BYTES) // 16) * 16
+
+
+def allocate(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The zeroed pool (one tensor) and each layer's ``(k_cache, v_cache)`` views."""
+    if not is_quantized(dtype):
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        pool = torch.zeros(shape, dtype=dtype, device=device)
+        return pool, [(pool[i, 0], pool[i, 1]) for i in range(num_layers)]
+    per_block = block_bytes(block_size, num_kv_heads, head_dim, dtype)
+    pool = torch.zeros((num_layers, 2, num_blocks, per_block), dtype=torch.uint8, device=device)
+    data = block_size * num_kv_heads * head_dim
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+
+    def view(flat: torch.Tensor) -> torch.Tensor:  # [num_blocks, per_block] uint8
+        return flat[:, :data].unflatten(1, shape[1:]).view(dtype)
+
+    return pool, [(view(pool[i, 0]), view(pool[i, 1])) for i in range(num_layers)]
+
+
+def scales_of(cache: torch.Tensor) -> torch.Tensor:  # [num_blocks, block_size, num_kv_heads]
+    """The fp32 scale view of a quantized cache from ``allocate`` (same memory)."""
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    block_stride = cache.stride(0)
+    scales = torch.as_strided(
+        cache.view(torch.uint8),
+        (num_blocks, block_size, num_kv_heads, SCALE_BYTES),
+        (block_stride, num_kv_heads * SCALE_BYTES, SCALE_BYTES, 1),
+        cache.storage_offset() + block_size * num_kv_heads * head_dim,
+    )
+    return scales.view(torch.float32).squeeze(-1)
+
+
+def quantize(
+    x: torch.Tensor,  # [T, num_kv_heads, head_dim], any float dtype
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, Hkv, D] dtype, [T, Hkv] fp32)
+    """Per-(token, head) absmax quantization. int8 rounds half away from zero (as the
+    Triton kernels do); fp8 rounds to nearest even and saturates at 448. A zero row
+    gets scale 0."""
+    xf = x.float()
+    scale = xf.abs().amax(-1) / QMAX[dtype]  # [T, Hkv]
+    y = xf / torch.where(scale > 0, scale, 1.0)[..., None]
+    if dtype == torch.int8:
+        y = (y.sign() * (y.abs() + 0.5).floor()).clamp(-127, 127)
+    else:
+        y = y.clamp(-448.0, 448.0)
+    return y.to(dtype), scale
+
+
+def dequantize(
+    data: torch.Tensor,  # [..., Hkv, D] fp8/int8
+    scales: torch.Tensor,  # [..., Hkv] fp32
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [..., Hkv, D] dtype
+    return (data.float() * scales[..., None]).to(dtype)
