@@ -40,5 +40,6 @@ setup(
     package_data={
         "tokenloom.protocols": ["README.md"],
         "tokenloom.eval": ["data/*.json", "data/*.txt", "data/*.md"],
+        "tokenloom.sim": ["data/*.json", "data/*.csv", "data/*.md"],
     },
 )
