@@ -1,0 +1,35 @@
+"""The built-in KV manager, attention backends and proposer pass their conformance
+suites (the schedulers' run in tests/plugins/scheduler/test_scheduler_properties.py)."""
+
+from __future__ import annotations
+
+from tokenloom.plugins.attention.torch_backend import TorchAttention
+from tokenloom.plugins.kv_cache.paged import PagedKVCache
+from tokenloom.plugins.proposer.ngram import NgramProposer
+from tokenloom.testing import (
+    AttentionConformance,
+    KVCacheConformance,
+    ProposerConformance,
+)
+
+
+class TestPagedConformance(KVCacheConformance):
+    factory = PagedKVCache
+
+
+class TestTorchAttentionConformance(AttentionConformance):
+    factory = TorchAttention
+
+
+class TestTritonAttentionConformance(AttentionConformance):
+    """Under TRITON_INTERPRET=1 on the CPU (float32), on CUDA as it is."""
+
+    @staticmethod
+    def factory(config, info):  # type: ignore[no-untyped-def]
+        from tokenloom.plugins.attention.triton_backend import TritonAttention
+
+        return TritonAttention(config, info)
+
+
+class TestNgramConformance(ProposerConformance):
+    factory = NgramProposer
