@@ -120,7 +120,7 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
+def choose_config(m: int, n: int, k: int, num_sms: int) -> GemmConfig:
     """Tiles by batch size: a K-split weight stream for decode batches, square tiles
     above (enough programs for about two waves over the GPU's SMs)."""
     if m <= SKINNY_ROWS:
@@ -128,7 +128,7 @@ def choose_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
         tiles = triton.cdiv(n, block_n)
         k_blocks = triton.cdiv(k, block_k)
         split = 1
-        while tiles * split < 2 * _num_sms(device) and split * 2 <= max(1, k_blocks // 2):
+        while tiles * split < 2 * num_sms and split * 2 <= max(1, k_blocks // 2):
             split *= 2
         return GemmConfig(SKINNY_ROWS, block_n, block_k, split, num_warps=4, num_stages=4)
     if m <= 64:
@@ -155,7 +155,7 @@ def weight_gemm(
     n = qweight.shape[1]
     assert bits in (4, 8) and x.stride(1) == 1
     assert qweight.shape[0] * (8 if bits == 4 else 1) == k, (tuple(qweight.shape), k)
-    cfg = config or choose_config(m, n, k, x.device)
+    cfg = config or choose_config(m, n, k, _num_sms(x.device))
     k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_chunk)
     if split == 1:

@@ -1,0 +1,153 @@
+"""Pre-quantized checkpoints load directly: an fp8 checkpoint (per-tensor scales, as
+vLLM reads them) and AWQ / GPTQ 4-bit ones. Each is written here from a tiny random
+model; the loaded kernels must hold exactly the stored values, and the engine must
+generate from them the same tokens as from a 16-bit checkpoint of the same values."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tokenloom import LLM, SamplingParams
+from tokenloom.plugins.quant.int4 import dequantize_int4, quantize_int4, unpack_int4
+from tokenloom.plugins.quant.int4_checkpoints import AWQ_ORDER, unpack_columns
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PARAMS = SamplingParams(temperature=0.0, max_tokens=12)
+PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 42]]
+
+
+def pack_columns(q: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """``[R, N]`` values 0..15 -> ``[R, N / 8]`` int32, nibble j = column 8c + order[j]."""
+    rows, n = q.shape
+    grouped = q.to(torch.int32).view(rows, n // 8, 8)[:, :, list(order)]
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    return (grouped << shifts).sum(dim=2, dtype=torch.int32)
+
+
+def test_column_packing_round_trips_in_awq_order():
+    q = torch.randint(0, 16, (3, 16), dtype=torch.int32)
+    assert torch.equal(unpack_columns(pack_columns(q, AWQ_ORDER), AWQ_ORDER), q)
+    word = int(pack_columns(q, AWQ_ORDER)[0, 0])
+    assert (word >> 4) & 0xF == int(q[0, 2])  # AWQ's nibble 1 is column 2
+
+
+def _rewrite(src: Path, dst: Path, convert, quantization_config: dict) -> Path:
+    """A copy of the checkpoint ``src`` whose projection weights ``convert`` replaces
+    (name prefix, weight) -> {name: tensor}; returns the dense equivalent's dir too."""
+    shutil.copytree(src, dst)
+    for path in dst.glob("*.safetensors"):
+        tensors = load_file(path)
+        out = {}
+        for name, tensor in tensors.items():
+            prefix = name.removesuffix(".weight")
+            if name.endswith(".weight") and prefix.split(".")[-1] in PROJECTIONS:
+                out.update(convert(prefix, tensor))
+            else:
+                out[name] = tensor
+        save_file(out, str(path))
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def _dense_twin(src: Path, dst: Path, dequantized: dict[str, torch.Tensor]) -> Path:
+    """``src`` with the projections replaced by their dequantized values (16-bit)."""
+    shutil.copytree(src, dst)
+    for path in dst.glob("*.safetensors"):
+        tensors = load_file(path)
+        for name in list(tensors):
+            if name.removesuffix(".weight") in dequantized:
+                tensors[name] = dequantized[name.removesuffix(".weight")]
+        save_file(tensors, str(path))
+    return dst
+
+
+def _tokens(model_dir: Path, quant: str) -> list[list[int]]:
+    llm = LLM(str(model_dir), dtype="float32", quant=quant)
+    try:
+        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_factory) -> Path:
+    return Path(tiny_model_factory("llama"))
+
+
+def test_fp8_checkpoint_loads_its_weights_and_per_tensor_scales(tiny, tmp_path):
+    stored: dict[str, torch.Tensor] = {}
+
+    def convert(prefix, w):
+        scale = w.float().abs().max() / 448.0
+        q = (w.float() / scale).to(torch.float8_e4m3fn)
+        stored[prefix] = q.float() * scale
+        return {f"{prefix}.weight": q, f"{prefix}.weight_scale": scale.reshape(())}
+
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    fp8_dir = _rewrite(tiny, tmp_path / "fp8", convert, qc)
+    llm = LLM(str(fp8_dir), dtype="float32", quant="fp8")
+    try:
+        attn = llm.engine.executor.model.model.layers[0].self_attn
+        kernel = attn.qkv_proj.kernel
+        loaded = kernel.weight.float() * kernel.scales  # each part keeps its own scale
+        prefix = "model.layers.0.self_attn"
+        expected = torch.cat([stored[f"{prefix}.{p}"] for p in ("q_proj", "k_proj", "v_proj")])
+        assert torch.equal(loaded, expected)
+        assert attn.qkv_proj.weight.numel() == 0
+        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+    finally:
+        llm.engine.shutdown()
+
+
+def _int4_parts(w: torch.Tensor, group: int):
+    qweight, scales, zeros = quantize_int4(w.half(), group)
+    q = unpack_int4(qweight)  # [K, N]
+    deq = dequantize_int4(qweight, scales, zeros, group, torch.float32).contiguous()
+    return q, scales, zeros.to(torch.int32), deq
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_int4_checkpoint_generates_as_its_dense_twin(method, tiny, tmp_path):
+    group = 32  # the tiny model's K (64, 128) holds several groups
+    dequantized: dict[str, torch.Tensor] = {}
+
+    def convert(prefix, w):
+        q, scales, zeros, deq = _int4_parts(w, group)
+        dequantized[prefix] = deq
+        if method == "awq":
+            return {
+                f"{prefix}.qweight": pack_columns(q, AWQ_ORDER),
+                f"{prefix}.qzeros": pack_columns(zeros, AWQ_ORDER),
+                f"{prefix}.scales": scales,
+            }
+        k = q.shape[0]
+        packed = (q.view(k // 8, 8, -1) << (torch.arange(8)[None, :, None] * 4)).sum(1)
+        return {
+            f"{prefix}.qweight": packed.to(torch.int32),
+            f"{prefix}.qzeros": pack_columns((zeros - 1) & 0xF, tuple(range(8))),  # v1: z - 1
+            f"{prefix}.scales": scales,
+            f"{prefix}.g_idx": (torch.arange(k) // group).to(torch.int32),
+        }
+
+    qc = {"quant_method": method, "bits": 4, "group_size": group}
+    qc.update({"version": "gemm", "zero_point": True} if method == "awq" else {"desc_act": False})
+    quantized = _rewrite(tiny, tmp_path / method, convert, qc)
+    twin = _dense_twin(tiny, tmp_path / "dense", dequantized)
+    assert _tokens(quantized, "int4") == _tokens(twin, "none")
+
+
+def test_act_order_gptq_is_refused(tiny, tmp_path):
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True}
+    quantized = _rewrite(tiny, tmp_path / "gptq", lambda p, w: {f"{p}.weight": w}, qc)
+    with pytest.raises(Exception, match="act-order"):
+        LLM(str(quantized), dtype="float32", quant="int4")

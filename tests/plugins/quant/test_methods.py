@@ -1,0 +1,98 @@
+"""The weight methods on single layers (CPU reference paths): rounding within half a
+step, the packed layouts round-trip, the dense weight is freed, and the quantized
+tensors are the layer's parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenloom.config import EngineConfig
+from tokenloom.plugins.models.layers import Linear
+from tokenloom.plugins.quant.fp8 import FP8_MAX, Fp8Quant, quantize_fp8_rows
+from tokenloom.plugins.quant.int4 import (
+    Int4Quant,
+    dequantize_int4,
+    pack_int4,
+    quantize_int4,
+    unpack_int4,
+)
+from tokenloom.plugins.quant.int8 import Int8Quant, dequantize_int8, quantize_int8
+
+METHODS = {"int8": Int8Quant, "int4": Int4Quant, "fp8": Fp8Quant}
+
+
+def test_int4_pack_round_trips():
+    q = torch.randint(0, 16, (64, 24), dtype=torch.int32)
+    packed = pack_int4(q)
+    assert packed.shape == (8, 24) and packed.dtype == torch.int32
+    assert torch.equal(unpack_int4(packed), q)
+    assert int(packed[0, 0]) & 0xF == int(q[0, 0])  # row 8i+j is nibble j
+
+
+def test_int8_rounds_each_weight_within_half_a_step():
+    w = torch.randn(48, 80)
+    qweight, scales = quantize_int8(w)
+    assert qweight.dtype == torch.int8 and qweight.shape == (80, 48)
+    err = (dequantize_int8(qweight, scales, torch.float32) - w).abs()
+    assert bool((err <= scales.t() / 2 + 1e-7).all())
+    assert int(qweight.abs().max()) == 127  # each row's largest value is +-127
+
+
+@pytest.mark.parametrize("k", [256, 320])  # 320: a partial last group of 64
+def test_int4_rounds_each_weight_within_half_a_step_of_its_group(k):
+    w = torch.randn(40, k)
+    qweight, scales, zeros = quantize_int4(w, 128)
+    groups = -(-k // 128)
+    assert qweight.shape == (k // 8, 40) and scales.shape == zeros.shape == (groups, 40)
+    w_hat = dequantize_int4(qweight, scales, zeros, 128, torch.float32)
+    step = scales.t().repeat_interleave(128, dim=1)[:, :k]
+    assert bool(((w_hat - w).abs() <= step / 2 + 1e-6).all())
+    assert bool(((zeros >= 0) & (zeros <= 15)).all())
+
+
+def test_fp8_scales_each_row_to_the_e4m3_range():
+    w = torch.randn(16, 64) * torch.logspace(-3, 1, 16)[:, None]
+    q, scales = quantize_fp8_rows(w)
+    assert q.dtype == torch.float8_e4m3fn and scales.shape == (16, 1)
+    assert torch.allclose(q.float().abs().amax(dim=1), torch.full((16,), FP8_MAX))
+    rel = (q.float() * scales - w).abs() / w.abs().amax(dim=1, keepdim=True)
+    assert float(rel.max()) < 2**-4  # e4m3: 3 mantissa bits
+
+
+def _layer(n=96, k=256, bias=True):
+    torch.manual_seed(0)
+    layer = Linear(k, (n // 2, n // 2), bias, torch.float32)
+    torch.nn.init.normal_(layer.weight, std=k**-0.5)
+    if layer.bias is not None:
+        torch.nn.init.normal_(layer.bias)
+    return layer
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.proj = layer
+        self.lm_head = Linear(layer.out_features, (8,), False, torch.float32)
+
+
+# relative error of one layer's output: fp8 quantizes the activations too
+TOLERANCE = {"int8": 0.01, "fp8": 0.06, "int4": 0.15}
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_method_replaces_the_dense_weight_with_a_kernel(method):
+    layer = _layer()
+    x = torch.randn(5, 256)
+    dense = F.linear(x, layer.weight, layer.bias)
+    dense_bytes = layer.weight.numel() * 4
+    model = _Model(layer)
+    METHODS[method](EngineConfig()).quantize_model(model)
+    assert layer.kernel is not None and layer.weight.numel() == 0
+    assert model.lm_head.kernel is None and model.lm_head.weight.numel() > 0  # kept dense
+    got = layer(x)
+    err = float((got - dense).norm() / dense.norm())
+    assert 0 < err < TOLERANCE[method]
+    stored = sum(p.numel() * p.element_size() for p in layer.parameters()) - 96 * 4  # - bias
+    assert stored < dense_bytes / (3.5 if method != "int4" else 6)  # 1 or 1/2 byte + scales

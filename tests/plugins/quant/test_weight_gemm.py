@@ -1,0 +1,83 @@
+"""The weight-only Triton GEMM (int8 and int4 weights) equals the reference path
+(dequantize, then ``F.linear``): tiny shapes in the interpreter on the CPU, the real
+configs and Llama-3-8B shapes on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenloom.plugins.quant.int4 import dequantize_int4, quantize_int4
+from tokenloom.plugins.quant.int8 import dequantize_int8, quantize_int8
+from tokenloom.plugins.quant.kernels.weight_gemm import GemmConfig, choose_config, weight_gemm
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def _quantized(bits: int, n: int, k: int, dtype: torch.dtype, group: int = 128):
+    w = torch.randn(n, k, device=DEVICE) / k**0.5
+    if bits == 8:
+        qweight, scales = quantize_int8(w)
+        return (qweight, scales, None, 0), dequantize_int8(qweight, scales, torch.float64)
+    qweight, scales, zeros = quantize_int4(w.to(dtype), group)
+    return (qweight, scales, zeros, group), dequantize_int4(
+        qweight, scales, zeros, group, torch.float64
+    )
+
+
+def _check(bits, m, n, k, dtype, config, bias, group=128, tol=None):
+    torch.manual_seed(0)
+    (qweight, scales, zeros, grp), w = _quantized(bits, n, k, dtype, group)
+    x = torch.randn(m, k, device=DEVICE, dtype=dtype)
+    b = torch.randn(n, device=DEVICE, dtype=dtype) if bias else None
+    got = weight_gemm(x, qweight, scales, zeros, bits, grp, b, config)
+    expected = F.linear(x.double(), w, None if b is None else b.double())
+    assert got.shape == (m, n) and got.dtype == dtype
+    err = float((got.double() - expected).norm() / expected.norm())
+    assert err < (tol or {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype])
+
+
+# tiny tiles keep the interpreter quick; each case crosses a tile or group edge
+SMALL = [
+    (GemmConfig(16, 16, 32), 1, 40, 96),  # decode row, N and K not multiples of the tile
+    (GemmConfig(16, 16, 32, split_k=2), 5, 32, 128),  # K split: fp32 partial sums
+    (GemmConfig(16, 32, 16), 20, 48, 64),  # two row tiles
+]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(("config", "m", "n", "k"), SMALL)
+@pytest.mark.parametrize("bias", [False, True])
+def test_weight_gemm_equals_dequantized_linear(bits, config, m, n, k, bias):
+    _check(bits, m, n, k, torch.float32, config, bias, group=32)
+
+
+def test_int4_gemm_with_a_partial_last_group():
+    # K = 96 with groups of 64: the second group has 32 rows (SmolLM2's K = 576 case)
+    _check(4, 3, 32, 96, torch.float32, GemmConfig(16, 16, 32), False, group=64)
+
+
+def test_float16_in_the_interpreter():
+    _check(4, 2, 32, 64, torch.float16, GemmConfig(16, 16, 32), True, group=32)
+
+
+def test_decode_batches_split_k_on_narrow_layers():
+    h200_sms = 132
+    down = choose_config(1, 4096, 14336, h200_sms)  # 64 column tiles: too few alone
+    assert down.block_m == 16 and down.split_k >= 4
+    assert choose_config(1, 28672, 4096, h200_sms).split_k <= 2  # wide: enough tiles
+    assert choose_config(256, 4096, 4096, h200_sms).split_k == 1
+
+
+LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("m", [1, 7, 16, 48, 300])
+@pytest.mark.parametrize(("n", "k"), LLAMA_8B)
+def test_weight_gemm_on_llama_shapes_gpu(bits, m, n, k):
+    _check(bits, m, n, k, torch.bfloat16, None, m == 7)
