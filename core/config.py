@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -135,6 +135,22 @@ def _at_least(name: str, value: int, low: int) -> None:
         raise ConfigError(f"{name}: must be >= {low}, got {value}")
 
 
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+def plugin_settings(config: EngineConfig, name: str, settings: type[S]) -> S:
+    """The ``[plugin.NAME]`` table as ``settings`` (a msgspec Struct): its defaults
+    for missing keys. Raises ConfigError naming ``plugin.NAME.KEY`` for an unknown
+    key (with ``forbid_unknown_fields``) or a bad value."""
+    try:
+        return msgspec.convert(config.plugin.get(name, {}), settings, strict=False)
+    except msgspec.ValidationError as exc:
+        message = _friendly(str(exc), f"plugin.{name}.")
+        if message.endswith("unknown setting"):
+            message += f"; known: {', '.join(settings.__struct_fields__) or '(none)'}"
+        raise ConfigError(message) from exc
+
+
 def field_names() -> tuple[str, ...]:
     return EngineConfig.__struct_fields__
 
@@ -175,9 +191,12 @@ def _flatten_sections(data: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def _friendly(message: str) -> str:
+def _friendly(message: str, prefix: str = "") -> str:
     # msgspec says "Expected `int`, got `str` - at `$.max_num_seqs`"; lead with the field.
     if " - at `$." in message:
         text, _, where = message.partition(" - at `$.")
-        return f"{where.rstrip('`')}: {text}"
-    return message
+        return f"{prefix}{where.rstrip('`')}: {text}"
+    if message.startswith("Object contains unknown field `"):  # forbid_unknown_fields
+        key = message.split("`")[1]
+        return f"{prefix}{key}: unknown setting"
+    return f"{prefix.rstrip('.')}: {message}" if prefix else message

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 KINDS = (
     "scheduler",
     "kv_cache",
@@ -29,11 +31,21 @@ class ComponentSpec:
 
     ``factory`` builds the component; its signature is the kind's constructor
     contract, stated on the kind's interface (e.g. a scheduler factory takes
-    ``(config, kv_cache)``). For kind ``model`` the name is the Hugging Face
-    architecture (``LlamaForCausalLM``).
+    ``(config, kv_cache, clock=...)``). For kind ``model`` the name is the Hugging
+    Face architecture (``LlamaForCausalLM``).
+
+    ``settings`` declares the component's ``[plugin.NAME]`` table (NAME = ``name``)
+    as a msgspec Struct with defaults; declare it with ``forbid_unknown_fields=True``
+    so a mistyped key fails. The plugin manager validates the table against it
+    before anything heavy is built (``PluginManager.check_config``): a bad key or
+    value fails start-up with ``plugin.NAME.KEY`` in the message. The component
+    reads its settings with ``tokenloom.config.plugin_settings(config, NAME,
+    settings)``. None: the component takes no declared settings (its table, if any,
+    is not checked key by key).
     """
 
     kind: str
     name: str
     factory: Callable[..., Any]
     description: str = ""
+    settings: type[msgspec.Struct] | None = None
