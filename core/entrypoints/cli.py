@@ -82,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     evaluate.set_defaults(command="eval", run=_lazy("tokenloom.eval.cli"), passthrough=True)
+
+    plan = commands.add_parser(
+        "plan",
+        help="memory budget: weights, KV blocks, requests at full length (see its --help)",
+        add_help=False,
+    )
+    plan.set_defaults(command="plan", run=_lazy("tokenloom.entrypoints.plan"), passthrough=True)
     return parser
 
 

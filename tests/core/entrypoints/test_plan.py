@@ -1,0 +1,100 @@
+"""``tokenloom plan``: the engine's sizing rule without a GPU.
+
+The H200 figures come from the engine's own start-up logs recorded in docs/results
+(total 139.80 GiB, gpu_memory_utilization 0.9, 8192 batched tokens, 256 sequences,
+CUDA graphs on): the planner must land within 1% of those KV blocks.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenloom.checkpoints.model_shapes import write_shape_dir
+from tokenloom.config import EngineConfig
+from tokenloom.entrypoints import plan as planner
+from tokenloom.entrypoints.cli import main as cli_main
+
+H200_GIB = 139.80072021484375
+GiB = 1 << 30
+
+
+def plan_of(model: str, gpu_gib: float = H200_GIB, **fields) -> planner.Plan:
+    return planner.make_plan(EngineConfig(model=model, **fields), gpu_gib)
+
+
+@pytest.mark.parametrize(
+    ("shape", "engine_kv_gib"),
+    [
+        # docs/results/async-lat-llama-3-8b--no-async-scheduling.json, memory_gib.kv_gib
+        ("llama-3-8b", 108.744140625),
+        # docs/results/throughput-qwen3-fused.json
+        ("qwen3-0.6b", 123.202392578125),
+        # docs/results/smollm-session-base-lat-smol.json
+        ("smollm2-135m", 123.90552520751953),
+    ],
+)
+def test_kv_blocks_agree_with_the_engine_start_up_on_the_h200(shape, engine_kv_gib):
+    plan = plan_of(shape)
+    engine_blocks = engine_kv_gib * GiB / plan.kv_bytes_per_block
+    assert plan.num_kv_blocks == pytest.approx(engine_blocks, rel=0.01)
+    assert plan.fits and plan.advice == []
+
+
+def test_llama_3_8b_figures_are_its_parameter_count_and_kv_layout():
+    plan = plan_of("llama-3-8b")
+    assert plan.weights_bytes == 8_030_261_248 * 2  # the model's 8.03 B parameters in bf16
+    assert plan.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2  # K and V, layers, KV heads, dim
+    assert plan.max_concurrency_at_full_length == plan.num_kv_blocks // (8192 // 16)
+
+
+def test_quantized_kv_cache_holds_the_blocks_its_bytes_allow():
+    plain, fp8, int8 = (plan_of("llama-3-8b", kv_cache_dtype=k) for k in ("auto", "fp8", "int8"))
+    # one byte per value plus a 4-byte scale per token and head of 128 values
+    assert fp8.kv_bytes_per_token == 2 * 32 * 8 * (128 + 4)
+    assert int8.num_kv_blocks == fp8.num_kv_blocks
+    assert fp8.num_kv_blocks / plain.num_kv_blocks == pytest.approx(256 / 132, rel=0.001)
+    assert fp8.kv_cache_dtype == "float8_e4m3fn" and int8.kv_cache_dtype == "int8"
+
+
+def test_weight_quantization_and_tensor_parallelism_shrink_the_weights_per_gpu():
+    sizes = {q: plan_of("llama-3-8b", quant=q).weights_bytes for q in ("none", "int8", "int4")}
+    embeddings = 2 * 128256 * 4096 * 2  # embedding and LM head stay bf16
+    assert sizes["int8"] - embeddings == pytest.approx((sizes["none"] - embeddings) / 2, rel=0.01)
+    # int4: half a byte, plus a bf16 scale and zero point per group of 128
+    int4_ratio = (0.5 + 2 * 2 / 128) / 2
+    assert sizes["int4"] - embeddings == pytest.approx(
+        (sizes["none"] - embeddings) * int4_ratio, rel=0.01
+    )
+    tp2 = plan_of("llama-3-8b", tensor_parallel_size=2)
+    assert tp2.weights_bytes - embeddings == pytest.approx(
+        (sizes["none"] - embeddings) / 2, rel=1e-3
+    )
+    assert tp2.kv_bytes_per_token == plan_of("llama-3-8b").kv_bytes_per_token / 2
+
+
+def test_a_setting_that_cannot_fit_says_which_changes_would(capsys):
+    plan = plan_of("llama-3-8b", gpu_gib=16)
+    assert not plan.fits and plan.num_kv_blocks == 0
+    assert any(line.startswith("--quant fp8:") for line in plan.advice)
+    assert any(line.startswith("-tp 2:") for line in plan.advice)
+    assert not any(line.startswith("--kv-cache-dtype fp8:") for line in plan.advice)
+    too_long = plan_of("llama-3-8b", gpu_gib=24, max_model_len=65536)
+    assert not too_long.fits and too_long.num_kv_blocks > 0
+    assert too_long.advice[0].startswith(f"--max-model-len {too_long.kv_tokens} ")
+    assert plan_of("llama-3-8b", gpu_gib=24, max_model_len=too_long.kv_tokens).fits
+
+
+def test_cli_reads_a_model_directory_and_prints_json(tmp_path, capsys):
+    model_dir = write_shape_dir("qwen3-0.6b", tmp_path / "qwen3")
+    argv = ["plan", str(model_dir), "--gpu-memory-gb", "80", "-tp", "2", "--json"]
+    assert cli_main([*argv, "--kv-cache-dtype", "int8"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"] == "qwen3" and report["tensor_parallel_size"] == 2
+    assert report["kv_bytes_per_token"] == 2 * 28 * 4 * (128 + 4)
+    assert report["num_kv_blocks"] == plan_of(str(model_dir), 80, tensor_parallel_size=2,
+                                              kv_cache_dtype="int8").num_kv_blocks  # fmt: skip
+    assert cli_main(["plan", "llama-3-8b", "--gpu-memory-gb", "16"]) == 1
+    assert "fits                NO" in capsys.readouterr().out
+    assert cli_main(["plan", "llama-3-8b", "--gpu-memory-gb", "80", "--quant", "awq"]) == 2
