@@ -210,6 +210,8 @@ def _add(
                 params,
                 priority=request.priority,
                 arrival_time=request.arrival_s,
+                deadline=request.deadline_s,
+                tenant=request.tenant,
             )
         )
     except (QueueFullError, ValueError):

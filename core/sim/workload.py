@@ -35,6 +35,7 @@ class TraceRequest(msgspec.Struct, omit_defaults=True):
     priority: int = 0
     tenant: str = ""
     finish_reason: str = ""  # recorded traces: how the request ended on the server
+    deadline_s: float | None = None  # the engine aborts it this long after arrival
 
 
 def synthetic(
