@@ -30,8 +30,9 @@ class LLM:
     ``model`` is a checkpoint directory or a .gguf file; empty means the built-in
     default, SmolLM2-135M-Instruct (``tokenloom.checkpoints.default_model.default_model``).
     ``engine_options`` are ``EngineConfig`` fields (``max_num_seqs=64``,
-    ``dtype="float32"``, ``scheduler="static"``, ...); ``plugins`` are extra plugin
-    objects (modules or instances with ``@hookimpl`` functions) to register.
+    ``dtype="float32"``, ``scheduler="static"``, ``tensor_parallel_size=2``, ...);
+    ``plugins`` are extra plugin objects (modules or instances with ``@hookimpl``
+    functions) to register.
     """
 
     def __init__(
@@ -55,6 +56,11 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(self.engine.config.model)
         self.processor = OutputProcessor(self.tokenizer, stream=False)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Release the device and stop the tensor-parallel workers (if any); the LLM
+        is unusable afterwards. Workers also stop when this process exits."""
+        self.engine.shutdown()
 
     @property
     def max_model_len(self) -> int:

@@ -47,6 +47,7 @@ class TensorParallelExecutor(Executor):
         self.plugins = plugins
         self.size = config.tensor_parallel_size
         self.backend = dist_group.choose_backend(config)
+        dist_group.share_cpu(config)
         self.runner = ModelRunner(config, plugins)
         self.runner.device = dist_group.rank_device(config, 0)
         self._ctx = zmq.Context()

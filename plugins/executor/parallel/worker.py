@@ -71,6 +71,7 @@ def run_worker(spec: WorkerSpec) -> int:
     signal.signal(signal.SIGTERM, _stop)
     _watch_parent(spec.parent_pid, 2.0)
     config = spec.config
+    dist_group.share_cpu(config)
     ctx = zmq.Context()
     steps = make_socket(ctx, "worker-steps", spec.steps_endpoint, bind=False)
     size = config.tensor_parallel_size

@@ -1,0 +1,147 @@
+"""Tensor parallelism on the CPU (gloo): TP=N gives TP=1's greedy tokens (and
+transformers'), for every architecture, with GQA, MQA (KV heads replicated) and a
+vocabulary that does not split evenly; a dead worker fails the generation within 5 s
+and leaves no process behind.
+
+Each engine here starts real worker processes (fresh interpreters importing torch:
+a few seconds each on a small CPU), so the models and generations stay tiny.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from tokenloom import LLM, SamplingParams
+from tokenloom.plugins.executor.parallel.workers import WorkerDiedError
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[5, 9, 2, 33, 17, 8], [40, 41, 42] * 5, list(range(100, 131))]
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+# Small pool and budget: prompts are prefilled in chunks, decodes batch with prefills.
+ENGINE = dict(device="cpu", dtype="float32", block_size=4, num_blocks=96, max_num_batched_tokens=16)
+ODD_VOCAB = 3  # added to the default (a multiple of 64): splits over neither 2 nor 4 ranks
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _generate(model_dir, **options) -> list[list[int]]:
+    llm = LLM(str(model_dir), **ENGINE, **options)
+    try:
+        return _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    finally:
+        llm.shutdown()
+
+
+def _hf_greedy(model_dir) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    results = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=MAX_TOKENS,
+                min_new_tokens=MAX_TOKENS,
+                do_sample=False,
+            )
+        results.append(out[0, len(prompt) :].tolist())
+    return results
+
+
+def _default_vocab(tiny_model_factory) -> int:
+    import json
+
+    config = json.loads((tiny_model_factory("llama") / "config.json").read_text())
+    return int(config["vocab_size"])
+
+
+# (arch, tensor_parallel_size, checkpoint options, engine options)
+CASES = {
+    "llama-tp2-gqa-async": ("llama", 2, {}, {"async_scheduling": True}),
+    "mistral-tp2": ("mistral", 2, {}, {}),
+    "qwen2-tp2-tied": ("qwen2", 2, {"tie_word_embeddings": True}, {}),
+    "qwen3-tp2-qk-norm": ("qwen3", 2, {}, {}),
+    "llama3-tp4-4kv-odd-vocab": ("llama3", 4, {"num_kv_heads": 4, "vocab": ODD_VOCAB}, {}),
+    "qwen2-tp2-mqa-odd-vocab": ("qwen2", 2, {"num_kv_heads": 1, "vocab": ODD_VOCAB}, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_tokens_at_tp_equal_tp1_and_transformers(tiny_model_factory, case):
+    arch, size, options, engine = CASES[case]
+    options = dict(options)
+    if "vocab" in options:
+        options["vocab_size"] = _default_vocab(tiny_model_factory) + options.pop("vocab")
+    model_dir = tiny_model_factory(arch, **options)
+
+    single = _generate(model_dir, **engine)
+    parallel = _generate(model_dir, tensor_parallel_size=size, **engine)
+
+    assert parallel == single
+    assert single == _hf_greedy(model_dir)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped) counts as gone
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_killed_worker_fails_generation_within_5s_and_leaves_no_process(tiny_model_factory):
+    model_dir = tiny_model_factory("llama", num_kv_heads=4)
+    llm = LLM(str(model_dir), **ENGINE, tensor_parallel_size=4)
+    pool = llm.engine.executor.pool  # type: ignore[attr-defined]
+    pids = list(pool.pids)
+    assert len(pids) == 3 and all(_alive(p) for p in pids)
+    long = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    killed_at: list[float] = []
+
+    def kill_rank_2() -> None:
+        time.sleep(1.0)
+        killed_at.append(time.monotonic())
+        os.kill(pids[1], 9)
+
+    killer = threading.Thread(target=kill_rank_2)
+    killer.start()
+    try:
+        with pytest.raises(WorkerDiedError, match=r"worker rank 2 \(pid \d+\) killed by signal 9"):
+            llm.generate(PROMPTS, long, use_tqdm=False)
+        failed_after = time.monotonic() - killed_at[0]
+        assert failed_after < 5.0
+        # The group is down: the other workers are gone too, and later steps fail at once.
+        deadline = time.monotonic() + 5.0
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pids)
+        with pytest.raises(WorkerDiedError):
+            llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    finally:
+        killer.join()
+        llm.shutdown()
+    assert not any(_alive(p) for p in pids)
+
+
+def test_shutdown_stops_every_worker(tiny_model_factory):
+    llm = LLM(str(tiny_model_factory("llama")), **ENGINE, tensor_parallel_size=2)
+    pids = list(llm.engine.executor.pool.pids)  # type: ignore[attr-defined]
+    assert _tokens(llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False))[0]
+    started = time.monotonic()
+    llm.shutdown()
+    assert time.monotonic() - started < 5.0
+    assert not any(_alive(p) for p in pids)
