@@ -12,9 +12,11 @@ BUILTIN_PLUGINS = (
     "tokenloom.plugins.quant.int4",
     "tokenloom.plugins.proposer.none",
     "tokenloom.plugins.proposer.ngram",
+    "tokenloom.plugins.proposer.draft",
     "tokenloom.plugins.executor.model_runner",
     "tokenloom.plugins.models",
     "tokenloom.plugins.frontends.openai",
     "tokenloom.plugins.frontends.zmq",
     "tokenloom.contrib.schedulers.static",
+    "tokenloom.contrib.proposers.replay",
 )

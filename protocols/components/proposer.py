@@ -46,5 +46,6 @@ class Proposer(ABC):
         num_tokens: Sequence[int],
     ) -> list[list[int]]:
         """Up to ``num_tokens[i]`` draft tokens (possibly none) to follow each
-        request's full history (prompt + accepted output). Must not keep or mutate
-        ``token_histories``'s lists beyond the call unless it copies them."""
+        request's full history (prompt + accepted output). The lists are the
+        executor's live histories: a proposer may keep a reference (it grows as
+        tokens are accepted) but must never mutate one."""

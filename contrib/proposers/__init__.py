@@ -1,0 +1,1 @@
+"""Proposers outside the default stack (for measuring, not for serving)."""
