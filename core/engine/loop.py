@@ -187,12 +187,13 @@ class EngineLoop:
     async def _step(self) -> list[TokenDelta]:
         try:
             return self.engine.step()
-        except Exception:
+        except Exception as exc:
             # The engine's state is unknown now: fail every request, then die so
-            # that the supervisor sees it.
+            # that the supervisor sees it. The reason goes along (e.g. which
+            # tensor-parallel worker died).
             log.exception("engine step failed")
             for rid in self.live:
-                await self._send(ErrorReply(500, "engine step failed", rid))
+                await self._send(ErrorReply(500, f"engine step failed: {exc}", rid))
             raise
 
     async def _emit(self, deltas: list[TokenDelta]) -> None:
