@@ -30,6 +30,46 @@ _LLAMA_3_8B: dict[str, Any] = {
     "torch_dtype": "bfloat16",
 }
 
+# Meta-Llama-3-70B: at bf16 140 GB of weights, so it runs at tensor_parallel_size >= 2.
+_LLAMA_3_70B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+}
+
+# Qwen2.5-32B-Instruct: 65 GB of bf16 weights; 40 query heads split over 2, 4 or 8 ranks.
+_QWEN25_32B: dict[str, Any] = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 5120,
+    "intermediate_size": 27648,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 40,
+    "num_key_value_heads": 8,
+    "vocab_size": 152064,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+}
+
 _QWEN25_05B: dict[str, Any] = {
     "architectures": ["Qwen2ForCausalLM"],
     "model_type": "qwen2",
@@ -92,6 +132,8 @@ _SMOLLM2_135M: dict[str, Any] = {
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3-8b": _LLAMA_3_8B,
+    "llama-3-70b": _LLAMA_3_70B,
+    "qwen2.5-32b": _QWEN25_32B,
     "qwen2.5-0.5b": _QWEN25_05B,
     "qwen3-0.6b": _QWEN3_06B,
     "smollm2-135m": _SMOLLM2_135M,
