@@ -31,6 +31,8 @@ from tokenloom.protocols.components.registry import KINDS, ComponentSpec
 log = get_logger(__name__)
 
 ENTRY_POINT_GROUP = "tokenloom"
+# Config fields that name one component of the kind of the same name.
+CONFIG_KINDS = ("scheduler", "kv_cache", "attention", "quant", "executor", "proposer")
 ALLOW_ENV = "TOKENLOOM_PLUGINS"
 DISABLE_ENV = "TOKENLOOM_DISABLE_PLUGIN_AUTOLOAD"
 
@@ -159,6 +161,31 @@ class PluginManager:
     def build(self, kind: str, name: str, *args: Any, **kwargs: Any) -> Any:
         """Build component ``kind``/``name`` with its factory's arguments."""
         return self.component(kind, name).factory(*args, **kwargs)
+
+    def check_config(self, config: Any) -> None:
+        """Validate, before anything heavy is built, what the config asks of plugins:
+        every component it names exists (scheduler, kv_cache, attention unless
+        "auto", quant, executor, proposer, each frontend), and every ``[plugin.NAME]``
+        table fits the settings Struct that component NAME declares
+        (``ComponentSpec.settings``). Raises PluginError (unknown or broken
+        component, listing the available ones) or ConfigError (``plugin.NAME.KEY``).
+        A table that names no registered component or plugin is logged as unused."""
+        from tokenloom.config import plugin_settings
+
+        wanted = [(kind, getattr(config, kind)) for kind in CONFIG_KINDS]
+        wanted += [("frontend", name) for name in config.frontends]
+        for kind, name in wanted:
+            if not (kind == "attention" and name == "auto"):
+                self.component(kind, name)
+        components = self._collect().values()
+        for name in config.plugin:
+            specs = [c.spec for c in components if c.name == name]
+            if not specs and not self._pm.has_plugin(name):
+                log.warning("[plugin.%s]: no registered component or plugin is named %s; "
+                            "its settings are unused", name, name)  # fmt: skip
+            for spec in specs:
+                if spec.settings is not None:
+                    plugin_settings(config, name, spec.settings)
 
     def configure(self, config: Any) -> None:
         """Call ``tokenloom_configure`` on every plugin; a ValueError from one becomes

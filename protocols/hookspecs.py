@@ -14,6 +14,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from tokenloom.protocols.components.registry import ComponentSpec
+    from tokenloom.protocols.outputs import RequestMetrics
 
 PROJECT = "tokenloom"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -55,7 +56,9 @@ def tokenloom_components_built(components: dict[str, Any]) -> None:
     """See the components the engine-core built, before it serves.
 
     Called once in the engine-core process after the scheduler, KV cache manager
-    and executor exist and the KV cache is allocated.
+    and executor exist and the KV cache is allocated. Observe-only: the engine has
+    already wired the components together, so replacing or reconfiguring one here
+    has no defined effect; keep references to read them (counters, stats) later.
 
     :param components: kind -> component instance (``scheduler``, ``kv_cache``,
         ``executor``).
@@ -75,11 +78,37 @@ def tokenloom_request_added(request_id: str, num_prompt_tokens: int) -> None:
 
 
 @hookspec
-def tokenloom_request_finished(request_id: str, finish_reason: str, num_output_tokens: int) -> None:
+def tokenloom_request_first_token(
+    request_id: str, num_prompt_tokens: int, num_cached_tokens: int
+) -> None:
+    """A request's first output token(s) came back from the executor.
+
+    Called in the engine-core process once per request (before its
+    ``tokenloom_request_finished``), in the engine step that folded the token in;
+    read the time from your own clock (the engine's is ``time.monotonic`` unless it
+    was given another). Not called for a request that finished without a token
+    (aborted or timed out while waiting). Must be cheap and must not block.
+
+    :param num_cached_tokens: prompt tokens served from the prefix cache.
+    """
+
+
+@hookspec
+def tokenloom_request_finished(
+    request_id: str,
+    finish_reason: str,
+    num_output_tokens: int,
+    metrics: RequestMetrics | None,
+) -> None:
     """A request finished (stopped, hit its length, aborted, timed out or failed).
 
     Called in the engine-core process once per request, after its last delta is
-    queued for sending. Must be cheap and must not block.
+    queued for sending. Must be cheap and must not block. An implementation may
+    take any subset of the parameters (pluggy passes only those it names).
+
+    :param metrics: the request's timings and counters (``RequestMetrics``: arrival,
+        first scheduled, first token, finish on the engine clock; preemptions;
+        cached prompt tokens); None from a scheduler that does not report them.
     """
 
 

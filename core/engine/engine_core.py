@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from tokenloom.config import EngineConfig
+from tokenloom.config import ConfigError, EngineConfig
 from tokenloom.protocols.control import Ready
 from tokenloom.protocols.outputs import EngineStats, TokenDelta
 from tokenloom.protocols.requests import GenerateRequest
@@ -44,6 +44,12 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
 
     changes: dict[str, Any] = {}
     device = config.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            'device: "cuda" was asked for, but torch sees no CUDA GPU on this machine '
+            f"(torch {torch.__version__}, built for CUDA {torch.version.cuda or 'none'}); "
+            'use device = "cpu", or "auto" to take a GPU when there is one'
+        )
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
         changes["device"] = device
@@ -95,8 +101,10 @@ class Engine:
         executor: Executor,
         info: ModelInfo,
         plugins: PluginManager | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        self.clock = clock  # the scheduler's clock too: RequestMetrics times are on it
         self.scheduler = scheduler
         self.kv_cache = kv_cache
         self.executor = executor
@@ -108,6 +116,9 @@ class Engine:
             plugins is not None and plugins.hook.tokenloom_request_finished.get_hookimpls()
         )
         self._num_output: dict[str, int] = {}
+        self._observed_first = bool(
+            plugins is not None and plugins.hook.tokenloom_request_first_token.get_hookimpls()
+        )
         self._observed_added = bool(
             plugins is not None and plugins.hook.tokenloom_request_added.get_hookimpls()
         )
@@ -115,7 +126,15 @@ class Engine:
         self._in_flight: tuple[StepInput, PendingStep] | None = None
 
     @classmethod
-    def from_config(cls, config: EngineConfig, plugins: PluginManager | None = None) -> Engine:
+    def from_config(
+        cls,
+        config: EngineConfig,
+        plugins: PluginManager | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> Engine:
+        """Build every component the config names. The config is checked first
+        (component names, ``[plugin.NAME]`` settings, the device), so a mistake fails
+        in milliseconds, before the model's weights load."""
         from tokenloom.plugin_manager import PluginManager
 
         pm = plugins or PluginManager.default()
@@ -124,6 +143,7 @@ class Engine:
                 "num_speculative_tokens: speculative decoding needs a proposer "
                 '(proposer = "ngram", "draft", ...); got proposer = "none"'
             )
+        pm.check_config(config)
         config = resolve_config(config)
         pm.configure(config)
         started = time.perf_counter()
@@ -146,9 +166,9 @@ class Engine:
                 max_len,
             )
         kv = pm.build("kv_cache", config.kv_cache, config, num_blocks, config.block_size)
-        scheduler = pm.build("scheduler", config.scheduler, config, kv)
+        scheduler = pm.build("scheduler", config.scheduler, config, kv, clock=clock)
         executor.init_kv_cache(num_blocks, config.block_size)
-        engine = cls(config, scheduler, kv, executor, info, pm)
+        engine = cls(config, scheduler, kv, executor, info, pm, clock)
         pm.hook.tokenloom_components_built(
             components={"scheduler": scheduler, "kv_cache": kv, "executor": executor}
         )
@@ -224,7 +244,18 @@ class Engine:
         self.executor.shutdown()
 
     def _observe_finished(self, deltas: list[TokenDelta]) -> None:
-        if not self._observed or self.plugins is None:
+        if self.plugins is None:
+            return
+        if self._observed_first:
+            hook = self.plugins.hook.tokenloom_request_first_token
+            for delta in deltas:  # only a first delta carries num_prompt_tokens
+                if delta.num_prompt_tokens and delta.new_token_ids:
+                    hook(
+                        request_id=delta.request_id,
+                        num_prompt_tokens=delta.num_prompt_tokens,
+                        num_cached_tokens=delta.num_cached_tokens,
+                    )
+        if not self._observed:
             return
         counts = self._num_output
         for delta in deltas:
@@ -237,4 +268,5 @@ class Engine:
                 request_id=delta.request_id,
                 finish_reason=delta.finish_reason,
                 num_output_tokens=total,
+                metrics=delta.metrics,
             )

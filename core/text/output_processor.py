@@ -23,11 +23,16 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from tokenloom.protocols.outputs import FinishReason, TokenDelta
+from tokenloom.protocols.outputs import FinishReason, RequestMetrics, TokenDelta
 from tokenloom.protocols.requests import GenerateRequest
 from tokenloom.protocols.sampling import MAX_SEED, SamplingParams
 from tokenloom.text.detokenizer import IncrementalDetokenizer, TokenDecoder
-from tokenloom.text.request_output import CompletionOutput, RequestOutput, TokenLogprobs
+from tokenloom.text.request_output import (
+    CompletionOutput,
+    RequestOutput,
+    TokenLogprobs,
+    merge_metrics,
+)
 
 
 @dataclass(slots=True)
@@ -50,6 +55,7 @@ class _Completion:
     stop_reason: str | int | None = None
     num_sent_chars: int = 0
     num_sent_tokens: int = 0
+    metrics: RequestMetrics | None = None
 
 
 @dataclass(slots=True)
@@ -219,6 +225,7 @@ class OutputProcessor:
             completion.text += completion.detokenizer.add(new_ids[:num_text_tokens])
         if delta.finish_reason is None:
             return False
+        completion.metrics = delta.metrics
         if not stop and not self.stream:
             ids = completion.token_ids
             text_ids = ids[: len(ids) - (len(new_ids) - num_text_tokens)]
@@ -287,18 +294,25 @@ class OutputProcessor:
                     text_delta=text[c.num_sent_chars :],
                     token_ids_delta=c.token_ids[c.num_sent_tokens :],
                     logprobs_delta=None if c.logprobs is None else c.logprobs[c.num_sent_tokens :],
+                    metrics=c.metrics,
                 )
             )
             c.num_sent_chars = releasable
             c.num_sent_tokens = len(c.token_ids)
+        finished = request.num_unfinished == 0
+        metrics = None
+        if finished:
+            parts = [c.metrics for c in request.completions.values() if c.metrics is not None]
+            metrics = merge_metrics(parts)
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             outputs=outputs,
-            finished=request.num_unfinished == 0,
+            finished=finished,
             num_cached_tokens=request.num_cached_tokens,
             prompt_logprobs=request.prompt_logprobs,
+            metrics=metrics,
         )
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenloom.protocols.outputs import RequestMetrics
+
 # Per generated token: the sampled token's logprob and the top alternatives'.
 TokenLogprobs = dict[int, float]
 
@@ -35,6 +37,9 @@ class CompletionOutput:
     text_delta: str = ""
     token_ids_delta: list[int] = field(default_factory=list)
     logprobs_delta: list[TokenLogprobs] | None = None
+    # The engine's timings and counters of this completion, once it finished (None
+    # before, and for one cut short by a stop string: the frontend stopped it).
+    metrics: RequestMetrics | None = None
 
     @property
     def finished(self) -> bool:
@@ -55,3 +60,27 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: the logprob of each prompt token after the
     # first, given the tokens before it (len(prompt_token_ids) - 1 values).
     prompt_logprobs: list[float] | None = None
+    # Once finished: the request's timings and counters (like vLLM's RequestMetrics),
+    # merged over its completions (earliest arrival, schedule and first token, latest
+    # finish, preemptions summed). Times are on the engine clock (time.monotonic).
+    metrics: RequestMetrics | None = None
+
+
+def merge_metrics(parts: list[RequestMetrics]) -> RequestMetrics | None:
+    """One request's metrics from its completions' (None when none reported any)."""
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+
+    def earliest(values: list[float]) -> float:
+        return min((v for v in values if v), default=0.0)
+
+    return RequestMetrics(
+        arrival_time=earliest([m.arrival_time for m in parts]),
+        first_scheduled_time=earliest([m.first_scheduled_time for m in parts]),
+        first_token_time=earliest([m.first_token_time for m in parts]),
+        finished_time=max(m.finished_time for m in parts),
+        num_preemptions=sum(m.num_preemptions for m in parts),
+        num_cached_tokens=max(m.num_cached_tokens for m in parts),
+    )

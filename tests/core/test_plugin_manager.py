@@ -161,7 +161,9 @@ def test_observation_hooks_reach_every_plugin_that_implements_them() -> None:
     pm.register(Observer(), "second-observer")
     pm.hook.tokenloom_components_built(components={"scheduler": 1, "executor": 2})
     pm.hook.tokenloom_request_added(request_id="r", num_prompt_tokens=3)
-    pm.hook.tokenloom_request_finished(request_id="r", finish_reason="stop", num_output_tokens=2)
+    pm.hook.tokenloom_request_finished(
+        request_id="r", finish_reason="stop", num_output_tokens=2, metrics=None
+    )
     pm.hook.tokenloom_shutdown(process="frontend")
     assert calls[::2] == calls[1::2]  # both observers saw each call
     assert calls[::2] == [

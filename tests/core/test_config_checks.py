@@ -1,0 +1,80 @@
+"""The config is checked before anything heavy: component names, ``[plugin.NAME]``
+settings declared as msgspec Structs, and a CUDA device that is not there."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from tokenloom.config import ConfigError, load_config, plugin_settings
+from tokenloom.engine.engine_core import Engine, resolve_config
+from tokenloom.plugin_manager import PluginError, PluginManager
+from tokenloom.plugins.scheduler.continuous import ContinuousScheduler
+from tokenloom.protocols.components.registry import ComponentSpec
+from tokenloom.protocols.hookspecs import hookimpl
+
+
+class AgingSettings(msgspec.Struct, forbid_unknown_fields=True):
+    aging_tokens_per_s: float = 100.0
+    max_boost: int = 4096
+
+
+class AgingPlugin:
+    @hookimpl
+    def tokenloom_register_components(self) -> list[ComponentSpec]:
+        return [ComponentSpec("scheduler", "aging", ContinuousScheduler, settings=AgingSettings)]
+
+
+def _pm() -> PluginManager:
+    pm = PluginManager.default()
+    pm.register(AgingPlugin(), "aging-plugin")
+    return pm
+
+
+def test_declared_settings_are_read_with_defaults() -> None:
+    config = load_config(scheduler="aging", plugin={"aging": {"max_boost": 7}})
+    _pm().check_config(config)
+    assert plugin_settings(config, "aging", AgingSettings) == AgingSettings(100.0, 7)
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ({"aging_token_per_s": 5}, r"plugin\.aging\.aging_token_per_s: unknown setting; known: "),
+        ({"max_boost": "lots"}, r"plugin\.aging\.max_boost: Expected `int`, got `str`"),
+    ],
+)
+def test_bad_settings_fail_naming_the_key(table: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _pm().check_config(load_config(scheduler="aging", plugin={"aging": table}))
+
+
+def test_unknown_component_fails_before_the_model_is_read(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # The model directory does not exist: loading it would fail differently.
+    config = load_config(model=str(tmp_path / "missing"), scheduler="agign")
+    with pytest.raises(PluginError, match="no scheduler named 'agign'; available: .*aging"):
+        Engine.from_config(config, _pm())
+
+
+def test_bad_settings_fail_before_the_model_is_read(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    config = load_config(model=str(tmp_path / "missing"), plugin={"aging": {"oops": 1}})
+    with pytest.raises(ConfigError, match=r"plugin\.aging\.oops"):
+        Engine.from_config(config, _pm())
+
+
+def test_unknown_frontend_fails_the_check() -> None:
+    with pytest.raises(PluginError, match="no frontend named 'grpc'"):
+        _pm().check_config(load_config(frontends=["openai", "grpc"]))
+
+
+def test_table_naming_nothing_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    _pm().check_config(load_config(plugin={"agin": {"x": 1}}))
+    assert "[plugin.agin]: no registered component or plugin is named agin" in caplog.text
+
+
+def test_cuda_without_a_gpu_is_a_clear_config_error() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ConfigError, match='device: "cuda" was asked for, but torch sees no CUDA'):
+        resolve_config(load_config(model="x", device="cuda"))
