@@ -49,7 +49,9 @@ def bytes_per_step(engine: Any, context: float) -> float:
     if embed is not None and not tied:
         weights -= embed.weight.numel() * embed.weight.element_size()
     element = 2 if str(info.dtype) in ("torch.bfloat16", "torch.float16") else 4
-    kv_per_token = 2 * info.num_layers * info.num_kv_heads * info.head_dim * element
+    # per rank under tensor parallelism: its weight shard (above) and its KV heads
+    kv_heads = engine.executor.rank_info.num_kv_heads
+    kv_per_token = 2 * info.num_layers * kv_heads * info.head_dim * element
     return weights + kv_per_token * context
 
 

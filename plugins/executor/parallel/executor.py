@@ -43,10 +43,10 @@ class TensorParallelExecutor(Executor):
     supports_pipelining = True
 
     def __init__(self, config: EngineConfig, plugins: PluginManager) -> None:
-        self.config = config
-        self.plugins = plugins
         self.size = config.tensor_parallel_size
         self.backend = dist_group.choose_backend(config)
+        self.config = config = dist_group.rank_config(config, self.backend)
+        self.plugins = plugins
         dist_group.share_cpu(config)
         self.runner = ModelRunner(config, plugins)
         self.runner.device = dist_group.rank_device(config, 0)
@@ -56,6 +56,16 @@ class TensorParallelExecutor(Executor):
         self._encoder = Encoder()
         self.pool = WorkerPool(config, self.backend, self._endpoint)
         self.group: dist_group.DistributedGroup | None = None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """Rank 0's shard of the model."""
+        return self.runner.model
+
+    @property
+    def rank_info(self) -> ModelInfo:
+        """The model as rank 0 holds it (its heads; see ``parallel.rank_model_info``)."""
+        return self.runner.rank_info
 
     @property
     def memory(self) -> Mapping[str, float]:  # type: ignore[override]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import socket
 from datetime import timedelta
 
+import msgspec
 import torch
 import torch.distributed as dist
 
@@ -77,6 +78,21 @@ def choose_backend(config: EngineConfig) -> str:
             "use distributed_backend = gloo"
         )
     return wanted
+
+
+def rank_config(config: EngineConfig, backend: str) -> EngineConfig:
+    """The config every rank runs with. On CUDA over gloo (ranks sharing a GPU, the
+    one-GPU check) the decode graphs are off (gloo's collectives cannot be captured);
+    ranks sharing a GPU split ``gpu_memory_utilization`` between them."""
+    if config.device != "cuda":
+        return config
+    changes: dict[str, object] = {}
+    if backend == "gloo" and not config.enforce_eager:
+        changes["enforce_eager"] = True
+    per_gpu = -(-config.tensor_parallel_size // max(1, torch.cuda.device_count()))
+    if per_gpu > 1:
+        changes["gpu_memory_utilization"] = config.gpu_memory_utilization / per_gpu
+    return msgspec.structs.replace(config, **changes) if changes else config
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
