@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from tokenloom_srpf import SRPFScheduler
+
 from tokenloom.config import EngineConfig
 from tokenloom.plugins.kv_cache.paged import PagedKVCache
 from tokenloom.protocols.requests import GenerateRequest
 from tokenloom.protocols.sampling import SamplingParams
 from tokenloom.testing import FakeClock, SchedulerConformance
-from tokenloom_srpf import SRPFScheduler
 
 
 class TestSRPFConformance(SchedulerConformance):
