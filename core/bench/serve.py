@@ -7,6 +7,16 @@ per second (``inf``: all at once) or ``--max-concurrency`` at a time. Reports TT
 TPOT, ITL and end-to-end latency (mean, p50, p90, p99) and request and token
 throughput; prints a table and writes JSON. Works against any server that accepts
 token-id prompts (tokenloom, vLLM, SGLang, ...).
+
+``--trace FILE`` replays a workload instead (an Azure CSV, a JSONL request log of
+``tokenloom serve --record-trace``, or ``azure-code``, the trace ``tokenloom sim``
+ships): each request is sent at its arrival time (``--speed`` / ``--trace-rate``
+rescale them, as in ``tokenloom sim``) with its prompt length (random ids), its
+output length (``max_tokens``, EOS ignored), its priority and its tenant (``user``).
+The JSON then also holds ``trace_summary``, computed by ``tokenloom.sim.metrics``
+exactly as the simulator's, so the two compare figure by figure
+(``python -m tokenloom.sim.compare``). HTTP is spoken by ``bench.http_stream``
+(standard library only).
 """
 
 from __future__ import annotations
@@ -35,6 +45,9 @@ class RequestResult:
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    sent_at: float = 0.0  # seconds since the benchmark started
+    priority: int = 0
+    tenant: str = ""
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -52,6 +65,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--out", default=None, help="JSON output file")
+    trace = parser.add_argument_group("trace replay")
+    trace.add_argument("--trace", default=None, help="CSV (Azure), JSONL (recorded) or azure-code")
+    trace.add_argument("--limit", type=int, default=None, help="first N requests of the trace")
+    trace.add_argument("--speed", type=float, default=1.0, help="replay N times faster")
+    trace.add_argument("--trace-rate", type=float, default=None, help="rescale to this req/s")
+    trace.add_argument("--slo-ttft-ms", type=float, default=None)
+    trace.add_argument("--slo-tpot-ms", type=float, default=None)
     args = parser.parse_args(argv)
     if not 0.0 <= args.range_ratio < 1.0:
         parser.error("--range-ratio must be in [0, 1)")
@@ -134,52 +154,99 @@ async def send_one(client: Any, url: str, body: dict[str, Any]) -> RequestResult
     return result
 
 
+def load_workload(args: argparse.Namespace, rng: random.Random) -> list[Any]:
+    """The requests to send, as ``sim.workload.TraceRequest`` (arrival 0 = at once
+    without a trace; gaps then come from ``--request-rate``)."""
+    from tokenloom.sim.workload import TraceRequest, load_trace, rescale
+
+    if args.trace:
+        trace = load_trace(args.trace, args.limit)
+        return rescale(trace, speed=args.speed, rate=args.trace_rate)
+    input_lens = sample_lengths(args.input_len, args.range_ratio, args.num_prompts, rng)
+    output_lens = sample_lengths(args.output_len, args.range_ratio, args.num_prompts, rng)
+    return [
+        TraceRequest(0.0, n_in, n_out) for n_in, n_out in zip(input_lens, output_lens, strict=True)
+    ]
+
+
 async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    import httpx
+    from tokenloom.bench.http_stream import AsyncClient
 
     rng = random.Random(args.seed)
     lo, hi = (int(x) for x in args.token_range.split(":"))
-    input_lens = sample_lengths(args.input_len, args.range_ratio, args.num_prompts, rng)
-    output_lens = sample_lengths(args.output_len, args.range_ratio, args.num_prompts, rng)
+    work = load_workload(args, rng)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(
-        base_url=args.base_url, headers=headers, timeout=args.timeout_s, limits=limits
-    ) as client:
+    async with AsyncClient(args.base_url, headers=headers, timeout=args.timeout_s) as client:
         model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
-        bodies = [
-            {
+        bodies = []
+        for request in work:
+            body = {
                 "model": model,
-                "prompt": [rng.randrange(lo, hi) for _ in range(n_in)],
-                "max_tokens": n_out,
+                "prompt": [rng.randrange(lo, hi) for _ in range(request.prompt_len)],
+                "max_tokens": request.output_len,
                 "ignore_eos": True,
                 "temperature": 0.0,
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
-            for n_in, n_out in zip(input_lens, output_lens, strict=True)
-        ]
+            if request.priority:
+                body["priority"] = request.priority
+            if request.tenant:
+                body["user"] = request.tenant
+            bodies.append(body)
         gate = asyncio.Semaphore(args.max_concurrency or len(bodies))
 
-        async def limited(body: dict[str, Any]) -> RequestResult:
+        async def limited(body: dict[str, Any], sent_at: float, request: Any) -> RequestResult:
             async with gate:
-                return await send_one(client, "/v1/completions", body)
+                result = await send_one(client, "/v1/completions", body)
+            result.sent_at, result.priority, result.tenant = (
+                sent_at,
+                request.priority,
+                request.tenant,
+            )
+            return result
 
         start = time.perf_counter()
         tasks = []
-        for body in bodies:
-            tasks.append(asyncio.create_task(limited(body)))
-            if math.isfinite(args.request_rate):
+        for body, request in zip(bodies, work, strict=True):
+            if args.trace:  # honour the arrival times
+                delay = start + request.arrival_s - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            sent_at = time.perf_counter() - start
+            tasks.append(asyncio.create_task(limited(body, sent_at, request)))
+            if not args.trace and math.isfinite(args.request_rate):
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     summary = summarize(list(results), duration)
+    if args.trace:
+        summary["trace_summary"] = trace_summary(list(results), args)
     summary["config"] = {k: v for k, v in vars(args).items() if k != "api_key"}
     summary["config"]["model"] = model
     errors = [r.error for r in results if not r.ok]
     summary["errors"] = errors[:10]
     summary["requests"] = [asdict(r) | {"itl": None} for r in results]
     return summary
+
+
+def trace_summary(results: list[RequestResult], args: argparse.Namespace) -> dict[str, Any]:
+    """The simulator's summary (``sim.metrics.summarize``) of a real replay."""
+    from tokenloom.sim.metrics import summarize as sim_summarize
+    from tokenloom.sim.simulator import RequestRecord
+
+    records = []
+    for r in results:
+        record = RequestRecord(r.sent_at, r.prompt_len, r.output_len, r.priority, r.tenant)
+        if r.ok and r.output_len:
+            record.first_token = r.sent_at + r.ttft
+            record.finished = r.sent_at + r.e2e
+            record.num_output = r.output_len
+            record.finish_reason = "length"
+        else:
+            record.finish_reason = "rejected" if r.error.startswith("HTTP 4") else "error"
+        records.append(record)
+    return sim_summarize(records, args.slo_ttft_ms, args.slo_tpot_ms)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,6 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         stats = summary[name]
         rows.append((f"{name} mean/p50/p90/p99", " / ".join(f"{v:.2f}" for v in stats.values())))
+    if "trace_summary" in summary:
+        trace = summary["trace_summary"]
+        rows += [
+            ("trace: requests / completed", f"{trace['requests']} / {trace['completed']}"),
+            ("trace: goodput (req/s within SLO)", trace["goodput_req_s"]),
+        ]
     print_table(f"serving benchmark: {args.base_url}", rows)
     for error in summary["errors"]:
         print(f"error: {error}")

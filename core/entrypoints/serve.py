@@ -87,6 +87,10 @@ async def run(
         from tokenloom.checkpoints.default_model import default_model
 
         config = msgspec.structs.replace(config, model=default_model())
+    if config.record_trace:  # the engine-core wraps its engine in the trace recorder
+        from tokenloom.engine.trace_recorder import with_recording
+
+        config, engine_factory = with_recording(config, engine_factory)
     try:
         plugins = PluginManager.default()
         specs = [plugins.component("frontend", name) for name in config.frontends]
