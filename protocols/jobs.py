@@ -11,9 +11,21 @@ Field order is the wire format: append fields only.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from tokenloom.protocols.sampling import SamplingParams
+
+# OpenAI's limits on ``metadata``: 16 pairs, keys up to 64 characters, values up to 512.
+Tenant = Annotated[str, msgspec.Meta(max_length=256)]
+Metadata = Annotated[
+    dict[
+        Annotated[str, msgspec.Meta(max_length=64)],
+        Annotated[str, msgspec.Meta(max_length=512)],
+    ],
+    msgspec.Meta(max_length=16),
+]
 
 # ----------------------------------------------------------------- client -> frontend
 
@@ -28,6 +40,9 @@ class SubmitJob(msgspec.Struct, tag="submit", array_like=True, omit_defaults=Tru
     prompt_token_ids: list[int] | None = None
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     priority: int = 0  # lower runs first
+    tenant: Tenant = ""  # who submits (scheduling policies may group by it)
+    metadata: Metadata = {}  # free-form, passed to the scheduler with the request
+    include_metrics: bool = False  # JobDone carries the job's JobMetrics
 
 
 class AbortJob(msgspec.Struct, tag="abort", array_like=True, omit_defaults=True, gc=False):
@@ -68,12 +83,27 @@ class JobOutput(msgspec.Struct, tag="output", array_like=True, omit_defaults=Tru
     logprobs: list[float] | None = None  # one per token in token_ids, when params.logprobs
 
 
+class JobMetrics(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A job's timings (seconds) and counters, measured by the engine; over its ``n``
+    choices: earliest schedule and first token, latest finish, preemptions summed."""
+
+    arrival_time: float = 0.0  # Unix time the server received the job
+    queue_time: float = 0.0  # arrival to first scheduled
+    time_to_first_token: float = 0.0  # arrival to the first token (0: none came)
+    e2e_time: float = 0.0  # arrival to the last choice's finish
+    num_preemptions: int = 0  # times its KV blocks were taken back (recomputed)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class JobDone(msgspec.Struct, tag="done", array_like=True, omit_defaults=True, gc=False):
-    """The job's last message: every choice finished. Token counts are totals."""
+    """The job's last message: every choice finished. Token counts are totals;
+    ``metrics`` only when the submit asked for them (``include_metrics``) and the
+    engine reported them."""
 
     job_id: str
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
+    metrics: JobMetrics | None = None
 
 
 class JobError(msgspec.Struct, tag="error", array_like=True, omit_defaults=True, gc=False):

@@ -97,6 +97,8 @@ class OutputProcessor:
         priority: int = 0,
         arrival_time: float = 0.0,
         deadline: float | None = None,
+        tenant: str = "",
+        metadata: dict[str, str] | None = None,
     ) -> list[GenerateRequest]:
         """Start tracking a request; return the engine requests to submit (n of them).
         Raises ValueError for an id that is still being tracked."""
@@ -122,6 +124,8 @@ class OutputProcessor:
                     priority=priority,
                     arrival_time=arrival_time,
                     deadline=deadline,
+                    tenant=tenant,
+                    metadata=dict(metadata or {}),
                 )
             )
             completions[engine_id] = _Completion(

@@ -25,10 +25,12 @@ from tokenloom.plugins.frontends.admission import Admission, Reservation
 from tokenloom.plugins.frontends.metrics import ServingMetrics
 from tokenloom.protocols.components.engine import EngineClient
 from tokenloom.protocols.components.errors import EngineDeadError
-from tokenloom.protocols.outputs import FinishReason, TokenDelta, TopLogprobs
+from tokenloom.protocols.jobs import JobMetrics
+from tokenloom.protocols.outputs import FinishReason, RequestMetrics, TokenDelta, TopLogprobs
 from tokenloom.protocols.requests import GenerateRequest
 from tokenloom.protocols.sampling import SamplingParams
 from tokenloom.text.output_processor import OutputProcessor
+from tokenloom.text.request_output import merge_metrics
 
 _TIMEOUT = object()  # queue sentinel: the request's timeout expired
 
@@ -77,6 +79,8 @@ class Generation:
         metrics: ServingMetrics | None = None,
         live: LiveGenerations | None = None,
         reservation: Reservation | None = None,
+        tenant: str = "",
+        metadata: dict[str, str] | None = None,
     ) -> None:
         self.engine = engine
         self.reservation = reservation
@@ -89,9 +93,11 @@ class Generation:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_cached_tokens = 0
         self.first_token_time: float | None = None
+        self.engine_metrics: list[RequestMetrics] = []  # from each child's last delta
         requests = processor.add_request(
             request_id, prompt, prompt_token_ids, params, eos_token_ids,
             priority=priority, arrival_time=self.arrival, deadline=timeout_s,
+            tenant=tenant, metadata=metadata,
         )  # fmt: skip
         self._children = {r.request_id: _Child(r, i) for i, r in enumerate(requests)}
         self._closed = False
@@ -106,6 +112,10 @@ class Generation:
     @property
     def finished(self) -> bool:
         return self._num_finished == len(self._children)
+
+    def job_metrics(self) -> JobMetrics | None:
+        """The engine's timings of this request (see ``job_metrics``)."""
+        return job_metrics(self.engine_metrics)
 
     async def updates(self) -> AsyncIterator[list[ChoiceUpdate]]:
         """Yield batches of choice updates until every choice finished. Raises the
@@ -174,6 +184,10 @@ class Generation:
 
     def _process(self, item: tuple[_Child, TokenDelta]) -> list[ChoiceUpdate]:
         child, delta = item
+        if delta.metrics is not None:
+            self.engine_metrics.append(delta.metrics)
+            if self.metrics is not None:
+                self.metrics.observe_engine_metrics(delta.metrics)
         if child.finished:
             return []  # e.g. the engine's "abort" after a stop string matched
         if delta.new_token_ids:
@@ -254,6 +268,23 @@ class Generation:
             self.metrics.record_finished(reason, self.num_prompt_tokens, self.num_generated_tokens)
 
 
+def job_metrics(parts: list[RequestMetrics]) -> JobMetrics | None:
+    """Engine requests' timings merged (choices, prompts of one request) as
+    durations, the arrival as Unix time; None when the engine sent none."""
+    merged = merge_metrics(parts)
+    if merged is None:
+        return None
+    unix_arrival = time.time() - (time.monotonic() - merged.arrival_time)
+    return JobMetrics(
+        arrival_time=unix_arrival,
+        queue_time=merged.queue_time,
+        time_to_first_token=merged.time_to_first_token,
+        e2e_time=merged.e2e_time,
+        num_preemptions=merged.num_preemptions,
+        num_cached_tokens=merged.num_cached_tokens,
+    )
+
+
 class LiveGenerations:
     """The requests a frontend has in flight: starts each with the frontend's shared
     output processor, EOS ids, timeout and metrics, and lets shutdown wait for them
@@ -292,6 +323,8 @@ class LiveGenerations:
         params: SamplingParams,
         priority: int = 0,
         reservation: Reservation | None = None,
+        tenant: str = "",
+        metadata: dict[str, str] | None = None,
     ) -> Generation:
         """A generation that joins the live set once its ``updates()`` starts; it
         gives back ``reservation`` (or one it makes for ``params.n``) as it ends."""
@@ -300,6 +333,7 @@ class LiveGenerations:
         return Generation(
             self.engine, self.processor, request_id, prompt, prompt_token_ids, params,
             self.eos_token_ids, priority, self.timeout_s, self.metrics, self, reservation,
+            tenant, metadata,
         )  # fmt: skip
 
     def reserve(self, num_sequences: int) -> Reservation | None:

@@ -29,7 +29,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tokenloom.protocols.outputs import EngineStats
+from tokenloom.protocols.outputs import EngineStats, RequestMetrics
 
 disable_created_metrics()  # no ``*_created`` series (process-wide in prometheus_client)
 PREFIX = "tokenloom_"
@@ -87,6 +87,13 @@ class ServingMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.")
         self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to finish.")
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Engine requests' wait, arrival to first scheduled."
+        )
+        self._request_preemptions = Counter(
+            PREFIX + "request_preemptions", "Preemptions of finished engine requests.",
+            registry=registry,
+        )  # fmt: skip
         self._finished = Counter(
             PREFIX + "request_success", "Finished requests by finish reason.",
             ["finished_reason"], registry=registry,
@@ -116,6 +123,12 @@ class ServingMetrics:
         self._finished.labels(finish_reason).inc()
         self._prompt_tokens.inc(prompt_tokens)
         self._generation_tokens.inc(generated)
+
+    def observe_engine_metrics(self, metrics: RequestMetrics) -> None:
+        """An engine request finished with these timings (one per choice)."""
+        if metrics.first_scheduled_time:
+            self.queue_time.observe(metrics.queue_time)
+        self._request_preemptions.inc(metrics.num_preemptions)
 
     def record_refused(self, status: int) -> None:
         """A request turned away before it ran (400, 413, 429, 503, ...)."""

@@ -26,13 +26,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from tokenloom.plugins.frontends.admission import Reservation
-from tokenloom.plugins.frontends.generation import ChoiceUpdate, Generation
+from tokenloom.plugins.frontends.generation import ChoiceUpdate, Generation, job_metrics
 from tokenloom.plugins.frontends.limits import PromptError
 from tokenloom.plugins.frontends.openai import formatting as fmt
 from tokenloom.plugins.frontends.openai.body import check_json_depth, read_json_body
@@ -166,6 +167,7 @@ class OpenAIApp:
             frontend.live.new(
                 f"{request_id}-{i}", text, ids, sp, req.priority,
                 reservation.split(sp.n) if reservation is not None else None,
+                tenant=req.user or "", metadata=req.metadata,
             )
             for i, ((text, ids), sp) in enumerate(zip(prompts, params, strict=True))
         ]  # fmt: skip
@@ -224,7 +226,10 @@ class OpenAIApp:
             make_choice(i, "".join(parts), finish[i], logprobs[i] if logprobs else None)
             for i, parts in enumerate(texts)
         ]
-        return {**head, "choices": choices, "usage": _usage(generations)}
+        body = {**head, "choices": choices, "usage": _usage(generations)}
+        if req.include_metrics:
+            body["metrics"] = _metrics(generations)
+        return body
 
     async def _events(
         self,
@@ -256,6 +261,8 @@ class OpenAIApp:
                     yield sse_event({**head, "choices": choices})
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield sse_event({**head, "choices": [], "usage": _usage(generations)})
+            if req.include_metrics:
+                yield sse_event({**head, "choices": [], "metrics": _metrics(generations)})
         except (EngineError, EngineDeadError) as exc:
             yield sse_event(engine_error(exc).body())
         finally:
@@ -345,6 +352,12 @@ def _usage(generations: list[Generation]) -> dict[str, Any]:
         sum(g.num_generated_tokens for g in generations),
         sum(g.num_cached_tokens for g in generations),
     )
+
+
+def _metrics(generations: list[Generation]) -> dict[str, Any] | None:
+    """The "metrics" extra: the engine's timings, merged over every choice."""
+    merged = job_metrics([m for g in generations for m in g.engine_metrics])
+    return None if merged is None else msgspec.structs.asdict(merged)
 
 
 async def _close_all(merged: Merged, generations: list[Generation]) -> None:

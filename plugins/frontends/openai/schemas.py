@@ -21,6 +21,7 @@ import msgspec
 
 from tokenloom.config import EngineConfig
 from tokenloom.plugins.frontends.limits import ModelLimits, PromptError, check_request_limits
+from tokenloom.protocols.jobs import Metadata
 from tokenloom.protocols.sampling import InvalidParameter, SamplingParams
 
 MAX_TOP_LOGPROBS = 20
@@ -67,8 +68,10 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    user: str | None = None
+    user: str | None = None  # the engine request's tenant
+    metadata: Metadata | None = None  # passed to the scheduler with the request
     # extras
+    include_metrics: bool = False  # the response carries "metrics" (RequestMetrics as seconds)
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0

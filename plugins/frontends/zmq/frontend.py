@@ -287,7 +287,8 @@ class ZmqFrontend(Frontend):
                     await generation.close()
         prompt_tokens = generation.num_prompt_tokens if generation else 0
         generated = generation.num_generated_tokens if generation else 0
-        self._end(session, job, JobDone(job.job_id, prompt_tokens, generated))
+        metrics = generation.job_metrics() if generation and submit.include_metrics else None
+        self._end(session, job, JobDone(job.job_id, prompt_tokens, generated, metrics))
 
     async def _start(self, session: Session, submit: SubmitJob) -> Generation:
         # Admission first: a full queue refuses before any tokenizing.
@@ -313,8 +314,9 @@ class ZmqFrontend(Frontend):
         params = msgspec.structs.replace(submit.params, max_tokens=max_tokens)
         request_id = f"job-{session.serial}-{submit.job_id}"
         return self.live.new(
-            request_id, submit.prompt, ids, params, submit.priority, reservation=reservation
-        )
+            request_id, submit.prompt, ids, params, submit.priority, reservation=reservation,
+            tenant=submit.tenant, metadata=submit.metadata,
+        )  # fmt: skip
 
     def _job_finished(self, session: Session, job: Job, task: asyncio.Task[None]) -> None:
         """Forget the job; end it if its task never ran (cancelled before it started)."""
