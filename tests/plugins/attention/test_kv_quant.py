@@ -190,3 +190,36 @@ def test_triton_decode_over_a_quantized_cache_matches_the_reference(kv_dtype):
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_triton_prefill_and_decodes_over_a_quantized_cache_match_the_reference(kv_dtype):
     check_triton_against_torch([1, 9, 20], [30, 9, 45], kv_dtype, dtype=torch.float16)
+
+
+# --------------------------------------------------------------------------- engine
+
+
+def test_engine_pool_follows_kv_cache_dtype_and_logs_the_block_gain(tiny_model_factory, caplog):
+    from tokenloom import LLM, SamplingParams
+
+    model = str(tiny_model_factory("llama"))
+    blocks, outputs = {}, {}
+    for kv in ("auto", "int8"):
+        with caplog.at_level("INFO", logger="tokenloom.executor"):
+            llm = LLM(model=model, dtype="float32", kv_cache_dtype=kv, kv_cache_memory_gb=0.01)
+        executor = llm.engine.executor
+        blocks[kv] = llm.engine.kv_cache.num_blocks
+        assert executor.kv_caches[0][0].dtype == (torch.int8 if kv == "int8" else torch.float32)
+        greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        outputs[kv] = llm.generate([[5, 6, 7, 8] * 5], greedy, use_tqdm=False)[0]
+        llm.engine.shutdown()
+    info = executor.info
+    plain = (
+        2
+        * info.num_layers
+        * kv_quant.block_bytes(16, info.num_kv_heads, info.head_dim, torch.float32)
+    )
+    assert blocks["int8"] == int(0.01 * (1 << 30)) // executor.kv_bytes_per_block(16)
+    assert blocks["int8"] / blocks["auto"] == pytest.approx(
+        plain / executor.kv_bytes_per_block(16), rel=0.01
+    )
+    assert (
+        "int8 with per-token-head scales" in caplog.text and "x the float32 blocks" in caplog.text
+    )
+    assert len(outputs["int8"].outputs[0].token_ids) == 12
