@@ -68,6 +68,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     trace = parser.add_argument_group("trace replay")
     trace.add_argument("--trace", default=None, help="CSV (Azure), JSONL (recorded) or azure-code")
     trace.add_argument("--limit", type=int, default=None, help="first N requests of the trace")
+    trace.add_argument("--skip", type=int, default=0, help="start the trace after N requests")
     trace.add_argument("--speed", type=float, default=1.0, help="replay N times faster")
     trace.add_argument("--trace-rate", type=float, default=None, help="rescale to this req/s")
     trace.add_argument("--slo-ttft-ms", type=float, default=None)
@@ -160,7 +161,7 @@ def load_workload(args: argparse.Namespace, rng: random.Random) -> list[Any]:
     from tokenloom.sim.workload import TraceRequest, load_trace, rescale
 
     if args.trace:
-        trace = load_trace(args.trace, args.limit)
+        trace = load_trace(args.trace, args.limit, args.skip)
         return rescale(trace, speed=args.speed, rate=args.trace_rate)
     input_lens = sample_lengths(args.input_len, args.range_ratio, args.num_prompts, rng)
     output_lens = sample_lengths(args.output_len, args.range_ratio, args.num_prompts, rng)

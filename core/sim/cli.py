@@ -29,6 +29,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     w = p.add_argument_group("workload")
     w.add_argument("--trace", help="Azure CSV, recorded JSONL, or azure-code (the shipped one)")
     w.add_argument("--limit", type=int, default=None, help="first N requests of the trace")
+    w.add_argument("--skip", type=int, default=0, help="start the trace after N requests")
     w.add_argument("--speed", type=float, default=1.0, help="replay N times faster")
     w.add_argument("--rate", type=float, default=None, help="rescale arrivals to this req/s")
     w.add_argument("--num-requests", type=int, default=1000, help="synthetic workload size")
@@ -72,7 +73,7 @@ def build_workload(args: argparse.Namespace) -> list[Any]:
     from tokenloom.sim import workload
 
     if args.trace:
-        trace = workload.load_trace(args.trace, args.limit)
+        trace = workload.load_trace(args.trace, args.limit, args.skip)
     else:
         trace = workload.synthetic(
             args.num_requests,

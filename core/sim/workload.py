@@ -118,15 +118,21 @@ def load_jsonl(path: str | Path) -> list[TraceRequest]:
     return out
 
 
-def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
+def load_trace(path: str | Path, limit: int | None = None, skip: int = 0) -> list[TraceRequest]:
     """A trace by its format: ``.csv`` (Azure) or JSONL (recorded); ``azure-code``
-    names the shipped Azure code trace."""
+    names the shipped Azure code trace. ``skip`` drops the first requests (a window
+    of the trace then starts at its first request, at time 0)."""
     if str(path) == "azure-code":
         path = Path(__file__).parent / "data" / AZURE_CODE_TRACE
     if str(path).endswith(".csv"):
-        return load_azure_csv(path, limit)
-    trace = load_jsonl(path)
-    return trace[:limit] if limit is not None else trace
+        trace = load_azure_csv(path, None if limit is None else skip + limit)
+    else:
+        trace = load_jsonl(path)
+    trace = trace[skip:] if limit is None else trace[skip : skip + limit]
+    if trace and trace[0].arrival_s:
+        first = trace[0].arrival_s
+        trace = [msgspec.structs.replace(r, arrival_s=r.arrival_s - first) for r in trace]
+    return trace
 
 
 def write_jsonl(trace: Sequence[TraceRequest], path: str | Path) -> None:
@@ -147,7 +153,7 @@ def rescale(
     if rate is not None:
         if span <= 0:
             raise ValueError("cannot set the rate of a trace whose requests all arrive at once")
-        speed = (len(trace) - 1) / span / rate
+        speed = rate / ((len(trace) - 1) / span)
     if speed <= 0:
         raise ValueError(f"speed must be > 0, got {speed}")
     return [msgspec.structs.replace(r, arrival_s=r.arrival_s / speed) for r in trace]
