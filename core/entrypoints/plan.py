@@ -7,7 +7,8 @@ It mirrors the engine's sizing rule (``ModelRunner._profile_num_blocks``): the K
 pool gets ``total * gpu_memory_utilization`` minus the weights, the activation peak
 of a forward pass at ``max_num_batched_tokens``, the memory outside torch's
 allocator (CUDA context, libraries) and the CUDA-graph reserve, divided by the bytes
-of one block (``kv_quant.block_bytes``, the engine's own). The engine measures the
+of one block (``kv_quant.block_bytes``, the engine's own), capped as the engine caps
+it (four full-length sequences per ``max_num_seqs``). The engine measures the
 activation peak and the memory outside torch; here they are estimates: the larger of
 the forward pass's live tensors and the sampler's fp32 logits, and the 0.67-0.74 GiB
 measured on an H200 (docs/results). MODEL is a model directory, a GGUF file or a
@@ -194,8 +195,10 @@ def make_plan(config: EngineConfig, gpu_memory_gb: float | None, advice: bool = 
     reserve = 0 if config.enforce_eager else GRAPH_RESERVE
     available = int(total * config.gpu_memory_utilization) - weights - activations - other
     available -= reserve
-    blocks = max(0, available // per_block)
     blocks_per_seq = -(-max_len // config.block_size)
+    # The engine caps the pool at what every running sequence at full length can use
+    # four times over (Engine.__init__): more would only serve the prefix cache.
+    blocks = max(0, min(available // per_block, 4 * config.max_num_seqs * blocks_per_seq))
     plan = Plan(
         model=shape.name,
         dtype=dtype,
