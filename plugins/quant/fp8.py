@@ -69,7 +69,9 @@ class Fp8Kernel(LinearKernel):
 
     def scaled_mm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """fp8 tensor cores: ``x`` quantized per token, both scales applied in the GEMM."""
-        xq, x_scales = quantize_fp8_rows(x)
+        from tokenloom.plugins.quant.kernels.fp8_quant import per_token_fp8
+
+        xq, x_scales = per_token_fp8(x)
         y = torch._scaled_mm(
             xq,
             self.weight.t(),  # [K, N] column-major, as _scaled_mm wants its second operand

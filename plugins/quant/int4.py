@@ -2,12 +2,13 @@
 a scale and a zero point each.
 
 Weights come either from a 16/32-bit checkpoint, quantized at load by round-to-
-nearest (``quantize_int4``: per group, ``s = (max - min) / 15``, ``z = round(-min /
-s)``, ``q = clamp(round(w / s) + z, 0, 15)``), or from an AWQ or GPTQ checkpoint,
+nearest (``quantize_int4``: per group an asymmetric grid of 16 steps over the group's
+range, with the clipping ratio of least error), or from an AWQ or GPTQ checkpoint,
 whose ``quantization_config`` names the format (``int4_checkpoints``). Both end in
 one layout, the GEMM's: ``qweight [K / 8, N]`` int32 (nibble ``j`` of word ``i`` is
 input row ``8 i + j``), ``scales`` and ``zeros`` ``[G, N]`` in the model's dtype, and
-``w = (q - z) * s``. A layer whose ``K`` is no multiple of 128 has a shorter last group.
+``w = (q - z) * s`` (``z`` an integer in checkpoints, a fraction from RTN). A layer
+whose ``K`` is no multiple of 128 has a shorter last group.
 
 On the GPU the layer runs the Triton GEMM of ``kernels.weight_gemm`` (dequantized per
 element in the kernel; a K-split weight stream for batches of at most 16 rows, square
@@ -31,6 +32,7 @@ from tokenloom.protocols.hookspecs import hookimpl
 
 GROUP_SIZE = 128
 PACK = 8  # 4-bit values per int32
+CLIP_RATIOS = tuple(1.0 - 0.02 * i for i in range(11))  # range shrink factors tried
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -54,7 +56,12 @@ def quantize_int4(
     w: torch.Tensor, group: int = GROUP_SIZE
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest of ``w [N, K]`` -> ``(qweight [K/8, N] int32, scales [G, N],
-    zeros [G, N])``, scales and zeros in ``w``'s dtype (zeros are the integers 0..15)."""
+    zeros [G, N])``, scales and zeros in ``w``'s dtype.
+
+    Each group's grid spans its own ``[lo, hi]`` (``s = (hi - lo) / 15``, ``z = -lo /
+    s``, a fraction: the range need not hold 0 nor align to it), shrunk by the factor
+    of ``CLIP_RATIOS`` that gives the group the least squared error (clipping a few
+    outliers buys a finer step for the rest)."""
     n, k = w.shape
     num_groups = -(-k // group)
     padded = torch.zeros(n, num_groups * group, dtype=torch.float32, device=w.device)
@@ -62,14 +69,21 @@ def quantize_int4(
     grouped = padded.view(n, num_groups, group)
     # a partial last group takes its range from its real columns only
     real = (torch.arange(num_groups * group, device=w.device) < k).view(1, num_groups, group)
-    lo = grouped.masked_fill(~real, float("inf")).amin(dim=2).clamp(max=0.0)
-    hi = grouped.masked_fill(~real, float("-inf")).amax(dim=2).clamp(min=0.0)
-    scales = ((hi - lo) / 15).clamp(min=1e-8)  # [N, G]
-    zeros = torch.round(-lo / scales).clamp(0, 15)
-    # round the scales to the stored dtype first, so q is rounded against what is kept
-    scales = scales.to(w.dtype).float()
-    q = torch.round(grouped / scales[..., None]) + zeros[..., None]
-    q = q.clamp(0, 15).view(n, -1)[:, :k]
+    lo0 = grouped.masked_fill(~real, float("inf")).amin(dim=2)
+    hi0 = grouped.masked_fill(~real, float("-inf")).amax(dim=2)
+    best_err = torch.full_like(lo0, float("inf"))
+    scales, zeros = torch.ones_like(lo0), torch.zeros_like(lo0)
+    for ratio in CLIP_RATIOS:
+        s = ((hi0 - lo0) * ratio / 15).clamp(min=1e-8).to(w.dtype).float()
+        z = (-lo0 * ratio / s).to(w.dtype).float()  # rounded as stored
+        q = torch.round(grouped / s[..., None] + z[..., None]).clamp(0, 15)
+        err = ((q - z[..., None]) * s[..., None] - grouped).pow(2).mul(real).sum(dim=2)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        scales = torch.where(better, s, scales)
+        zeros = torch.where(better, z, zeros)
+    q = torch.round(grouped / scales[..., None] + zeros[..., None]).clamp(0, 15)
+    q = q.view(n, -1)[:, :k]
     return pack_int4(q.t()), scales.t().to(w.dtype).contiguous(), zeros.t().to(w.dtype).contiguous()
 
 
@@ -91,12 +105,28 @@ class Int4Kernel(LinearKernel):
         self.scales = scales  # [G, N] model dtype
         self.zeros = zeros  # [G, N] model dtype
         self.group = group
+        self.configs = None  # the Triton GEMM's tiling per batch-size bucket (GPU only)
+        if qweight.is_cuda and scales.dtype in (torch.float16, torch.bfloat16):
+            from tokenloom.plugins.quant.kernels.dispatch import choose_configs
+
+            self.configs = choose_configs(
+                qweight,
+                scales,
+                zeros,
+                4,
+                group,
+                scales.dtype,
+                lambda x: self.reference(x.float(), None),
+            )
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+        if x.is_cuda and self.configs is not None:
+            from tokenloom.plugins.quant.kernels.dispatch import bucket
             from tokenloom.plugins.quant.kernels.weight_gemm import weight_gemm
 
-            y = weight_gemm(flat(x), self.qweight, self.scales, self.zeros, 4, self.group, bias)
+            x2 = flat(x)
+            cfg = self.configs[bucket(x2.shape[0])]
+            y = weight_gemm(x2, self.qweight, self.scales, self.zeros, 4, self.group, bias, cfg)
             return y.view(*x.shape[:-1], y.shape[-1])
         return self.reference(x, bias)
 

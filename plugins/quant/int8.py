@@ -40,15 +40,25 @@ def dequantize_int8(
 
 
 class Int8Kernel(LinearKernel):
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor) -> None:
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
         self.qweight = qweight  # [K, N] int8
         self.scales = scales  # [1, N] float32
+        self.configs = None  # the Triton GEMM's tiling per batch-size bucket (GPU only)
+        if qweight.is_cuda and dtype in (torch.float16, torch.bfloat16):
+            from tokenloom.plugins.quant.kernels.dispatch import choose_configs
+
+            self.configs = choose_configs(
+                qweight, scales, None, 8, 0, dtype, lambda x: self.reference(x.float(), None)
+            )
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+        if x.is_cuda and self.configs is not None:
+            from tokenloom.plugins.quant.kernels.dispatch import bucket
             from tokenloom.plugins.quant.kernels.weight_gemm import weight_gemm
 
-            y = weight_gemm(flat(x), self.qweight, self.scales, None, 8, 0, bias)
+            x2 = flat(x)
+            cfg = self.configs[bucket(x2.shape[0])]
+            y = weight_gemm(x2, self.qweight, self.scales, None, 8, 0, bias, cfg)
             return y.view(*x.shape[:-1], y.shape[-1])
         return self.reference(x, bias)
 
@@ -62,7 +72,9 @@ class Int8Quant(WeightQuantMethod):
 
     def make_kernel(self, layer: Linear) -> LinearKernel:
         qweight, scales = quantize_int8(layer.weight.data)
-        return Int8Kernel(keep(layer, "qweight", qweight), keep(layer, "weight_scale", scales))
+        return Int8Kernel(
+            keep(layer, "qweight", qweight), keep(layer, "weight_scale", scales), layer.weight.dtype
+        )
 
 
 @hookimpl

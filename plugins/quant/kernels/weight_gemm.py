@@ -38,6 +38,14 @@ class GemmConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    expand: bool = True  # int4: unpack words and broadcast group scales by reshape
+
+    def fits(self, bits: int, group: int) -> bool:
+        """Whether this tiling can serve the format (the reshape path needs the tile
+        and the group to nest)."""
+        if not self.expand or bits == 8 or group == 0:
+            return True
+        return self.block_k % group == 0 or group % self.block_k == 0
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -60,6 +68,7 @@ def _weight_gemm_kernel(
     HAS_ZEROS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PARTIAL: tl.constexpr,  # split K: write fp32 partial sums
+    EXPAND: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -83,22 +92,46 @@ def _weight_gemm_kernel(
         mask_w = mask_k[:, None] & mask_n[None, :]
         if BITS == 8:
             q = tl.load(qw_ptr + ks[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask_w)
-        else:
+        elif EXPAND:  # each word loaded once, its 8 nibbles laid out as 8 rows
+            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            mask_kw = (kw < K // 8)[:, None] & mask_n[None, :]
+            words = tl.load(qw_ptr + kw[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask_kw)
+            nibbles = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+            q = tl.reshape(nibbles, (BLOCK_K, BLOCK_N))
+        else:  # each word gathered by the 8 rows it holds
             words = tl.load(
                 qw_ptr + (ks // 8)[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask_w
             )
             q = (words >> ((ks % 8) * 4)[:, None]) & 0xF
-        if GROUP > 0:
+        if GROUP == 0:  # the channel's scale comes after the loop
+            w = q.to(x.dtype)
+        elif EXPAND and BLOCK_K <= GROUP:  # the tile lies in one group
+            g = (k0 // GROUP) * N + offs_n
+            s = tl.load(s_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            if HAS_ZEROS:
+                z = tl.load(z_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+                w = ((q.to(tl.float32) - z) * s).to(x.dtype)
+            else:
+                w = (q.to(tl.float32) * s).to(x.dtype)
+        elif EXPAND:  # BLOCK_K // GROUP whole groups
+            gs = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            g = gs[:, None] * N + offs_n[None, :]
+            mask_g = (gs * GROUP < K)[:, None] & mask_n[None, :]
+            s = tl.load(s_ptr + g, mask=mask_g, other=0.0).to(tl.float32)
+            q3 = tl.reshape(q.to(tl.float32), (BLOCK_K // GROUP, GROUP, BLOCK_N))
+            if HAS_ZEROS:
+                z = tl.load(z_ptr + g, mask=mask_g, other=0.0).to(tl.float32)
+                q3 = q3 - z[:, None, :]
+            w = tl.reshape(q3 * s[:, None, :], (BLOCK_K, BLOCK_N)).to(x.dtype)
+        else:  # any nesting: the group of every row
             g = (ks // GROUP)[:, None] * N + offs_n[None, :]
             s = tl.load(s_ptr + g, mask=mask_w, other=0.0).to(tl.float32)
             if HAS_ZEROS:
                 z = tl.load(z_ptr + g, mask=mask_w, other=0.0).to(tl.float32)
-                w = (q.to(tl.float32) - z) * s
+                w = ((q.to(tl.float32) - z) * s).to(x.dtype)
             else:
-                w = q.to(tl.float32) * s
-        else:
-            w = q.to(tl.float32)
-        acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
+                w = (q.to(tl.float32) * s).to(x.dtype)
+        acc += tl.dot(x, w, input_precision=DOT_PRECISION)
     if GROUP == 0:
         s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         acc = acc * s[None, :]
@@ -184,6 +217,7 @@ def weight_gemm(
         HAS_ZEROS=zeros is not None,
         HAS_BIAS=bias is not None and split == 1,
         PARTIAL=split > 1,
+        EXPAND=cfg.expand and bits == 4 and cfg.fits(bits, group),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,

@@ -111,6 +111,7 @@ def test_fp8_checkpoint_loads_its_weights_and_per_tensor_scales(tiny, tmp_path):
 
 def _int4_parts(w: torch.Tensor, group: int):
     qweight, scales, zeros = quantize_int4(w.half(), group)
+    zeros = zeros.round()  # these formats store integer zero points
     q = unpack_int4(qweight)  # [K, N]
     deq = dequantize_int4(qweight, scales, zeros, group, torch.float32).contiguous()
     return q, scales, zeros.to(torch.int32), deq

@@ -42,8 +42,8 @@ def _check(bits, m, n, k, dtype, config, bias, group=128, tol=None):
 # tiny tiles keep the interpreter quick; each case crosses a tile or group edge
 SMALL = [
     (GemmConfig(16, 16, 32), 1, 40, 96),  # decode row, N and K not multiples of the tile
-    (GemmConfig(16, 16, 32, split_k=2), 5, 32, 128),  # K split: fp32 partial sums
-    (GemmConfig(16, 32, 16), 20, 48, 64),  # two row tiles
+    (GemmConfig(16, 16, 64, split_k=2), 5, 32, 256),  # K split; a tile holds 2 groups
+    (GemmConfig(16, 32, 16), 20, 48, 64),  # two row tiles; a group spans 2 tiles
 ]
 
 
@@ -52,6 +52,13 @@ SMALL = [
 @pytest.mark.parametrize("bias", [False, True])
 def test_weight_gemm_equals_dequantized_linear(bits, config, m, n, k, bias):
     _check(bits, m, n, k, torch.float32, config, bias, group=32)
+
+
+@pytest.mark.parametrize("block_k", [16, 64])
+def test_int4_gather_path_equals_the_reshape_path(block_k):
+    # expand=False: words gathered per row and the group of every row (any tiling)
+    config = GemmConfig(16, 16, block_k, expand=False)
+    _check(4, 3, 24, 192, torch.float32, config, True, group=32)
 
 
 def test_int4_gemm_with_a_partial_last_group():

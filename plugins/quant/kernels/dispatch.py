@@ -1,0 +1,177 @@
+"""Which tiling of the weight GEMM each quantized layer runs, per batch-size bucket.
+
+On the GPU the candidates of each bucket are measured once per weight shape and
+format (replayed in a CUDA graph, as decode runs) after a check against the
+dequantized reference, and the fastest correct one is kept; a candidate that fails to
+compile or disagrees is skipped, so a tiling that one GPU or Triton release handles
+badly costs nothing. Choices are remembered per GPU model, versions, shape and format
+in ``$TOKENLOOM_CACHE/weight-gemm.json`` (and for the process), so a setup always
+runs the same kernels. Off the GPU the fixed heuristic of ``choose_config`` serves.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+
+from tokenloom.plugins.quant.kernels.weight_gemm import (
+    SKINNY_ROWS,
+    GemmConfig,
+    choose_config,
+    weight_gemm,
+)
+
+log = logging.getLogger("tokenloom.quant")
+
+# (largest row count of the bucket, row counts measured for it)
+BUCKETS = ((SKINNY_ROWS, (1, SKINNY_ROWS)), (64, (64,)), (None, (512,)))
+
+SKINNY = [
+    GemmConfig(16, 32, 256, 1, 4, 4),
+    GemmConfig(16, 64, 256, 1, 4, 4),
+    GemmConfig(16, 32, 128, 1, 4, 4),
+    GemmConfig(16, 16, 256, 1, 4, 4),
+    GemmConfig(16, 32, 256, 1, 4, 4, expand=False),
+]
+MEDIUM = [
+    GemmConfig(64, 64, 128, 1, 4, 3),
+    GemmConfig(32, 64, 128, 1, 4, 3),
+    GemmConfig(64, 128, 64, 1, 4, 3),
+    GemmConfig(64, 64, 128, 1, 4, 3, expand=False),
+]
+LARGE = [
+    GemmConfig(128, 128, 64, 1, 8, 3),
+    GemmConfig(128, 128, 64, 1, 4, 4),
+    GemmConfig(128, 256, 64, 1, 8, 3),
+    GemmConfig(64, 128, 128, 1, 4, 3),
+    GemmConfig(128, 128, 64, 1, 8, 3, expand=False),
+]
+
+Configs = tuple[GemmConfig, GemmConfig, GemmConfig]  # one per bucket
+_DECIDED: dict[str, Configs] = {}
+
+
+def bucket(m: int) -> int:
+    return 0 if m <= SKINNY_ROWS else 1 if m <= 64 else 2
+
+
+def _with_split(cfg: GemmConfig, n: int, k: int, num_sms: int) -> list[GemmConfig]:
+    """A skinny tiling alone and with the K split the heuristic would give it."""
+    split = 1
+    tiles = triton.cdiv(n, cfg.block_n)
+    while tiles * split < 2 * num_sms and split * 2 <= max(1, triton.cdiv(k, cfg.block_k) // 2):
+        split *= 2
+    configs = [cfg]
+    if split > 1:
+        configs.append(GemmConfig(**{**asdict(cfg), "split_k": split}))
+    return configs
+
+
+def candidates(index: int, n: int, k: int, bits: int, group: int, num_sms: int):
+    pools = (SKINNY, MEDIUM, LARGE)
+    result: list[GemmConfig] = []
+    for cfg in pools[index]:
+        if index == 0:
+            result += _with_split(cfg, n, k, num_sms)
+        else:
+            result.append(cfg)
+    return [c for c in result if c.fits(bits, group) and (bits == 4 or c.expand)]
+
+
+def _cache_file() -> Path:
+    base = os.environ.get("TOKENLOOM_CACHE") or Path.home() / ".cache" / "tokenloom"
+    return Path(base) / "weight-gemm.json"
+
+
+def _load() -> dict[str, Any]:
+    try:
+        return dict(json.loads(_cache_file().read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def _store(key: str, configs: Configs) -> None:
+    stored = _load()
+    stored[key] = [asdict(c) for c in configs]
+    try:  # write-then-rename: readers never see half a file
+        target = _cache_file()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(stored, indent=1))
+        os.replace(partial, target)
+    except OSError as err:
+        log.warning("could not store weight GEMM choices: %s", err)
+
+
+def choose_configs(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bits: int,
+    group: int,
+    dtype: torch.dtype,
+    reference: Callable[[torch.Tensor], torch.Tensor],
+) -> Configs:
+    """The tiling of each bucket for this layer (see the module docstring);
+    ``reference(x)`` is the dequantized layer, the candidates' oracle."""
+    n = qweight.shape[1]
+    k = qweight.shape[0] * (8 if bits == 4 else 1)
+    device = qweight.device
+    if device.type != "cuda":
+        return tuple(choose_config(m[-1], n, k, 4) for _, m in BUCKETS)  # type: ignore[return-value]
+    key = (
+        f"{torch.cuda.get_device_name(device)}|torch {torch.__version__}|"
+        f"triton {triton.__version__}|int{bits} g{group}|{n}x{k}|{dtype}|zeros {zeros is not None}"
+    )
+    if key not in _DECIDED:
+        stored = _load().get(key)
+        if stored:
+            _DECIDED[key] = tuple(GemmConfig(**c) for c in stored)  # type: ignore[assignment]
+        else:
+            _DECIDED[key] = _measure(qweight, scales, zeros, bits, group, dtype, reference)
+            _store(key, _DECIDED[key])
+    return _DECIDED[key]
+
+
+@torch.inference_mode()
+def _measure(qweight, scales, zeros, bits, group, dtype, reference) -> Configs:
+    from tokenloom.plugins.models.skinny_gemm import time_graph
+
+    n = qweight.shape[1]
+    k = qweight.shape[0] * (8 if bits == 4 else 1)
+    num_sms = torch.cuda.get_device_properties(qweight.device).multi_processor_count
+    chosen: list[GemmConfig] = []
+    for index, (_, rows) in enumerate(BUCKETS):
+        xs = [torch.randn(m, k, dtype=dtype, device=qweight.device) for m in rows]
+        expected = [reference(x).float() for x in xs]
+        best, best_time = choose_config(rows[-1], n, k, num_sms), float("inf")
+        for cfg in candidates(index, n, k, bits, group, num_sms):
+            try:
+                for x, ref in zip(xs, expected, strict=True):
+                    y = weight_gemm(x, qweight, scales, zeros, bits, group, None, cfg).float()
+                    if float((y - ref).norm() / ref.norm()) > 2e-2:
+                        raise ValueError("disagrees with the dequantized reference")
+                t = sum(
+                    time_graph(
+                        lambda x=x, c=cfg: weight_gemm(
+                            x, qweight, scales, zeros, bits, group, None, c
+                        )
+                    )
+                    for x in xs
+                )
+            except Exception as err:  # a tile this GPU or Triton cannot run
+                log.debug("weight GEMM %s skipped on %dx%d: %s", cfg, n, k, err)
+                continue
+            if t < best_time:
+                best, best_time = cfg, t
+        log.info("int%d %dx%d rows %s: %s %.1f us", bits, n, k, rows, best, best_time)
+        chosen.append(best)
+    return tuple(chosen)  # type: ignore[return-value]
