@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Issue 12 (weights) on one H200: the quant GPU tests (kernels against the reference
+# paths), then single-stream latency and offline throughput of the llama-3-8b shape
+# with --quant none / int8 / int4 / fp8. About 6 minutes of GPU time.
+# Usage on the GPU host, from the repo root:  bash scripts/gpu/quant.sh [tests] [bench]
+# Writes to $OUT (or ./gpu-out): quant.json (every figure and the speedups over none),
+# quant-tests.log, quant-bench.log, weight-gemm.json (the tilings measured per shape).
+set -uo pipefail
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+RUNS=$(mktemp -d)
+export PYTHONUNBUFFERED=1 TOKENLOOM_LOG_LEVEL=INFO TOKENLOOM_CACHE=${TOKENLOOM_CACHE:-$RUNS/cache}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
+fi
+python3 -m pip install -q --no-index --no-build-isolation --no-deps -e . >/dev/null 2>&1 \
+  || { echo "editable install failed"; exit 1; }
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+STEPS=" ${*:-tests bench} "
+if [[ $STEPS == *" tests "* ]]; then
+  echo "=== gpu tests"
+  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/plugins/quant \
+    > "$OUT/quant-tests.log" 2>&1
+  echo "gpu tests rc=$?"; tail -n 5 "$OUT/quant-tests.log"
+fi
+if [[ $STEPS == *" bench "* ]]; then
+  for q in none int8 int4 fp8; do
+    echo "=== llama-3-8b --quant $q"
+    timeout 150 python3 -m tokenloom bench latency --model llama-3-8b --quant "$q" --runs 2 \
+      --out "$RUNS/latency-$q.json" >> "$OUT/quant-bench.log" 2>&1 || echo "latency $q failed"
+    timeout 150 python3 -m tokenloom bench throughput --model llama-3-8b --quant "$q" --runs 1 \
+      --out "$RUNS/throughput-$q.json" >> "$OUT/quant-bench.log" 2>&1 || echo "throughput $q failed"
+  done
+  python3 scripts/gpu/quant_summary.py "$RUNS" "$OUT/quant.json"
+fi
+cp "$TOKENLOOM_CACHE/weight-gemm.json" "$OUT/" 2>/dev/null || true
