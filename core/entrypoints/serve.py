@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from tokenloom.config import EngineConfig
+from tokenloom.config import ConfigError, EngineConfig
 from tokenloom.logging import get_logger
 from tokenloom.protocols.control import Ready
 
@@ -93,15 +93,19 @@ async def run(
         config, engine_factory = with_recording(config, engine_factory)
     try:
         plugins = PluginManager.default()
+        # Component names and [plugin.NAME] settings, before an engine-core starts.
+        plugins.check_config(config)
         specs = [plugins.component("frontend", name) for name in config.frontends]
-    except PluginError as exc:
+    except (PluginError, ConfigError) as exc:
         log.error("%s", exc)
         return 1
     keeper = EngineKeeper(config, engine_factory=engine_factory, backoff_s=engine_backoff_s)
     try:
         ready = await keeper.start()
     except EngineStartError as exc:
-        log.error("%s", exc)
+        # The engine-core logged its traceback already (same stderr): say it once.
+        last = str(exc).strip().splitlines()[-1]
+        log.error("engine-core failed to start: %s (its traceback is above)", last)
         return 1
     config = msgspec.structs.replace(config, max_model_len=ready.max_model_len)
     log_capacity(config, ready)
