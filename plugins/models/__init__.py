@@ -1,14 +1,8 @@
 """Model plugin: the Llama-family decoder for every architecture it covers.
 
-Registers one component of kind ``model`` per Hugging Face architecture name. A
-model factory is called as ``factory(hf_config: dict, dtype: torch.dtype)`` under
-``with torch.device(device)`` and returns an ``nn.Module`` with uninitialised
-weights that the loader fills (see ``loader.load_model``). The module provides:
-
-- ``forward(input_ids [T] int64, positions [T] int64, ctx: ForwardContext)`` ->
-  hidden [T, hidden], over a flat batch without padding;
-- ``compute_logits(hidden [N, hidden])`` -> logits [N, vocab] float32;
-- ``checkpoint_slots()`` and ``ignores_checkpoint_tensor(name)`` for the loader.
+Registers one component of kind ``model`` per Hugging Face architecture name. The
+contract a model fulfils (its factory's arguments, ``forward``, ``compute_logits``,
+the loader's ``checkpoint_slots``) is ``protocols.components.model.Model``.
 
 torch is imported only when a model is built, so processes that merely register
 plugins (frontend, CLI) stay light.

@@ -32,8 +32,10 @@ class DoneStep(PendingStep):
 
 class Executor(ABC):
     """Runs steps on the model. Constructed as ``factory(config: EngineConfig,
-    plugins: PluginManager)``; the plugin manager builds the attention backend, quant
-    method and model named in the config.
+    plugins: tokenloom.plugin_manager.PluginManager)``; the executor builds the
+    attention backend, quant method, proposer and model named in the config with
+    ``plugins.build(kind, name, *args)`` (each kind's constructor contract is on its
+    interface; a model is found by its Hugging Face architecture name).
 
     Lives in the engine-core process (rank 0). ``execute`` may sync the host only to
     read the sampled token ids.

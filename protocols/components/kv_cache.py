@@ -54,8 +54,8 @@ class KVCacheManager(ABC):
 
     @abstractmethod
     def block_ids(self, request_id: str) -> list[int]:
-        """The request's block table. The returned list may be the live one: callers
-        must not mutate it."""
+        """The request's block table; ``[]`` for a request that holds no blocks. The
+        returned list may be the live one: callers must not mutate it."""
 
     @abstractmethod
     def free(self, request_id: str) -> None:
