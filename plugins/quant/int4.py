@@ -20,10 +20,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenloom.config import EngineConfig, plugin_settings
 from tokenloom.plugins.models.layers import Linear
 from tokenloom.plugins.quant.common import WeightQuantMethod, flat, keep, quantization_config
 from tokenloom.protocols.components.quant import LinearKernel
@@ -148,14 +150,24 @@ def int4_kernel(
     )
 
 
+class Int4Settings(msgspec.Struct, forbid_unknown_fields=True):
+    """``[plugin.int4]``: the group size of RTN at load (a checkpoint's own wins)."""
+
+    group_size: int = GROUP_SIZE
+
+    def __post_init__(self) -> None:
+        if self.group_size < 8 or self.group_size % 8:
+            raise ValueError("group_size must be a positive multiple of 8")
+
+
 class Int4Quant(WeightQuantMethod):
     """RTN at load, or an AWQ / GPTQ checkpoint as its ``quantization_config`` says."""
 
     name = "int4"
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        self.group = GROUP_SIZE
+        self.group = plugin_settings(config, "int4", Int4Settings).group_size
         self.checkpoint: Any = None  # int4_checkpoints.Int4Checkpoint when pre-quantized
 
     def prepare_model(self, model: nn.Module, hf_config: dict[str, Any]) -> None:

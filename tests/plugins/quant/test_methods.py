@@ -116,3 +116,14 @@ def test_method_replaces_the_dense_weight_with_a_kernel(method):
     assert 0 < err < TOLERANCE[method]
     stored = sum(p.numel() * p.element_size() for p in layer.parameters()) - 96 * 4  # - bias
     assert stored < dense_bytes / (3.5 if method != "int4" else 6)  # 1 or 1/2 byte + scales
+
+
+def test_int4_group_size_is_a_plugin_setting():
+    from tokenloom.config import ConfigError
+
+    config = EngineConfig(plugin={"int4": {"group_size": 32}})
+    layer = _layer(k=256)
+    kernel = Int4Quant(config).make_kernel(layer)
+    assert kernel.group == 32 and kernel.scales.shape == (256 // 32, 96)
+    with pytest.raises(ConfigError, match="group_size"):
+        Int4Quant(EngineConfig(plugin={"int4": {"group_size": 12}}))
