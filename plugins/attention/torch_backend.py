@@ -80,6 +80,7 @@ class TorchAttention(AttentionBackend):
     """Reference paged attention; GQA through ``repeat_interleave`` of the KV heads."""
 
     name = "torch"
+    supports_quantized_kv = True
 
     def __init__(self, config: EngineConfig, model_info: ModelInfo) -> None:
         self.num_heads = int(model_info.num_heads)

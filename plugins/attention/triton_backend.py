@@ -6,7 +6,8 @@ decode kernel on the batch's leading one-token requests and the paged prefill ke
 on the rest (the executor should order decodes first in mixed batches; any order is
 correct, but only leading decodes get the decode kernel). No launch reads tensor values on
 the host, and the decode scratch buffers are allocated once at their largest size,
-so decode steps can be captured in CUDA graphs.
+so decode steps can be captured in CUDA graphs. An fp8 / int8 cache (``kv_quant``) is
+quantized by the write and dequantized inside both attention kernels.
 
 Settings (``[plugin.triton]`` in the config, or keyword arguments), defaults in
 ``__init__``: ``max_num_splits``, ``decode_block_n``, ``decode_num_stages``,
@@ -81,6 +82,7 @@ class TritonAttention(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
     accepts_written_kv = True
+    supports_quantized_kv = True
 
     def __init__(self, config: EngineConfig, model_info: ModelInfo, **overrides: int) -> None:
         self.num_heads = int(model_info.num_heads)

@@ -91,6 +91,11 @@ class ModelRunner(Executor):
         self.kv_dtype = kv_quant.cache_dtype(
             self.config.kv_cache_dtype, self.quant.kv_cache_dtype(self.dtype)
         )
+        if kv_quant.is_quantized(self.kv_dtype) and not self.attn.supports_quantized_kv:
+            raise ValueError(
+                f"attention {self.attn.name!r} cannot read a quantized KV cache "
+                f"(kv_cache_dtype={self.config.kv_cache_dtype}); use torch or triton"
+            )
         if self.device.type == "cuda":
             self._choose_skinny_gemms()
         self.sampler = Sampler(self.info.vocab_size, self.device)

@@ -50,6 +50,10 @@ class AttentionBackend(ABC):
     # v at ``meta.slot_mapping`` in the cache layout below (fused into its rope
     # kernel), so the backend only attends. The model passes the keyword only then.
     accepts_written_kv: bool = False
+    # True when ``forward`` reads and writes a quantized cache (``kv_cache_dtype`` fp8 /
+    # int8): fp8 / int8 strided views whose blocks also hold per-token-head scales
+    # (``plugins.attention.kv_quant``). The executor refuses such a cache otherwise.
+    supports_quantized_kv: bool = False
 
     def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027
         """Called once per step before the forward pass; may fill ``meta.extra``."""

@@ -22,6 +22,8 @@ from tokenloom.plugins.attention.torch_backend import TorchAttention, gather_kv,
 from tokenloom.plugins.attention.triton_backend import TritonAttention
 from tokenloom.plugins.attention.triton_kernels.kv_write import write_kv
 from tokenloom.plugins.models import fused_ops
+from tokenloom.protocols.components.registry import ComponentSpec
+from tokenloom.protocols.hookspecs import hookimpl
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KV_DTYPES = [torch.int8, torch.float8_e4m3fn]
@@ -223,3 +225,27 @@ def test_engine_pool_follows_kv_cache_dtype_and_logs_the_block_gain(tiny_model_f
         "int8 with per-token-head scales" in caplog.text and "x the float32 blocks" in caplog.text
     )
     assert len(outputs["int8"].outputs[0].token_ids) == 12
+
+
+class _PlainOnly:
+    """A third-party attention plugin that declares no quantized-KV support."""
+
+    @staticmethod
+    @hookimpl
+    def tokenloom_register_components():
+        class PlainAttention(TorchAttention):
+            name = "plain-only"
+            supports_quantized_kv = False
+
+        return [ComponentSpec("attention", "plain-only", PlainAttention, "test")]
+
+
+def test_engine_refuses_a_quantized_cache_for_a_backend_that_cannot_read_it(tiny_model_factory):
+    from tokenloom import LLM
+
+    model = str(tiny_model_factory("llama"))
+    with pytest.raises(ValueError, match="cannot read a quantized KV cache"):
+        LLM(model=model, attention="plain-only", kv_cache_dtype="fp8", plugins=[_PlainOnly])
+    llm = LLM(model=model, attention="plain-only", plugins=[_PlainOnly])  # auto: accepted
+    assert llm.engine.executor.kv_caches[0][0].dtype == torch.float32
+    llm.engine.shutdown()
