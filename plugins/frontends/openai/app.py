@@ -31,12 +31,14 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from tokenloom.plugins.frontends.admission import Reservation
 from tokenloom.plugins.frontends.generation import ChoiceUpdate, Generation, job_metrics
 from tokenloom.plugins.frontends.limits import PromptError
 from tokenloom.plugins.frontends.openai import formatting as fmt
 from tokenloom.plugins.frontends.openai.body import check_json_depth, read_json_body
+from tokenloom.plugins.frontends.openai.fast_lane import Meter, fast_lane_protocol
 from tokenloom.plugins.frontends.openai.info import InfoRoutes, json_response, unauthorized
 from tokenloom.plugins.frontends.openai.schemas import (
     ChatCompletionRequest,
@@ -94,6 +96,12 @@ class OpenAIApp:
         # few workers: a flood of huge prompts queues here instead of taking all memory
         self.workers = ThreadPoolExecutor(2, thread_name_prefix="tokenloom-openai")
         info = InfoRoutes(frontend)
+        # uvicorn's protocol with /health answered before any parsing and the parsing
+        # of other requests metered, so that no burst delays /health (fast_lane.py)
+        self.meter = Meter()
+        self.http_protocol = fast_lane_protocol(
+            AutoHTTPProtocol, {"/health": info.health_answer}, self.meter
+        )
         self.starlette = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
@@ -221,6 +229,7 @@ class OpenAIApp:
             raise engine_error(exc) from exc
         finally:
             await stream.aclose()
+        await self.meter.turn()  # many requests finishing in one step: spread over iterations
         make_choice = fmt.chat_choice if chat else fmt.completion_choice
         choices = [
             make_choice(i, "".join(parts), finish[i], logprobs[i] if logprobs else None)

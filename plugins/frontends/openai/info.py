@@ -77,8 +77,13 @@ class InfoRoutes:
             return unauthorized(config.api_key, request)
         return None
 
+    def health_answer(self) -> tuple[int, bytes]:
+        """/health's status and body (also served by the HTTP server's fast lane)."""
+        return (200, self._ok) if self.frontend.engine.is_alive else (503, self._dead)
+
     async def health(self, request: Request) -> Response:
-        return _raw_json(self._ok) if self.frontend.engine.is_alive else _raw_json(self._dead, 503)
+        status, body = self.health_answer()
+        return _raw_json(body, status)
 
     async def models(self, request: Request) -> Response:
         return self._gate(request) or _raw_json(self._models)

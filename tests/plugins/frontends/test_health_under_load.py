@@ -1,0 +1,168 @@
+"""/health answers within 50 ms while the HTTP server takes a burst of 500 served or
+2,000 refused concurrent requests (issue 15), over real sockets.
+
+The server (the OpenAI frontend over an in-process engine) runs in a thread of this
+process, the burst comes from a subprocess, and this thread probes /health on a
+keep-alive connection every 5 ms. A probe's latency is counted two ways: wall-clock,
+and the CPU time the server's thread spent between sending the probe and its answer.
+The CPU time is the work the event loop did ahead of /health, which is what the
+server controls; wall-clock also holds the other processes of a shared machine (the
+CI box has two cores and other jobs). The tests assert the CPU-time p99, and the
+wall-clock p99 only on a quiet machine (load average below the core count).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import pytest
+from serving_fakes import InProcessEngine, asgi_frontend
+
+LIMIT_S = 0.05
+PROBE = b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n"
+
+# The burst: N concurrent POSTs on their own connections; prints the status counts.
+BURST = r"""
+import asyncio, json, sys
+port, n = int(sys.argv[1]), int(sys.argv[2])
+body = b'{"prompt": "hello", "max_tokens": 8}'
+request = (b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+           b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)) + body
+async def one(statuses):
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(request)
+        status = int((await reader.readline()).split()[1])
+        await reader.read()
+        writer.close()
+    except (OSError, IndexError, ValueError):
+        status = 0
+    statuses[status] = statuses.get(status, 0) + 1
+async def main():
+    statuses = {}
+    await asyncio.gather(*(one(statuses) for _ in range(n)))
+    print(json.dumps(statuses))
+asyncio.run(main())
+"""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_factory):
+    return tiny_model_factory("llama")
+
+
+class Served:
+    """``asgi_frontend(model_dir, engine, **options)`` serving on a free port in a thread."""
+
+    def __init__(self, model_dir: Any, step_s: float, **options: Any) -> None:
+        self.model_dir, self.step_s, self.options = model_dir, step_s, options
+        self.frontend: Any = None
+        self.serving: asyncio.Task[None] | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._serve()), daemon=True)
+
+    async def _serve(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        engine = InProcessEngine(step_s=self.step_s)
+        self.frontend = asgi_frontend(self.model_dir, engine, port=0, **self.options)
+        self.serving = serving = asyncio.create_task(self.frontend.serve())
+        while self.frontend.port is None and not serving.done():
+            await asyncio.sleep(0.01)
+        self.ready.set()
+        await serving
+
+    def __enter__(self) -> Served:
+        self.thread.start()
+        assert self.ready.wait(30) and self.frontend.port, "server did not start"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.loop is not None and self.serving is not None
+        self.loop.call_soon_threadsafe(self.serving.cancel)
+        self.thread.join(30)
+
+    def call(self, fn: Any) -> Any:
+        """``fn()`` run in the server's event loop; its result."""
+
+        async def run() -> Any:
+            return fn()
+
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
+
+
+def _probe_during(served: Served, burst: subprocess.Popen[str]) -> tuple[list, list]:
+    """(wall, server CPU) seconds of each /health probe until ``burst`` exits."""
+    assert served.thread.ident is not None
+    server_cpu = time.pthread_getcpuclockid(served.thread.ident)
+    walls: list[float] = []
+    cpus: list[float] = []
+    with socket.create_connection(("127.0.0.1", served.frontend.port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while burst.poll() is None:
+            time.sleep(0.005)
+            wall, cpu = time.perf_counter(), time.clock_gettime(server_cpu)
+            sock.sendall(PROBE)
+            answer = b""
+            while not answer.endswith(b'{"status":"ok"}'):
+                chunk = sock.recv(4096)
+                assert chunk, "the server closed the probe's connection"
+                answer += chunk
+            cpus.append(time.clock_gettime(server_cpu) - cpu)
+            walls.append(time.perf_counter() - wall)
+            assert answer.startswith(b"HTTP/1.1 200 ")
+    return walls, cpus
+
+
+def _p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def _run_burst(served: Served, n: int) -> tuple[dict[str, int], list[float], list[float]]:
+    burst = subprocess.Popen(
+        [sys.executable, "-c", BURST, str(served.frontend.port), str(n)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    walls, cpus = _probe_during(served, burst)
+    out, _ = burst.communicate(timeout=120)
+    statuses = json.loads(out)
+    print(
+        f"{n} requests {statuses}: {len(walls)} /health probes, wall p99 "
+        f"{_p99(walls) * 1e3:.1f} ms (max {max(walls) * 1e3:.1f}), server CPU p99 "
+        f"{_p99(cpus) * 1e3:.1f} ms (max {max(cpus) * 1e3:.1f}); meter queue peaked at "
+        f"{getattr(getattr(served.frontend.app, 'meter', None), 'max_queued', '-')}; load {os.getloadavg()[0]:.1f}"
+    )
+    return statuses, walls, cpus
+
+
+def _check(walls: list[float], cpus: list[float]) -> None:
+    assert len(cpus) >= 20  # the burst lasted long enough to be probed
+    assert _p99(cpus) < LIMIT_S
+    if os.getloadavg()[0] < (os.cpu_count() or 1):
+        assert _p99(walls) < LIMIT_S
+
+
+def test_health_within_50ms_while_500_concurrent_requests_are_served(model_dir):
+    with Served(model_dir, step_s=0.002, max_num_seqs=512, max_waiting_requests=512) as served:
+        statuses, walls, cpus = _run_burst(served, 500)
+    assert statuses == {"200": 500}
+    _check(walls, cpus)
+
+
+def test_health_within_50ms_while_2000_concurrent_requests_are_refused(model_dir):
+    with Served(model_dir, step_s=0.0, max_num_seqs=4, max_waiting_requests=12) as served:
+        served.call(lambda: served.frontend.admission.reserve(16))  # the queue is full
+        statuses, walls, cpus = _run_burst(served, 2000)
+    assert statuses == {"503": 2000}
+    _check(walls, cpus)
