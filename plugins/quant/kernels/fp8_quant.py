@@ -25,12 +25,13 @@ def _per_token_fp8_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.
         ks = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
+    # IEEE-rounded divisions (Triton's `/` is approximate): bit-equal to the torch oracle
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), 448.0)
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK):
         ks = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
         tl.store(q_ptr + row * stride_q + ks, q.to(q_ptr.dtype.element_ty), mask=ks < K)
 
 

@@ -91,16 +91,22 @@ def _weight_gemm_kernel(
         x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         mask_w = mask_k[:, None] & mask_n[None, :]
         if BITS == 8:
-            q = tl.load(qw_ptr + ks[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask_w)
+            q = tl.load(
+                qw_ptr + ks[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask_w, other=0
+            )
         elif EXPAND:  # each word loaded once, its 8 nibbles laid out as 8 rows
             kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
             mask_kw = (kw < K // 8)[:, None] & mask_n[None, :]
-            words = tl.load(qw_ptr + kw[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask_kw)
+            words = tl.load(
+                qw_ptr + kw[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask_kw, other=0
+            )
             nibbles = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
             q = tl.reshape(nibbles, (BLOCK_K, BLOCK_N))
         else:  # each word gathered by the 8 rows it holds
             words = tl.load(
-                qw_ptr + (ks // 8)[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask_w
+                qw_ptr + (ks // 8)[:, None].to(tl.int64) * N + offs_n[None, :],
+                mask=mask_w,
+                other=0,
             )
             q = (words >> ((ks % 8) * 4)[:, None]) & 0xF
         if GROUP == 0:  # the channel's scale comes after the loop
