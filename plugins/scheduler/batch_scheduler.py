@@ -1,22 +1,17 @@
-"""``BatchScheduler``: what every batching scheduler shares, and its public policy API.
+"""``BatchScheduler``: what every batching scheduler shares; the base of a policy.
 
-A policy is a subclass that overrides only the extension points below, never a
-private member (``protocols/README.md`` documents them with the request lifecycle):
-- ``priority(state, now)``: the waiting queue's key (lower runs sooner); with
-  ``reprioritize_interval`` set, every waiting request is re-keyed that often
-  (aging), and ``waiting.update(state)`` re-keys one request at any time;
-- ``choose_victim(candidates)``: which running request to preempt when the KV pool
-  runs dry;
-- ``admit(budget)``: which queued requests start this step, through ``start``;
-- ``requeue`` / ``unqueue`` / ``num_queued``: where preempted requests wait.
-It reads ``now`` (the engine clock at this step), ``running``, ``waiting`` and each
-``RequestState`` (arrival, tenant, metadata, tokens, ``policy_data``).
+A policy is a subclass that overrides only the public extension points of
+``policy.SchedulingPolicy`` (``priority`` with ``reprioritize_interval``,
+``choose_victim``, ``admit`` with ``start``, ``requeue`` / ``unqueue`` /
+``num_queued``), never a private member; ``protocols/README.md`` documents them
+with the request lifecycle.
 
 Everything that touches the step messages, the KV manager and the stopping rules
 lives in this class and its two halves, so two schedulers fed the same executor
 produce the same tokens:
 - ``step_building.StepBuilding``: ``schedule``, building a step;
 - ``result_folding.ResultFolding``: ``update``, folding a step's output back in;
+- ``policy.SchedulingPolicy``: the policy API and its bridge to step building;
 - here: the state they share, intake (``add_request``, ``abort_requests``), the
   state changes both call (preempt, finish, release, deadlines) and the per-request
   metrics on each last delta.
@@ -41,10 +36,10 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable
 
 from tokenloom.config import EngineConfig
+from tokenloom.plugins.scheduler.policy import SchedulingPolicy
 from tokenloom.plugins.scheduler.request_state import RequestState, Status, max_total_len
 from tokenloom.plugins.scheduler.result_folding import ResultFolding
 from tokenloom.plugins.scheduler.step_building import StepBuilding
@@ -57,7 +52,7 @@ from tokenloom.protocols.requests import GenerateRequest
 from tokenloom.protocols.step import NewRequestData, ScheduledChunk, StepInput, StepOutput
 
 
-class BatchScheduler(StepBuilding, ResultFolding, Scheduler):
+class BatchScheduler(SchedulingPolicy, StepBuilding, ResultFolding, Scheduler):
     """Shared machinery of the ``continuous`` and ``static`` schedulers, and the base
     of a third-party policy (see the module docstring); used as is, it is
     ``continuous``.
@@ -92,7 +87,7 @@ class BatchScheduler(StepBuilding, ResultFolding, Scheduler):
         self._pool_tokens = kv_cache.num_blocks * kv_cache.block_size - self._lookahead
         self.now = clock()
         self._requests: dict[str, RequestState] = {}
-        own_priority = type(self).priority is not BatchScheduler.priority
+        own_priority = type(self).priority is not SchedulingPolicy.priority
         self._waiting = WaitingQueue(self._priority_key if own_priority else by_sort_key)
         self._last_reprioritized = self.now
         self._running: list[RequestState] = []
@@ -114,99 +109,6 @@ class BatchScheduler(StepBuilding, ResultFolding, Scheduler):
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_steps = 0
-
-    # ----------------------------------------------------------------- policy API
-
-    #: Seconds between re-keying every waiting request with ``priority`` (aging);
-    #: None: a request's key is computed when it is queued and never again.
-    reprioritize_interval: float | None = None
-
-    @property
-    def running(self) -> Sequence[RequestState]:
-        """The running requests (they hold blocks), in (priority, arrival) order.
-        Read-only: change it only through ``start`` and preemption."""
-        return self._running
-
-    @property
-    def waiting(self) -> WaitingQueue:
-        """The queued requests, by ``priority``: ``peek`` / ``pop`` to admit,
-        ``update(state)`` after changing what a request's key depends on."""
-        return self._waiting
-
-    def priority(self, state: RequestState, now: float) -> Any:
-        """The waiting queue's key of ``state`` at time ``now`` (engine clock); lower
-        runs sooner, ties by queueing order. Default: (priority, arrival order).
-        Called when a request is queued (or requeued) and, with
-        ``reprioritize_interval``, for every waiting request that often: keep it cheap
-        (no scan of other requests)."""
-        return state.sort_key
-
-    def choose_victim(self, candidates: Sequence[RequestState]) -> RequestState:
-        """The request to preempt when the KV pool runs dry; one of ``candidates``:
-        the running requests not yet scheduled in this step, the one asking for a
-        block first (choosing it preempts the asker itself). Default: the last
-        (lowest priority, latest arrival)."""
-        return candidates[-1]
-
-    def admit(self, budget: int) -> int:
-        """Start queued requests within ``budget`` tokens and ``max_num_seqs``;
-        returns the budget left. Called once per step after the running requests
-        were scheduled, and not in a step that preempted. Default: in queue order,
-        strictly (nothing jumps ahead of a head that does not fit). A waiting
-        request whose first prompt block another request is prefilling right now
-        waits for that block, so that identical prompts share it."""
-        waiting = self._waiting
-        if not len(waiting):
-            return budget
-        kv = self.kv_cache
-        in_flight = self._first_blocks_in_flight
-        running = self._running
-        deferred: list[RequestState] = []
-        while budget > 0 and len(running) < self._max_num_seqs and kv.num_free_blocks:
-            state = waiting.peek()
-            if state is None:
-                break
-            if in_flight and state.first_block_key in in_flight:
-                waiting.pop()
-                deferred.append(state)
-                continue
-            used = self.start(state, budget)
-            if used < 0:
-                break
-            waiting.pop()
-            budget -= used
-        for state in deferred:
-            waiting.push(state)
-        return budget
-
-    def start(self, state: RequestState, budget: int, reserve_all: bool = False) -> int:
-        """Start (or resume) queued ``state`` in the step being built: its blocks,
-        reusing the prefix cache, and its first chunk of at most ``budget`` tokens.
-        With ``reserve_all`` the blocks cover all its tokens, not just the chunk.
-        Returns the tokens scheduled, or -1 (nothing changed) when the pool cannot
-        hold it or it still waits for a token of a step in flight. The caller
-        removes it from wherever it queued it (``waiting.pop()``). Only from
-        ``admit``."""
-        used = self._start(state, budget, self._step_chunks, self._step_new, reserve_all)
-        if used >= 0 and not state.first_scheduled_time:
-            state.first_scheduled_time = self.now
-            self._awaiting_first_token.append(state)
-        return used
-
-    def requeue(self, state: RequestState) -> None:
-        """Queue a request that was just preempted. Default: the waiting queue."""
-        self._waiting.push(state)
-
-    def unqueue(self, state: RequestState) -> None:
-        """Forget a queued (or preempted) request that finishes (abort, timeout)."""
-        self._waiting.discard(state)
-
-    def num_queued(self) -> int:
-        """Requests waiting, wherever they wait (for the queue limit and stats)."""
-        return len(self._waiting)
-
-    def _priority_key(self, state: RequestState) -> Any:
-        return self.priority(state, self.now)
 
     # ----------------------------------------------------------------- step hooks
 
@@ -230,21 +132,6 @@ class BatchScheduler(StepBuilding, ResultFolding, Scheduler):
             metrics.clear()
         return deltas
 
-    def _admit(self, chunks: list[ScheduledChunk], new: list[NewRequestData], budget: int) -> int:
-        self._step_chunks, self._step_new = chunks, new
-        try:
-            return self.admit(budget)
-        finally:
-            self._step_chunks, self._step_new = [], []
-
-    def _take_victim(self, states: list[RequestState], first: int) -> RequestState:
-        """Remove and return the victim among ``states[first:]`` (``choose_victim``)."""
-        if first >= len(states) - 1:
-            return states.pop()
-        victim = self.choose_victim(states[first:])
-        states.pop(states.index(victim, first))  # ValueError: not a candidate
-        return victim
-
     def _note_first_tokens(self) -> None:
         now = self._clock()
         still: list[RequestState] = []
@@ -256,12 +143,6 @@ class BatchScheduler(StepBuilding, ResultFolding, Scheduler):
             else:
                 still.append(state)
         self._awaiting_first_token = still
-
-    def _requeue(self, state: RequestState) -> None:
-        self.requeue(state)
-
-    def _unqueue(self, state: RequestState) -> None:
-        self.unqueue(state)
 
     # ----------------------------------------------------------------- Scheduler API
 
