@@ -97,6 +97,22 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     prompt_tokens_total: int = 0  # prompt tokens computed
     generation_tokens_total: int = 0
     num_steps: int = 0
+    # Speculative decoding: drafts verified, of which accepted, and the chunks that
+    # verified them (each emits accepted + 1 tokens).
+    spec_draft_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
+    spec_verify_steps_total: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted drafts per verified draft (0 without speculation)."""
+        return self.spec_accepted_tokens_total / max(self.spec_draft_tokens_total, 1)
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens per verify step: accepted drafts + 1 (0 without speculation)."""
+        steps = self.spec_verify_steps_total
+        return (self.spec_accepted_tokens_total + steps) / steps if steps else 0.0
 
     @property
     def kv_usage(self) -> float:

@@ -66,6 +66,26 @@ class _EngineCollector(Collector):
         yield _counter("prefix_cache_hits", "Of which cached.", stats.prefix_cache_hits)
         yield _counter("num_preemptions", "Preemptions.", stats.num_preemptions)
         yield _counter(
+            "spec_decode_num_draft_tokens", "Speculative draft tokens verified.",
+            stats.spec_draft_tokens_total,
+        )  # fmt: skip
+        yield _counter(
+            "spec_decode_num_accepted_tokens", "Of which accepted.",
+            stats.spec_accepted_tokens_total,
+        )  # fmt: skip
+        yield _counter(
+            "spec_decode_num_verify_steps", "Request-steps that verified drafts.",
+            stats.spec_verify_steps_total,
+        )  # fmt: skip
+        yield _gauge(
+            "spec_decode_acceptance_rate", "Accepted drafts per verified draft.",
+            stats.spec_acceptance_rate,
+        )  # fmt: skip
+        yield _gauge(
+            "spec_decode_mean_accepted_length", "Tokens per verify step (accepted + 1).",
+            stats.spec_mean_accepted_length,
+        )  # fmt: skip
+        yield _counter(
             "engine_prompt_tokens", "Prompt tokens computed by the engine.",
             stats.prompt_tokens_total,
         )  # fmt: skip

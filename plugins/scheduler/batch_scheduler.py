@@ -208,6 +208,9 @@ class BatchScheduler(SchedulingPolicy, StepBuilding, ResultFolding, Scheduler):
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             num_steps=self.num_steps,
+            spec_draft_tokens_total=self.spec_proposed_total,
+            spec_accepted_tokens_total=self.spec_accepted_total,
+            spec_verify_steps_total=self.spec_verify_steps,
         )
 
     # ----------------------------------------------------------------- state changes
