@@ -130,8 +130,37 @@ _SMOLLM2_135M: dict[str, Any] = {
     "torch_dtype": "bfloat16",
 }
 
+# Llama-3.2-1B: the speculative-decoding draft for the Llama-3 8B shape (same vocabulary).
+_LLAMA_32_1B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "tie_word_embeddings": True,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+}
+
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3-8b": _LLAMA_3_8B,
+    "llama-3.2-1b": _LLAMA_32_1B,
     "llama-3-70b": _LLAMA_3_70B,
     "qwen2.5-32b": _QWEN25_32B,
     "qwen2.5-0.5b": _QWEN25_05B,
