@@ -58,10 +58,11 @@ class Fp8Kernel(LinearKernel):
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor) -> None:
         self.weight = weight  # [N, K] e4m3
         self.scales = scales  # [N, 1] float32
+        self.mma_shape = weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0  # _scaled_mm
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = flat(x)
-        if x.dtype in (torch.float16, torch.bfloat16) and _has_fp8_mma(x.device):
+        if self.mma_shape and x.dtype in (torch.float16, torch.bfloat16) and _has_fp8_mma(x.device):
             y = self.scaled_mm(x2, bias)
         else:
             y = self.reference(x2, bias)
