@@ -102,6 +102,23 @@ def plugin_options(items: list[str]) -> dict[str, dict[str, Any]]:
     return result
 
 
+def spec_summary(before: Any, after: Any) -> dict[str, float] | None:
+    """Speculative-decoding figures between two ``EngineStats``: drafts verified and
+    accepted, acceptance rate, tokens per verify step; None when nothing was verified."""
+    drafts = after.spec_draft_tokens_total - before.spec_draft_tokens_total
+    accepted = after.spec_accepted_tokens_total - before.spec_accepted_tokens_total
+    steps = after.spec_verify_steps_total - before.spec_verify_steps_total
+    if not steps:
+        return None
+    return {
+        "draft_tokens": drafts,
+        "accepted_tokens": accepted,
+        "verify_steps": steps,
+        "acceptance_rate": accepted / max(drafts, 1),
+        "mean_accepted_length": (accepted + steps) / steps,
+    }
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 

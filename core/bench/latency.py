@@ -15,7 +15,13 @@ import statistics
 import time
 from typing import Any
 
-from tokenloom.bench.common import add_engine_args, engine_options, print_table, write_json
+from tokenloom.bench.common import (
+    add_engine_args,
+    engine_options,
+    print_table,
+    spec_summary,
+    write_json,
+)
 
 
 def copy_bandwidth(num_bytes: int = 2 << 30, repeats: int = 20) -> float:
@@ -127,7 +133,9 @@ def main(argv: list[str]) -> int:
     engine = llm.engine
     top = min(1000, engine.info.vocab_size - 10)
     prompt = [(7 * i + 11) % top + 10 for i in range(args.prompt_len)]
-    decode_run(engine, prompt, 16, "warmup")
+    # With a proposer the warm-up runs the full length: ``replay`` drafts from it.
+    decode_run(engine, prompt, args.output_len if args.proposer != "none" else 16, "warmup")
+    before = engine.stats()
     per_run = []
     for run in range(args.runs):
         arrivals = decode_run(engine, prompt, args.output_len, f"run-{run}")
@@ -155,6 +163,13 @@ def main(argv: list[str]) -> int:
         ("ms per step (median)", step_ms),
         ("TTFT ms (median)", statistics.median(r["ttft_ms"] for r in per_run)),
     ]
+    spec = spec_summary(before, engine.stats())
+    if spec is not None:
+        result["speculative"] = spec
+        rows += [
+            ("spec acceptance rate", spec["acceptance_rate"]),
+            ("spec tokens per verify step", spec["mean_accepted_length"]),
+        ]
     if torch.cuda.is_available():
         bandwidth = copy_bandwidth()
         step_bytes = bytes_per_step(engine, args.prompt_len + args.output_len / 2)

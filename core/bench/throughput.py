@@ -12,7 +12,13 @@ import random
 import time
 from typing import Any
 
-from tokenloom.bench.common import add_engine_args, engine_options, print_table, write_json
+from tokenloom.bench.common import (
+    add_engine_args,
+    engine_options,
+    print_table,
+    spec_summary,
+    write_json,
+)
 
 
 def make_workload(
@@ -151,7 +157,9 @@ def main(argv: list[str]) -> int:
         for i in range(args.runs)
     ]
     work = passes[0]
+    before = llm.engine.stats()
     ours = run_tokenloom(llm, passes)
+    spec = spec_summary(before, llm.engine.stats())
     result: dict[str, Any] = {
         "model": args.model,
         "config": {k: v for k, v in options.items() if k != "model"},
@@ -160,6 +168,8 @@ def main(argv: list[str]) -> int:
         "memory_gib": dict(llm.engine.executor.memory),
         "startup_s": dict(llm.engine.executor.timings),
     }
+    if spec is not None:
+        result["speculative"] = spec
     rows = [
         (
             "passes: output tokens/s",
