@@ -13,6 +13,8 @@ token-id prompts (tokenloom, vLLM, SGLang, ...).
 ships): each request is sent at its arrival time (``--speed`` / ``--trace-rate``
 rescale them, as in ``tokenloom sim``) with its prompt length (random ids), its
 output length (``max_tokens``, EOS ignored), its priority and its tenant (``user``).
+Trace requests ask for ``logprobs: 0`` (every token then arrives as a chunk, even
+one whose text is held back) and the engine's ``metrics`` (queue time, preemptions).
 The JSON then also holds ``trace_summary``, computed by ``tokenloom.sim.metrics``
 exactly as the simulator's, so the two compare figure by figure
 (``python -m tokenloom.sim.compare``). HTTP is spoken by ``bench.http_stream``
@@ -48,6 +50,7 @@ class RequestResult:
     sent_at: float = 0.0  # seconds since the benchmark started
     priority: int = 0
     tenant: str = ""
+    engine_metrics: dict[str, Any] | None = None  # the server's "metrics" extra, if sent
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -140,7 +143,12 @@ async def send_one(client: Any, url: str, body: dict[str, Any]) -> RequestResult
                     return result
                 if chunk.get("usage"):
                     result.output_len = chunk["usage"]["completion_tokens"]
-                if not any(c.get("text") for c in chunk.get("choices", [])):
+                if chunk.get("metrics"):
+                    result.engine_metrics = chunk["metrics"]
+                # A token arrives as text, or (asked with logprobs) as its logprob even
+                # when its text is held back (random weights often sample ids whose
+                # text is empty or partial UTF-8).
+                if not any(c.get("text") or c.get("logprobs") for c in chunk.get("choices", [])):
                     continue
                 now = time.perf_counter()
                 if result.ttft == 0.0:
@@ -194,6 +202,9 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 body["priority"] = request.priority
             if request.tenant:
                 body["user"] = request.tenant
+            if args.trace:  # every token as a chunk, and the engine's own timings
+                body["logprobs"] = 0
+                body["include_metrics"] = True
             bodies.append(body)
         gate = asyncio.Semaphore(args.max_concurrency or len(bodies))
 
@@ -244,6 +255,10 @@ def trace_summary(results: list[RequestResult], args: argparse.Namespace) -> dic
             record.finished = r.sent_at + r.e2e
             record.num_output = r.output_len
             record.finish_reason = "length"
+            engine = r.engine_metrics or {}
+            if engine.get("queue_time") is not None:  # the engine's arrival to first scheduled
+                record.started = r.sent_at + engine["queue_time"]
+            record.preemptions = int(engine.get("num_preemptions") or 0)
         else:
             record.finish_reason = "rejected" if r.error.startswith("HTTP 4") else "error"
         records.append(record)

@@ -48,8 +48,10 @@ def test_trace_replay_honours_arrivals_and_the_server_records_it(tiny_model_fact
     for want, got in zip(trace, sent, strict=True):
         assert abs(got["sent_at"] - want.arrival_s) < 0.15
         assert (got["prompt_len"], got["output_len"]) == (want.prompt_len, want.output_len)
+    assert all(r["ttft"] > 0 and r["engine_metrics"]["num_preemptions"] == 0 for r in sent)
     summary = report["trace_summary"]
     assert summary["completed"] == 5 and summary["slo_attainment"] == 1.0
+    assert summary["queue_ms"]["p50"] >= 0
     assert summary["ttft_ms"]["p50"] > 0 and set(summary["by_tenant"]) == {"", "a", "b"}
 
     lines = [json.loads(line) for line in recorded.read_text().splitlines()]
