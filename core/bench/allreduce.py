@@ -28,6 +28,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _world_name() -> Any:
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    assert world is not None, "init_process_group first"
+    return world.group_name
+
+
 def _time_cuda(fn: Any, iters: int) -> float:
     """Median microseconds of ``fn`` on the device, from CUDA events, after warm-up."""
     import torch
@@ -87,7 +95,7 @@ def _rank(rank: int, size: int, port: int, args: argparse.Namespace, out: Any) -
 
         symm = symm_mem
         if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.9
-            symm_mem.enable_symm_mem_for_group(dist.group.WORLD.group_name)
+            symm_mem.enable_symm_mem_for_group(_world_name())
     rows = []
     for kib in args.sizes_kib:
         numel = kib * 1024 // torch.empty((), dtype=dtype).element_size()
@@ -111,7 +119,7 @@ def _measure(
     }
     row: dict[str, Any] = {"kib": kib}
     if symm is not None:
-        group_name = dist.group.WORLD.group_name
+        group_name = _world_name()
         buf = symm.empty(numel, dtype=dtype, device=device)
         symm.rendezvous(buf, group_name)
         buf.fill_(rank + 1)

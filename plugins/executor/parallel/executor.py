@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 import zmq
@@ -80,12 +80,16 @@ class TensorParallelExecutor(Executor):
     def load_model(self) -> ModelInfo:
         started = time.perf_counter()
         timeout = self.config.engine_start_timeout_s
-        store = dist_group.open_store(self.pool.store_port, 0, self.size, timeout)
-        self.pool.start()
-        self.pool.wait_joined(store, timeout)
-        self.group = dist_group.join(store, 0, self.size, self.backend, timeout)
-        self.runner.group = self.group
-        info = self.runner.load_model()
+        try:
+            store = dist_group.open_store(self.pool.store_port, 0, self.size, timeout)
+            self.pool.start()
+            self.pool.wait_joined(store, timeout)
+            self.group = dist_group.join(store, 0, self.size, self.backend, timeout)
+            self.runner.group = self.group
+            info = self.runner.load_model()
+        except BaseException:
+            self.shutdown()  # no worker, socket or process group outlives a failed start
+            raise
         self.runner.timings["tp_start_s"] = time.perf_counter() - started
         log.info(
             "tensor parallel: %d ranks over %s, workers %s",
@@ -98,16 +102,25 @@ class TensorParallelExecutor(Executor):
     def num_kv_blocks(self, block_size: int) -> int:
         """The smallest count over the ranks: every rank's pool has the same blocks."""
         group = self._command(Command.NUM_KV_BLOCKS, block_size)
-        return group.all_reduce_min(self.runner.num_kv_blocks(block_size))
+        try:  # profiling runs forward passes, with their collectives, on every rank
+            return group.all_reduce_min(self.runner.num_kv_blocks(block_size))
+        except RuntimeError as exc:
+            self._raise_death(exc)
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self._command(Command.INIT_KV_CACHE, num_blocks, block_size)
-        self.runner.init_kv_cache(num_blocks, block_size)
+        try:  # graph capture's warm-up passes run collectives
+            self.runner.init_kv_cache(num_blocks, block_size)
+        except RuntimeError as exc:
+            self._raise_death(exc)
 
     def _command(self, command: Command, a: int = 0, b: int = 0) -> dist_group.DistributedGroup:
         assert self.group is not None, "load_model first"
         self.pool.raise_if_dead()
-        self.group.broadcast_ints([int(command), a, b])
+        try:
+            self.group.broadcast_ints([int(command), a, b])
+        except RuntimeError as exc:  # a worker died during its start-up
+            self._raise_death(exc)
         return self.group
 
     # ------------------------------------------------------------------ steps
@@ -121,11 +134,17 @@ class TensorParallelExecutor(Executor):
         try:
             return self.runner.submit(step)
         except RuntimeError as exc:  # a collective failed: most likely a worker died
-            if self.pool.wait_for_death(_DEATH_REPORT_S):
-                raise WorkerDiedError(str(self.pool.failure)) from exc
-            raise
+            self._raise_death(exc)
+
+    def _raise_death(self, exc: RuntimeError) -> NoReturn:
+        """Re-raise a failed collective as WorkerDiedError when a worker died."""
+        if self.pool.wait_for_death(_DEATH_REPORT_S):
+            raise WorkerDiedError(str(self.pool.failure)) from exc
+        raise exc
 
     def shutdown(self) -> None:
+        if self._steps.closed:  # already shut down
+            return
         self.runner.shutdown()
         self.pool.terminate()
         dist_group.leave()  # a worker waiting in a collective sees the group close

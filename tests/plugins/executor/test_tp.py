@@ -145,3 +145,19 @@ def test_shutdown_stops_every_worker(tiny_model_factory):
     llm.shutdown()
     assert time.monotonic() - started < 5.0
     assert not any(_alive(p) for p in pids)
+
+
+def test_worker_dead_at_start_fails_the_start_at_once(tiny_model_factory, monkeypatch):
+    from tokenloom.plugins.executor.parallel.workers import WorkerPool
+
+    start = WorkerPool.start
+
+    def start_then_kill(pool: WorkerPool) -> None:
+        start(pool)
+        pool.procs[0].kill()
+
+    monkeypatch.setattr(WorkerPool, "start", start_then_kill)
+    began = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="worker rank 1 .* killed by signal 9"):
+        LLM(str(tiny_model_factory("llama")), **ENGINE, tensor_parallel_size=2)
+    assert time.monotonic() - began < 10.0  # not the 600 s start timeout
