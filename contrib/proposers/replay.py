@@ -9,8 +9,8 @@ each draft is accepted with probability ``acceptance`` until the first miss: a
 benchmark measures speculative decoding's speed at that rate without a real
 draft model. It knows nothing about language; never serve with it.
 
-Recordings come from this process (every finished request's output is kept, the
-longest per prompt) or from a JSONL file of ``{"prompt": [...], "output": [...]}``
+Recordings come from this process (every finished request that speculated, k > 0,
+has its output kept, the longest per prompt) or from a JSONL file of ``{"prompt": [...], "output": [...]}``
 lines. A request without a recording (or whose output left the recording) gets no
 drafts. Options (``[plugin.replay]``): ``acceptance`` (default 1.0), ``seed``
 (default 0), ``path`` (default "": no file).
