@@ -1,14 +1,13 @@
 """Quantized KV cache (``kv_cache_dtype`` fp8 | int8): the pool layout and the
 reference quantize / dequantize.
 
-Scales are dynamic, one per token and KV head, computed when the token is written:
-int8 uses ``absmax / 127`` of the head's ``head_dim`` values; fp8 e4m3 uses the
-smallest power of two >= ``absmax / 448``, so that scaling is exact and each value
-is simply its own fp8 rounding with the row's exponent shifted into range (measured
-on the built-in model: +0.25% perplexity, against +0.62% with ``absmax / 448``
-itself). They need no calibration, a row never shares its range with an outlier
-elsewhere, and a block filled one token at a time never has to be re-quantized. The
-cost is 4 bytes per token and head next to ``head_dim`` bytes.
+Scales are dynamic, one per token and KV head (absmax of the head's ``head_dim``
+values over the format's largest value: 448 for fp8 e4m3, 127 for int8), computed
+when the token is written. They need no calibration, a row never shares its range
+with an outlier elsewhere, and a block filled one token at a time never has to be
+re-quantized. The cost is 4 bytes per token and head next to ``head_dim`` bytes.
+(fp8 scales rounded up to a power of two were measured too: they move each token's
+logprob more, see docs/quantization.md.)
 
 Each block of a quantized pool holds its data, then its scales:
 ``[block_size, num_kv_heads, head_dim]`` of fp8/int8 followed by
@@ -94,23 +93,13 @@ def quantize(
     Triton kernels do); fp8 rounds to nearest even and saturates at 448. A zero row
     gets scale 0."""
     xf = x.float()
-    absmax = xf.abs().amax(-1)  # [T, Hkv]
-    scale = absmax / QMAX[dtype] if dtype == torch.int8 else fp8_scale(absmax)
+    scale = xf.abs().amax(-1) / QMAX[dtype]  # [T, Hkv]
     y = xf / torch.where(scale > 0, scale, 1.0)[..., None]
     if dtype == torch.int8:
         y = (y.sign() * (y.abs() + 0.5).floor()).clamp(-127, 127)
     else:
         y = y.clamp(-448.0, 448.0)
     return y.to(dtype), scale
-
-
-def fp8_scale(absmax: torch.Tensor) -> torch.Tensor:
-    """The smallest power of two >= ``absmax / 448``, without a division (so the
-    Triton kernels compute the same bits): with ``absmax = m 2^e``, m in [0.5, 1), it
-    is ``2^(e - 9)`` while ``m <= 0.875`` (448 = 0.875 2^9), else ``2^(e - 8)``; 0 for 0."""
-    mantissa, exponent = torch.frexp(absmax)
-    scale = torch.ldexp(torch.ones_like(absmax), exponent - 9 + (mantissa > 0.875).int())
-    return torch.where(absmax > 0, scale, 0.0)
 
 
 def dequantize(

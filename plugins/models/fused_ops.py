@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from tokenloom.plugins.attention import kv_quant
-from tokenloom.plugins.attention.triton_kernels.kv_write import quantize_with, row_scale
+from tokenloom.plugins.attention.triton_kernels.kv_write import quantize_with
 
 
 @triton.jit
@@ -224,8 +224,7 @@ def _store_quantized_halves(
 ):  # fmt: skip
     # One head's two halves [K_P2, HALF] over one absmax scale per head.
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    absmax = tl.maximum(tl.max(tl.abs(f1), axis=1), tl.max(tl.abs(f2), axis=1))
-    scale = row_scale(absmax, QMAX, IS_INT8)
+    scale = tl.maximum(tl.max(tl.abs(f1), axis=1), tl.max(tl.abs(f2), axis=1)) / QMAX
     cache_dtype = cache_ptr.dtype.element_ty
     tl.store(cache_ptr + dst, quantize_with(f1, scale, QMAX, IS_INT8).to(cache_dtype), mask=mask)
     y2 = quantize_with(f2, scale, QMAX, IS_INT8).to(cache_dtype)

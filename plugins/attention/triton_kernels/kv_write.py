@@ -12,23 +12,10 @@ from tokenloom.plugins.attention import kv_quant
 
 @triton.jit
 def quantize_rows(x, QMAX: tl.constexpr, IS_INT8: tl.constexpr):
-    """``x [rows, cols]`` fp32 -> (values to store, scale per row), as
-    ``kv_quant.quantize``."""
-    scale = row_scale(tl.max(tl.abs(x), axis=1), QMAX, IS_INT8)
+    """``x [rows, cols]`` fp32 -> (values to store, scale per row): absmax over the
+    row / QMAX."""
+    scale = tl.max(tl.abs(x), axis=1) / QMAX
     return quantize_with(x, scale, QMAX, IS_INT8), scale
-
-
-@triton.jit
-def row_scale(absmax, QMAX: tl.constexpr, IS_INT8: tl.constexpr):
-    """int8: ``absmax / 127``; fp8: the smallest power of two >= ``absmax / 448``, from
-    the bits of ``absmax`` (``kv_quant.fp8_scale``): biased exponent - 8, one more when
-    the mantissa exceeds 1.75 (448 = 1.75 2^8); 0 for a zero row."""
-    if IS_INT8:
-        return absmax / QMAX
-    bits = absmax.to(tl.int32, bitcast=True)
-    exponent = ((bits >> 23) & 0xFF) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    scale = (tl.maximum(exponent, 1) << 23).to(tl.float32, bitcast=True)
-    return tl.where(absmax > 0, scale, 0.0)
 
 
 @triton.jit

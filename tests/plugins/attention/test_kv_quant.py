@@ -63,33 +63,7 @@ def test_quantize_error_is_bounded_by_the_format_per_token_head(dtype):
         assert data.abs().amax() == 127
     else:  # 3 mantissa bits: half an ulp is 2^-4 relative; tiny values are subnormal
         assert torch.all(err <= x.abs() / 16 + absmax / 448 * 2**-9)
-    # int8 keeps each row's absmax exactly; fp8 may round it up by half an ulp
-    grow = 1.001 if dtype == torch.int8 else 1 + 1 / 16
-    assert torch.all(back.abs().amax(-1, keepdim=True) <= absmax * grow)
-
-
-def test_fp8_scales_are_the_smallest_powers_of_two_that_fit_448():
-    absmax = torch.tensor([448.0, 449.0, 1.0, 0.0, 896.0, 895.9, 1e-3, 3.5e4])
-    scales = kv_quant.fp8_scale(absmax)
-    assert scales.tolist()[:6] == [1.0, 2.0, 2.0**-8, 0.0, 2.0, 2.0]
-    nonzero = scales[absmax > 0]
-    assert torch.equal(torch.log2(nonzero), torch.log2(nonzero).round())
-    assert torch.all(absmax[absmax > 0] / nonzero <= 448)
-    assert torch.all(absmax[absmax > 0] / nonzero > 224)
-
-
-def test_triton_fp8_scale_bits_equal_the_reference_at_the_boundaries():
-    absmax = torch.tensor([448.0, 449.0, 1.0, 0.0, 896.0, 895.9, 1e-3, 3.5e4])
-    rows = torch.zeros(8, 2, 16)
-    rows[:, 0, 3] = -absmax  # the absmax of head 0 of each token, negative on purpose
-    rows[:, 1, 5] = absmax / 3
-    _, [(k_cache, v_cache)] = kv_quant.allocate(
-        1, 1, 16, 2, 16, torch.float8_e4m3fn, torch.device(DEVICE)
-    )
-    slots = torch.arange(8, device=DEVICE)
-    write_kv(rows.to(DEVICE), rows.to(DEVICE), k_cache, v_cache, slots)
-    expected = kv_quant.fp8_scale(rows.abs().amax(-1))
-    assert torch.equal(kv_quant.scales_of(k_cache)[0, :8].cpu(), expected)
+    assert torch.all(back.abs().amax(-1, keepdim=True) <= absmax * 1.001)
 
 
 def test_zero_rows_get_a_zero_scale_and_dequantize_to_zero():
