@@ -79,6 +79,11 @@ def head_range(num_heads: int, head_dim: int, size: int, rank: int) -> tuple[int
     with fewer heads than ranks, the one head ``rank * num_heads // size`` (replicated).
     Raises ValueError when neither divides the other."""
     if num_heads >= size:
+        if num_heads % size:
+            raise ValueError(
+                f"{num_heads} heads do not split evenly across {size} ranks: "
+                "tensor_parallel_size must divide the number of attention heads"
+            )
         start, stop = even_range(num_heads, size, rank)
     elif size % num_heads == 0:
         start = rank * num_heads // size

@@ -47,7 +47,7 @@ class TensorParallelExecutor(Executor):
         self.backend = dist_group.choose_backend(config)
         self.config = config = dist_group.rank_config(config, self.backend)
         self.plugins = plugins
-        dist_group.share_cpu(config)
+        self._threads_before = dist_group.share_cpu(config)
         self.runner = ModelRunner(config, plugins)
         self.runner.device = dist_group.rank_device(config, 0)
         self._ctx = zmq.Context()
@@ -152,6 +152,7 @@ class TensorParallelExecutor(Executor):
         self._steps.close(linger=0)
         self._ctx.term()
         remove_ipc_file(self._endpoint)
+        torch.set_num_threads(self._threads_before)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 

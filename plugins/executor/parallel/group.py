@@ -103,14 +103,17 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
     return torch.device(config.device)
 
 
-def share_cpu(config: EngineConfig) -> None:
+def share_cpu(config: EngineConfig) -> int:
     """On the CPU, give each rank its share of the cores: with every rank on torch's
     default (all cores), the ranks' OpenMP threads spin against each other and a tiny
-    matmul takes tens of milliseconds instead of microseconds."""
+    matmul takes tens of milliseconds instead of microseconds. Returns the thread count
+    before (to restore at shutdown)."""
+    before = torch.get_num_threads()
     if config.device == "cpu":
         import os
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+    return before
 
 
 def free_port() -> int:

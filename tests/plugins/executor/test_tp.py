@@ -161,3 +161,8 @@ def test_worker_dead_at_start_fails_the_start_at_once(tiny_model_factory, monkey
     with pytest.raises(WorkerDiedError, match="worker rank 1 .* killed by signal 9"):
         LLM(str(tiny_model_factory("llama")), **ENGINE, tensor_parallel_size=2)
     assert time.monotonic() - began < 10.0  # not the 600 s start timeout
+
+
+def test_size_that_does_not_divide_the_heads_is_refused_with_the_reason(tiny_model_factory):
+    with pytest.raises(ValueError, match="tensor_parallel_size must divide the number of"):
+        LLM(str(tiny_model_factory("llama")), **ENGINE, tensor_parallel_size=3)

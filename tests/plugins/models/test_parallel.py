@@ -87,7 +87,7 @@ def test_rank_model_info_counts_the_ranks_heads(tiny_model_factory):
     ranked = parallel.rank_model_info(info, RankOf(1, 4))
     assert (ranked.num_heads, ranked.num_kv_heads) == (1, 1)
     assert (ranked.vocab_size, ranked.hidden_size) == (info.vocab_size, info.hidden_size)
-    with pytest.raises(ValueError, match="does not split evenly"):
+    with pytest.raises(ValueError, match="do not split evenly"):
         parallel.rank_model_info(info, RankOf(0, 3))
 
 
