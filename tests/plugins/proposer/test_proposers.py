@@ -97,3 +97,26 @@ def test_speculative_counters_are_in_metrics() -> None:
     assert "tokenloom_spec_decode_acceptance_rate 0.75" in text
     assert "tokenloom_spec_decode_mean_accepted_length 4.0" in text
     assert EngineStats().spec_mean_accepted_length == 0.0
+
+
+def _naive_lookup(history: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    size = len(history)
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        suffix = history[size - n :]
+        for start in range(size - n - 1, -1, -1):
+            if history[start : start + n] == suffix:
+                return history[start + n : start + n + k]
+    return []
+
+
+def test_ngram_lookup_agrees_with_a_plain_search_on_random_histories() -> None:
+    import random
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        vocab = rng.choice([2, 3, 5, 300, 70_000])  # multi-byte ids too
+        history = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+        k, min_n = rng.randint(1, 5), rng.randint(1, 3)
+        max_n = rng.randint(min_n, 5)
+        expected = _naive_lookup(history, k, min_n, max_n)
+        assert ngram_lookup(history, k, min_n, max_n) == expected, (history, k, min_n, max_n)
