@@ -81,6 +81,7 @@ class TensorParallelExecutor(Executor):
         started = time.perf_counter()
         timeout = self.config.engine_start_timeout_s
         try:
+            self._convert_gguf_once()
             store = dist_group.open_store(self.pool.store_port, 0, self.size, timeout)
             self.pool.start()
             self.pool.wait_joined(store, timeout)
@@ -98,6 +99,21 @@ class TensorParallelExecutor(Executor):
             self.pool.pids,
         )
         return info
+
+    def _convert_gguf_once(self) -> None:
+        """A GGUF checkpoint is dequantized into the cache here, once, before the workers
+        start; then every rank reads only its shard of the converted file (instead of
+        each rank converting the whole file)."""
+        from pathlib import Path
+
+        from tokenloom.plugins.executor.model_runner import DTYPES
+        from tokenloom.plugins.models.gguf import find_gguf
+
+        gguf_file = find_gguf(Path(self.config.model))
+        if gguf_file is not None and self.config.load_format != "random":
+            from tokenloom.plugins.models.gguf.checkpoint import converted_weights
+
+            converted_weights(gguf_file, DTYPES[self.config.dtype])
 
     def num_kv_blocks(self, block_size: int) -> int:
         """The smallest count over the ranks: every rank's pool has the same blocks."""
