@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,7 @@ def load_plugins(paths: list[str]) -> Any:
             if spec is None or spec.loader is None:
                 raise SystemExit(f"--plugin {item}: cannot load")
             module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
             spec.loader.exec_module(module)
         else:
             name, module = item, importlib.import_module(item)

@@ -11,16 +11,16 @@ is ``continuous``'s.
 
 Compare it with the default in the simulator (docs/sim.md has the result):
 
-    tokenloom sim --trace azure-code --speed 8 --plugin examples/schedulers/spf_aging.py \\
+    tokenloom sim --trace azure-code --speed 2 --plugin examples/schedulers/spf_aging.py \\
         --scheduler continuous,spf-aging
 
-and on a real server: ``engine_factory`` below registers the plugin in the
-engine-core process (``scripts/gpu/sim.sh`` shows how).
+and on a real server, as a third-party package would add it: an entry point in
+the group ``tokenloom`` (``spf-aging = spf_aging``), with this folder importable
+(``scripts/gpu/sim.sh`` writes one), then ``tokenloom serve ... --scheduler spf-aging``.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from tokenloom.plugins.scheduler.batch_scheduler import BatchScheduler
@@ -28,7 +28,7 @@ from tokenloom.plugins.scheduler.request_state import RequestState
 from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
 
-RATE = 4096.0  # prompt tokens one second of waiting is worth
+RATE = 1024.0  # prompt tokens one second of waiting is worth
 
 
 class ShortestPromptFirstAging(BatchScheduler):
@@ -46,11 +46,3 @@ def tokenloom_register_components() -> list[ComponentSpec]:
         )
     ]
 
-
-def engine_factory(config: Any, plugins: Any) -> Any:
-    """Build the engine with this plugin registered (``tokenloom.entrypoints.serve.run``'s
-    ``engine_factory``, by reference: ``spf_aging:engine_factory``)."""
-    from tokenloom.engine.engine_core import Engine
-
-    plugins.register(sys.modules[__name__], "spf-aging")
-    return Engine.from_config(config, plugins)

@@ -24,23 +24,17 @@ STEPS=" ${*:-calibrate replay} "
 log() { echo "=== $(date +%T) $*" | tee -a "$LOG"; }
 WINDOW=(--trace azure-code --skip "$SKIP" --limit "$LIMIT")
 
-serve() {  # serve SCHEDULER: start llama-3-8b (random weights) on $PORT, wait for /health
+serve() {  # serve SCHEDULER: start $MODEL (random weights) on $PORT, wait for /health
   local sched=$1
   python3 -c "from tokenloom.checkpoints.model_shapes import write_shape_dir as w; w('$MODEL', '$WORK/model')"
-  PYTHONPATH="$PWD/examples/schedulers:${PYTHONPATH:-}" python3 - "$sched" "$PORT" "$WORK" \
-    > "$WORK/serve-$sched.log" 2>&1 <<'PY' &
-import asyncio, sys
-from tokenloom.config import load_config
-from tokenloom.entrypoints.serve import run
-sched, port, work = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-factory = None
-if sched == "spf-aging":
-    import spf_aging
-    factory = spf_aging.engine_factory
-config = load_config(model=f"{work}/model", load_format="random", port=port, scheduler=sched,
-                     record_trace=f"{work}/recorded-{sched}.jsonl")
-sys.exit(asyncio.run(run(config, engine_factory=factory, handle_signals=True)))
-PY
+  # The worked example, installed as a third-party plugin would be: an entry point.
+  mkdir -p "$WORK/ep/spf_aging_example-0.dist-info"
+  printf 'Metadata-Version: 2.1\nName: spf-aging-example\nVersion: 0\n' \
+    > "$WORK/ep/spf_aging_example-0.dist-info/METADATA"
+  printf '[tokenloom]\nspf-aging = spf_aging\n' > "$WORK/ep/spf_aging_example-0.dist-info/entry_points.txt"
+  PYTHONPATH="$PWD/examples/schedulers:$WORK/ep:${PYTHONPATH:-}" python3 -m tokenloom serve \
+    "$WORK/model" --load-format random --port "$PORT" --scheduler "$sched" \
+    --record-trace "$WORK/recorded-$sched.jsonl" > "$WORK/serve-$sched.log" 2>&1 &
   SERVER=$!
   python3 - "$PORT" <<'PY' || { tail -30 "$WORK/serve-$sched.log"; return 1; }
 import sys, time, urllib.request

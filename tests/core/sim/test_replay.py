@@ -112,3 +112,34 @@ def test_trace_recorder_logs_lengths_classes_and_finish_without_tokens(tmp_path)
     assert abs(lines[1]["arrival_s"] - lines[0]["arrival_s"] - 0.5) < 1e-3
     back = load_trace(tmp_path / "t.jsonl")
     assert [(r.arrival_s, r.tenant) for r in back] == [(0.0, "acme"), (back[1].arrival_s, "")]
+
+
+def test_the_worked_example_serves_on_a_real_server_and_records_its_trace(
+    tiny_model_factory, tmp_path, monkeypatch
+):
+    # Installed as a third-party package would be: an entry point in group "tokenloom".
+    info = tmp_path / "ep" / "spf_aging_example-0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: spf-aging-example\nVersion: 0\n")
+    (info / "entry_points.txt").write_text("[tokenloom]\nspf-aging = spf_aging\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "ep"))
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[3] / "examples" / "schedulers"))
+
+    trace = [TraceRequest(0.0, 40, 4), TraceRequest(0.0, 10, 4), TraceRequest(0.1, 25, 3)]
+    write_jsonl(trace, tmp_path / "in.jsonl")
+    recorded = tmp_path / "recorded.jsonl"
+    config = make_config({
+        "model": str(tiny_model_factory("llama")), "port": 0, "max_model_len": 256,
+        "scheduler": "spf-aging", "record_trace": str(recorded),
+    })  # fmt: skip
+    server = ServerThread(config, engine_factory=None).start()
+    try:
+        code = main([
+            "--base-url", server.base_url, "--trace", str(tmp_path / "in.jsonl"),
+            "--token-range", "20:200", "--out", str(tmp_path / "r.json"),
+        ])  # fmt: skip
+    finally:
+        assert server.stop() == 0
+    assert code == 0
+    assert json.loads((tmp_path / "r.json").read_text())["completed"] == 3
+    assert len(recorded.read_text().splitlines()) == 3
