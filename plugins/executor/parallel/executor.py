@@ -22,6 +22,7 @@ import zmq
 from tokenloom.config import EngineConfig
 from tokenloom.plugins.executor.model_runner import ModelRunner
 from tokenloom.plugins.executor.parallel import group as dist_group
+from tokenloom.plugins.executor.parallel import symmetric
 from tokenloom.plugins.executor.parallel.worker import Command
 from tokenloom.plugins.executor.parallel.workers import WorkerDiedError, WorkerPool
 from tokenloom.protocols.components.executor import Executor, PendingStep
@@ -88,6 +89,7 @@ class TensorParallelExecutor(Executor):
             self.group = dist_group.join(store, 0, self.size, self.backend, timeout)
             self.runner.group = self.group
             info = self.runner.load_model()
+            symmetric.enable(self.group, self.config, info.hidden_size, self.runner.dtype)
         except BaseException:
             self.shutdown()  # no worker, socket or process group outlives a failed start
             raise

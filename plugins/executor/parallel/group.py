@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tokenloom.config import EngineConfig
+from tokenloom.plugins.executor.parallel.symmetric import SymmetricAllReduce
 from tokenloom.plugins.models.parallel import ParallelGroup
 
 STORE_HOST = "127.0.0.1"
@@ -28,8 +29,13 @@ class DistributedGroup(ParallelGroup):
         self.rank = rank
         self.size = size
         self.backend = backend
+        # Opt-in one-shot all-reduce for small messages (``symmetric.enable``).
+        self.symmetric: SymmetricAllReduce | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        symmetric = self.symmetric
+        if symmetric is not None and x.numel() <= symmetric.max_numel:
+            return symmetric(x)
         dist.all_reduce(x)  # in place; NCCL's is captured into CUDA graphs
         return x
 

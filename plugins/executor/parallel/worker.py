@@ -64,6 +64,7 @@ def run_worker(spec: WorkerSpec) -> int:
     from tokenloom.plugin_manager import PluginManager
     from tokenloom.plugins.executor.model_runner import ModelRunner
     from tokenloom.plugins.executor.parallel import group as dist_group
+    from tokenloom.plugins.executor.parallel import symmetric
     from tokenloom.protocols.step import StepInput
     from tokenloom.transport.serde import Decoder
     from tokenloom.transport.sockets import SOCKETS, make_socket
@@ -87,7 +88,8 @@ def run_worker(spec: WorkerSpec) -> int:
         runner = ModelRunner(config, pm)
         runner.device = dist_group.rank_device(config, spec.rank)
         runner.group = group
-        runner.load_model()
+        info = runner.load_model()
+        symmetric.enable(group, config, info.hidden_size, runner.dtype)
         while True:
             command, a, b = group.broadcast_ints([0, 0, 0])
             if command == Command.NUM_KV_BLOCKS:

@@ -72,7 +72,8 @@ CASES = {
     "llama-tp2-gqa-async": ("llama", 2, {}, {"async_scheduling": True}),
     "mistral-tp2": ("mistral", 2, {}, {}),
     "qwen2-tp2-tied": ("qwen2", 2, {"tie_word_embeddings": True}, {}),
-    "qwen3-tp2-qk-norm": ("qwen3", 2, {}, {}),
+    # the symmetric-memory option parses and is a no-op on gloo
+    "qwen3-tp2-qk-norm": ("qwen3", 2, {}, {"plugin": {"model": {"symm_mem_all_reduce": True}}}),
     "llama3-tp4-4kv-odd-vocab": ("llama3", 4, {"num_kv_heads": 4, "vocab": ODD_VOCAB}, {}),
     "qwen2-tp2-mqa-odd-vocab": ("qwen2", 2, {"num_kv_heads": 1, "vocab": ODD_VOCAB}, {}),
 }

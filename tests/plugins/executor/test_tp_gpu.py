@@ -58,3 +58,20 @@ def test_tp2_over_nccl_with_cuda_graphs_gives_tp1_greedy_tokens(tiny_model_facto
     single = _generate(model, dtype="float32")
     parallel = _generate(model, dtype="float32", tensor_parallel_size=2, distributed_backend="nccl")
     _agree(single, parallel, "float32")
+
+
+def test_tp2_with_symmetric_memory_all_reduce_gives_tp1_greedy_tokens(tiny_model_factory):
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    model = tiny_model_factory("llama", num_heads=8, num_kv_heads=2, hidden_size=256)
+    single = _generate(model, dtype="float32")
+    parallel = _generate(
+        model,
+        dtype="float32",
+        tensor_parallel_size=2,
+        distributed_backend="nccl",
+        plugin={"model": {"symm_mem_all_reduce": True}},
+    )
+    _agree(single, parallel, "float32")
