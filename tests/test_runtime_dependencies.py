@@ -21,6 +21,11 @@ PACKAGE_FOLDERS = ("core", "plugins", "protocols", "contrib")
 OPTIONAL_IMPORTS = {
     ("core/bench/throughput.py", "transformers"): "`bench throughput --peer hf` only",
 }
+# Test support shipped in the package (``tokenloom.testing``: conformance suites a
+# third-party plugin's tests subclass). Only test runs import it, so it may use the
+# test extras at module level; nothing outside it may import it.
+TEST_SUPPORT = ("core/testing/",)
+TEST_EXTRAS = {"pytest", "hypothesis"}
 
 
 def _normalize(name: str) -> str:
@@ -101,11 +106,22 @@ def test_every_runtime_import_is_a_runtime_dependency():
         if not dists:
             problems.append(f"{where}, which no installed distribution provides")
         elif not dists & runtime:
+            if rel.startswith(TEST_SUPPORT) and module in TEST_EXTRAS:
+                continue
             if (rel, module) not in OPTIONAL_IMPORTS:
                 problems.append(f"{where} ({', '.join(sorted(dists))}: not a runtime dependency)")
             elif not lazy:
                 problems.append(f"{where} at module level; an optional import must be lazy")
     assert problems == []
+
+
+def test_only_test_support_imports_the_test_support_package():
+    pattern = re.compile(r"^\s*(from|import) tokenloom\.testing\b", re.MULTILINE)
+    for folder in PACKAGE_FOLDERS:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            if not rel.startswith(TEST_SUPPORT):
+                assert not pattern.search(path.read_text()), f"{rel} imports tokenloom.testing"
 
 
 def test_the_optional_imports_are_still_there():
