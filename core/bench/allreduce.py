@@ -14,10 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import statistics
 import time
 from datetime import timedelta
 from typing import Any
+
+from tokenloom.plugins.executor.parallel.symmetric import median_cuda_us
 
 DEFAULT_SIZES_KIB = [8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 16384, 65536]
 
@@ -34,23 +35,6 @@ def _world_name() -> Any:
     world = dist.group.WORLD
     assert world is not None, "init_process_group first"
     return world.group_name
-
-
-def _time_cuda(fn: Any, iters: int) -> float:
-    """Median microseconds of ``fn`` on the device, from CUDA events, after warm-up."""
-    import torch
-
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 def _time_host(fn: Any, iters: int) -> float:
@@ -135,9 +119,9 @@ def _measure(
         if device.type != "cuda":
             row[f"{name}_us"] = _time_host(fn, iters)
             continue
-        row[f"{name}_us"] = _time_cuda(fn, iters)
+        row[f"{name}_us"] = median_cuda_us(fn, iters)
         try:
-            row[f"{name}_graph_us"] = _time_cuda(_graphed(fn), iters) / 10
+            row[f"{name}_graph_us"] = median_cuda_us(_graphed(fn), iters) / 10
         except Exception as exc:  # a method that cannot be captured is reported, not fatal
             row[f"{name}_graph_error"] = repr(exc)[:200]
     return row

@@ -62,8 +62,8 @@ class SymmetricAllReduce:
         timings = []  # every rank runs every size: the collectives must pair up
         for rows in (r for r in TUNE_ROWS if r <= max_rows):
             x = torch.randn(rows, self.hidden, dtype=self.buffer.dtype, device=self.buffer.device)
-            nccl = _median_us(lambda: dist.all_reduce(x))  # noqa: B023 (called at once)
-            one_shot = _median_us(lambda: self(x))  # noqa: B023
+            nccl = median_cuda_us(lambda: dist.all_reduce(x))  # noqa: B023 (called at once)
+            one_shot = median_cuda_us(lambda: self(x))  # noqa: B023
             timings.append((rows, nccl, one_shot))
         best = 0
         for rows, nccl, one_shot in timings:
@@ -95,7 +95,8 @@ def enable(group: Any, config: Any, hidden: int, dtype: torch.dtype) -> None:
         group.symmetric = symmetric
 
 
-def _median_us(fn: Any, iters: int = 30) -> float:
+def median_cuda_us(fn: Any, iters: int = 30) -> float:
+    """Median microseconds of ``fn`` on the device (CUDA events), after a warm-up."""
     for _ in range(5):
         fn()
     times = []
