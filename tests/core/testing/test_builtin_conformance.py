@@ -3,6 +3,8 @@ suites (the schedulers' run in tests/plugins/scheduler/test_scheduler_properties
 
 from __future__ import annotations
 
+import pytest
+
 from tokenloom.plugins.attention.torch_backend import TorchAttention
 from tokenloom.plugins.kv_cache.paged import PagedKVCache
 from tokenloom.plugins.proposer.ngram import NgramProposer
@@ -33,3 +35,19 @@ class TestTritonAttentionConformance(AttentionConformance):
 
 class TestNgramConformance(ProposerConformance):
     factory = NgramProposer
+
+
+@pytest.mark.gpu
+class TestTritonAttentionConformanceOnCUDA(TestTritonAttentionConformance):
+    """The compiled kernels, float16 (the interpreter runs the float32 class above)."""
+
+    device = "cuda"
+    dtype = "float16"
+    atol = 1e-2
+
+
+@pytest.mark.gpu
+class TestTorchAttentionConformanceOnCUDA(TestTorchAttentionConformance):
+    device = "cuda"
+    dtype = "bfloat16"
+    atol = 4e-2
