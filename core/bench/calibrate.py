@@ -200,7 +200,8 @@ def main(argv: list[str]) -> int:
     started = time.perf_counter()
     grid = GRIDS[args.grid]
     cal = Calibration(engine, args.repeats)
-    cal.decode(*grid["decode"][0], steps=4)  # warm-up: first compiles, graphs
+    batch, context = grid["decode"][0]
+    cal.decode(batch, context, steps=4)  # warm-up: first compiles, graphs
     cal.prefill(*grid["prefill"][0])
     cal.samples.clear()
     for point in grid["decode"]:

@@ -146,13 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     base = load_config(args.config)
     max_len = args.max_model_len or shape_cfg.get("max_position_embeddings") or 8192
     default_blocks = num_blocks(cost.shape, _kv_gib(cost.shape.name), args.block_size)
-    grid = itertools.product(
-        [s.strip() for s in args.scheduler.split(",") if s.strip()],
-        _ints(args.max_num_seqs),
-        _ints(args.max_num_batched_tokens),
-        _ints(args.num_blocks) or [default_blocks],
+    grid = list(
+        itertools.product(
+            [s.strip() for s in args.scheduler.split(",") if s.strip()],
+            _ints(args.max_num_seqs),
+            _ints(args.max_num_batched_tokens),
+            _ints(args.num_blocks) or [default_blocks],
+        )
     )
-    grid = list(grid)
     varying = [len(set(g[i] for g in grid)) > 1 for i in range(4)]
     names = ("", "seqs", "tokens", "blocks")
     summaries, results = [], []
