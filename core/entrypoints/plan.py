@@ -136,8 +136,9 @@ def rank_heads(num_heads: int, tp: int) -> int:
 
 
 def weight_bytes(shape: ModelShape, quant: str, element: int, tp: int) -> int:
-    """One rank's weights: its q/k/v/o and MLP shards (quantized), the replicated
-    embedding and LM head and the norms in the model dtype."""
+    """One rank's weights: its q/k/v/o and MLP shards (quantized), its rows of the
+    vocab-parallel embedding and LM head (the vocabulary padded to a multiple of the
+    ranks) and the norms, in the model dtype."""
     h, d = shape.hidden_size, shape.head_dim
     q = rank_heads(shape.num_heads, tp) * d
     kv = rank_heads(shape.num_kv_heads, tp) * d
@@ -149,7 +150,8 @@ def weight_bytes(shape: ModelShape, quant: str, element: int, tp: int) -> int:
         + linear_bytes(h, inter, quant, element)  # down_proj (row)
         + 2 * h * element  # the two RMSNorms
     )
-    embeddings = (1 if shape.tie_word_embeddings else 2) * shape.vocab_size * h * element
+    vocab_rows = -(-shape.vocab_size // tp)
+    embeddings = (1 if shape.tie_word_embeddings else 2) * vocab_rows * h * element
     return shape.num_layers * per_layer + embeddings + h * element
 
 
