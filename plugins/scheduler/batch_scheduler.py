@@ -58,8 +58,9 @@ class BatchScheduler(SchedulingPolicy, StepBuilding, ResultFolding, Scheduler):
     ``continuous``.
 
     ``clock`` returns seconds on the same scale as ``GenerateRequest.arrival_time``
-    (``time.monotonic``); the engine passes its clock, tests pass a fake one. Requests found past their deadline
-    in ``schedule`` are finished there and listed in that step's
+    (``time.monotonic``); the engine passes its clock, tests pass a fake one. ``now``
+    is its reading at the latest ``schedule`` or ``add_request``. Requests found
+    past their deadline in ``schedule`` are finished there and listed in that step's
     ``finished_request_ids`` (even one the executor never saw, so the step is not
     empty); their deltas come out of that step's ``update``, and
     ``has_unfinished_requests`` stays True until they are out.
@@ -169,7 +170,8 @@ class BatchScheduler(SchedulingPolicy, StepBuilding, ResultFolding, Scheduler):
                 "max_waiting_requests); retry later"
             )
         self._num_arrivals += 1
-        arrival = request.arrival_time or self._clock()
+        self.now = self._clock()  # the queue keys the request with it
+        arrival = request.arrival_time or self.now
         deadline_at = None if request.deadline is None else arrival + request.deadline
         max_len = max_total_len(request, self._max_model_len, self._pool_tokens)
         state = RequestState(request, self._num_arrivals, max_len, deadline_at, arrival)
