@@ -249,3 +249,26 @@ def test_engine_refuses_a_quantized_cache_for_a_backend_that_cannot_read_it(tiny
     llm = LLM(model=model, attention="plain-only", plugins=[_PlainOnly])  # auto: accepted
     assert llm.engine.executor.kv_caches[0][0].dtype == torch.float32
     llm.engine.shutdown()
+
+
+def test_triton_engine_with_an_int8_cache_generates_what_the_reference_does(tiny_model_factory):
+    # The whole path through the engine: Triton KV write, prefill and decode kernels
+    # over the int8 pool (interpreted on the CPU), against the torch reference path.
+    from tokenloom import LLM, SamplingParams
+
+    model = str(tiny_model_factory("llama"))
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 6, 7, 8] * 5, [9, 10, 11] * 7]
+    tokens = {}
+    for attention in ("torch", "triton"):
+        llm = LLM(
+            model=model,
+            dtype="float32",
+            attention=attention,
+            kv_cache_dtype="int8",
+            kv_cache_memory_gb=0.01,
+        )
+        tokens[attention] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        llm.engine.shutdown()
+    assert tokens["triton"] == tokens["torch"]
+    assert all(len(t) == 6 for t in tokens["torch"])
