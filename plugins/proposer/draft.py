@@ -67,7 +67,9 @@ class DraftProposer(Proposer):
         from tokenloom.plugins.models.loader import load_model
 
         config = self.config
-        self.device = torch.device(config.device if config.device != "auto" else target.device)
+        # The target's own device object (cuda:N): the draft's small uploads then share
+        # the target's per-step staging buffers, which the executor rewinds each step.
+        self.device = torch.device(target.device)
         dtype = getattr(torch, self.dtype_name)
         self.model, self.info = load_model(
             config.draft_model,
