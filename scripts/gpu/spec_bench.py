@@ -95,7 +95,8 @@ def timed_run(llm: Any, prompts: list[list[int]], output_len: int, k: int | None
                 have_first.add(delta.request_id)
         if first_all is None and len(have_first) == len(prompts):
             first_all = time.perf_counter()
-    engine.step()  # hands the finished ids to the executor (replay records them)
+    if engine.executor.spec is not None:
+        engine.step()  # hands the finished ids to the executor (replay records them)
     elapsed = time.perf_counter() - started
     decode_s = time.perf_counter() - (first_all or started)
     after = engine.stats()
