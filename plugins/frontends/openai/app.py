@@ -38,7 +38,13 @@ from tokenloom.plugins.frontends.generation import ChoiceUpdate, Generation, job
 from tokenloom.plugins.frontends.limits import PromptError
 from tokenloom.plugins.frontends.openai import formatting as fmt
 from tokenloom.plugins.frontends.openai.body import check_json_depth, read_json_body
-from tokenloom.plugins.frontends.openai.fast_lane import Meter, fast_lane_protocol
+from tokenloom.plugins.frontends.openai.fast_lane import (
+    FAST_RATE,
+    SLOW_RATE,
+    Meter,
+    Pacer,
+    fast_lane_protocol,
+)
 from tokenloom.plugins.frontends.openai.info import InfoRoutes, json_response, unauthorized
 from tokenloom.plugins.frontends.openai.schemas import (
     ChatCompletionRequest,
@@ -99,8 +105,9 @@ class OpenAIApp:
         # uvicorn's protocol with /health answered before any parsing and the parsing
         # of other requests metered, so that no burst delays /health (fast_lane.py)
         self.meter = Meter()
+        info.pacer = Pacer(SLOW_RATE, 2 * SLOW_RATE)
         self.http_protocol = fast_lane_protocol(
-            AutoHTTPProtocol, {"/health": info.health_answer}, self.meter
+            AutoHTTPProtocol, info.fast_answers(), self.meter, Pacer(FAST_RATE)
         )
         self.starlette = Starlette(
             routes=[

@@ -4,8 +4,11 @@ API-key check every route shares.
 These routes are open to anyone who can reach the server (``/v1/models`` and, with
 ``metrics_require_api_key``, ``/metrics`` and ``/version`` take the key), so each
 must cost next to nothing: the bodies that do not change are encoded once, and
-``/health`` awaits nothing. Concurrent ``/metrics`` scrapes share one request for
-the engine's stats, so a flood of scrapers costs the engine one round trip at a time.
+``/health`` awaits nothing; the HTTP server's fast lane answers /health (and, when
+they need no key, /v1/models and /version) before any parsing, paced per client.
+``/metrics`` scrapes share the engine's stats for ``STATS_TTL_S``, so a flood of
+scrapers costs the engine one round trip a second, and a client scraping in a loop
+is paced too.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -27,9 +31,11 @@ from tokenloom.protocols.components.errors import EngineDeadError, EngineError
 from tokenloom.protocols.outputs import EngineStats
 
 if TYPE_CHECKING:
+    from tokenloom.plugins.frontends.openai.fast_lane import Pacer
     from tokenloom.plugins.frontends.openai.frontend import OpenAIFrontend
 
 _encode = msgspec.json.Encoder().encode
+STATS_TTL_S = 1.0  # engine stats younger than this are shared by /metrics scrapes
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -69,7 +75,9 @@ class InfoRoutes:
         self._openapi = _encode(openapi_document())
         self._ok = _encode({"status": "ok"})
         self._dead = _encode({"status": "engine dead"})
-        self._stats: asyncio.Future[EngineStats | None] | None = None  # the fetch in flight
+        self._stats: asyncio.Future[EngineStats | None] | None = None  # the latest fetch
+        self._stats_at = 0.0  # when it began
+        self.pacer: Pacer | None = None  # per-client pacing of /metrics (set by the app)
 
     def _gate(self, request: Request, always: bool = True) -> Response | None:
         config = self.frontend.config
@@ -80,6 +88,16 @@ class InfoRoutes:
     def health_answer(self) -> tuple[int, bytes]:
         """/health's status and body (also served by the HTTP server's fast lane)."""
         return (200, self._ok) if self.frontend.engine.is_alive else (503, self._dead)
+
+    def fast_answers(self) -> dict[str, Callable[[], tuple[int, bytes]]]:
+        """The routes the fast lane may answer (``fast_lane.py``): those needing no key."""
+        config = self.frontend.config
+        answers = {"/health": self.health_answer}
+        if not config.api_key:
+            answers["/v1/models"] = lambda: (200, self._models)
+        if not (config.api_key and config.metrics_require_api_key):
+            answers["/version"] = lambda: (200, self._version)
+        return answers
 
     async def health(self, request: Request) -> Response:
         status, body = self.health_answer()
@@ -97,15 +115,22 @@ class InfoRoutes:
     async def metrics(self, request: Request) -> Response:
         if (denied := self._gate(request, always=False)) is not None:
             return denied
+        client = (request.client.host, request.client.port) if request.client else None
+        if self.pacer is not None and (delay := self.pacer.delay(client)) > 0:
+            await asyncio.sleep(delay)  # a scraper in a loop waits, not the engine
         engine = self.frontend.engine
         stats = await self._engine_stats() if engine.is_alive else None
         text = self.frontend.metrics.render(stats, engine.is_alive)
         return Response(text, media_type=CONTENT_TYPE)
 
     async def _engine_stats(self) -> EngineStats | None:
-        """The engine's stats; scrapes that come while a fetch is in flight share it."""
-        if self._stats is None or self._stats.done():
+        """The engine's stats, fetched at most once per ``STATS_TTL_S``: scrapes that
+        come while a fetch is in flight or fresh share it, so scrapers cost the
+        engine-core a bounded number of round trips whatever their rate."""
+        now = time.monotonic()
+        if self._stats is None or (self._stats.done() and now - self._stats_at > STATS_TTL_S):
             self._stats = asyncio.ensure_future(self._fetch_stats())
+            self._stats_at = now
         return await asyncio.shield(self._stats)
 
     async def _fetch_stats(self) -> EngineStats | None:
