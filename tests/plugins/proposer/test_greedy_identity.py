@@ -177,3 +177,30 @@ def test_async_scheduling_is_refused_with_speculation(tiny_model_factory) -> Non
             num_speculative_tokens=2,
             async_scheduling=True,
         )
+
+
+def test_seeded_sampling_with_penalties_min_tokens_and_logprobs_repeats(tiny_model_factory):
+    """Sampled requests go through the verify path with every processing step; a
+    seeded request draws from its own generator, so two runs agree exactly."""
+    model = tiny_model_factory("llama")
+    params = [
+        SamplingParams(
+            temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, seed=11, max_tokens=24,
+            repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.2,
+            min_tokens=20, logprobs=2, prompt_logprobs=True,
+        ),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+    ]  # fmt: skip
+    prompts = PROMPTS[:3]
+    first, engine, logprobs = generate(
+        model, params, prompts, proposer="draft", draft_model=str(model), num_speculative_tokens=3
+    )
+    second, _, _ = generate(
+        model, params, prompts, proposer="draft", draft_model=str(model), num_speculative_tokens=3
+    )
+    assert first == second
+    assert len(first["r0"]) >= 20 and len(first["r1"]) == 24
+    assert len(logprobs["r0"]) == len(first["r0"])
+    assert all(value <= 0.0 for value in logprobs["r0"])
+    assert engine.scheduler.spec_accepted_total > 0
