@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # KV-cache quantization and the memory planner on one GPU (issue 12, parts 2-4). Usage from
-# the repo root:   OUT=kvq-out bash scripts/gpu/kvq.sh [tests] [bench] [long]
-# (no argument: all three; about 2 + 2.5 + 3.5 minutes on an H200, so under the 10-minute
-# limit of one command run `tests bench` and `long` separately). Logs and JSON land in $OUT:
+# the repo root:   OUT=kvq-out bash scripts/gpu/kvq.sh [tests] [kernels] [bench] [long]
+# (no argument: all four; about 2 + 1.5 + 2.5 + 3.5 minutes on an H200, so under the
+# 10-minute limit of one command run `tests kernels bench` and `long` separately).
+# Logs and JSON land in $OUT:
 #   tests  gpu-marked tests: Triton kernels with fp8/int8 KV vs the torch reference, CUDA-graph
 #          decode, the built-in model's perplexity (fp8/int8 KV within 1% of bf16 KV); and the
 #          unquantized Triton backend's own GPU tests (unchanged behaviour)
+#   kernels  decode step (KV write + split-KV decode) per layer at Llama-3-8B heads, batch
+#          1..256 x context 1024/4096, bf16 vs fp8 vs int8 KV: us and GB/s
+#          (kvq_decode_bench.json)
 #   bench  llama-3-8b shape, bench throughput on the default workload (1 timed pass):
 #          --kv-cache-dtype auto vs fp8
 #   long   llama-3-8b shape, 600 prompts of 1000 in / 1000 out, all at once, --max-num-seqs 512:
@@ -20,7 +24,7 @@ python3 -c "import tokenloom" 2>/dev/null \
   || python3 -m pip install -q --no-index --no-build-isolation --no-deps -e . >/dev/null \
   || { echo "install failed"; exit 1; }
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv,noheader
-STEPS=" ${*:-tests bench long} "
+STEPS=" ${*:-tests kernels bench long} "
 want() { [[ $STEPS == *" $1 "* ]]; }
 run() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS
   "$@" > "$OUT/$name.log" 2>&1; local rc=$?
@@ -34,6 +38,7 @@ thr() { local name=$1 kv=$2 seqs=$3; shift 3
 
 want tests && run kvq-gpu-tests timeout 500 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
   tests/plugins/attention/test_kv_quant_gpu.py tests/plugins/attention/test_triton_backend_gpu.py
+want kernels && run kvq-decode-bench timeout 500 python3 scripts/gpu/kvq_decode_bench.py
 if want bench; then thr thr-default-auto auto 256; thr thr-default-fp8 fp8 256; fi
 if want long; then
   LONG=(--num-prompts 600 --min-len 1000 --max-len 1000)

@@ -1,0 +1,144 @@
+"""Decode attention over a bf16, fp8 or int8 KV cache at Llama-3-8B head shapes (issue 12).
+
+For each KV dtype, batch size and context: one decode step per layer (KV write of the
+new token, then the split-KV decode kernel) over ``LAYERS`` layers' caches, replayed
+from a CUDA graph so the caches do not sit in L2; the median time per layer and the
+bandwidth of the KV bytes read (data and scales). Each shape is first checked against
+the torch reference path on the same quantized cache. The quantized cache reads about
+half the bytes, so a bandwidth-bound decode should take about half the time.
+
+    python scripts/gpu/kvq_decode_bench.py [--batches 1,32,128,256] [--contexts 1024,4096]
+
+Prints a table and writes JSON to $OUT/kvq_decode_bench.json (or --json PATH).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import triton.testing
+
+from tokenloom.config import EngineConfig
+from tokenloom.plugins.attention import kv_quant
+from tokenloom.plugins.attention.torch_backend import TorchAttention, write_kv_cache
+from tokenloom.plugins.attention.triton_backend import TritonAttention
+from tokenloom.protocols.components.attention import AttentionMetadata
+from tokenloom.protocols.components.model import ModelInfo
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+MODEL_DTYPE = torch.bfloat16
+DTYPES = {"auto": MODEL_DTYPE, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
+L2_ROTATION_BYTES = 512 * 10**6  # KV bytes per replay, well past the 60 MB L2
+
+
+def info(device: str) -> ModelInfo:
+    return ModelInfo(
+        name="llama-3-8b-heads", architecture="LlamaForCausalLM", max_model_len=131072,
+        vocab_size=128256, num_layers=1, num_heads=HEADS, num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM, hidden_size=HEADS * HEAD_DIM, dtype=MODEL_DTYPE,
+        device=torch.device(device),
+    )  # fmt: skip
+
+
+def step(batch: int, context: int, layers: int, kv: str, device: str) -> dict[str, float]:
+    blocks_per_seq = -(-context // BLOCK)
+    num_blocks = batch * blocks_per_seq + 1
+    # enough layers that one replay reads more KV than L2 holds (in the model dtype)
+    per_layer = 2 * num_blocks * kv_quant.block_bytes(BLOCK, KV_HEADS, HEAD_DIM, MODEL_DTYPE)
+    layers = min(64, max(layers, -(-L2_ROTATION_BYTES // per_layer)))
+    pool, caches = kv_quant.allocate(
+        layers, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, DTYPES[kv], torch.device(device)
+    )
+    gen = torch.Generator(device=device).manual_seed(0)
+    fill = torch.randn(num_blocks * BLOCK, KV_HEADS, HEAD_DIM, generator=gen, device=device)
+    slots_all = torch.arange(num_blocks * BLOCK, device=device)
+    # a random history, quantized as the engine would, in layer 0; the rest copy it
+    write_kv_cache(fill.to(MODEL_DTYPE), fill.to(MODEL_DTYPE), *caches[0], slots_all)
+    del fill
+    for layer in range(1, layers):
+        pool[layer].copy_(pool[0])
+    tables = torch.randperm(num_blocks - 1, generator=gen, device=device)[
+        : batch * blocks_per_seq
+    ].view(batch, blocks_per_seq).int()  # fmt: skip
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    last = (context - 1) % BLOCK
+    slots = (tables[:, (context - 1) // BLOCK].long() * BLOCK + last).contiguous()
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
+        seq_lens=seq_lens,
+        block_tables=tables,
+        max_query_len=1,
+        max_seq_len=context,
+        decode_only=True,
+        query_lens_cpu=[1] * batch,
+        seq_lens_cpu=[context] * batch,
+    )
+    q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen, device=device).to(MODEL_DTYPE)
+    k = torch.randn(batch, KV_HEADS, HEAD_DIM, generator=gen, device=device).to(MODEL_DTYPE)
+    v = torch.randn(batch, KV_HEADS, HEAD_DIM, generator=gen, device=device).to(MODEL_DTYPE)
+    attn = TritonAttention(EngineConfig(max_num_seqs=max(batch, 1)), info(device))
+    attn.prepare(meta)
+    scale = HEAD_DIM**-0.5
+    out = attn.forward(q, k, v, *caches[0], meta, scale)
+    ref = TorchAttention(EngineConfig(), info(device)).forward(
+        q, k, v, *caches[0], meta, scale
+    )  # same cache, same new token (written twice, same values)
+    error = float((out.double() - ref.double()).norm() / ref.double().norm())
+    assert error < 4e-2, f"{kv} batch {batch} context {context}: relative error {error:.3g}"
+
+    def run() -> None:
+        for k_cache, v_cache in caches:
+            attn.forward(q, k, v, k_cache, v_cache, meta, scale)
+
+    graph = torch.cuda.CUDAGraph()
+    run()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        run()
+    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=200)
+    per_layer_us = ms * 1000 / layers
+    read = 2 * batch * context * kv_quant.block_bytes(1, KV_HEADS, HEAD_DIM, DTYPES[kv])
+    return {"layers": layers, "us_per_layer": per_layer_us, "kv_read_mb": read / 1e6,
+            "gbps": read / (per_layer_us * 1e-6) / 1e9, "rel_error_vs_torch": error}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batches", default="1,32,128,256")
+    parser.add_argument("--contexts", default="1024,4096")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rows = []
+    for context in (int(c) for c in args.contexts.split(",")):
+        for batch in (int(b) for b in args.batches.split(",")):
+            row: dict[str, object] = {"batch": batch, "context": context}
+            for kv in DTYPES:
+                row[kv] = step(batch, context, args.layers, kv, "cuda")
+                torch.cuda.empty_cache()  # the step's caches are gone: give their memory back
+            row["fp8_speedup"] = row["auto"]["us_per_layer"] / row["fp8"]["us_per_layer"]
+            row["int8_speedup"] = row["auto"]["us_per_layer"] / row["int8"]["us_per_layer"]
+            rows.append(row)
+            print(
+                f"batch {batch:4d} context {context:5d}: "
+                + "  ".join(
+                    f"{kv} {row[kv]['us_per_layer']:7.1f} us {row[kv]['gbps']:6.0f} GB/s"
+                    for kv in DTYPES
+                )
+                + f"  fp8 x{row['fp8_speedup']:.2f} int8 x{row['int8_speedup']:.2f}",
+                flush=True,
+            )
+    path = args.json or (os.path.join(os.environ["OUT"], "kvq_decode_bench.json")
+                         if "OUT" in os.environ else None)  # fmt: skip
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
