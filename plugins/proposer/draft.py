@@ -4,14 +4,14 @@ The draft model (``draft_model``: a Hugging Face directory or a GGUF file) is
 loaded next to the target, with its own paged KV pool and block tables, and runs
 greedily: each ``propose`` first catches the draft's cache up with the request's
 new tokens (one batched forward on the extend path), then runs ``k - 1`` batched
-decode steps. The drafts are the draft model's argmax, a deterministic (one-hot)
+decode steps (in CUDA graphs on the GPU, unless ``enforce_eager``). The drafts are the draft model's argmax, a deterministic (one-hot)
 proposal, so the target's rejection sampler stays exact for sampled requests.
 KV written for drafts that the target accepted is kept (the next catch-up starts
 after the longest accepted prefix); the rest is rewritten.
 
 Options (``[plugin.draft]``): ``dtype`` (default: the target's), ``max_pool_tokens``
 (default 262144: the draft's KV pool in tokens; a request that does not fit gets no
-drafts that step). A draft whose vocabulary size differs from the target's fails at
+drafts that step), ``cuda_graphs`` (default true). A draft whose vocabulary size differs from the target's fails at
 start-up (``bind``).
 """
 
@@ -29,6 +29,7 @@ from tokenloom.protocols.step import NewRequestData, ScheduledChunk, StepInput
 if TYPE_CHECKING:
     import torch
 
+    from tokenloom.plugins.executor.cuda_graphs import DecodeGraphs
     from tokenloom.protocols.components.model import ModelInfo
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -55,6 +56,8 @@ class DraftProposer(Proposer):
         if self.dtype_name not in DTYPES:
             raise ValueError(f"plugin.draft.dtype: one of {', '.join(DTYPES)}")
         self.max_pool_tokens = int(options.get("max_pool_tokens", 1 << 18))
+        self.use_graphs = bool(options.get("cuda_graphs", True)) and not config.enforce_eager
+        self.graphs: DecodeGraphs | None = None
         self._requests: dict[str, _DraftRequest] = {}
 
     # ------------------------------------------------------------------ start-up
@@ -94,6 +97,22 @@ class DraftProposer(Proposer):
         self.kv_caches = [(kv[i, 0], kv[i, 1]) for i in range(info.num_layers)]
         self._free = list(range(num_blocks - 1, -1, -1))
         self.batches = BatchBuilder(bs, self.device, capacity=2 * config.max_num_seqs)
+        if self.use_graphs and self.device.type == "cuda" and self.attn.supports_cuda_graphs:
+            from tokenloom.plugins.executor.cuda_graphs import DecodeGraphs
+
+            span = max_len + 64  # a request's positions plus its drafts
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.attn,
+                self.kv_caches,
+                config.max_num_seqs,
+                -(-span // bs),
+                span,
+                info.hidden_size,
+                dtype,
+                self.device,
+            )
+            self.graphs.capture()
 
     # ------------------------------------------------------------------ requests
 
@@ -175,9 +194,13 @@ class DraftProposer(Proposer):
 
         step = StepInput(0, chunks, num_tokens=sum(len(c.token_ids) for c in chunks))
         batch = self.batches.build(step)
-        self.attn.prepare(batch.meta)
-        ctx = ForwardContext(attn=self.attn, meta=batch.meta, kv_caches=self.kv_caches)
-        hidden = self.model(batch.input_ids, batch.positions, ctx)
+        meta = batch.meta
+        if self.graphs is not None and self.graphs.can_run(batch.num_seqs, meta.decode_only):
+            hidden = self.graphs.run(batch.input_ids, batch.positions, meta)
+        else:
+            self.attn.prepare(meta)
+            ctx = ForwardContext(attn=self.attn, meta=meta, kv_caches=self.kv_caches)
+            hidden = self.model(batch.input_ids, batch.positions, ctx)
         rows = hidden if batch.sample_index is None else hidden[batch.sample_index]
         logits: torch.Tensor = self.model.compute_logits(rows)
         return logits.argmax(dim=-1).tolist()
