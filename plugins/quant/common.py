@@ -95,9 +95,9 @@ def checkpoint_prefixes(model: nn.Module) -> dict[str, list[str]]:
 
 def is_skipped(prefixes: list[str], skipped: list[str]) -> bool:
     """Whether a checkpoint left this layer unquantized (``ignored_layers`` /
-    ``modules_to_not_convert``: full names, or names that a prefix contains)."""
+    ``modules_to_not_convert``: full names, enclosing modules, or name parts)."""
     return any(
-        s and (p == s or s in p.split(".") or p.endswith("." + s))
+        s and (p == s or p.startswith(s + ".") or s in p.split(".") or p.endswith("." + s))
         for p in prefixes
         for s in skipped
     )

@@ -170,6 +170,7 @@ class Int4Quant(WeightQuantMethod):
 
         self.checkpoint = Int4Checkpoint.from_config(qc)
         self.group = self.checkpoint.group
+        self.prequantized = True
         self.prepared = self.checkpoint.prepare(model)
 
     def make_kernel(self, layer: Linear) -> LinearKernel:

@@ -117,12 +117,14 @@ def _int4_parts(w: torch.Tensor, group: int):
     return q, scales, zeros.to(torch.int32), deq
 
 
-@pytest.mark.parametrize("method", ["awq", "gptq"])
-def test_int4_checkpoint_generates_as_its_dense_twin(method, tiny, tmp_path):
+@pytest.mark.parametrize(("method", "skipped"), [("awq", []), ("gptq", []), ("awq", ["down_proj"])])
+def test_int4_checkpoint_generates_as_its_dense_twin(method, skipped, tiny, tmp_path):
     group = 32  # the tiny model's K (64, 128) holds several groups
     dequantized: dict[str, torch.Tensor] = {}
 
     def convert(prefix, w):
+        if prefix.split(".")[-1] in skipped:  # modules_to_not_convert: stored 16-bit
+            return {f"{prefix}.weight": w}
         q, scales, zeros, deq = _int4_parts(w, group)
         dequantized[prefix] = deq
         if method == "awq":
@@ -141,10 +143,19 @@ def test_int4_checkpoint_generates_as_its_dense_twin(method, tiny, tmp_path):
         }
 
     qc = {"quant_method": method, "bits": 4, "group_size": group}
+    qc["modules_to_not_convert"] = skipped
     qc.update({"version": "gemm", "zero_point": True} if method == "awq" else {"desc_act": False})
     quantized = _rewrite(tiny, tmp_path / method, convert, qc)
     twin = _dense_twin(tiny, tmp_path / "dense", dequantized)
     assert _tokens(quantized, "int4") == _tokens(twin, "none")
+    if skipped:
+        llm = LLM(str(quantized), dtype="float32", quant="int4")
+        try:
+            mlp = llm.engine.executor.model.model.layers[0].mlp
+            assert mlp.down_proj.kernel is None and mlp.down_proj.weight.numel() > 0
+            assert mlp.gate_up_proj.kernel is not None
+        finally:
+            llm.engine.shutdown()
 
 
 def test_act_order_gptq_is_refused(tiny, tmp_path):

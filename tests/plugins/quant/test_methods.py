@@ -110,3 +110,13 @@ def test_int4_group_size_is_a_plugin_setting():
     assert kernel.group == 32 and kernel.scales.shape == (256 // 32, 96)
     with pytest.raises(ConfigError, match="group_size"):
         Int4Quant(EngineConfig(plugin={"int4": {"group_size": 12}}))
+
+
+def test_checkpoint_skip_lists_match_names_modules_and_parts():
+    from tokenloom.plugins.quant.common import is_skipped
+
+    parts = ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]
+    assert is_skipped(parts, ["model.layers.0.mlp.gate_proj"])
+    assert is_skipped(parts, ["model.layers.0.mlp"])
+    assert is_skipped(parts, ["gate_proj"])
+    assert not is_skipped(parts, ["model.layers.1.mlp", "down_proj", "lm_head", ""])
