@@ -6,7 +6,9 @@ or from an fp8 checkpoint whose ``quantization_config`` says ``quant_method: fp8
 as vLLM reads it: each projection's ``weight`` (e4m3) with its per-tensor
 ``weight_scale`` (and ``input_scale`` for a static activation scheme, read but not
 used: dynamic per-token scales are at least as fine). A merged projection's parts keep
-their own scales, spread over their rows, so nothing is quantized twice.
+their own scales, spread over their rows, so nothing is quantized twice. Block-wise
+checkpoints (``weight_block_size``, a ``weight_scale_inv`` per block) are dequantized
+after loading and quantized again per channel, one layer at a time.
 
 Each call quantizes the activations per token (``s_x = max|x_row| / 448``). On a GPU
 with fp8 tensor cores (compute capability 8.9+) the GEMM is ``torch._scaled_mm`` with
@@ -94,6 +96,20 @@ class Fp8Kernel(LinearKernel):
         return y.to(x.dtype)
 
 
+def block_slot(param: nn.Parameter, dense: WeightSlot, block: tuple[int, int]) -> WeightSlot:
+    """A part's rows of the block scales ``[N / bn, K / bk]`` (this rank's shard in
+    blocks; a shard must not cut a block)."""
+    bn, bk = block
+    source = size = None
+    if dense.source is not None:
+        dim, begin, end = dense.source
+        div = bn if dim == 0 else bk
+        if begin % div or (end % div and end != dense.source_size):
+            raise ValueError(f"a shard {begin}..{end} cuts {div}-wide fp8 blocks")
+        source, size = (dim, begin // div, -(-end // div)), -(-(dense.source_size or 0) // div)
+    return WeightSlot(param, dense.start // bn, -(-dense.stop // bn), source, size)
+
+
 def fp8_kernel(layer: Linear, weight: torch.Tensor, scales: torch.Tensor) -> Fp8Kernel:
     return Fp8Kernel(keep(layer, "weight_fp8", weight), keep(layer, "weight_scale", scales))
 
@@ -101,6 +117,7 @@ def fp8_kernel(layer: Linear, weight: torch.Tensor, scales: torch.Tensor) -> Fp8
 class Fp8Quant(WeightQuantMethod):
     name = "fp8"
     static_input = False  # the checkpoint has input_scale tensors (read, not used)
+    block: tuple[int, int] | None = None  # weight_block_size of a block-wise checkpoint
 
     def prepare_model(self, model: nn.Module, hf_config: dict[str, Any]) -> None:
         qc = quantization_config(hf_config)
@@ -109,11 +126,8 @@ class Fp8Quant(WeightQuantMethod):
         method = qc.get("quant_method")
         if method != "fp8":
             raise ValueError(f"--quant fp8: the checkpoint is quantized with {method!r}")
-        if qc.get("weight_block_size"):
-            raise ValueError(
-                "--quant fp8: block-wise fp8 checkpoints (weight_block_size) are not "
-                "supported; per-tensor ones are"
-            )
+        block = qc.get("weight_block_size")
+        self.block = (int(block[0]), int(block[1])) if block else None
         self.prequantized = True
         self.static_input = qc.get("activation_scheme", "dynamic") == "static"
         skipped = list(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or [])
@@ -131,6 +145,16 @@ class Fp8Quant(WeightQuantMethod):
                 layer.register_parameter(
                     extra, nn.Parameter(torch.empty(parts, device=device), False)
                 )
+            if self.block is not None:
+                bn, bk = self.block
+                if any(size % bn for size in layer.output_sizes):
+                    raise ValueError(
+                        f"{name}: output parts {layer.output_sizes} cut {bn}-row blocks"
+                    )
+                rows, cols = layer.out_features // bn, -(-layer.in_features // bk)
+                layer.register_parameter(
+                    "block_scales", nn.Parameter(torch.empty(rows, cols, device=device), False)
+                )
             release_weight(layer)
             layer.slot_hook = self._slots
             self.prepared.add(name)
@@ -147,7 +171,12 @@ class Fp8Quant(WeightQuantMethod):
             result[key] = WeightSlot(
                 layer.weight_fp8, slot.start, slot.stop, slot.source, slot.source_size
             )
-            result[f"{prefix}.weight_scale"] = WeightSlot(layer.part_scales, part, part + 1)
+            if self.block is not None:
+                result[f"{prefix}.weight_scale_inv"] = block_slot(
+                    layer.block_scales, slot, self.block
+                )
+            else:
+                result[f"{prefix}.weight_scale"] = WeightSlot(layer.part_scales, part, part + 1)
             if self.static_input:
                 result[f"{prefix}.input_scale"] = WeightSlot(layer.input_scales, part, part + 1)
             part += 1
@@ -158,6 +187,14 @@ class Fp8Quant(WeightQuantMethod):
         return fp8_kernel(layer, weight, scales)
 
     def finish_kernel(self, layer: Linear) -> LinearKernel:
+        if self.block is not None:  # per block -> per channel: dequantize, quantize again
+            bn, bk = self.block
+            n, k = layer.weight_fp8.shape
+            scales = layer.block_scales.data.repeat_interleave(bn, 0)
+            w = layer.weight_fp8.data.float() * scales.repeat_interleave(bk, 1)[:, :k]
+            weight, row_scales = quantize_fp8_rows(w)
+            del layer.weight_fp8, layer.block_scales, layer.part_scales, layer.input_scales
+            return fp8_kernel(layer, weight, row_scales)
         sizes = torch.tensor(layer.output_sizes, device=layer.part_scales.device)
         scales = layer.part_scales.float().repeat_interleave(sizes)[:, None].contiguous()
         del layer.part_scales, layer.input_scales

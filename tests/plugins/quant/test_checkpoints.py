@@ -163,3 +163,31 @@ def test_act_order_gptq_is_refused(tiny, tmp_path):
     quantized = _rewrite(tiny, tmp_path / "gptq", lambda p, w: {f"{p}.weight": w}, qc)
     with pytest.raises(Exception, match="act-order"):
         LLM(str(quantized), dtype="float32", quant="int4")
+
+
+def test_block_wise_fp8_checkpoint_loads_requantized_per_channel(tiny, tmp_path):
+    stored: dict[str, torch.Tensor] = {}
+
+    def convert(prefix, w):
+        n, k = w.shape
+        blocks = w.float().view(n // 32, 32, k // 32, 32)
+        scale = blocks.abs().amax(dim=(1, 3)) / 448.0  # [N / 32, K / 32]
+        full = scale.repeat_interleave(32, 0).repeat_interleave(32, 1)
+        q = (w.float() / full).to(torch.float8_e4m3fn)
+        stored[prefix] = q.float() * full
+        return {f"{prefix}.weight": q, f"{prefix}.weight_scale_inv": scale}
+
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32]}
+    llm = LLM(str(_rewrite(tiny, tmp_path / "fp8b", convert, qc)), dtype="float32", quant="fp8")
+    try:
+        mlp = llm.engine.executor.model.model.layers[1].mlp
+        loaded = mlp.gate_up_proj.kernel.weight.float() * mlp.gate_up_proj.kernel.scales
+        prefix = "model.layers.1.mlp"
+        expected = torch.cat([stored[f"{prefix}.gate_proj"], stored[f"{prefix}.up_proj"]])
+        row_max = expected.abs().amax(dim=1, keepdim=True)
+        assert bool(((loaded - expected).abs() <= row_max * 2**-4).all())
+        assert not hasattr(mlp.gate_up_proj, "block_scales")  # freed after requantizing
+        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+    finally:
+        llm.engine.shutdown()
