@@ -20,6 +20,7 @@ PACKAGE_FOLDERS = ("core", "plugins", "protocols", "contrib")
 # Such an import must sit inside a function, so the module itself imports without it.
 OPTIONAL_IMPORTS = {
     ("core/bench/throughput.py", "transformers"): "`bench throughput --peer hf` only",
+    ("core/sim/report.py", "matplotlib"): "`tokenloom sim`'s plots only (extra: plot)",
 }
 # Test support shipped in the package (``tokenloom.testing``: conformance suites a
 # third-party plugin's tests subclass). Only test runs import it, so it may use the

@@ -197,7 +197,12 @@ def main(argv: list[str] | None = None) -> int:
 
         payload["requests"] = {r.label: [asdict(x) for x in r.requests] for r in results}
     report.write_json(out / "sim.json", payload)
-    written = [] if args.no_plots else report.plot(results, summaries, out)
+    written: list[str] = []
+    if not args.no_plots:
+        try:
+            written = report.plot(results, summaries, out)
+        except ImportError:
+            print("no plots: matplotlib is not installed (pip install 'tokenloom[plot]')")
     print(f"wrote {out / 'sim.json'}" + (f" and {len(written)} plots" if written else ""))
     print(f"total wall time {time.perf_counter() - started:.1f}s")
     return 0
