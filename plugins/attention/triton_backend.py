@@ -21,9 +21,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import msgspec
 import torch
 
-from tokenloom.config import EngineConfig
+from tokenloom.config import EngineConfig, plugin_settings
 from tokenloom.plugins.attention.triton_kernels.decode import decode_attention
 from tokenloom.plugins.attention.triton_kernels.kv_write import write_kv
 from tokenloom.plugins.attention.triton_kernels.prefill import prefill_attention
@@ -42,6 +43,21 @@ SETTINGS = (
     "prefill_num_warps",
     "prefill_num_stages",
 )
+
+
+class TritonSettings(msgspec.Struct, forbid_unknown_fields=True):
+    """``[plugin.triton]``: tile settings; None keeps the default for the device
+    (measured per head size on CUDA, tiny tiles under the interpreter)."""
+
+    max_num_splits: int | None = None
+    decode_block_n: int | None = None
+    decode_num_stages: int | None = None
+    decode_programs_per_sm: int | None = None
+    prefill_block_m: int | None = None
+    prefill_block_n: int | None = None
+    prefill_num_warps: int | None = None
+    prefill_num_stages: int | None = None
+
 
 # Tiny tiles: the interpreter runs each program in Python.
 INTERPRETER_DEFAULTS = {
@@ -237,7 +253,9 @@ class TritonAttention(AttentionBackend):
 
 
 def _plugin_settings(config: EngineConfig) -> dict[str, Any]:
-    return dict(config.plugin.get("triton", {}))
+    """The keys of ``[plugin.triton]`` that are set (checked against TritonSettings)."""
+    table = msgspec.structs.asdict(plugin_settings(config, "triton", TritonSettings))
+    return {key: value for key, value in table.items() if value is not None}
 
 
 @hookimpl
@@ -248,5 +266,6 @@ def tokenloom_register_components() -> list[ComponentSpec]:
             "triton",
             TritonAttention,
             "Triton paged attention: split-KV decode with grouped heads, paged prefill",
+            settings=TritonSettings,
         )
     ]
