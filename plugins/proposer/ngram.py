@@ -16,7 +16,9 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 
-from tokenloom.config import EngineConfig
+import msgspec
+
+from tokenloom.config import EngineConfig, plugin_settings
 from tokenloom.protocols.components.proposer import Proposer
 from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
@@ -46,14 +48,22 @@ def ngram_lookup(
     return []
 
 
+class NgramSettings(msgspec.Struct, forbid_unknown_fields=True):
+    """``[plugin.ngram]``: the match lengths tried and the search window (tokens)."""
+
+    min_n: int = 1
+    max_n: int = 4
+    window: int = 4096
+
+
 class NgramProposer(Proposer):
     name = "ngram"
 
     def __init__(self, config: EngineConfig) -> None:
-        options = config.plugin.get("ngram", {})
-        self.min_n = int(options.get("min_n", 1))
-        self.max_n = int(options.get("max_n", 4))
-        self.window = int(options.get("window", 4096))
+        options = plugin_settings(config, "ngram", NgramSettings)
+        self.min_n = options.min_n
+        self.max_n = options.max_n
+        self.window = options.window
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError(
                 f"plugin.ngram: need 1 <= min_n <= max_n, got min_n={self.min_n}, "
@@ -74,4 +84,12 @@ class NgramProposer(Proposer):
 
 @hookimpl
 def tokenloom_register_components() -> list[ComponentSpec]:
-    return [ComponentSpec("proposer", "ngram", NgramProposer, "prompt-lookup n-gram drafts")]
+    return [
+        ComponentSpec(
+            "proposer",
+            "ngram",
+            NgramProposer,
+            "prompt-lookup n-gram drafts",
+            settings=NgramSettings,
+        )
+    ]
