@@ -20,7 +20,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from tokenloom.config import EngineConfig
+import msgspec
+
+from tokenloom.config import EngineConfig, plugin_settings
 from tokenloom.protocols.components.proposer import Proposer
 from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
@@ -44,19 +46,28 @@ class _DraftRequest:
         self.written: list[int] = []  # drafts whose KV follows them (positions num_valid..)
 
 
+class DraftSettings(msgspec.Struct, forbid_unknown_fields=True):
+    """``[plugin.draft]``: the draft's dtype ("" = the target's), KV pool size in
+    tokens, and whether its decode steps replay CUDA graphs."""
+
+    dtype: str = ""
+    max_pool_tokens: int = 1 << 18
+    cuda_graphs: bool = True
+
+
 class DraftProposer(Proposer):
     name = "draft"
 
     def __init__(self, config: EngineConfig) -> None:
         if not config.draft_model:
             raise ValueError('draft_model: the "draft" proposer needs a model directory or GGUF')
-        options = config.plugin.get("draft", {})
+        options = plugin_settings(config, "draft", DraftSettings)
         self.config = config
-        self.dtype_name = str(options.get("dtype", config.dtype))
+        self.dtype_name = options.dtype or config.dtype
         if self.dtype_name not in DTYPES:
             raise ValueError(f"plugin.draft.dtype: one of {', '.join(DTYPES)}")
-        self.max_pool_tokens = int(options.get("max_pool_tokens", 1 << 18))
-        self.use_graphs = bool(options.get("cuda_graphs", True)) and not config.enforce_eager
+        self.max_pool_tokens = options.max_pool_tokens
+        self.use_graphs = options.cuda_graphs and not config.enforce_eager
         self.graphs: DecodeGraphs | None = None
         self._requests: dict[str, _DraftRequest] = {}
 
@@ -217,4 +228,12 @@ class DraftProposer(Proposer):
 
 @hookimpl
 def tokenloom_register_components() -> list[ComponentSpec]:
-    return [ComponentSpec("proposer", "draft", DraftProposer, "draft-model drafts (greedy)")]
+    return [
+        ComponentSpec(
+            "proposer",
+            "draft",
+            DraftProposer,
+            "draft-model drafts (greedy)",
+            settings=DraftSettings,
+        )
+    ]
