@@ -23,7 +23,9 @@ import random
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from tokenloom.config import EngineConfig
+import msgspec
+
+from tokenloom.config import EngineConfig, plugin_settings
 from tokenloom.protocols.components.proposer import Proposer
 from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
@@ -33,20 +35,29 @@ if TYPE_CHECKING:
     from tokenloom.protocols.components.model import ModelInfo
 
 
+class ReplaySettings(msgspec.Struct, forbid_unknown_fields=True):
+    """``[plugin.replay]``: the acceptance rate, its random seed, and a JSONL file of
+    recordings ("" for none)."""
+
+    acceptance: float = 1.0
+    seed: int = 0
+    path: str = ""
+
+
 class ReplayProposer(Proposer):
     name = "replay"
 
     def __init__(self, config: EngineConfig) -> None:
-        options = config.plugin.get("replay", {})
-        self.acceptance = float(options.get("acceptance", 1.0))
+        options = plugin_settings(config, "replay", ReplaySettings)
+        self.acceptance = options.acceptance
         if not 0.0 <= self.acceptance <= 1.0:
             raise ValueError(f"plugin.replay.acceptance: must be in [0, 1], got {self.acceptance}")
-        self._rng = random.Random(int(options.get("seed", 0)))
+        self._rng = random.Random(options.seed)
         self.vocab_size = 2
         self.recordings: dict[tuple[int, ...], list[int]] = {}
         self._prompts: dict[str, tuple[int, ...]] = {}
         self._last: dict[str, Sequence[int]] = {}  # each live request's latest history
-        path = str(options.get("path", ""))
+        path = options.path
         if path:
             with open(path) as lines:
                 for line in lines:
@@ -108,6 +119,10 @@ class ReplayProposer(Proposer):
 def tokenloom_register_components() -> list[ComponentSpec]:
     return [
         ComponentSpec(
-            "proposer", "replay", ReplayProposer, "recorded drafts at a set acceptance (measuring)"
+            "proposer",
+            "replay",
+            ReplayProposer,
+            "recorded drafts at a set acceptance (measuring)",
+            settings=ReplaySettings,
         )
     ]
