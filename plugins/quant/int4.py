@@ -191,5 +191,6 @@ def tokenloom_register_components() -> list[ComponentSpec]:
             "int4",
             Int4Quant,
             "4-bit weights (W4A16), groups of 128; RTN at load, AWQ and GPTQ checkpoints",
+            settings=Int4Settings,
         )
     ]
