@@ -23,6 +23,7 @@ from tokenloom.plugins.attention import kv_quant
 from tokenloom.plugins.executor import staging
 from tokenloom.plugins.executor.batch import BatchBuilder, FlatBatch
 from tokenloom.plugins.executor.cuda_graphs import DecodeGraphs
+from tokenloom.plugins.executor.parallel.symmetric import TensorParallelSettings
 from tokenloom.plugins.executor.prompt_logprobs import PromptLogprobs
 from tokenloom.plugins.executor.speculative import SpeculativeDecoder
 from tokenloom.plugins.models import parallel
@@ -335,6 +336,10 @@ def make_executor(config: EngineConfig, plugins: PluginManager) -> Executor:
 def tokenloom_register_components() -> list[ComponentSpec]:
     return [
         ComponentSpec(
-            "executor", "model", make_executor, "model runner, CUDA graphs, tensor parallel"
+            "executor",
+            "model",
+            make_executor,
+            "model runner, CUDA graphs, tensor parallel",
+            settings=TensorParallelSettings,
         )
     ]

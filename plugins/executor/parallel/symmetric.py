@@ -23,8 +23,9 @@ import torch.distributed as dist
 log = logging.getLogger("tokenloom.executor.parallel")
 
 
-class TensorParallelSettings(msgspec.Struct, forbid_unknown_fields=False):
-    """The tensor-parallel keys of ``[plugin.model]`` (the executor's table)."""
+class TensorParallelSettings(msgspec.Struct, forbid_unknown_fields=True):
+    """``[plugin.model]``, the ``model`` executor's table (its ComponentSpec declares
+    this Struct, so a mistyped key fails before weights load)."""
 
     symm_mem_all_reduce: bool = False
 
