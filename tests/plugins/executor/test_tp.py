@@ -167,3 +167,78 @@ def test_worker_dead_at_start_fails_the_start_at_once(tiny_model_factory, monkey
 def test_size_that_does_not_divide_the_heads_is_refused_with_the_reason(tiny_model_factory):
     with pytest.raises(ValueError, match="tensor_parallel_size must divide the number of"):
         LLM(str(tiny_model_factory("llama")), **ENGINE, tensor_parallel_size=3)
+
+
+# --- the bf16 agreement rule (tp_agreement.py): passes TP=2, fails a wrong shard ---
+
+BF16_PROMPTS = [[5, 9, 2, 33, 17], [40, 41, 42] * 7, [7]]
+
+
+def _swap_kv_head_halves(model_dir, out_dir):
+    """A copy of ``model_dir`` whose k/v projections hold their KV heads' two halves
+    swapped: TP=2 on it computes exactly what TP=2 would on the original if the loader
+    gave rank 0 rank 1's KV heads and rank 1 rank 0's."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out_dir)
+    tensors = load_file(str(out_dir / "model.safetensors"))
+    for name, tensor in tensors.items():
+        if name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")):
+            half = tensor.shape[0] // 2
+            tensors[name] = torch.cat([tensor[half:], tensor[:half]]).contiguous()
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
+def test_bf16_rule_passes_tp2_and_fails_a_shard_with_swapped_kv_heads(tiny_model_factory, tmp_path):
+    from tp_agreement import BF16_TOLERANCE_NATS, agree, generate
+
+    model = tiny_model_factory("llama", num_heads=8, num_kv_heads=2, hidden_size=256)
+    engine = dict(device="cpu", dtype="bfloat16", num_blocks=64, max_model_len=256)
+    single = generate(model, BF16_PROMPTS, 16, **engine)
+    parallel = generate(model, BF16_PROMPTS, 16, tensor_parallel_size=2, **engine)
+    assert agree(single, parallel, "bfloat16") <= BF16_TOLERANCE_NATS
+
+    wrong = _swap_kv_head_halves(model, tmp_path / "swapped")
+    swapped = generate(wrong, BF16_PROMPTS, 16, tensor_parallel_size=2, **engine)
+    with pytest.raises(AssertionError, match="not a near-tie|more than 0.125 apart"):
+        agree(single, swapped, "bfloat16")
+    # and by far, from the first token of every prompt: TP=1's first token leaves the
+    # swapped run's top two, or its logprob moves by more than four tolerances
+    for (tokens, lps), (_, lps_swapped) in zip(single, swapped, strict=True):
+        first = tokens[0]
+        moved = abs(lps[0][first] - lps_swapped[0].get(first, float("-inf")))
+        assert moved > 4 * BF16_TOLERANCE_NATS, (first, lps[0], lps_swapped[0])
+
+
+def _run(tokens: list[int], top2: list[tuple[tuple[int, float], tuple[int, float]]]):
+    return tokens, [dict(pair) for pair in top2]
+
+
+def test_bf16_rule_on_constructed_runs():
+    from tp_agreement import agree
+
+    near = ((1, -0.50), (2, -0.55))  # 1 leads 2 by 0.05 nats
+    flipped = ((2, -0.52), (1, -0.53))
+    far = ((1, -0.1), (2, -2.0))
+    base = _run([1, 1], [near, near])
+    # identical, with logprobs a little apart
+    assert agree(
+        [base], [_run([1, 1], [((1, -0.45), (2, -0.5)), near])], "bfloat16"
+    ) == pytest.approx(0.05)
+    # divergence at a near-tie where the two swap places: allowed, rest not compared
+    assert agree([base], [_run([2, 7], [flipped, far])], "bfloat16") == 0.0
+    # divergence where TP=1 was sure: refused
+    with pytest.raises(AssertionError, match="not a near-tie"):
+        agree([_run([1], [far])], [_run([2], [flipped])], "bfloat16")
+    # the other run's choice is not even in TP=1's top two: refused
+    with pytest.raises(AssertionError, match="not a near-tie"):
+        agree([base], [_run([3, 1], [((3, -0.5), (1, -0.52)), near])], "bfloat16")
+    # same tokens, logprob moved by more than the tolerance: refused
+    with pytest.raises(AssertionError, match="more than 0.125 apart"):
+        agree([base], [_run([1, 1], [((1, -0.2), (2, -0.9)), near])], "bfloat16")
+    # fp32 is exact: any token difference fails
+    with pytest.raises(AssertionError):
+        agree([base], [_run([2, 1], [flipped, near])], "float32")

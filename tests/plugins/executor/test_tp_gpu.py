@@ -5,9 +5,12 @@ device), eager (gloo's collectives cannot be captured): this checks the multi-pr
 GPU path (fused kernels, Triton attention, skinny GEMM per rank, gathered logits,
 identical sampling on every rank with async scheduling). With two GPUs the NCCL test
 runs each rank on its own GPU with CUDA graphs, which then include the all-reduces.
-Tolerance rule as in ``test_gpu_modes.py``: fp32 tokens identical; bf16 first tokens
-identical and 90% of the prompts identical throughout (two correct reduction orders
-may round a near-tie differently).
+Agreement rule (``tp_agreement.py``): fp32 tokens identical; bf16 identical up to each
+sequence's first divergence with logprobs within 0.125 nats, and that divergence only at a
+TP=1 near-tie (top-2 margin <= 0.125 nats, the two runs' top two being the two tokens):
+two correct reduction orders may round a near-tie differently. (The earlier rule, 90% of
+the sequences identical, failed on qwen3 bf16 at 2 of 4, which is legitimate for four
+random-model sequences of 24 tokens.) The test prints the largest logprob difference seen.
 """
 
 from __future__ import annotations
@@ -21,23 +24,16 @@ ENGINE = {"device": "cuda", "num_blocks": 256, "max_model_len": 512}
 
 
 def _generate(model_dir, **options):
-    from tokenloom import LLM, SamplingParams
+    from tp_agreement import generate
 
-    llm = LLM(str(model_dir), **ENGINE, **options)
-    params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
-    try:
-        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    finally:
-        llm.shutdown()
+    return generate(model_dir, PROMPTS, 24, **ENGINE, **options)
 
 
 def _agree(a, b, dtype):
-    if dtype == "float32":
-        assert a == b
-        return
-    assert all(x[0] == y[0] for x, y in zip(a, b, strict=True))
-    same = sum(x == y for x, y in zip(a, b, strict=True))
-    assert same >= 0.9 * len(a), (a, b)
+    from tp_agreement import agree
+
+    worst = agree(a, b, dtype)
+    print(f"{dtype}: largest logprob difference over the shared tokens {worst:.4f} nats")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
