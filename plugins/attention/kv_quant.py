@@ -24,6 +24,14 @@ import torch
 
 KV_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
+# The scale is ``absmax * (1 / QMAX)``, the reciprocal rounded once to fp32, and the
+# kernels (``triton_kernels.kv_write``) compute exactly that. A division by the Python
+# scalar would not be one formula: torch on CUDA turns ``t / 127.0`` into this very
+# multiplication while the CPU divides, and Triton's ``/`` is approximate. The values
+# are then ``x / scale``, an IEEE division here (tensor by tensor) and ``div_rn`` there,
+# so the cache is bit-equal whichever wrote it (an ulp off the scale moves values lying
+# near a rounding tie by one int8 step).
+INV_QMAX = {dtype: 1.0 / qmax for dtype, qmax in QMAX.items()}
 SCALE_BYTES = 4  # fp32, one per token and KV head
 
 
@@ -93,7 +101,7 @@ def quantize(
     Triton kernels do); fp8 rounds to nearest even and saturates at 448. A zero row
     gets scale 0."""
     xf = x.float()
-    scale = xf.abs().amax(-1) / QMAX[dtype]  # [T, Hkv]
+    scale = xf.abs().amax(-1) * INV_QMAX[dtype]  # [T, Hkv]; see INV_QMAX
     y = xf / torch.where(scale > 0, scale, 1.0)[..., None]
     if dtype == torch.int8:
         y = (y.sign() * (y.abs() + 0.5).floor()).clamp(-127, 127)

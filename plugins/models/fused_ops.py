@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from tokenloom.plugins.attention import kv_quant
-from tokenloom.plugins.attention.triton_kernels.kv_write import quantize_with
+from tokenloom.plugins.attention.triton_kernels.kv_write import quantize_with, scale_of
 
 
 @triton.jit
@@ -224,7 +224,7 @@ def _store_quantized_halves(
 ):  # fmt: skip
     # One head's two halves [K_P2, HALF] over one absmax scale per head.
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(f1), axis=1), tl.max(tl.abs(f2), axis=1)) / QMAX
+    scale = scale_of(tl.maximum(tl.max(tl.abs(f1), axis=1), tl.max(tl.abs(f2), axis=1)), QMAX)
     cache_dtype = cache_ptr.dtype.element_ty
     tl.store(cache_ptr + dst, quantize_with(f1, scale, QMAX, IS_INT8).to(cache_dtype), mask=mask)
     y2 = quantize_with(f2, scale, QMAX, IS_INT8).to(cache_dtype)

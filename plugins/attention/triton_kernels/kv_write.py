@@ -11,18 +11,27 @@ from tokenloom.plugins.attention import kv_quant
 
 
 @triton.jit
+def scale_of(absmax, QMAX: tl.constexpr):
+    """A row's scale from its fp32 absmax: times the fp32 reciprocal of QMAX, exactly
+    ``kv_quant.quantize`` (see ``kv_quant.INV_QMAX``), not Triton's approximate ``/``."""
+    return absmax * (1.0 / QMAX)
+
+
+@triton.jit
 def quantize_rows(x, QMAX: tl.constexpr, IS_INT8: tl.constexpr):
     """``x [rows, cols]`` fp32 -> (values to store, scale per row): absmax over the
     row / QMAX."""
-    scale = tl.max(tl.abs(x), axis=1) / QMAX
+    scale = scale_of(tl.max(tl.abs(x), axis=1), QMAX)
     return quantize_with(x, scale, QMAX, IS_INT8), scale
 
 
 @triton.jit
 def quantize_with(x, scale, QMAX: tl.constexpr, IS_INT8: tl.constexpr):
     """``x [rows, cols]`` fp32 over its row ``scale`` (0: a zero row); int8 rounds half
-    away from zero, as ``kv_quant.quantize``. The caller casts to the cache dtype."""
-    y = x / tl.where(scale > 0, scale, 1.0)[:, None]
+    away from zero, as ``kv_quant.quantize``. The caller casts to the cache dtype.
+    ``div_rn`` is the IEEE-rounded division torch does: Triton's ``/`` (div.full.f32 on
+    the GPU) may be an ulp off, which near a .5 tie flips the int8 step."""
+    y = tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None])
     if IS_INT8:
         y = tl.where(y >= 0, tl.floor(y + 0.5), tl.ceil(y - 0.5))
     return tl.minimum(tl.maximum(y, -QMAX), QMAX)

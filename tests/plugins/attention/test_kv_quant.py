@@ -117,17 +117,19 @@ def test_torch_backend_over_a_quantized_cache_is_close_to_float_attention(dtype)
 
 
 def assert_same_quantized(got, ref, dtype):
-    """The Triton-written cache equals the reference-written one: scales, and values
-    exactly for int8; for fp8 see below."""
-    torch.testing.assert_close(kv_quant.scales_of(got), kv_quant.scales_of(ref))
+    """The Triton-written cache equals the reference-written one bit for bit: scales,
+    and values for int8 (same formula and rounding, ``kv_quant.INV_QMAX``); for fp8 see
+    below."""
+    assert torch.equal(kv_quant.scales_of(got), kv_quant.scales_of(ref))
+    if dtype == torch.int8:
+        differs = got != ref
+        assert not differs.any(), f"{int(differs.sum())} int8 values differ"
+        return
     values = kv_quant.dequantize(got, kv_quant.scales_of(got), torch.float32)
     expected = kv_quant.dequantize(ref, kv_quant.scales_of(ref), torch.float32)
-    if dtype == torch.int8:
-        torch.testing.assert_close(values, expected, rtol=1e-5, atol=1e-6)
-        return
-    # fp8: within one ulp (2^-3 relative; a tie or the division may round the other
-    # way). The interpreter's conversion also mis-rounds when rounding up carries into
-    # the exponent (124.8 -> 64, not 128): allow exactly that off the GPU.
+    # fp8: within one ulp (2^-3 relative; the casts may round a tie differently). The
+    # interpreter's conversion also mis-rounds when rounding up carries into the
+    # exponent (124.8 -> 64, not 128): allow exactly that off the GPU.
     differs = got.float() != ref.float()
     ulp = expected.abs() / 8 + kv_quant.scales_of(ref)[..., None] * 2**-9
     near = (values - expected).abs() <= ulp * 1.001
@@ -147,6 +149,52 @@ def test_triton_kv_write_stores_what_the_reference_stores(dtype):
     write_kv(batch.k, batch.v, k_cache, v_cache, batch.meta.slot_mapping)
     assert_same_quantized(k_cache, ref_k, dtype)
     assert_same_quantized(v_cache, ref_v, dtype)
+
+
+def test_reference_scale_is_the_absmax_times_the_fp32_reciprocal():
+    # One formula on every device (torch on CUDA multiplies by the reciprocal when
+    # dividing by a Python scalar, the CPU divides; the two differ by an ulp at times).
+    x = torch.randn(4096, 2, 16, generator=torch.Generator().manual_seed(3), device="cpu")
+    for dtype in KV_DTYPES:
+        _, scales = kv_quant.quantize(x.to(DEVICE), dtype)
+        inverse = torch.tensor(1.0 / kv_quant.QMAX[dtype], dtype=torch.float32)
+        assert torch.equal(scales.cpu(), x.abs().amax(-1) * inverse)
+        assert not torch.equal(scales.cpu(), x.abs().amax(-1) / kv_quant.QMAX[dtype])
+
+
+def tie_rows(tokens, heads, dim, seed=0):
+    """Keys whose int8 values lie at (or a few ulps from) .5 ties: rows of absmax
+    ``127 u`` holding ``(k + 1/2) u`` (exact for the first half, whose ``u`` has a short
+    mantissa; rounded for the rest), and rows with ``absmax / 2`` (63.5 nominally)."""
+    gen = torch.Generator().manual_seed(seed)
+    unit = 2.0 ** torch.empty(tokens, heads, 1).uniform_(-8, 4, generator=gen)
+    short = 2.0 ** torch.randint(-8, 4, (tokens, heads, 1), generator=gen)
+    short = short * (1 + torch.randint(0, 8, (tokens, heads, 1), generator=gen) / 8)
+    unit[: tokens // 2] = short[: tokens // 2]
+    half = torch.randint(0, 127, (tokens, heads, dim), generator=gen) + 0.5
+    x = half * unit * torch.where(torch.rand(tokens, heads, dim, generator=gen) < 0.5, -1, 1)
+    x[..., 0] = 127 * unit[..., 0]
+    x[::2, :, 1] = x[::2, :, 0] / 2
+    return x
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+def test_triton_kv_write_rounds_ties_as_the_reference(dtype):
+    # The GPU failure of issue 12: values an ulp from a .5 tie went the other way when
+    # the kernel's scale or division was an ulp off the reference's.
+    tokens, heads, dim = 64, 2, 32
+    k = tie_rows(tokens, heads, dim).to(DEVICE)
+    v = tie_rows(tokens, heads, dim, seed=1).to(DEVICE)
+    slots = torch.randperm(tokens, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    (k_cache, v_cache), (ref_k, ref_v) = [
+        kv_quant.allocate(1, tokens // 16, 16, heads, dim, dtype, torch.device(DEVICE))[1][0]
+        for _ in range(2)
+    ]
+    write_kv_cache(k, v, ref_k, ref_v, slots)
+    write_kv(k, v, k_cache, v_cache, slots)
+    assert_same_quantized(k_cache, ref_k, dtype)
+    assert_same_quantized(v_cache, ref_v, dtype)
+    assert kv_quant.scales_of(ref_k).count_nonzero() == tokens * heads
 
 
 @pytest.mark.parametrize("dtype", KV_DTYPES)
