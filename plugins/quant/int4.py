@@ -7,8 +7,8 @@ range and 0, with an integer zero point), or from an AWQ or GPTQ checkpoint,
 whose ``quantization_config`` names the format (``int4_checkpoints``). Both end in
 one layout, the GEMM's: ``qweight [K / 8, N]`` int32 (nibble ``j`` of word ``i`` is
 input row ``8 i + j``), ``scales`` and ``zeros`` ``[G, N]`` in the model's dtype, and
-``w = (q - z) * s``. A layer
-whose ``K`` is no multiple of 128 has a shorter last group.
+``w = (q - z) * s``. A layer whose ``K`` is no multiple of 128 has a shorter last group;
+``[plugin.int4] group_size`` sets another size for RTN.
 
 On the GPU the layer runs the Triton GEMM of ``kernels.weight_gemm`` (dequantized per
 element in the kernel; a K-split weight stream for batches of at most 16 rows, square
