@@ -49,7 +49,15 @@ REPORT_KEYS = (
     "timings",
     "warnings",
 )
-CONFIG_SUMMARY = ("device", "dtype", "attention", "quant", "proposer", "num_speculative_tokens")
+CONFIG_SUMMARY = (
+    "device",
+    "dtype",
+    "attention",
+    "quant",
+    "kv_cache_dtype",
+    "proposer",
+    "num_speculative_tokens",
+)
 
 
 def build_report(

@@ -42,6 +42,7 @@ def test_eval_cli_records_then_writes_the_documented_json(tiny_model_factory, tm
     assert main(["eval", *common, "--max-num-batched-tokens", "8", "--json", str(out)]) == 0
     printed = capsys.readouterr().out.strip().splitlines()
     assert printed[-1].startswith("time (s):")
+    assert printed[0].startswith("this run:") and "kv_cache_dtype=auto" in printed[0]
     assert any(line.startswith("token agreement") and "100.0%" in line for line in printed)
 
     report = json.loads(out.read_text())
