@@ -168,9 +168,10 @@ class PluginManager:
         "auto", quant, executor, proposer, each frontend), and every ``[plugin.NAME]``
         table fits the settings Struct that component NAME declares
         (``ComponentSpec.settings``). Raises PluginError (unknown or broken
-        component, listing the available ones) or ConfigError (``plugin.NAME.KEY``).
-        A table that names no registered component or plugin is logged as unused."""
-        from tokenloom.config import plugin_settings
+        component, listing the available ones) or ConfigError (``plugin.NAME.KEY``,
+        or ``[plugin.NAME]`` for a table that names no registered component or
+        plugin: its settings would be silently unused, so a misspelt NAME fails too)."""
+        from tokenloom.config import ConfigError, plugin_settings
 
         wanted = [(kind, getattr(config, kind)) for kind in CONFIG_KINDS]
         wanted += [("frontend", name) for name in config.frontends]
@@ -181,8 +182,12 @@ class PluginManager:
         for name in config.plugin:
             specs = [c.spec for c in components if c.name == name]
             if not specs and not self._pm.has_plugin(name):
-                log.warning("[plugin.%s]: no registered component or plugin is named %s; "
-                            "its settings are unused", name, name)  # fmt: skip
+                known = {c.name for c in components}
+                known |= {n for n, _ in self._pm.list_name_plugin() if "." not in n}
+                raise ConfigError(
+                    f"[plugin.{name}]: no registered component or plugin is named {name!r}; "
+                    f"known: {', '.join(sorted(known))}"
+                )
             for spec in specs:
                 if spec.settings is not None:
                     plugin_settings(config, name, spec.settings)

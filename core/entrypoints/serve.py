@@ -22,13 +22,16 @@ import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from tokenloom.config import ConfigError, EngineConfig
 from tokenloom.logging import get_logger
 from tokenloom.protocols.control import Ready
+
+if TYPE_CHECKING:
+    from tokenloom.plugin_manager import PluginManager
 
 log = get_logger(__name__)
 
@@ -73,11 +76,14 @@ async def run(
     on_started: Callable[[ServerHandle], None] | None = None,
     handle_signals: bool = False,
     engine_backoff_s: tuple[float, float] = (0.5, 30.0),
+    plugins: PluginManager | None = None,
 ) -> int:
     """Serve until ``handle.stop()`` (or a signal, with ``handle_signals``).
     ``engine_factory`` replaces the engine built in the engine-core process (it
     must be importable by reference: ``(config, plugin_manager) -> engine``);
-    ``engine_backoff_s`` is the engine-core's first restart delay and its cap."""
+    ``engine_backoff_s`` is the engine-core's first restart delay and its cap.
+    ``plugins`` checks the config and provides the frontends (default:
+    ``PluginManager.default()``); the engine-core process loads its own."""
     from tokenloom.engine.keeper import EngineKeeper
     from tokenloom.engine.supervisor import EngineStartError
     from tokenloom.plugin_manager import PluginError, PluginManager
@@ -87,18 +93,19 @@ async def run(
         from tokenloom.checkpoints.default_model import default_model
 
         config = msgspec.structs.replace(config, model=default_model())
-    if config.record_trace:  # the engine-core wraps its engine in the trace recorder
-        from tokenloom.engine.trace_recorder import with_recording
-
-        config, engine_factory = with_recording(config, engine_factory)
     try:
-        plugins = PluginManager.default()
-        # Component names and [plugin.NAME] settings, before an engine-core starts.
+        plugins = plugins or PluginManager.default()
+        # Component names and [plugin.NAME] settings, before an engine-core starts
+        # (and before the trace recorder adds its internal table).
         plugins.check_config(config)
         specs = [plugins.component("frontend", name) for name in config.frontends]
     except (PluginError, ConfigError) as exc:
         log.error("%s", exc)
         return 1
+    if config.record_trace:  # the engine-core wraps its engine in the trace recorder
+        from tokenloom.engine.trace_recorder import with_recording
+
+        config, engine_factory = with_recording(config, engine_factory)
     keeper = EngineKeeper(config, engine_factory=engine_factory, backoff_s=engine_backoff_s)
     try:
         ready = await keeper.start()

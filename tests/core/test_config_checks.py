@@ -67,9 +67,10 @@ def test_unknown_frontend_fails_the_check() -> None:
         _pm().check_config(load_config(frontends=["openai", "grpc"]))
 
 
-def test_table_naming_nothing_is_logged(caplog: pytest.LogCaptureFixture) -> None:
-    _pm().check_config(load_config(plugin={"agin": {"x": 1}}))
-    assert "[plugin.agin]: no registered component or plugin is named agin" in caplog.text
+def test_table_naming_nothing_fails_listing_the_known_names() -> None:
+    message = r"\[plugin\.agin\]: no registered component or plugin is named 'agin'; known: .*aging"
+    with pytest.raises(ConfigError, match=message):
+        _pm().check_config(load_config(plugin={"agin": {"x": 1}}))
 
 
 def test_cuda_without_a_gpu_is_a_clear_config_error() -> None:

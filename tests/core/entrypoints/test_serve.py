@@ -31,7 +31,7 @@ SERVER_SCRIPT = textwrap.dedent(
     """
     import asyncio, json, sys
     sys.path.insert(0, {fakes!r})
-    from serving_fakes import make_fake_engine
+    from serving_fakes import fake_plugins, make_fake_engine
     from tokenloom.config import make_config
     from tokenloom.entrypoints.serve import run
 
@@ -41,7 +41,7 @@ SERVER_SCRIPT = textwrap.dedent(
     if __name__ == "__main__":
         config = make_config(json.loads({config!r}))
         code = asyncio.run(run(config, engine_factory=make_fake_engine, on_started=started,
-                               handle_signals=True))
+                               handle_signals=True, plugins=fake_plugins()))
         print("EXIT", code, flush=True)
         sys.exit(code)
     """

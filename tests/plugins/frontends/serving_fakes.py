@@ -6,7 +6,9 @@ Supervisor, so the frontends, engine client, sockets and supervision are the rea
 ones. Tokens are a pure function of the prompt, the output so far and (when
 sampling) the seed, so greedy runs are reproducible; KV blocks are accounted like a
 paged cache, so /metrics shows them freed. Options come from ``[plugin.fake]``:
-``step_s`` (seconds per step).
+``step_s`` (seconds per step). That table belongs to this module, registered as the
+plugin ``fake`` by ``fake_plugins()`` (which ``ServerThread`` passes to ``serve.run``),
+so the config check knows it; its keys are checked by ``FakeSettings``.
 
 Module-level so that the spawned engine-core can import the factory by reference.
 """
@@ -23,12 +25,32 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
+from tokenloom.config import plugin_settings
+from tokenloom.plugin_manager import PluginManager
 from tokenloom.protocols.components.errors import QueueFullError
 from tokenloom.protocols.control import Ready
 from tokenloom.protocols.outputs import EngineStats, FinishReason, TokenDelta, TopLogprobs
 from tokenloom.protocols.requests import GenerateRequest
 
 FIRST_TOKEN = 20  # the tiny tokenizers' special tokens sit below this
+
+
+class FakeSettings(msgspec.Struct, forbid_unknown_fields=True):
+    """``[plugin.fake]``: seconds per engine step."""
+
+    step_s: float = 0.002
+
+
+def fake_plugins() -> PluginManager:
+    """The default plugins plus this module as the plugin ``fake`` (the owner of the
+    ``[plugin.fake]`` table)."""
+    import sys
+
+    plugins = PluginManager.default()
+    plugins.register(sys.modules[__name__], "fake", "tests (serving_fakes)")
+    return plugins
 
 
 class _Seq:
@@ -54,7 +76,7 @@ class FakeEngine:
         self.free_blocks = self.num_blocks
         self.max_running = config.max_num_seqs
         self.max_waiting = config.max_waiting_requests
-        self.step_s = float(config.plugin.get("fake", {}).get("step_s", 0.002))
+        self.step_s = plugin_settings(config, "fake", FakeSettings).step_s
         eos = model_config["eos_token_id"]
         self.eos = eos if isinstance(eos, list) else [eos]
         self.waiting: deque[_Seq] = deque()
@@ -192,7 +214,12 @@ class ServerThread:
 
         try:
             self.exit_code = asyncio.run(
-                run(self.config, engine_factory=self.engine_factory, on_started=on_started)
+                run(
+                    self.config,
+                    engine_factory=self.engine_factory,
+                    on_started=on_started,
+                    plugins=fake_plugins(),
+                )
             )
         finally:
             self._started.set()
