@@ -79,3 +79,30 @@ def test_cuda_without_a_gpu_is_a_clear_config_error() -> None:
         pytest.skip("this machine has a GPU")
     with pytest.raises(ConfigError, match='device: "cuda" was asked for, but torch sees no CUDA'):
         resolve_config(load_config(model="x", device="cuda"))
+
+
+@pytest.mark.parametrize(
+    ("name", "table"),
+    [
+        ("triton", {"decode_blok_n": 32}),  # attention
+        ("ngram", {"max_m": 3}),  # proposer
+        ("draft", {"cuda_graph": False}),  # proposer
+        ("replay", {"acceptence": 0.5}),  # proposer (contrib)
+        ("int4", {"group_siz": 64}),  # quant
+        ("model", {"symm_mem_allreduce": True}),  # executor
+    ],
+)
+def test_builtin_settings_typos_fail_before_the_model_is_read(tmp_path, name, table) -> None:  # type: ignore[no-untyped-def]
+    key = next(iter(table))
+    config = load_config(model=str(tmp_path / "missing"), plugin={name: table})
+    with pytest.raises(ConfigError, match=rf"plugin\.{name}\.{key}: unknown setting; known: "):
+        Engine.from_config(config, PluginManager.default())
+
+
+def test_builtin_settings_bad_values_fail_naming_the_key() -> None:
+    with pytest.raises(
+        ConfigError, match=r"plugin\.int4: group_size must be a positive multiple of 8"
+    ):
+        _pm().check_config(load_config(plugin={"int4": {"group_size": 12}}))
+    with pytest.raises(ConfigError, match=r"plugin\.draft\.cuda_graphs: Expected `bool`"):
+        _pm().check_config(load_config(plugin={"draft": {"cuda_graphs": "maybe"}}))
