@@ -25,7 +25,11 @@ import torch
 
 from tokenloom.config import EngineConfig
 from tokenloom.plugins.executor.prompt_logprobs import to_host as prompt_values_to_host
-from tokenloom.plugins.executor.sampling.rejection import rejection_sample, row_layout
+from tokenloom.plugins.executor.sampling.rejection import (
+    greedy_verify,
+    rejection_sample,
+    row_layout,
+)
 from tokenloom.plugins.executor.sampling.sampler import Sampler
 from tokenloom.plugins.executor.staging import upload
 from tokenloom.protocols.components.proposer import Proposer
@@ -111,11 +115,16 @@ class SpeculativeDecoder:
                 verified.append(request_drafts[j] if j < len(request_drafts) else -1)
         layout_host = row_layout([len(d) for d in drafts])
         sampler = self.sampler
-        probs, greedy, uniform, noise = sampler.process_draft_rows(logits, row_ids, row_drafts)
         packed = upload(torch.tensor(verified + sum(layout_host, []), dtype=torch.int64), device)
         draft_rows, layout = packed[: len(verified)], packed[len(verified) :]
         layout = layout.view(len(drafts), -1)
-        tokens, num_accepted = rejection_sample(probs, draft_rows, greedy, layout, uniform, noise)
+        if sampler.is_plain_argmax(row_ids):
+            tokens, num_accepted = greedy_verify(logits.argmax(dim=-1), draft_rows, layout)
+        else:
+            probs, greedy, uniform, noise = sampler.process_draft_rows(logits, row_ids, row_drafts)
+            tokens, num_accepted = rejection_sample(
+                probs, draft_rows, greedy, layout, uniform, noise
+            )
         values = [tokens.double(), num_accepted.double().unsqueeze(1)]
         asked = sampler.num_logprobs(request_ids)
         want = max(asked, default=-1)

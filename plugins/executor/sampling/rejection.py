@@ -55,6 +55,26 @@ def rejection_sample(
     residual = torch.where(empty, probs, residual)
     recovered = torch.where(greedy, argmax, exponential_race(residual, noise))  # [R]
 
+    return _emit(accept, recovered, draft_ids, layout)
+
+
+def greedy_verify(
+    argmax: torch.Tensor,  # [R] int64: each row's argmax (of logits that need no processing)
+    draft_ids: torch.Tensor,  # [R] int64; -1 on bonus rows
+    layout: torch.Tensor,  # [B, K + 1] int64; -1 = padding
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rejection_sample`` for a batch of greedy requests only: accept while the
+    draft is the argmax, then the argmax (a handful of kernels, no [R, V] work)."""
+    return _emit(argmax == draft_ids, argmax, draft_ids, layout)
+
+
+def _emit(
+    accept: torch.Tensor,  # [R] bool (False on bonus rows)
+    recovered: torch.Tensor,  # [R] int64: the token a row emits when its draft is rejected
+    draft_ids: torch.Tensor,  # [R] int64
+    layout: torch.Tensor,  # [B, K + 1] int64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's accepted prefix of drafts, then its first non-accepting row's token."""
     padded = layout < 0
     rows = layout.clamp(min=0)  # [B, K + 1]
     accepted_pad = accept[rows] & ~padded

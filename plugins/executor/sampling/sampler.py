@@ -138,6 +138,11 @@ class Sampler:
             num_logprobs=batch.num_logprobs,
         )
 
+    def is_plain_argmax(self, request_ids: Sequence[str]) -> bool:
+        """True when these rows sample by the argmax of their raw logits (greedy, no
+        penalties, no min_tokens mask)."""
+        return not self._batch_for(request_ids).needs_processing
+
     def process_draft_rows(
         self,
         logits: torch.Tensor,  # [R, V] float32

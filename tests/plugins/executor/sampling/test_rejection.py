@@ -12,7 +12,11 @@ import math
 
 import torch
 
-from tokenloom.plugins.executor.sampling.rejection import rejection_sample, row_layout
+from tokenloom.plugins.executor.sampling.rejection import (
+    greedy_verify,
+    rejection_sample,
+    row_layout,
+)
 from tokenloom.plugins.executor.sampling.sampler import Sampler
 from tokenloom.protocols.sampling import SamplingParams
 from tokenloom.protocols.step import NewRequestData
@@ -155,3 +159,28 @@ def test_draft_rows_are_processed_as_sampling_would_one_token_at_a_time() -> Non
     assert not greedy.any()
     assert probs[0, 0] == 0 and probs[1, 0] == 0  # EOS masked until min_tokens
     assert probs[2, 0] > 0 or logits[2, 0] < logits[2].sort().values[-5]
+
+
+def test_greedy_verify_equals_rejection_sampling_of_greedy_rows() -> None:
+    torch.manual_seed(3)
+    num_drafts = [3, 0, 2, 1]
+    layout = layout_tensor(num_drafts)
+    rows = sum(k + 1 for k in num_drafts)
+    probs = torch.rand(rows, VOCAB).softmax(dim=-1)
+    argmax = probs.argmax(dim=-1)
+    # Drafts: the argmax at some rows, something else at others; -1 on each last row.
+    drafts = torch.where(torch.rand(rows) < 0.7, argmax, (argmax + 1) % VOCAB)
+    for row in layout.clamp(min=0).max(dim=1).values.tolist():
+        drafts[row] = -1
+    full = rejection_sample(
+        probs,
+        drafts,
+        torch.ones(rows, dtype=torch.bool),
+        layout,
+        torch.rand(rows),
+        torch.empty(rows, VOCAB).exponential_(),
+    )
+    fast = greedy_verify(argmax, drafts, layout)
+    assert torch.equal(full[1], fast[1])
+    for b, accepted in enumerate(fast[1].tolist()):
+        assert torch.equal(full[0][b, : accepted + 1], fast[0][b, : accepted + 1])
