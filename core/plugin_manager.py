@@ -100,6 +100,10 @@ class PluginManager:
         self._origins[name] = origin or name
         self._components = None
 
+    def registered(self) -> dict[str, Any]:
+        """Every registered plugin (module or object) by name, in registration order."""
+        return dict(self._pm.list_name_plugin())
+
     def load_modules(self, module_names: tuple[str, ...] | list[str]) -> None:
         """Import and register modules by name (origin = module name)."""
         for module_name in module_names:
