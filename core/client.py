@@ -7,6 +7,9 @@ until its ``JobDone``, ``abort(job_id)`` stops it, ``generate`` does all three f
 one prompt and gathers the result. A ``JobError`` reply raises ``JobFailed``.
 Each opens its session with ``hello`` (carrying ``api_key``) before its first job,
 and pings in the background while it has live jobs (the server's heartbeat).
+``submit`` and ``generate`` also take the job's ``tenant`` and ``metadata`` (passed
+to the scheduler with the request) and ``include_metrics`` (the ``JobDone``, and so
+``JobResult.metrics``, then carries the job's ``JobMetrics``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from tokenloom.protocols.jobs import (
     HelloJob,
     JobDone,
     JobError,
+    JobMetrics,
     JobOutput,
     JobPong,
     JobReply,
@@ -57,7 +61,9 @@ class JobFailed(RuntimeError):
 
 @dataclass
 class JobResult:
-    """A finished job: per choice, its text, token ids and finish reason."""
+    """A finished job: per choice, its text, token ids and finish reason; the job's
+    metrics when the submit asked for them (``include_metrics``) and the engine sent
+    them."""
 
     job_id: str
     texts: list[str]
@@ -66,6 +72,7 @@ class JobResult:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     outputs: list[JobOutput] = field(default_factory=list)
+    metrics: JobMetrics | None = None
 
     @property
     def text(self) -> str:
@@ -73,14 +80,26 @@ class JobResult:
 
 
 def submit_message(
-    job_id: str, prompt: Prompt, params: SamplingParams | None, priority: int
+    job_id: str,
+    prompt: Prompt,
+    params: SamplingParams | None,
+    priority: int = 0,
+    *,
+    tenant: str = "",
+    metadata: dict[str, str] | None = None,
+    include_metrics: bool = False,
 ) -> SubmitJob:
-    if isinstance(prompt, str):
-        return SubmitJob(
-            job_id, prompt=prompt, params=params or SamplingParams(), priority=priority
-        )
+    """The ``SubmitJob`` of one prompt (text, or token ids)."""
+    text = prompt if isinstance(prompt, str) else None
     return SubmitJob(
-        job_id, prompt_token_ids=list(prompt), params=params or SamplingParams(), priority=priority
+        job_id,
+        prompt=text,
+        prompt_token_ids=None if text is not None else list(prompt),
+        params=params or SamplingParams(),
+        priority=priority,
+        tenant=tenant,
+        metadata=dict(metadata or {}),
+        include_metrics=include_metrics,
     )
 
 
@@ -105,6 +124,7 @@ class _Collector:
     def done(self, done: JobDone) -> JobResult:
         self.result.num_prompt_tokens = done.num_prompt_tokens
         self.result.num_generated_tokens = done.num_generated_tokens
+        self.result.metrics = done.metrics
         return self.result
 
 
@@ -148,11 +168,24 @@ class JobClient:
         self._last_send = 0.0
 
     def submit(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        tenant: str = "",
+        metadata: dict[str, str] | None = None,
+        include_metrics: bool = False,
     ) -> str:
+        """Start a job; its id. ``tenant`` and ``metadata`` reach the scheduler with
+        the request; ``include_metrics`` asks for the job's metrics in its JobDone."""
         self._open()
         job_id = self._ids.next()
-        body = _encode_submit(self._encoder, job_id, prompt, params, priority)
+        msg = submit_message(
+            job_id, prompt, params, priority,
+            tenant=tenant, metadata=metadata, include_metrics=include_metrics,
+        )  # fmt: skip
+        body = _encode_submit(self._encoder, msg)
         self._inbox[job_id] = deque()
         self._send_bytes(body)
         return job_id
@@ -182,9 +215,20 @@ class JobClient:
         self._send(AbortJob(job_id))
 
     def generate(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        tenant: str = "",
+        metadata: dict[str, str] | None = None,
+        include_metrics: bool = False,
     ) -> JobResult:
-        job_id = self.submit(prompt, params, priority=priority)
+        """Submit, wait, gather (arguments as for ``submit``)."""
+        job_id = self.submit(
+            prompt, params, priority=priority,
+            tenant=tenant, metadata=metadata, include_metrics=include_metrics,
+        )  # fmt: skip
         collector = _Collector(job_id)
         for msg in self.stream(job_id):
             if isinstance(msg, JobOutput):
@@ -280,11 +324,23 @@ class AsyncJobClient:
         self._last_send = 0.0
 
     async def submit(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        tenant: str = "",
+        metadata: dict[str, str] | None = None,
+        include_metrics: bool = False,
     ) -> str:
+        """Start a job; its id (arguments as for ``JobClient.submit``)."""
         await self._open()
         job_id = self._ids.next()
-        body = _encode_submit(self._encoder, job_id, prompt, params, priority)
+        msg = submit_message(
+            job_id, prompt, params, priority,
+            tenant=tenant, metadata=metadata, include_metrics=include_metrics,
+        )  # fmt: skip
+        body = _encode_submit(self._encoder, msg)
         self._queues[job_id] = asyncio.Queue()
         await self._send_bytes(body)
         return job_id
@@ -312,9 +368,20 @@ class AsyncJobClient:
         await self._send_bytes(self._encoder.encode(AbortJob(job_id)))
 
     async def generate(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        tenant: str = "",
+        metadata: dict[str, str] | None = None,
+        include_metrics: bool = False,
     ) -> JobResult:
-        job_id = await self.submit(prompt, params, priority=priority)
+        """Submit, wait, gather (arguments as for ``JobClient.submit``)."""
+        job_id = await self.submit(
+            prompt, params, priority=priority,
+            tenant=tenant, metadata=metadata, include_metrics=include_metrics,
+        )  # fmt: skip
         collector = _Collector(job_id)
         async for msg in self.stream(job_id):
             if isinstance(msg, JobOutput):
@@ -410,15 +477,9 @@ def _heartbeat_interval(heartbeat_s: float | None, welcome: JobWelcome | None) -
     return (welcome.heartbeat_timeout_s if welcome else 30.0) / 3
 
 
-def _encode_submit(
-    encoder: msgspec.msgpack.Encoder,
-    job_id: str,
-    prompt: Prompt,
-    params: SamplingParams | None,
-    priority: int,
-) -> bytes:
+def _encode_submit(encoder: msgspec.msgpack.Encoder, msg: SubmitJob) -> bytes:
     """Encode a SubmitJob, refusing one the frontend would refuse for its size."""
-    body = encoder.encode(submit_message(job_id, prompt, params, priority))
+    body = encoder.encode(msg)
     if len(body) > MAX_JOB_MESSAGE_BYTES:
-        raise JobFailed(job_id, 413, f"job message over {MAX_JOB_MESSAGE_BYTES} bytes")
+        raise JobFailed(msg.job_id, 413, f"job message over {MAX_JOB_MESSAGE_BYTES} bytes")
     return body

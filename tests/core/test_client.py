@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,14 +22,19 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0)
 
 
 @pytest.fixture(scope="module")
-def endpoint(tiny_model_factory):
+def requests_log(tmp_path_factory):
+    return tmp_path_factory.mktemp("fake") / "requests.jsonl"
+
+
+@pytest.fixture(scope="module")
+def endpoint(tiny_model_factory, requests_log):
     config = make_config(
         {
             "model": str(tiny_model_factory("llama")),
             "frontends": ["zmq"],
             "zmq_endpoint": "tcp://127.0.0.1:*",
             "max_model_len": 256,
-            "plugin": {"fake": {"step_s": 0.005}},
+            "plugin": {"fake": {"step_s": 0.005, "requests_log": str(requests_log)}},
         }
     )
     server = ServerThread(config).start()
@@ -131,3 +138,50 @@ def test_sync_stream_aborts_only_jobs_left_before_they_finish(endpoint):
         stream.close()
         assert aborted == [job]
         assert client.generate("p1", GREEDY).num_generated_tokens == 8
+
+
+def _engine_request(requests_log, job_id: str) -> dict:  # type: ignore[no-untyped-def]
+    """The engine request of job ``job_id`` (its request id is job-SESSION-JOB_ID)."""
+    lines = [json.loads(line) for line in requests_log.read_text().splitlines()]
+    (line,) = [line for line in lines if line["request_id"].endswith("-" + job_id)]
+    return line
+
+
+def _check_metrics(result) -> None:  # type: ignore[no-untyped-def]
+    metrics = result.metrics
+    assert metrics is not None
+    assert abs(metrics.arrival_time - time.time()) < 60
+    assert 0 <= metrics.queue_time <= metrics.time_to_first_token <= metrics.e2e_time < 60
+    assert metrics.time_to_first_token > 0  # a token came, after at least one fake step
+
+
+def test_sync_client_sends_tenant_metadata_and_returns_metrics(endpoint, requests_log):
+    with JobClient(endpoint) as client:
+        plain = client.generate("plain", GREEDY)
+        job = client.submit(
+            "tagged", GREEDY, priority=3, tenant="alice", metadata={"team": "x"},
+            include_metrics=True,
+        )  # fmt: skip
+        messages = list(client.stream(job))
+        result = client.generate([30, 31], GREEDY, tenant="bob", include_metrics=True)
+    assert plain.metrics is None  # not asked for
+    assert isinstance(messages[-1], JobDone) and messages[-1].metrics is not None
+    _check_metrics(result)
+    tagged = _engine_request(requests_log, job)
+    assert (tagged["priority"], tagged["tenant"], tagged["metadata"]) == (3, "alice", {"team": "x"})
+    assert _engine_request(requests_log, result.job_id)["tenant"] == "bob"
+
+
+async def test_async_client_sends_tenant_metadata_and_returns_metrics(endpoint, requests_log):
+    async with AsyncJobClient(endpoint) as client:
+        plain, asked = await asyncio.gather(
+            client.generate("p", GREEDY, tenant="carol"),
+            client.generate("q", GREEDY, metadata={"k": "v"}, include_metrics=True),
+        )
+        with pytest.raises(JobFailed) as refused:  # over OpenAI's 16 metadata pairs
+            await client.generate("r", GREEDY, metadata={str(i): "v" for i in range(17)})
+    assert plain.metrics is None
+    _check_metrics(asked)
+    assert refused.value.code == 400
+    assert _engine_request(requests_log, plain.job_id)["tenant"] == "carol"
+    assert _engine_request(requests_log, asked.job_id)["metadata"] == {"k": "v"}

@@ -5,7 +5,8 @@ ready_info, ...) and runs in a real engine-core process started by the real
 Supervisor, so the frontends, engine client, sockets and supervision are the real
 ones. Tokens are a pure function of the prompt, the output so far and (when
 sampling) the seed, so greedy runs are reproducible; KV blocks are accounted like a
-paged cache, so /metrics shows them freed. Options come from ``[plugin.fake]``:
+paged cache, so /metrics shows them freed. Each request's last delta carries its
+``RequestMetrics`` (times on ``time.monotonic``, as the real engine's). Options come from ``[plugin.fake]``:
 ``step_s`` (seconds per step). That table belongs to this module, registered as the
 plugin ``fake`` by ``fake_plugins()`` (which ``ServerThread`` passes to ``serve.run``),
 so the config check knows it; its keys are checked by ``FakeSettings``.
@@ -31,16 +32,24 @@ from tokenloom.config import plugin_settings
 from tokenloom.plugin_manager import PluginManager
 from tokenloom.protocols.components.errors import QueueFullError
 from tokenloom.protocols.control import Ready
-from tokenloom.protocols.outputs import EngineStats, FinishReason, TokenDelta, TopLogprobs
+from tokenloom.protocols.outputs import (
+    EngineStats,
+    FinishReason,
+    RequestMetrics,
+    TokenDelta,
+    TopLogprobs,
+)
 from tokenloom.protocols.requests import GenerateRequest
 
 FIRST_TOKEN = 20  # the tiny tokenizers' special tokens sit below this
 
 
 class FakeSettings(msgspec.Struct, forbid_unknown_fields=True):
-    """``[plugin.fake]``: seconds per engine step."""
+    """``[plugin.fake]``: seconds per engine step; a file the engine appends one JSON
+    line to per added request (its id, priority, tenant and metadata), "" for none."""
 
     step_s: float = 0.002
+    requests_log: str = ""
 
 
 def fake_plugins() -> PluginManager:
@@ -54,12 +63,13 @@ def fake_plugins() -> PluginManager:
 
 
 class _Seq:
-    __slots__ = ("req", "output", "blocks", "rng")
+    __slots__ = ("req", "output", "blocks", "rng", "metrics")
 
     def __init__(self, req: GenerateRequest) -> None:
         self.req = req
         self.output: list[int] = []
         self.blocks = 0
+        self.metrics = RequestMetrics(arrival_time=req.arrival_time or time.monotonic())
         seed = req.params.seed if req.params.seed is not None else random.getrandbits(32)
         self.rng = random.Random(seed)
 
@@ -76,7 +86,9 @@ class FakeEngine:
         self.free_blocks = self.num_blocks
         self.max_running = config.max_num_seqs
         self.max_waiting = config.max_waiting_requests
-        self.step_s = plugin_settings(config, "fake", FakeSettings).step_s
+        settings = plugin_settings(config, "fake", FakeSettings)
+        self.step_s = settings.step_s
+        self.requests_log = settings.requests_log
         eos = model_config["eos_token_id"]
         self.eos = eos if isinstance(eos, list) else [eos]
         self.waiting: deque[_Seq] = deque()
@@ -91,20 +103,21 @@ class FakeEngine:
         if len(self.waiting) >= self.max_waiting:
             raise QueueFullError(f"{len(self.waiting)} requests waiting")
         self.waiting.append(_Seq(req))
+        if self.requests_log:
+            line = {"request_id": req.request_id, "priority": req.priority}
+            line.update(tenant=req.tenant, metadata=req.metadata)
+            with open(self.requests_log, "a") as log:
+                log.write(json.dumps(line) + "\n")
 
     def abort(self, request_ids: Sequence[str]) -> list[TokenDelta]:
         ids = set(request_ids)
-        deltas = [
-            TokenDelta(s.req.request_id, [], FinishReason.ABORT)
-            for s in self.waiting
-            if s.req.request_id in ids
-        ]
+        deltas = [_last(s, FinishReason.ABORT) for s in self.waiting if s.req.request_id in ids]
         self.waiting = deque(s for s in self.waiting if s.req.request_id not in ids)
         for rid in ids:
             seq = self.running.pop(rid, None)
             if seq is not None:
                 self.free_blocks += seq.blocks
-                deltas.append(TokenDelta(rid, [], FinishReason.ABORT))
+                deltas.append(_last(seq, FinishReason.ABORT))
         return deltas
 
     def step(self) -> list[TokenDelta]:
@@ -112,6 +125,7 @@ class FakeEngine:
         self.num_steps += 1
         while self.waiting and len(self.running) < self.max_running:
             seq = self.waiting.popleft()
+            seq.metrics.first_scheduled_time = time.monotonic()
             self.running[seq.req.request_id] = seq
             self.prompt_tokens += len(seq.req.prompt_token_ids)
         deltas = []
@@ -131,9 +145,13 @@ class FakeEngine:
                 delta.top_logprobs = [
                     TopLogprobs([token + i for i in range(k)], [-0.25 * (1 + i) for i in range(k)])
                 ]
+            if len(seq.output) == 1:
+                seq.metrics.first_token_time = time.monotonic()
             if delta.finish_reason is not None:
                 del self.running[rid]
                 self.free_blocks += seq.blocks
+                seq.metrics.finished_time = time.monotonic()
+                delta.metrics = seq.metrics
             deltas.append(delta)
         return deltas
 
@@ -182,6 +200,12 @@ class FakeEngine:
 
     def shutdown(self) -> None:
         pass
+
+
+def _last(seq: _Seq, reason: str) -> TokenDelta:
+    """The request's last delta: its finish reason and its metrics."""
+    seq.metrics.finished_time = time.monotonic()
+    return TokenDelta(seq.req.request_id, [], reason, metrics=seq.metrics)
 
 
 def make_fake_engine(config: Any, plugin_manager: Any) -> FakeEngine:
