@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from tokenloom.plugins.attention.torch_backend import TorchAttention
+from tokenloom.plugins.attention import kv_quant
+from tokenloom.plugins.attention.torch_backend import TorchAttention, write_kv_cache
 from tokenloom.plugins.kv_cache.paged import PagedKVCache
 from tokenloom.plugins.proposer.ngram import NgramProposer
 from tokenloom.plugins.scheduler.continuous import ContinuousScheduler
@@ -50,6 +51,24 @@ class ZeroAttention(TorchAttention):
         return q * 0
 
 
+class UnscaledAttention(TorchAttention):
+    """Stores the quantized rows, then attends over the raw fp8/int8 values."""
+
+    def forward(self, q: Any, k: Any, v: Any, k_cache: Any, v_cache: Any, meta: Any, scale: float):
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return super().forward(q, k, v, k_cache.float(), v_cache.float(), meta, scale)
+
+
+class DoubledScales(TorchAttention):
+    """Attends correctly, but leaves the new rows' scales twice too large."""
+
+    def forward(self, q: Any, k: Any, v: Any, k_cache: Any, v_cache: Any, meta: Any, scale: float):
+        out = super().forward(q, k, v, k_cache, v_cache, meta, scale)
+        slots, block_size = meta.slot_mapping, k_cache.shape[1]
+        kv_quant.scales_of(k_cache)[slots // block_size, slots % block_size] *= 2
+        return out
+
+
 class Greedy(NgramProposer):
     def propose(self, request_ids: Any, token_histories: Any, num_tokens: Any) -> list[list[int]]:
         return [[1] * (n + 1) for n in num_tokens]  # one more than asked
@@ -80,6 +99,18 @@ def test_attention_suite_fails_a_backend_that_does_not_attend() -> None:
 
     with pytest.raises(AssertionError):
         Suite().test_forward_equals_dense_causal_attention("mixed")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
+@pytest.mark.parametrize("backend", [UnscaledAttention, DoubledScales])
+def test_attention_suite_fails_a_backend_that_mishandles_a_quantized_cache(
+    backend: Any, kv_cache_dtype: str
+) -> None:
+    class Suite(AttentionConformance):
+        factory = backend
+
+    with pytest.raises(AssertionError):
+        Suite().test_forward_over_a_quantized_cache("mixed", kv_cache_dtype)
 
 
 def test_proposer_suite_fails_a_proposer_that_drafts_too_many() -> None:
