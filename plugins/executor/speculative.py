@@ -115,7 +115,8 @@ class SpeculativeDecoder:
                 verified.append(request_drafts[j] if j < len(request_drafts) else -1)
         layout_host = row_layout([len(d) for d in drafts])
         sampler = self.sampler
-        packed = upload(torch.tensor(verified + sum(layout_host, []), dtype=torch.int64), device)
+        flat = verified + [row for request_rows in layout_host for row in request_rows]
+        packed = upload(torch.tensor(flat, dtype=torch.int64), device)
         draft_rows, layout = packed[: len(verified)], packed[len(verified) :]
         layout = layout.view(len(drafts), -1)
         if sampler.is_plain_argmax(row_ids):
