@@ -1,0 +1,141 @@
+"""The quantized KV writes compile to the reference's arithmetic on an H100/H200.
+
+Compiled for sm_90 here, no GPU needed: the PTX divides with ``div.rn.f32`` (IEEE,
+as torch's tensor division) and never with ``div.full.f32`` / ``div.approx.f32``
+(Triton's ``/``), and the scale multiplies by fp32(1 / QMAX) (``kv_quant.INV_QMAX``).
+The approximate divisions put int8 values next to a .5 tie one step off the
+reference (issue 12: 15 of 46M values at decode shapes, 349 of 4.7M at prefill);
+the interpreter divides exactly, so only the compiled code shows them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import triton
+
+from tokenloom.plugins.attention import kv_quant
+from tokenloom.plugins.attention.triton_kernels import kv_write
+from tokenloom.plugins.models import fused_ops
+
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+pytestmark = pytest.mark.skipif(not PTXAS.exists(), reason="Triton's NVIDIA backend is absent")
+QMAX = {"i8": 127.0, "fp8e4nv": 448.0}
+
+
+def compile_ptx(fn, pointers: dict[str, str], constexprs: dict[str, object]) -> str:
+    """``fn`` compiled for sm_90: pointer args typed by ``pointers`` (name -> element
+    type), ``eps`` fp32, the other runtime args i32."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = "*" + pointers[name]
+        else:
+            signature[name] = "fp32" if name == "eps" else "i32"
+    index = {name: i for i, name in enumerate(fn.arg_names)}
+    source = ASTSource(
+        fn=fn, signature=signature, constexprs={(index[k],): v for k, v in constexprs.items()}
+    )
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+
+def fp32_hex(value: float) -> str:
+    """How PTX writes an fp32 immediate: ``0f`` and the bits in hex."""
+    return "0f" + struct.pack(">f", value).hex().upper()
+
+
+def divisions(ptx: str) -> set[str]:
+    return set(re.findall(r"\bdiv\.[a-z]+\.f32\b", ptx))
+
+
+def kv_write_ptx(cache: str) -> str:
+    pointers = dict.fromkeys(["k_ptr", "v_ptr"], "bf16")
+    pointers |= dict.fromkeys(["k_cache_ptr", "v_cache_ptr"], cache)
+    pointers |= {"k_scale_ptr": "fp32", "v_scale_ptr": "fp32", "slot_mapping_ptr": "i64"}
+    return compile_ptx(
+        kv_write._kv_write_quant_kernel,
+        pointers,
+        dict(
+            NUM_KV_HEADS=8,
+            HEAD_DIM=128,
+            HEADS_P2=8,
+            BLOCK_D=128,
+            PAGE_SIZE=16,
+            QMAX=QMAX[cache],
+            IS_INT8=cache == "i8",
+        ),  # fmt: skip
+    )
+
+
+def fused_rope_ptx(cache: str) -> str:
+    pointers = dict.fromkeys(["q_ptr", "k_ptr", "qw_ptr", "kw_ptr", "v_ptr"], "bf16")
+    pointers |= {"cos_ptr": "bf16", "sin_ptr": "bf16", "slot_ptr": "i64"}
+    pointers |= dict.fromkeys(["k_cache_ptr", "v_cache_ptr"], cache)
+    pointers |= {"k_scale_ptr": "fp32", "v_scale_ptr": "fp32"}
+    return compile_ptx(
+        fused_ops._qk_norm_rope_kernel,
+        pointers,
+        dict(
+            NUM_Q=32,
+            NUM_K=8,
+            Q_P2=32,
+            K_P2=8,
+            HALF=64,
+            HAS_NORM=False,
+            WRITE_KV=True,
+            KV_QUANT=True,
+            PAGE_SIZE=16,
+            QMAX=QMAX[cache],
+            IS_INT8=cache == "i8",
+        ),  # fmt: skip
+    )
+
+
+VARIANTS = {
+    f"{kind}-{cache}": (kind, cache) for kind in ("kv_write", "fused_rope") for cache in QMAX
+}
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, dict]:
+    """Each variant's divisions and fp32 immediates. In a subprocess: the tests run
+    under TRITON_INTERPRET=1, where ``triton.jit`` gives interpreted functions."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # as the engine runs (Triton's default)
+    run = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_quantized_kv_write_divides_as_ieee_and_scales_by_the_reciprocal(compiled, variant):
+    _, cache = VARIANTS[variant]
+    dtype = kv_quant.KV_DTYPES["int8" if cache == "i8" else "fp8"]
+    assert compiled[variant]["divisions"] == ["div.rn.f32"]
+    assert fp32_hex(kv_quant.INV_QMAX[dtype]) in compiled[variant]["immediates"]
+
+
+if __name__ == "__main__":
+    build = {"kv_write": kv_write_ptx, "fused_rope": fused_rope_ptx}
+    summary = {}
+    for name, (kind, cache) in VARIANTS.items():
+        ptx = build[kind](cache)
+        summary[name] = {
+            "divisions": sorted(divisions(ptx)),
+            "immediates": sorted(set(re.findall(r"\b0f[0-9A-F]{8}\b", ptx))),
+        }
+    print(json.dumps(summary))
