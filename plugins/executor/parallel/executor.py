@@ -23,7 +23,7 @@ from tokenloom.config import EngineConfig
 from tokenloom.plugins.executor.model_runner import ModelRunner
 from tokenloom.plugins.executor.parallel import group as dist_group
 from tokenloom.plugins.executor.parallel import symmetric
-from tokenloom.plugins.executor.parallel.worker import Command
+from tokenloom.plugins.executor.parallel.worker import Command, worker_plugin_modules
 from tokenloom.plugins.executor.parallel.workers import WorkerDiedError, WorkerPool
 from tokenloom.protocols.components.executor import Executor, PendingStep
 from tokenloom.protocols.components.model import ModelInfo
@@ -45,6 +45,12 @@ class TensorParallelExecutor(Executor):
 
     def __init__(self, config: EngineConfig, plugins: PluginManager) -> None:
         self.size = config.tensor_parallel_size
+        from tokenloom.plugin_manager import PluginManager
+
+        # first: a plugin the workers cannot load fails the start before anything starts
+        plugin_modules = worker_plugin_modules(
+            plugins.registered(), set(PluginManager.default().registered()), self.size
+        )
         self.backend = dist_group.choose_backend(config)
         self.config = config = dist_group.rank_config(config, self.backend)
         self.plugins = plugins
@@ -55,7 +61,7 @@ class TensorParallelExecutor(Executor):
         self._endpoint = ipc_endpoint("worker-steps")
         self._steps = make_socket(self._ctx, "worker-steps", self._endpoint, bind=True)
         self._encoder = Encoder()
-        self.pool = WorkerPool(config, self.backend, self._endpoint)
+        self.pool = WorkerPool(config, self.backend, self._endpoint, plugin_modules)
         self.group: dist_group.DistributedGroup | None = None
 
     @property

@@ -8,11 +8,18 @@ receives on the ``worker-steps`` socket. It samples like rank 0 (the same logits
 every rank, the same seeds), so its placeholder tokens under async scheduling are
 rank 0's; its ``StepOutput`` is dropped. It exits on SIGTERM, when a collective fails
 (another rank died), or when its parent dies (a watchdog thread checks every 0.5 s).
+
+Plugins: a worker builds ``PluginManager.default()`` (built-ins and entry points) like
+rank 0; the caller's extra plugins (``LLM(plugins=[...])``) reach it by module name
+(``plugin_modules``), so only importable modules can be passed; anything else is refused
+at start-up rather than leaving the ranks with different components or hooks.
 """
 
 from __future__ import annotations
 
 import enum
+import importlib
+import importlib.util
 import logging
 import signal
 import sys
@@ -20,7 +27,7 @@ from types import FrameType
 
 import msgspec
 
-from tokenloom.config import EngineConfig
+from tokenloom.config import ConfigError, EngineConfig
 
 log = logging.getLogger("tokenloom.executor.worker")
 
@@ -35,6 +42,7 @@ class WorkerSpec(msgspec.Struct, kw_only=True):
     steps_endpoint: str  # rank 0's "worker-steps" PUB socket
     parent_pid: int
     sys_path: list[str] = []
+    plugin_modules: list[tuple[str, str]] = []  # (registered name, module) to import
 
 
 class Command(enum.IntEnum):
@@ -43,6 +51,35 @@ class Command(enum.IntEnum):
     NUM_KV_BLOCKS = 1  # a = block_size; then every rank all-reduces its count (MIN)
     INIT_KV_CACHE = 2  # a = num_blocks, b = block_size; then the step loop starts
     STOP = 3
+
+
+def worker_plugin_modules(
+    registered: dict[str, object], baseline: set[str], size: int
+) -> list[tuple[str, str]]:
+    """The plugins in ``registered`` that a fresh ``PluginManager.default()`` lacks (names
+    not in ``baseline``), as (name, module name) for the workers to import. Raises
+    ``ConfigError`` for one that is not a module importable by name (an object, or a
+    module of ``__main__``): the workers could not load it, and ranks running with
+    different components or hooks would compute different things."""
+    result = []
+    for name, plugin in registered.items():
+        if name in baseline:
+            continue
+        module = getattr(plugin, "__name__", None)
+        importable = (
+            isinstance(plugin, type(sys))
+            and module not in (None, "__main__")
+            and importlib.util.find_spec(module) is not None
+        )
+        if not importable:
+            raise ConfigError(
+                f"tensor_parallel_size={size}: plugin {name!r} ({plugin!r}) cannot be passed "
+                "to the tensor-parallel worker processes, which load extra plugins by module "
+                "name; register a module importable by name (its @hookimpl functions at "
+                "module level, not in __main__), or install it as a 'tokenloom' entry point"
+            )
+        result.append((name, module))
+    return result
 
 
 def main() -> int:
@@ -84,6 +121,8 @@ def run_worker(spec: WorkerSpec) -> int:
         store.set(f"worker-{spec.rank}", "ready")
         group = dist_group.join(store, spec.rank, size, spec.backend, config.engine_start_timeout_s)
         pm = PluginManager.default()
+        for name, module in spec.plugin_modules:  # an import error fails the start
+            pm.register(importlib.import_module(module), name)
         pm.configure(config)
         runner = ModelRunner(config, pm)
         runner.device = dist_group.rank_device(config, spec.rank)

@@ -41,8 +41,15 @@ class WorkerDiedError(RuntimeError):
 class WorkerPool:
     """Ranks 1..N-1 of one tensor-parallel group."""
 
-    def __init__(self, config: EngineConfig, backend: str, steps_endpoint: str) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        backend: str,
+        steps_endpoint: str,
+        plugin_modules: list[tuple[str, str]] | None = None,
+    ) -> None:
         self.config = config
+        self.plugin_modules = plugin_modules or []  # the caller's extra plugins, by module
         self.backend = backend
         self.steps_endpoint = steps_endpoint
         self.store_port = dist_group.free_port()
@@ -66,6 +73,7 @@ class WorkerPool:
                 steps_endpoint=self.steps_endpoint,
                 parent_pid=os.getpid(),
                 sys_path=list(sys.path),
+                plugin_modules=self.plugin_modules,
             )
             proc = subprocess.Popen(
                 [sys.executable, "-m", "tokenloom.plugins.executor.parallel.worker"],

@@ -10,9 +10,13 @@
 - n-gram speculation at TP=2 (the proposer runs on rank 0's scheduler, the verify chunks
   go to every rank like any step) gives TP=1's greedy tokens without speculation, and
   drafts are accepted (the verify path really ran, with multi-token chunks on every rank).
+- plugins given as ``LLM(plugins=[...])`` reach the worker processes by module name; a
+  plugin object (not importable by name) is refused at start-up with the reason.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -75,3 +79,27 @@ def test_ngram_speculation_at_tp2_gives_tp1_greedy_tokens(tiny_model_factory):
     # 40 tokens: the greedy output falls into a loop, which the proposer drafts (27 of 27
     # drafts accepted when measured); at least three full verify chunks' worth
     assert proposed >= accepted >= 9
+
+
+def test_caller_plugin_module_reaches_the_workers_and_an_object_is_refused(tiny_model_factory):
+    import tp_plugin_probe
+
+    from tokenloom.config import ConfigError
+    from tokenloom.protocols.hookspecs import hookimpl
+
+    model = tiny_model_factory("llama")
+    # quant "tp-probe" exists only in the probe module: the workers must have imported it
+    probe, (_, _, kernels) = _run(
+        model, 4, quant="tp-probe", tensor_parallel_size=2, plugins=[tp_plugin_probe]
+    )
+    assert kernels == {"Int8Kernel"} and all(len(tokens) == 4 for tokens, _ in probe)
+
+    class HooksObject:
+        @hookimpl
+        def tokenloom_register_components(self):
+            return []
+
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match="plugin 'user-plugin-0' .* cannot be passed"):
+        LLM(str(model), **ENGINE, tensor_parallel_size=2, plugins=[HooksObject()])
+    assert time.monotonic() - started < 5.0  # refused before any worker starts
