@@ -23,6 +23,7 @@ import importlib.util
 import logging
 import signal
 import sys
+import types
 from types import FrameType
 
 import msgspec
@@ -67,7 +68,7 @@ def worker_plugin_modules(
             continue
         module = getattr(plugin, "__name__", None)
         importable = (
-            isinstance(plugin, type(sys))
+            isinstance(plugin, types.ModuleType)
             and module not in (None, "__main__")
             and importlib.util.find_spec(module) is not None
         )
