@@ -2,7 +2,11 @@
 
 Shortest-prompt-first: requests with shorter prompts get admitted first, which
 lowers the mean time to finish when short and long requests arrive together. It
-reuses the default continuous scheduler and only changes the queue order.
+reuses the default continuous scheduler and overrides two public extension points
+(``plugins/scheduler/policy.py``; ``protocols/README.md``, "Writing a scheduler"):
+``priority(state, now)``, the waiting queue's key, and ``choose_victim``, which
+request gives its KV blocks back when the pool runs dry. The request itself is
+left as the client sent it.
 
     python examples/custom_scheduler.py
 """
@@ -18,9 +22,14 @@ from tokenloom.protocols.requests import GenerateRequest
 
 
 class ShortestPromptFirst(ContinuousScheduler):
-    def add_request(self, request):
-        request.priority = len(request.prompt_token_ids)  # lower runs sooner
-        super().add_request(request)
+    def priority(self, state, now):
+        # Lower runs sooner; ties in arrival order. The client's own priority first.
+        return (state.priority, state.num_prompt_tokens, state.arrival_seq)
+
+    def choose_victim(self, candidates):
+        # Preempt the request this order ranks last (the longest prompt): it would
+        # wait longest anyway, and short ones keep their blocks.
+        return max(candidates, key=lambda state: self.priority(state, self.now))
 
 
 class MyPlugin:
