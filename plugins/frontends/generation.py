@@ -8,6 +8,12 @@ yields ``ChoiceUpdate`` batches: the new text and token ids of each choice, and 
 finish reason. Closing it early (client gone) aborts every unfinished child in the
 engine. A per-request timeout finishes the unfinished choices with reason "timeout".
 
+A choice cut short by a stop string is finished for the client at once and aborted
+in the engine; its stream is still read until the engine's last delta, which carries
+the request's ``RequestMetrics``: after the last choice finished, ``updates()`` waits
+for those last deltas (at most ``STOPPED_METRICS_WAIT_S``) before it ends, so the
+job's metrics and ``/metrics`` include stopped choices.
+
 A generation may hold an admission ``Reservation`` for its sequences: each choice
 gives its one back when it finishes, ``close`` gives back the rest.
 """
@@ -33,6 +39,9 @@ from tokenloom.text.output_processor import OutputProcessor
 from tokenloom.text.request_output import merge_metrics
 
 _TIMEOUT = object()  # queue sentinel: the request's timeout expired
+# Longest wait, after the last choice finished, for the engine's last delta of the
+# choices a stop string finished (their abort's answer, one engine step away).
+STOPPED_METRICS_WAIT_S = 1.0
 
 
 @dataclass(slots=True)
@@ -140,6 +149,7 @@ class Generation:
                 batch = self._process(item)
                 if batch:
                     yield batch
+            await self._await_stopped()
         finally:
             if timer is not None:
                 timer.cancel()
@@ -237,14 +247,25 @@ class Generation:
             updates.append(update or ChoiceUpdate(child.index, "", [], reason))
         return updates
 
+    async def _await_stopped(self) -> None:
+        """Every choice finished: read the last deltas still on their way (the
+        engine's answer to a stop string's abort), for their metrics; bounded."""
+        pumps = [c.task for c in self._children.values() if c.task and not c.task.done()]
+        if pumps and self.engine.is_alive:
+            await asyncio.wait(pumps, timeout=STOPPED_METRICS_WAIT_S)
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+            if isinstance(item, tuple):
+                self._process(item)  # a finished child's: keeps its metrics only
+
     def _abort_soon(self, request_ids: list[str]) -> None:
+        """Abort children the processor finished (a stop string); their pumps read on
+        until the engine's last delta, whose metrics ``_await_stopped`` keeps."""
         for request_id in request_ids:
             child = self._children.get(request_id)
             if child is None:
                 continue
             child.engine_done = True
-            if child.task is not None:
-                child.task.cancel()
         if self.engine.is_alive:
             task = asyncio.get_running_loop().create_task(self.engine.abort(request_ids))
             self._background.add(task)

@@ -185,3 +185,18 @@ async def test_async_client_sends_tenant_metadata_and_returns_metrics(endpoint, 
     assert refused.value.code == 400
     assert _engine_request(requests_log, plain.job_id)["tenant"] == "carol"
     assert _engine_request(requests_log, asked.job_id)["metadata"] == {"k": "v"}
+
+
+def test_a_choice_cut_by_a_stop_string_still_gets_metrics(endpoint):
+    # The frontend finishes the choice at the stop string and aborts it in the engine;
+    # the engine's last delta (the abort's answer) carries the metrics.
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    with JobClient(endpoint) as client:
+        full = client.generate("stop here", params)
+        stop = full.text[10:14]
+        cut = client.generate(
+            "stop here", SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop]),
+            include_metrics=True,
+        )  # fmt: skip
+    assert stop and cut.finish_reasons == ["stop"] and len(cut.text) < len(full.text)
+    _check_metrics(cut)

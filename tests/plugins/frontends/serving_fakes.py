@@ -291,7 +291,8 @@ class ServerThread:
 class InProcessEngine:
     """An ``EngineClient`` in the test's own event loop, for the ASGI-level tests: each
     request gets ``params.max_tokens`` tokens (``token``), one per ``step_s``; while
-    ``hold`` is clear no request makes progress, so requests pile up in flight."""
+    ``hold`` is clear no request makes progress, so requests pile up in flight. An
+    aborted request's stream ends with an "abort" delta, as the real client's does."""
 
     def __init__(self, token: int = FIRST_TOKEN + 5, step_s: float = 0.0) -> None:
         import asyncio
@@ -314,6 +315,9 @@ class InProcessEngine:
             for i in range(limit):
                 await self.hold.wait()
                 await asyncio.sleep(self.step_s)
+                if request.request_id in self.aborted:
+                    yield TokenDelta(request.request_id, [], FinishReason.ABORT)
+                    return
                 self.num_generated += 1
                 done = FinishReason.LENGTH if i + 1 == limit else None
                 delta = TokenDelta(request.request_id, [self.token], done)
