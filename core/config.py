@@ -62,6 +62,9 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # per step; a request may set its own (SamplingParams); 0 turns it off
     num_speculative_tokens: int = 0
     draft_model: str = ""  # the ``draft`` proposer's model (HF directory or GGUF)
+    # verify steps whose every request has 1 + num_speculative_tokens tokens replay CUDA
+    # graphs for up to this many requests (the decode buckets); 0: verify eagerly
+    max_verify_graph_seqs: int = 64
     # serving
     host: str = "127.0.0.1"
     port: int = 8000
@@ -99,6 +102,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _at_least("max_num_seqs", self.max_num_seqs, 1)
         _at_least("max_waiting_requests", self.max_waiting_requests, 1)
         _at_least("num_speculative_tokens", self.num_speculative_tokens, 0)
+        _at_least("max_verify_graph_seqs", self.max_verify_graph_seqs, 0)
         if self.num_blocks is not None:
             _at_least("num_blocks", self.num_blocks, 1)
         if self.max_model_len is not None:
