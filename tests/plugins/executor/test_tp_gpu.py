@@ -71,3 +71,25 @@ def test_tp2_with_symmetric_memory_all_reduce_gives_tp1_greedy_tokens(tiny_model
         plugin={"model": {"symm_mem_all_reduce": True}},
     )
     _agree(single, parallel, "float32")
+
+
+def test_tp2_on_one_gpu_with_int8_weights_gives_int8_tp1_tokens(tiny_model_factory):
+    """The int8 Triton GEMM per rank (row-parallel layers quantized over their half rows,
+    ``test_tp_compose.py``): bf16 rule against TP=1 with int8."""
+    model = tiny_model_factory("llama", num_heads=8, num_kv_heads=2, hidden_size=256)
+    single = _generate(model, dtype="bfloat16", quant="int8")
+    parallel = _generate(model, dtype="bfloat16", quant="int8", tensor_parallel_size=2)
+    _agree(single, parallel, "bfloat16")
+
+
+def test_tp2_on_one_gpu_with_ngram_speculation_gives_tp1_greedy_tokens(tiny_model_factory):
+    model = tiny_model_factory("llama", num_heads=8, num_kv_heads=2, hidden_size=256)
+    single = _generate(model, dtype="float32")
+    spec = _generate(
+        model,
+        dtype="float32",
+        tensor_parallel_size=2,
+        proposer="ngram",
+        num_speculative_tokens=3,
+    )
+    _agree(single, spec, "float32")
