@@ -7,9 +7,10 @@ until its ``JobDone``, ``abort(job_id)`` stops it, ``generate`` does all three f
 one prompt and gathers the result. A ``JobError`` reply raises ``JobFailed``.
 Each opens its session with ``hello`` (carrying ``api_key``) before its first job,
 and pings in the background while it has live jobs (the server's heartbeat).
-``submit`` and ``generate`` also take the job's ``tenant`` and ``metadata`` (passed
-to the scheduler with the request) and ``include_metrics`` (the ``JobDone``, and so
-``JobResult.metrics``, then carries the job's ``JobMetrics``).
+``submit`` and ``generate`` also take the job's ``priority``, ``tenant`` and
+``metadata`` (passed to the scheduler with the request) and ``include_metrics`` (the
+``JobDone``, and so ``JobResult.metrics``, then carries the job's ``JobMetrics``):
+``JobOptions``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import msgspec
 import zmq
@@ -103,6 +104,15 @@ def submit_message(
     )
 
 
+class JobOptions(TypedDict, total=False):
+    """``submit`` / ``generate`` keywords, the ``SubmitJob`` fields past the prompt."""
+
+    priority: int  # lower runs first
+    tenant: str  # who submits (scheduling policies may group by it)
+    metadata: dict[str, str]  # free-form, passed to the scheduler with the request
+    include_metrics: bool  # the JobDone (JobResult.metrics) carries the job's JobMetrics
+
+
 class _Collector:
     """Folds a job's outputs into a JobResult."""
 
@@ -168,24 +178,12 @@ class JobClient:
         self._last_send = 0.0
 
     def submit(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        *,
-        priority: int = 0,
-        tenant: str = "",
-        metadata: dict[str, str] | None = None,
-        include_metrics: bool = False,
+        self, prompt: Prompt, params: SamplingParams | None = None, **options: Unpack[JobOptions]
     ) -> str:
-        """Start a job; its id. ``tenant`` and ``metadata`` reach the scheduler with
-        the request; ``include_metrics`` asks for the job's metrics in its JobDone."""
+        """Start a job; its id. ``options``: see ``JobOptions``."""
         self._open()
         job_id = self._ids.next()
-        msg = submit_message(
-            job_id, prompt, params, priority,
-            tenant=tenant, metadata=metadata, include_metrics=include_metrics,
-        )  # fmt: skip
-        body = _encode_submit(self._encoder, msg)
+        body = _encode_submit(self._encoder, submit_message(job_id, prompt, params, **options))
         self._inbox[job_id] = deque()
         self._send_bytes(body)
         return job_id
@@ -215,20 +213,10 @@ class JobClient:
         self._send(AbortJob(job_id))
 
     def generate(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        *,
-        priority: int = 0,
-        tenant: str = "",
-        metadata: dict[str, str] | None = None,
-        include_metrics: bool = False,
+        self, prompt: Prompt, params: SamplingParams | None = None, **options: Unpack[JobOptions]
     ) -> JobResult:
-        """Submit, wait, gather (arguments as for ``submit``)."""
-        job_id = self.submit(
-            prompt, params, priority=priority,
-            tenant=tenant, metadata=metadata, include_metrics=include_metrics,
-        )  # fmt: skip
+        """Submit, wait, gather (``options`` as for ``submit``)."""
+        job_id = self.submit(prompt, params, **options)
         collector = _Collector(job_id)
         for msg in self.stream(job_id):
             if isinstance(msg, JobOutput):
@@ -324,23 +312,12 @@ class AsyncJobClient:
         self._last_send = 0.0
 
     async def submit(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        *,
-        priority: int = 0,
-        tenant: str = "",
-        metadata: dict[str, str] | None = None,
-        include_metrics: bool = False,
+        self, prompt: Prompt, params: SamplingParams | None = None, **options: Unpack[JobOptions]
     ) -> str:
-        """Start a job; its id (arguments as for ``JobClient.submit``)."""
+        """Start a job; its id. ``options``: see ``JobOptions``."""
         await self._open()
         job_id = self._ids.next()
-        msg = submit_message(
-            job_id, prompt, params, priority,
-            tenant=tenant, metadata=metadata, include_metrics=include_metrics,
-        )  # fmt: skip
-        body = _encode_submit(self._encoder, msg)
+        body = _encode_submit(self._encoder, submit_message(job_id, prompt, params, **options))
         self._queues[job_id] = asyncio.Queue()
         await self._send_bytes(body)
         return job_id
@@ -368,20 +345,10 @@ class AsyncJobClient:
         await self._send_bytes(self._encoder.encode(AbortJob(job_id)))
 
     async def generate(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        *,
-        priority: int = 0,
-        tenant: str = "",
-        metadata: dict[str, str] | None = None,
-        include_metrics: bool = False,
+        self, prompt: Prompt, params: SamplingParams | None = None, **options: Unpack[JobOptions]
     ) -> JobResult:
-        """Submit, wait, gather (arguments as for ``JobClient.submit``)."""
-        job_id = await self.submit(
-            prompt, params, priority=priority,
-            tenant=tenant, metadata=metadata, include_metrics=include_metrics,
-        )  # fmt: skip
+        """Submit, wait, gather (``options`` as for ``submit``)."""
+        job_id = await self.submit(prompt, params, **options)
         collector = _Collector(job_id)
         async for msg in self.stream(job_id):
             if isinstance(msg, JobOutput):
