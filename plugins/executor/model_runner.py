@@ -26,6 +26,7 @@ from tokenloom.plugins.executor.cuda_graphs import DecodeGraphs
 from tokenloom.plugins.executor.parallel.symmetric import TensorParallelSettings
 from tokenloom.plugins.executor.prompt_logprobs import PromptLogprobs
 from tokenloom.plugins.executor.speculative import SpeculativeDecoder
+from tokenloom.plugins.executor.verify_graphs import VerifyGraphs, verify_batch_sizes
 from tokenloom.plugins.models import parallel
 from tokenloom.protocols.components.attention import ForwardContext
 from tokenloom.protocols.components.executor import DoneStep, Executor, PendingStep
@@ -55,6 +56,7 @@ class ModelRunner(Executor):
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = DTYPES[config.dtype]
         self.graphs: DecodeGraphs | None = None
+        self.verify_graphs: VerifyGraphs | None = None  # speculative verify steps
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._kv: torch.Tensor | None = None
         # The tensor-parallel group the model is built for (set before load_model).
@@ -260,8 +262,33 @@ class ModelRunner(Executor):
             self.device,
         )
         self.graphs.capture()
+        self.verify_graphs = self._verify_graphs(-(-max_len // self.block_size), max_len)
+        if self.verify_graphs is not None:
+            self.verify_graphs.capture()
         self.memory["graphs_gib"] = (torch.cuda.memory_allocated() - before) / GiB
         self.timings["graph_capture_s"] = self.graphs.capture_seconds
+        if self.verify_graphs is not None:
+            self.timings["verify_graph_capture_s"] = self.verify_graphs.capture_seconds
+
+    def _verify_graphs(self, max_blocks_per_seq: int, max_len: int) -> VerifyGraphs | None:
+        """Static batches of ``1 + num_speculative_tokens`` tokens per request, when
+        this runner verifies drafts and ``max_verify_graph_seqs`` > 0 (uncaptured)."""
+        cfg = self.config
+        sizes = verify_batch_sizes(cfg.max_num_seqs, cfg.max_verify_graph_seqs)
+        if self.spec is None or not sizes:
+            return None
+        return VerifyGraphs(
+            self.model,
+            self.attn,
+            self.kv_caches,
+            cfg.num_speculative_tokens,
+            sizes,
+            max_blocks_per_seq,
+            max_len,
+            self.info.hidden_size,
+            self.dtype,
+            self.device,
+        )
 
     # ------------------------------------------------------------------ steps
 
@@ -312,12 +339,18 @@ class ModelRunner(Executor):
         meta = batch.meta
         if self.graphs is not None and self.graphs.can_run(batch.num_seqs, meta.decode_only):
             return self.graphs.run(batch.input_ids, batch.positions, meta)
+        verify = self.verify_graphs
+        if verify is not None and verify.can_run(
+            batch.num_seqs, batch.num_tokens, meta.max_query_len
+        ):
+            return verify.run(batch.input_ids, batch.positions, meta)
         self.attn.prepare(meta)
         ctx = ForwardContext(attn=self.attn, meta=meta, kv_caches=self.kv_caches)
         return self.model(batch.input_ids, batch.positions, ctx)
 
     def shutdown(self) -> None:
         self.graphs = None
+        self.verify_graphs = None
         self.kv_caches = []
         self._kv = None
 

@@ -1,13 +1,16 @@
 """GPU: speculative decoding keeps greedy tokens identical with CUDA graphs and Triton.
 
 The reference runs without speculation (CUDA graphs for decode steps, async
-scheduling on); the speculative runs verify on the Triton extend path (eager) and
-decode their non-speculating steps in graphs. fp32: tokens must be identical
-(bf16 near-ties may flip an argmax between the decode and extend kernels; see
-``tests/plugins/executor/test_gpu_modes.py``).
+scheduling on); the speculative runs verify on the Triton extend path (in verify
+graphs when every request has 1 + k tokens, else eager) and decode their
+non-speculating steps in graphs. fp32: tokens must be identical (bf16 near-ties may
+flip an argmax between the decode and extend kernels; see
+``tests/plugins/executor/test_gpu_modes.py``, whose rule the bf16 case uses).
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -49,3 +52,73 @@ def test_speculative_greedy_tokens_equal_the_graph_decode(tiny_model_factory, pr
     assert stats.spec_verify_steps_total > 0
     if proposer == "draft-self":
         assert stats.spec_accepted_tokens_total >= 0.95 * stats.spec_draft_tokens_total
+
+
+GREEDY_ALL = [
+    dict(max_tokens=48),
+    dict(max_tokens=40),  # leaves early: later steps run in a smaller, padded bucket
+    dict(max_tokens=29),
+    dict(max_tokens=48, logprobs=1),
+]
+
+
+def _run(model_dir, dtype, **options):
+    """Greedy tokens of PROMPTS (every request speculates when the engine does), the
+    verify graphs' replay count (None: none built) and the verify-step count."""
+    from tokenloom import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), device="cuda", dtype=dtype, attention="triton", **options)
+    runner = llm.engine.executor
+    assert runner.graphs is not None, "decode CUDA graphs were not captured"
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, **p) for p in GREEDY_ALL]
+    outs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    verify = runner.verify_graphs
+    if verify is not None:
+        assert sorted(verify.graphs) == verify.sizes, "verify graphs were not captured"
+    replays = None if verify is None else verify.replays
+    steps = llm.engine.stats().spec_verify_steps_total
+    llm.engine.shutdown()
+    return outs, replays, steps
+
+
+def _agree(a, b, dtype):
+    """tests/plugins/executor/test_gpu_modes.py's rule: fp32 identical; bf16 every
+    prompt's first token and >= 90 % of the prompts identical."""
+    if dtype == "float32":
+        assert a == b
+        return
+    assert all(x[0] == y[0] for x, y in zip(a, b, strict=True))
+    same = sum(x == y for x, y in zip(a, b, strict=True))
+    assert same >= 0.9 * len(a), (a, b)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_verify_graphs_give_the_eager_verify_and_plain_greedy_tokens(
+    tiny_model_factory, tmp_path, dtype
+):
+    """Verify steps replayed from CUDA graphs == verify steps run eagerly
+    (max_verify_graph_seqs = 0) == no speculation; the graphs were replayed. The
+    replay proposer drafts k = 4 tokens from the plain run, 70 % right: accepts and
+    rejections (rejected slots rewritten next step), uniform 1 + k batches."""
+    model = tiny_model_factory("llama", num_heads=8, num_kv_heads=2, hidden_size=256)
+    plain, replays, _ = _run(model, dtype)
+    assert replays is None  # no speculation: no verify graphs
+    recorded = tmp_path / "plain.jsonl"
+    recorded.write_text(
+        "".join(
+            json.dumps({"prompt": p, "output": o}) + "\n"
+            for p, o in zip(PROMPTS, plain, strict=True)
+        )
+    )
+    spec = {
+        "proposer": "replay",
+        "num_speculative_tokens": 4,
+        "plugin": {"replay": {"acceptance": 0.7, "path": str(recorded)}},
+    }
+    eager, eager_replays, eager_steps = _run(model, dtype, max_verify_graph_seqs=0, **spec)
+    graphs, graph_replays, graph_steps = _run(model, dtype, **spec)
+    assert eager_replays is None and eager_steps > 0
+    assert graph_replays is not None and graph_replays >= 0.5 * graph_steps > 0
+    _agree(plain, eager, dtype)
+    _agree(plain, graphs, dtype)
+    _agree(eager, graphs, dtype)
