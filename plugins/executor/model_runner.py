@@ -56,7 +56,8 @@ class ModelRunner(Executor):
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = DTYPES[config.dtype]
         self.graphs: DecodeGraphs | None = None
-        self.verify_graphs: VerifyGraphs | None = None  # speculative verify steps
+        # speculative verify steps, by query tokens per request (1 + k)
+        self.verify_graphs: dict[int, VerifyGraphs] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._kv: torch.Tensor | None = None
         # The tensor-parallel group the model is built for (set before load_model).
@@ -263,32 +264,39 @@ class ModelRunner(Executor):
         )
         self.graphs.capture()
         self.verify_graphs = self._verify_graphs(-(-max_len // self.block_size), max_len)
-        if self.verify_graphs is not None:
-            self.verify_graphs.capture()
+        pool = None
+        for verify in self.verify_graphs.values():
+            pool = verify.capture(pool=pool)
         self.memory["graphs_gib"] = (torch.cuda.memory_allocated() - before) / GiB
         self.timings["graph_capture_s"] = self.graphs.capture_seconds
-        if self.verify_graphs is not None:
-            self.timings["verify_graph_capture_s"] = self.verify_graphs.capture_seconds
+        if self.verify_graphs:
+            self.timings["verify_graph_capture_s"] = sum(
+                v.capture_seconds for v in self.verify_graphs.values()
+            )
 
-    def _verify_graphs(self, max_blocks_per_seq: int, max_len: int) -> VerifyGraphs | None:
-        """Static batches of ``1 + num_speculative_tokens`` tokens per request, when
-        this runner verifies drafts and ``max_verify_graph_seqs`` > 0 (uncaptured)."""
+    def _verify_graphs(self, max_blocks_per_seq: int, max_len: int) -> dict[int, VerifyGraphs]:
+        """Static batches of ``1 + k`` tokens per request for each ``k`` up to
+        ``num_speculative_tokens`` (uncaptured), when this runner verifies drafts and
+        ``max_verify_graph_seqs`` > 0; keyed by ``1 + k``."""
         cfg = self.config
         sizes = verify_batch_sizes(cfg.max_num_seqs, cfg.max_verify_graph_seqs)
         if self.spec is None or not sizes:
-            return None
-        return VerifyGraphs(
-            self.model,
-            self.attn,
-            self.kv_caches,
-            cfg.num_speculative_tokens,
-            sizes,
-            max_blocks_per_seq,
-            max_len,
-            self.info.hidden_size,
-            self.dtype,
-            self.device,
-        )
+            return {}
+        return {
+            k + 1: VerifyGraphs(
+                self.model,
+                self.attn,
+                self.kv_caches,
+                k,
+                sizes,
+                max_blocks_per_seq,
+                max_len,
+                self.info.hidden_size,
+                self.dtype,
+                self.device,
+            )
+            for k in range(cfg.num_speculative_tokens, 0, -1)
+        }
 
     # ------------------------------------------------------------------ steps
 
@@ -339,7 +347,7 @@ class ModelRunner(Executor):
         meta = batch.meta
         if self.graphs is not None and self.graphs.can_run(batch.num_seqs, meta.decode_only):
             return self.graphs.run(batch.input_ids, batch.positions, meta)
-        verify = self.verify_graphs
+        verify = self.verify_graphs.get(meta.max_query_len) if self.verify_graphs else None
         if verify is not None and verify.can_run(
             batch.num_seqs, batch.num_tokens, meta.max_query_len
         ):
@@ -350,7 +358,7 @@ class ModelRunner(Executor):
 
     def shutdown(self) -> None:
         self.graphs = None
-        self.verify_graphs = None
+        self.verify_graphs = {}
         self.kv_caches = []
         self._kv = None
 

@@ -4,9 +4,11 @@ A verify step (issue 11) runs every speculating request's ``[last, d_1 .. d_k]``
 attention's extend path. Eager, a 32-layer forward pays several milliseconds of Python
 and launch overhead at small batch, about what the step itself costs on the GPU, which
 eats the speculative speedup; so steps whose every chunk has exactly ``1 + k`` query
-tokens (``k`` = the engine's ``num_speculative_tokens``) replay a graph instead.
+tokens replay a graph instead.
 
-Shapes are fixed per bucket (the decode buckets, up to ``max_verify_graph_seqs``): the
+Per-request ``k`` (``SamplingParams.num_speculative_tokens``) may be lower than the
+engine's, so the executor keeps one ``VerifyGraphs`` per ``k`` from 1 to the engine's,
+sharing one memory pool. Shapes are fixed per bucket (the decode buckets, up to ``max_verify_graph_seqs``): the
 token count is ``bucket * (1 + k)``, ``query_start_loc`` is the constant
 ``arange(bucket + 1) * (1 + k)`` and never changes, and the attention metadata's
 Python fields (``max_query_len``, ``decode_only``, ``query_lens_cpu``) are constants of
@@ -106,11 +108,11 @@ class VerifyGraphs:
         self.hidden[:rows] = self.model(self.input_ids[:rows], self.positions[:rows], ctx)
 
     @torch.inference_mode()
-    def capture(self, use_graphs: bool = True) -> None:
+    def capture(self, use_graphs: bool = True, pool: Any = None) -> Any:
         """Prepare each bucket's metadata and, with ``use_graphs``, capture its graph
-        (largest first) into ``pool``-sharing graphs."""
+        (largest first), all in one memory pool (``pool``, else a new one); return the
+        pool, for the next ``k``'s graphs (run one at a time, nothing live between)."""
         started = time.perf_counter()
-        pool: Any = None
         for bs in reversed(self.sizes):
             meta = self._meta(bs)
             self.attn.prepare(meta)
@@ -138,6 +140,7 @@ class VerifyGraphs:
             self.width,
             self.capture_seconds,
         )
+        return pool
 
     def can_run(self, num_seqs: int, num_tokens: int, max_query_len: int) -> bool:
         """True when every sequence has exactly ``1 + k`` query tokens (the total is

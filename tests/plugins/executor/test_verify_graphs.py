@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 import torch
 
@@ -120,21 +121,24 @@ PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [10, 11, 12, 10, 11, 12, 10, 11], [3,
 GREEDY = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
 
 
-def _generate(model_dir: object, verify_static: bool, **options: object):
+def _generate(
+    model_dir: object, verify_static: bool, params: SamplingParams = GREEDY, **options: object
+):
     config = load_config(
         model=str(model_dir), device="cpu", attention="triton", num_blocks=48, block_size=4,
         **options,
     )  # fmt: skip
     engine = Engine.from_config(config)
     runner = engine.executor
-    graphs = None
+    graphs = {}
     if verify_static:  # what init_kv_cache captures on CUDA, prepared without graphs
         graphs = runner._verify_graphs(24, 96)
-        assert graphs is not None
-        graphs.capture(use_graphs=False)
+        assert sorted(graphs) == [2, 3]  # 1 + k for k = 1, 2
+        for verify in graphs.values():
+            verify.capture(use_graphs=False)
         runner.verify_graphs = graphs
     for index, prompt in enumerate(PROMPTS):
-        engine.add_request(GenerateRequest(f"r{index}", prompt, GREEDY))
+        engine.add_request(GenerateRequest(f"r{index}", prompt, params))
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
     for _ in range(500):
         if not engine.has_unfinished():
@@ -142,7 +146,7 @@ def _generate(model_dir: object, verify_static: bool, **options: object):
         for delta in engine.step():
             tokens[delta.request_id] += delta.new_token_ids
     assert not engine.has_unfinished()
-    return tokens, graphs
+    return tokens, {width: verify.replays for width, verify in graphs.items()}
 
 
 def test_static_verify_batches_give_the_eager_and_plain_greedy_tokens(
@@ -167,7 +171,12 @@ def test_static_verify_batches_give_the_eager_and_plain_greedy_tokens(
         "plugin": {"replay": {"acceptance": 0.6, "path": str(recorded)}},
     }
     eager, _ = _generate(model, False, **spec)
-    static, graphs = _generate(model, True, **spec)
+    static, replays = _generate(model, True, **spec)
     assert eager == plain
     assert static == plain
-    assert graphs is not None and graphs.replays >= 3
+    assert replays[3] >= 3 and replays[2] == 0  # k = 2, the engine's
+    # A request's own k (1 here) replays the graphs of its width.
+    own_k = msgspec.structs.replace(GREEDY, num_speculative_tokens=1)
+    static, replays = _generate(model, True, own_k, **spec)
+    assert static == plain
+    assert replays[2] >= 3 and replays[3] == 0

@@ -72,10 +72,11 @@ def _run(model_dir, dtype, **options):
     assert runner.graphs is not None, "decode CUDA graphs were not captured"
     params = [SamplingParams(temperature=0.0, ignore_eos=True, **p) for p in GREEDY_ALL]
     outs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    verify = runner.verify_graphs
-    if verify is not None:
+    for verify in runner.verify_graphs.values():  # one per k in 1 .. num_speculative_tokens
         assert sorted(verify.graphs) == verify.sizes, "verify graphs were not captured"
-    replays = None if verify is None else verify.replays
+    replays = (
+        sum(v.replays for v in runner.verify_graphs.values()) if runner.verify_graphs else None
+    )
     steps = llm.engine.stats().spec_verify_steps_total
     llm.engine.shutdown()
     return outs, replays, steps
