@@ -228,3 +228,25 @@ def test_without_restart_engine_a_dead_engine_core_makes_serve_exit_non_zero(
     os.kill(server.engine_pid, signal.SIGKILL)
     server._thread.join(30)
     assert not server._thread.is_alive() and server.exit_code == 1
+
+
+def test_recording_a_trace_around_a_given_engine_factory_passes_the_config_check(
+    tiny_model_factory, tmp_path
+):
+    # with_recording names the wrapped factory in an internal [plugin.trace_recorder]
+    # table; the check of [plugin.NAME] tables runs before it is added.
+    from serving_fakes import ServerThread
+
+    trace = tmp_path / "trace.jsonl"
+    config = make_config(
+        {"model": str(tiny_model_factory("llama")), "port": 0, "frontends": ["openai"],
+         "max_model_len": 128, "record_trace": str(trace), "plugin": {"fake": {"step_s": 0.002}}}
+    )  # fmt: skip
+    server = ServerThread(config).start()
+    try:
+        body = {"prompt": "x", "max_tokens": 3, "ignore_eos": True}
+        assert httpx.post(server.base_url + "/v1/completions", json=body).status_code == 200
+    finally:
+        assert server.stop() == 0
+    (line,) = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert (line["output_len"], line["finish_reason"]) == (3, "length")
