@@ -47,7 +47,10 @@ FP8_MAX = 448.0
 def quantize_fp8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``t [R, C]`` -> ``(e4m3 [R, C], scales [R, 1] float32)``, one scale per row."""
     t32 = t.float()
-    scales = t32.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    amax = t32.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
+    # A true division by a tensor: on CUDA, dividing by a Python number multiplies by its
+    # reciprocal, one rounding away from the fused kernel's IEEE division (div_rn).
+    scales = amax / torch.full_like(amax, FP8_MAX)
     return (t32 / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8), scales
 
 
