@@ -7,6 +7,9 @@ by name (``UNSUPPORTED``), not silently served without them: ``logit_bias``,
 ``best_of`` > 1, ``suffix``, ``echo``, ``tools``/``functions`` and a ``tool_choice``
 other than "none", a ``response_format`` other than text, and non-text content parts.
 
+Extras beyond OpenAI's fields include ``num_speculative_tokens`` (speculative decoding:
+the drafts verified per step for this request, 0 to turn it off, at most the server's).
+
 ``request_params`` builds a request's SamplingParams and runs the shared
 ``check_request_limits`` before any tokenization; ``sampling_params`` then fits
 ``max_tokens`` to each prompt's length.
@@ -80,6 +83,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] = []
     skip_special_tokens: bool = True
     priority: int = 0
+    # drafts verified per step for this request (speculative decoding); None: the
+    # server's num_speculative_tokens, 0: off; at most the server's
+    num_speculative_tokens: int | None = None
     # OpenAI fields that are not implemented: refused unless left at their no-op value
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
@@ -166,6 +172,7 @@ def request_params(
     """The request's SamplingParams with ``max_tokens`` as asked, checked against the
     config's limits and the engine's ranges (``check_request_limits``); cheap, so it
     runs before admission and tokenization."""
+    _check_speculative(request.num_speculative_tokens, config)
     max_tokens, max_field = _max_tokens(request)
     logprobs: int | None
     if isinstance(request, ChatCompletionRequest):
@@ -191,6 +198,7 @@ def request_params(
             ignore_eos=request.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=request.skip_special_tokens,
+            num_speculative_tokens=request.num_speculative_tokens,
         )
         check_request_limits(config, params, num_prompts=num_prompts, priority=request.priority)
     except InvalidParameter as exc:
@@ -222,6 +230,17 @@ def sampling_params(
     if base.min_tokens > room:
         raise RequestError(f"min_tokens: must be <= {room}, the room left", "min_tokens")
     return msgspec.structs.replace(base, max_tokens=room)
+
+
+def _check_speculative(value: int | None, config: EngineConfig) -> None:
+    """A request's ``num_speculative_tokens`` is in ``[0, server's]`` (only 0 when the
+    server does not speculate): refused by name rather than silently capped."""
+    top = config.num_speculative_tokens
+    if value is not None and not 0 <= value <= top:
+        raise RequestError(
+            f"num_speculative_tokens: must be in [0, {top}] (this server's num_speculative_tokens)",
+            "num_speculative_tokens",
+        )
 
 
 def _max_tokens(request: CompletionRequest | ChatCompletionRequest) -> tuple[int | None, str]:
