@@ -54,32 +54,43 @@ def test_speculative_greedy_tokens_equal_the_graph_decode(tiny_model_factory, pr
         assert stats.spec_accepted_tokens_total >= 0.95 * stats.spec_draft_tokens_total
 
 
+# Ten prompts, so the bf16 rule (>= 90 % identical) allows one near-tie divergence.
+VERIFY_PROMPTS = PROMPTS + [[3 + i, 60 + 2 * i, 9, 9, 200 + i] * (i + 1) for i in range(6)]
 GREEDY_ALL = [
     dict(max_tokens=48),
-    dict(max_tokens=40),  # leaves early: later steps run in a smaller, padded bucket
+    dict(max_tokens=40),  # leaves early: later steps run in smaller, padded buckets
     dict(max_tokens=29),
     dict(max_tokens=48, logprobs=1),
-]
+] + [dict(max_tokens=20 + 4 * i) for i in range(6)]
 
 
 def _run(model_dir, dtype, **options):
-    """Greedy tokens of PROMPTS (every request speculates when the engine does), the
-    verify graphs' replay count (None: none built) and the verify-step count."""
+    """Greedy tokens of VERIFY_PROMPTS (every request speculates when the engine does), the
+    verify graphs' replays by tokens per request (1 + k; None: none built) and the
+    number of steps whose every request had 1 + k tokens, k = 1 .. 4, by 1 + k (the
+    steps verify graphs should replay)."""
     from tokenloom import LLM, SamplingParams
 
     llm = LLM(str(model_dir), device="cuda", dtype=dtype, attention="triton", **options)
     runner = llm.engine.executor
     assert runner.graphs is not None, "decode CUDA graphs were not captured"
+    shapes: list[tuple[int, int, int]] = []
+    forward = runner._forward
+
+    def recording_forward(batch):  # type: ignore[no-untyped-def]
+        shapes.append((batch.num_seqs, batch.num_tokens, batch.meta.max_query_len))
+        return forward(batch)
+
+    runner._forward = recording_forward
     params = [SamplingParams(temperature=0.0, ignore_eos=True, **p) for p in GREEDY_ALL]
-    outs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    results = llm.generate(VERIFY_PROMPTS, params, use_tqdm=False)
+    outs = [o.outputs[0].token_ids for o in results]
     for verify in runner.verify_graphs.values():  # one per k in 1 .. num_speculative_tokens
         assert sorted(verify.graphs) == verify.sizes, "verify graphs were not captured"
-    replays = (
-        sum(v.replays for v in runner.verify_graphs.values()) if runner.verify_graphs else None
-    )
-    steps = llm.engine.stats().spec_verify_steps_total
+    replays = {w: v.replays for w, v in runner.verify_graphs.items()} or None
+    uniform = {w: sum(q == w and t == w * n for n, t, q in shapes) for w in range(2, 6)}
     llm.engine.shutdown()
-    return outs, replays, steps
+    return outs, replays, uniform
 
 
 def _agree(a, b, dtype):
@@ -108,7 +119,7 @@ def test_verify_graphs_give_the_eager_verify_and_plain_greedy_tokens(
     recorded.write_text(
         "".join(
             json.dumps({"prompt": p, "output": o}) + "\n"
-            for p, o in zip(PROMPTS, plain, strict=True)
+            for p, o in zip(VERIFY_PROMPTS, plain, strict=True)
         )
     )
     spec = {
@@ -116,10 +127,11 @@ def test_verify_graphs_give_the_eager_verify_and_plain_greedy_tokens(
         "num_speculative_tokens": 4,
         "plugin": {"replay": {"acceptance": 0.7, "path": str(recorded)}},
     }
-    eager, eager_replays, eager_steps = _run(model, dtype, max_verify_graph_seqs=0, **spec)
-    graphs, graph_replays, graph_steps = _run(model, dtype, **spec)
-    assert eager_replays is None and eager_steps > 0
-    assert graph_replays is not None and graph_replays >= 0.5 * graph_steps > 0
+    eager, eager_replays, eager_uniform = _run(model, dtype, max_verify_graph_seqs=0, **spec)
+    graphs, graph_replays, graph_uniform = _run(model, dtype, **spec)
+    assert eager_replays is None and eager_uniform[5] > 0
+    assert graph_replays == graph_uniform  # every uniform 1 + k step replayed a graph
+    assert graph_replays[5] > 0
     _agree(plain, eager, dtype)
     _agree(plain, graphs, dtype)
     _agree(eager, graphs, dtype)
