@@ -39,6 +39,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=0)
     parser.add_argument("--draft-model", default="", help="the draft proposer's model")
     parser.add_argument(
+        "--max-verify-graph-seqs",
+        type=int,
+        default=64,
+        help="verify steps in CUDA graphs up to this many requests; 0: eager (speculation)",
+    )
+    parser.add_argument(
         "--plugin-option",
         action="append",
         default=[],
@@ -73,6 +79,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         proposer=args.proposer,
         num_speculative_tokens=args.num_speculative_tokens,
         draft_model=_shape_or_dir(args.draft_model),
+        max_verify_graph_seqs=args.max_verify_graph_seqs,
         plugin=plugin_options(args.plugin_option),
     )
     return options
