@@ -28,10 +28,10 @@ run() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS
   "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   grep -v " INFO " "$OUT/$name.log" | tail -n 40; echo "=== $name rc=$rc in $((SECONDS - t0))s"; }
 
-want tests && run spec-gpu-tests timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
+want tests && run spec-gpu-tests timeout 480 python3 -m pytest -q -m gpu -p no:cacheprovider \
   tests/plugins/proposer/test_spec_gpu.py
 if want bench; then
-  run spec-bench timeout 420 python3 scripts/gpu/spec_bench.py --model llama-3-8b \
+  run spec-bench timeout 540 python3 scripts/gpu/spec_bench.py --model llama-3-8b \
     --draft llama-3.2-1b --out "$OUT"
 fi
 if want latency; then
