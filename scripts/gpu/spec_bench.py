@@ -75,6 +75,7 @@ def timed_run(llm: Any, prompts: list[list[int]], output_len: int, k: int | None
         temperature=0.0, max_tokens=output_len, ignore_eos=True, num_speculative_tokens=k
     )
     before = engine.stats()
+    replays_before = verify_graph_replays(engine)
     for index, prompt in enumerate(prompts):
         engine.add_request(GenerateRequest(f"b{time.monotonic_ns()}-{index}", prompt, params))
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -113,7 +114,15 @@ def timed_run(llm: Any, prompts: list[list[int]], output_len: int, k: int | None
         "median_verify_step_ms": statistics.median(verify) * 1e3 if verify else None,
         "median_plain_step_ms": statistics.median(plain) * 1e3 if plain else None,
         "speculative": spec_summary(before, after),
+        # engine steps whose verify forward replayed a verify CUDA graph (issue 11)
+        "verify_graph_replays": verify_graph_replays(engine) - replays_before,
     }
+
+
+def verify_graph_replays(engine: Any) -> int:
+    """Verify steps replayed from CUDA graphs so far (0 without them)."""
+    graphs = getattr(engine.executor, "verify_graphs", None) or {}
+    return sum(v.replays for v in graphs.values())
 
 
 def expected_tokens_per_step(acceptance: float, k: int) -> float:
@@ -196,7 +205,8 @@ def main() -> None:
                 runs.append(run)
                 print(json.dumps({key: run.get(key) for key in (
                     "batch", "k", "acceptance", "decode_tokens_per_s", "speedup",
-                    "verify_over_decode_step", "analytic_speedup")}), flush=True)  # fmt: skip
+                    "verify_over_decode_step", "analytic_speedup", "verify_graph_replays")}),
+                    flush=True)  # fmt: skip
                 result["replay"] = runs
                 save()
     free(llm)
