@@ -45,4 +45,3 @@ def tokenloom_register_components() -> list[ComponentSpec]:
             "scheduler", "spf-aging", ShortestPromptFirstAging, "shortest prompt first, with aging"
         )
     ]
-
