@@ -11,7 +11,12 @@ probes a running server (``--url``; the engine-kill probe then needs
 - a flood of concurrent requests against a small queue: 503 latency, and /health
   latency during the flood;
 - a short soak: requests served and the RSS slope of both processes;
+- open endpoints (/health, /v1/models, /version, /metrics) each looped on by one client:
+  the server's CPU and the rate it got;
 - engine-core SIGKILL: time until /health answers 200 again, and a completion after.
+
+The probes live in ``scripts/abuse_probes.py``; this file starts the server, runs
+them and writes the report.
 
 Prints a table and writes JSON (``--out``). The default run takes about 2-3 minutes.
 Usage: ``.venv/bin/python scripts/abuse.py [--model DIR] [--concurrency 500]``.
@@ -24,304 +29,24 @@ import asyncio
 import json
 import os
 import platform
-import random
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
-import msgspec
-import zmq
-import zmq.asyncio
-
-from tokenloom.protocols.jobs import HelloJob, PingJob, SubmitJob
-from tokenloom.protocols.sampling import SamplingParams
-
-Row = dict[str, Any]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _ms(values: list[float]) -> str:
-    if not values:
-        return "-"
-    ordered = sorted(values)
-    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-    return f"p50 {1e3 * statistics.median(ordered):.0f} ms, p99 {1e3 * p99:.0f} ms"
-
-
-def _rss_mb(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
-
-
-def _engine_pid(server_pid: int) -> int | None:
-    """The engine-core: the server's child running ``tokenloom.engine.process``."""
-    for task in Path(f"/proc/{server_pid}/task").glob("*"):
-        for child in (task / "children").read_text().split():
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-            if b"tokenloom.engine.process" in cmdline:
-                return int(child)
-    return None
-
-
-async def _metrics(http: httpx.AsyncClient) -> dict[str, float]:
-    text = (await http.get("/metrics")).text
-    values = {}
-    for line in text.splitlines():
-        if line.startswith("tokenloom_") and " " in line and "{" not in line:
-            name, _, value = line.partition(" ")
-            values[name.removeprefix("tokenloom_")] = float(value)
-    return values
-
-
-# ----------------------------------------------------------------- probes
-
-
-def _http_cases(rng: random.Random, n: int, body_mb: float) -> list[tuple[str, dict, bytes]]:
-    deep = b'{"prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}"
-    fixed: list[tuple[str, dict, bytes]] = [
-        ("/v1/completions", {}, deep),
-        ("/v1/completions", {}, b'{"prompt": "a", "top_k": 100000000000000000000000}'),
-        ("/v1/completions", {}, b'{"prompt": "a", "priority": -100000000000000000000000}'),
-        ("/v1/completions", {}, b'{"prompt": "a", "stop_token_ids": [1e400]}'),
-        ("/v1/completions", {}, b'{"prompt": "a", "n": 1000000}'),
-        ("/v1/completions", {}, b'{"prompt": "a", "max_tokens": -1}'),
-        ("/v1/completions", {}, b'{"prompt": "a", "logit_bias": {"1": 5}}'),
-        ("/v1/completions", {"content-type": "text/plain"}, b'{"prompt": "a"}'),
-        ("/v1/chat/completions", {}, b'{"messages": [{"role": "user"}]}'),
-        ("/v1/completions", {}, b'{"prompt": "' + b"a" * int((body_mb + 1) * (1 << 20)) + b'"}'),
-    ]
-    cases = list(fixed)
-    fields = [b'"prompt"', b'"max_tokens"', b'"n"', b'"temperature"', b'"stop"', b'"messages"']
-    values = [b"null", b"-1", b"1e309", b'"x"', b"[]", b"{}", b"[[[]]]", b"true", b"99999999999"]
-    while len(cases) < n:
-        kind = rng.randrange(3)
-        if kind == 0:
-            body = rng.randbytes(rng.randrange(1, 200))
-        else:
-            pairs = [rng.choice(fields) + b": " + rng.choice(values) for _ in range(3)]
-            body = b"{" + b", ".join(pairs) + b"}"
-        path = rng.choice(["/v1/completions", "/v1/chat/completions"])
-        cases.append((path, {}, body))
-    return cases
-
-
-async def probe_http_fuzz(http: httpx.AsyncClient, n: int, body_mb: float) -> Row:
-    counts: dict[int, int] = {}
-    gate = asyncio.Semaphore(16)
-
-    async def one(path: str, headers: dict, body: bytes) -> None:
-        async with gate:
-            try:
-                status = (await http.post(path, content=body, headers=headers)).status_code
-            except httpx.HTTPError:
-                status = 0
-            counts[status] = counts.get(status, 0) + 1
-
-    cases = _http_cases(random.Random(0), n, body_mb)
-    await asyncio.gather(*(one(*case) for case in cases))
-    server_errors = sum(v for k, v in counts.items() if k >= 500 or k == 0)
-    return {"probe": "malformed HTTP", "requests": n, "by_status": dict(sorted(counts.items())),
-            "server_errors": server_errors, "ok": server_errors == 0}  # fmt: skip
-
-
-async def probe_zmq_frames(endpoint: str, http: httpx.AsyncClient, n: int) -> Row:
-    ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    encode = msgspec.msgpack.encode
-    await sock.send(encode(HelloJob()))
-    rng = random.Random(1)
-    valid = encode(SubmitJob("j", "hi", params=SamplingParams(max_tokens=1)))
-    frames = [b"\x91" * 1000 + b"\xc0", b"\xdd\xff\xff\xff\xff", b""]
-    while len(frames) < n:
-        if rng.random() < 0.5:
-            frames.append(rng.randbytes(rng.randrange(1, 100)))
-        else:
-            flipped = bytearray(valid)
-            flipped[rng.randrange(len(flipped))] ^= 1 << rng.randrange(8)
-            frames.append(bytes(flipped))
-    for frame in frames:
-        await sock.send(frame)
-    replies: dict[str, int] = {}
-    while await sock.poll(2000):
-        raw = msgspec.msgpack.decode(await sock.recv())
-        kind = raw[0] if isinstance(raw, list) and raw else "?"
-        code = f" {raw[2]}" if kind == "error" and len(raw) > 2 else ""
-        replies[f"{kind}{code}"] = replies.get(f"{kind}{code}", 0) + 1
-    await sock.send(encode(PingJob(7)))
-    pong = await sock.poll(5000) and msgspec.msgpack.decode(await sock.recv())
-    sock.close()
-    ctx.term()
-    health = (await http.get("/health")).status_code
-    alive = bool(pong) and health == 200
-    return {"probe": "bad ZeroMQ frames", "frames": len(frames), "replies": replies,
-            "ping_after": bool(pong), "health_after": health, "ok": alive}  # fmt: skip
-
-
-async def _settled_used_blocks(http: httpx.AsyncClient, timeout_s: float = 60.0) -> float:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = await _metrics(http)
-        idle = not m.get("num_requests_running") and not m.get("num_requests_waiting")
-        if idle or time.monotonic() > deadline:
-            return m.get("kv_blocks_total", 0.0) - m.get("kv_blocks_free", 0.0)
-        await asyncio.sleep(0.2)
-
-
-async def probe_disconnects(http: httpx.AsyncClient, n: int) -> Row:
-    gate = asyncio.Semaphore(8)
-    body = {"prompt": "Tell me a long story", "max_tokens": 32, "stream": True,
-            "ignore_eos": True}  # fmt: skip
-
-    async def one() -> None:
-        async with gate, http.stream("POST", "/v1/completions", json=body) as response:
-            chunks = 0
-            async for _ in response.aiter_lines():
-                chunks += 1
-                if chunks >= 3:
-                    break  # leave mid-stream: the connection closes here
-
-    await asyncio.gather(*(one() for _ in range(n)), return_exceptions=True)
-    used = await _settled_used_blocks(http)
-    return {"probe": "mid-stream disconnects", "streams": n, "kv_blocks_used_after": used,
-            "ok": used == 0}  # fmt: skip
-
-
-async def probe_flood(http: httpx.AsyncClient, concurrency: int) -> Row:
-    refusals: list[float] = []
-    statuses: dict[int, int] = {}
-    health: list[float] = []
-    retry_after = 0
-    flooding = True
-
-    async def one(body: dict) -> None:
-        nonlocal retry_after
-        started = time.perf_counter()
-        try:
-            response = await http.post("/v1/completions", json=body, timeout=300)
-            status = response.status_code
-            retry_after += status == 503 and "retry-after" in response.headers
-        except httpx.HTTPError:
-            status = 0
-        if status == 503:
-            refusals.append(time.perf_counter() - started)
-        statuses[status] = statuses.get(status, 0) + 1
-
-    async def poll_health() -> None:
-        while flooding:
-            started = time.perf_counter()
-            await http.get("/health")
-            health.append(time.perf_counter() - started)
-            await asyncio.sleep(0.05)
-
-    async def one_at_a_time() -> None:
-        """Once the burst is answered and the queue is still full: single refusals,
-        without the burst's own HTTP work in front of them."""
-        while sum(statuses.values()) < len(bodies) - 40:
-            await asyncio.sleep(0.01)
-        for _ in range(20):
-            started = time.perf_counter()
-            response = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 4})
-            if response.status_code == 503:
-                single.append(time.perf_counter() - started)
-
-    single: list[float] = []
-    poller = asyncio.create_task(poll_health())
-    bodies = [{"prompt": f"flood {i}", "max_tokens": 4} for i in range(concurrency)]
-    bodies += [{"prompt": "wide", "max_tokens": 4, "n": 128},
-               {"prompt": ["many"] * 200, "max_tokens": 4}]  # fmt: skip
-    await asyncio.gather(one_at_a_time(), *(one(body) for body in bodies))
-    flooding = False
-    await poller
-    slow = max(single, default=0.0)
-    return {"probe": "flood", "requests": len(bodies), "by_status": dict(sorted(statuses.items())),
-            "burst_refusal_latency": _ms(refusals), "single_refusal_latency": _ms(single),
-            "single_refusal_max_s": round(slow, 3),
-            "retry_after_headers": retry_after, "health_latency": _ms(health),
-            "health_max_s": round(max(health, default=0.0), 3),
-            "ok": slow < 0.05 and max(health, default=0.0) < 0.05}  # fmt: skip
-
-
-async def probe_engine_kill(http: httpx.AsyncClient, server_pid: int | None) -> Row:
-    engine = _engine_pid(server_pid) if server_pid else None
-    if engine is None:
-        return {"probe": "engine kill", "skipped": "no engine-core pid", "ok": None}
-    os.kill(engine, signal.SIGKILL)
-    killed = time.perf_counter()
-    saw_503 = False
-    while time.perf_counter() - killed < 120:
-        try:
-            status = (await http.get("/health")).status_code
-        except httpx.HTTPError:
-            status = 0
-        saw_503 |= status == 503
-        if saw_503 and status == 200:
-            break
-        await asyncio.sleep(0.05)
-    restart_s = time.perf_counter() - killed
-    body = {"prompt": "after", "max_tokens": 2}
-    after = (await http.post("/v1/completions", json=body, timeout=60)).status_code
-    return {"probe": "engine kill", "saw_503": saw_503, "restart_s": round(restart_s, 2),
-            "completion_after": after, "ok": saw_503 and after == 200}  # fmt: skip
-
-
-async def probe_soak(http: httpx.AsyncClient, server_pid: int | None, seconds: float) -> Row:
-    served = errors = 0
-    samples: list[tuple[float, float, float]] = []  # (t, frontend MB, engine MB)
-    end = time.perf_counter() + seconds
-
-    async def worker(i: int) -> None:
-        nonlocal served, errors
-        while time.perf_counter() < end:
-            body = {"prompt": f"soak {i} {served}", "max_tokens": 8, "stream": i % 2 == 0}
-            try:
-                ok = (await http.post("/v1/completions", json=body, timeout=60)).status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            served += ok
-            errors += not ok
-
-    async def sample() -> None:
-        engine = _engine_pid(server_pid) if server_pid else None
-        while time.perf_counter() < end:
-            if server_pid:
-                t = time.perf_counter()
-                samples.append((t, _rss_mb(server_pid), _rss_mb(engine) if engine else 0.0))
-            await asyncio.sleep(1.0)
-
-    await asyncio.gather(sample(), *(worker(i) for i in range(4)))
-    slopes = [_slope([(t, m[k]) for t, *m in samples]) * 60 for k in (0, 1)] if samples else []
-    return {"probe": "soak", "seconds": seconds, "served": served, "errors": errors,
-            "rss_mb_per_min": [round(s, 2) for s in slopes],
-            "rss_mb_end": [round(v, 1) for v in samples[-1][1:]] if samples else [],
-            "ok": errors == 0}  # fmt: skip
-
-
-def _slope(points: list[tuple[float, float]]) -> float:
-    if len(points) < 2:
-        return 0.0
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
-
+from abuse_probes import (
+    Row,
+    free_port,
+    probe_disconnects,
+    probe_engine_kill,
+    probe_flood,
+    probe_http_fuzz,
+    probe_open_endpoints,
+    probe_soak,
+    probe_zmq_frames,
+)
 
 # ----------------------------------------------------------------- driver
 
@@ -330,7 +55,7 @@ def _summary(row: Row) -> str:
     return ", ".join(f"{k}={v}" for k, v in row.items() if k not in ("probe", "ok"))
 
 
-async def probe_all(args: argparse.Namespace, base: str, zmq_ep: str, pid: int | None) -> list:
+async def probe_all(args: argparse.Namespace, base: str, zmq_ep: str, pid: int | None) -> list[Row]:
     limits = httpx.Limits(max_connections=args.concurrency + 32)
     async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as http:
         rows = [await probe_http_fuzz(http, args.fuzz, args.max_request_body_mb)]
@@ -339,12 +64,13 @@ async def probe_all(args: argparse.Namespace, base: str, zmq_ep: str, pid: int |
         rows.append(await probe_disconnects(http, args.disconnects))
         rows.append(await probe_flood(http, args.concurrency))
         rows.append(await probe_soak(http, pid, args.soak_s))  # before the kill: a warm engine
+        rows.append(await probe_open_endpoints(http, pid, args.open_s))
         rows.append(await probe_engine_kill(http, pid))
     return rows
 
 
 def _start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str, str]:
-    port, zport = _free_port(), _free_port()
+    port, zport = free_port(), free_port()
     cmd = [sys.executable, "-m", "tokenloom", "serve", "--device", "cpu", "--port", str(port),
            "--frontends", "openai,zmq", "--zmq-endpoint", f"tcp://127.0.0.1:{zport}",
            "--max-num-seqs", "8", "--max-waiting-requests", "16", "--max-model-len", "512"]  # fmt: skip
@@ -376,6 +102,7 @@ def main() -> int:
     parser.add_argument("--disconnects", type=int, default=100)
     parser.add_argument("--concurrency", type=int, default=500)
     parser.add_argument("--soak-s", type=float, default=30.0)
+    parser.add_argument("--open-s", type=float, default=5.0, help="seconds per open endpoint")
     parser.add_argument("--max-request-body-mb", type=float, default=16.0)
     parser.add_argument("--log", default="/tmp/tokenloom-abuse-server.log")
     parser.add_argument("--out", default="docs/results/abuse.json")
