@@ -147,7 +147,7 @@ def _run_burst(served: Served, n: int) -> tuple[dict[str, int], list[float], lis
 
 
 def _check(walls: list[float], cpus: list[float]) -> None:
-    assert len(cpus) >= 20  # the burst lasted long enough to be probed
+    assert len(cpus) >= 10  # the burst lasted long enough to be probed
     assert _p99(cpus) < LIMIT_S
     if os.getloadavg()[0] < (os.cpu_count() or 1):
         assert _p99(walls) < LIMIT_S
