@@ -6,9 +6,9 @@ These routes are open to anyone who can reach the server (``/v1/models`` and, wi
 must cost next to nothing: the bodies that do not change are encoded once, and
 ``/health`` awaits nothing; the HTTP server's fast lane answers /health (and, when
 they need no key, /v1/models and /version) before any parsing, paced per client.
-``/metrics`` scrapes share the engine's stats for ``STATS_TTL_S``, so a flood of
-scrapers costs the engine one round trip a second, and a client scraping in a loop
-is paced too.
+Concurrent ``/metrics`` scrapes share one request for the engine's stats, and a
+connection scraping in a loop is paced (``SLOW_RATE``), so scrapers cost the engine a
+bounded number of round trips.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from tokenloom.plugins.frontends.openai.frontend import OpenAIFrontend
 
 _encode = msgspec.json.Encoder().encode
-STATS_TTL_S = 1.0  # engine stats younger than this are shared by /metrics scrapes
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -75,8 +74,7 @@ class InfoRoutes:
         self._openapi = _encode(openapi_document())
         self._ok = _encode({"status": "ok"})
         self._dead = _encode({"status": "engine dead"})
-        self._stats: asyncio.Future[EngineStats | None] | None = None  # the latest fetch
-        self._stats_at = 0.0  # when it began
+        self._stats: asyncio.Future[EngineStats | None] | None = None  # the fetch in flight
         self.pacer: Pacer | None = None  # per-client pacing of /metrics (set by the app)
 
     def _gate(self, request: Request, always: bool = True) -> Response | None:
@@ -124,13 +122,11 @@ class InfoRoutes:
         return Response(text, media_type=CONTENT_TYPE)
 
     async def _engine_stats(self) -> EngineStats | None:
-        """The engine's stats, fetched at most once per ``STATS_TTL_S``: scrapes that
-        come while a fetch is in flight or fresh share it, so scrapers cost the
-        engine-core a bounded number of round trips whatever their rate."""
-        now = time.monotonic()
-        if self._stats is None or (self._stats.done() and now - self._stats_at > STATS_TTL_S):
+        """The engine's stats; scrapes that come while a fetch is in flight share it.
+        (Not cached past that: a scrape must see the state of its moment; a scraper
+        in a loop is paced instead.)"""
+        if self._stats is None or self._stats.done():
             self._stats = asyncio.ensure_future(self._fetch_stats())
-            self._stats_at = now
         return await asyncio.shield(self._stats)
 
     async def _fetch_stats(self) -> EngineStats | None:

@@ -1,7 +1,7 @@
 """Open endpoints hammered in a loop cost the server a bounded share of the CPU (issue
 15: on the 2-core CPU an unpaced loop on /health, /v1/models, /metrics or /version
-slowed generation 6-30x): fast-lane answers are paced per connection, /metrics too,
-and scrapes share the engine's stats for a second."""
+slowed generation 6-30x): fast-lane answers are paced per connection, and /metrics
+too, which bounds the engine stats round trips a scraping loop costs."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def test_pacer_holds_a_connection_over_its_rate_and_no_other():
     assert pacer.delay("b") == 0.0
 
 
-async def test_metrics_scrapes_share_the_engine_stats_and_a_scraping_loop_is_paced(model_dir):
+async def test_a_metrics_scraping_loop_is_paced_and_so_are_its_engine_round_trips(model_dir):
     engine = InProcessEngine()
     calls = 0
     stats = engine.stats
@@ -85,5 +85,5 @@ async def test_metrics_scrapes_share_the_engine_stats_and_a_scraping_loop_is_pac
             answered += 1
         await asyncio.sleep(0)
     elapsed = time.perf_counter() - started
-    assert calls <= elapsed / 1.0 + 1  # one engine round trip a second at most
     assert answered <= SLOW_RATE * elapsed + 2 * SLOW_RATE + 1, answered
+    assert calls <= answered  # one engine round trip per scrape at most
