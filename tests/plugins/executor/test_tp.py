@@ -230,6 +230,11 @@ def test_bf16_rule_on_constructed_runs():
     ) == pytest.approx(0.05)
     # divergence at a near-tie where the two swap places: allowed, rest not compared
     assert agree([base], [_run([2, 7], [flipped, far])], "bfloat16") == 0.0
+    # a three-way tie (seen on the H200): TP=1 picks 532 of {611, 532, 127}, TP=N picks
+    # 127 of {532, 127, 611}: each choice is within the tolerance of the other's best
+    tie_a = [{611: -1.9891, 532: -1.9891, 127: -1.9892}]
+    tie_b = [{532: -1.98925, 127: -1.98925, 611: -1.9893}]
+    assert agree([([532], tie_a)], [([127], tie_b)], "bfloat16") == 0.0
     # divergence where TP=1 was sure: refused
     with pytest.raises(AssertionError, match="not a near-tie"):
         agree([_run([1], [far])], [_run([2], [flipped])], "bfloat16")
