@@ -164,6 +164,41 @@ class CostModel(msgspec.Struct):
         return cls.load(path)
 
 
+def nnls(a: Any, b: Any, iterations: int = 200) -> Any:
+    """Non-negative least squares, ``min |a x - b|`` with ``x >= 0`` (Lawson-Hanson).
+
+    Columns are scaled to unit norm first: the cost terms span seconds (``const``) to
+    sequence counts (``seq``, hundreds), and an unscaled active set picks which term to
+    free by magnitude, not by how much it would help. Unlike dropping every term whose
+    unconstrained coefficient is negative, a dropped term can come back."""
+    import numpy as np
+
+    norms = np.linalg.norm(a, axis=0)
+    norms[norms == 0] = 1.0
+    a = a / norms
+    n = a.shape[1]
+    x = np.zeros(n)
+    free = np.zeros(n, dtype=bool)
+    for _ in range(iterations):
+        grad = a.T @ (b - a @ x)
+        candidates = np.where(~free & (grad > 1e-12))[0]
+        if not len(candidates):
+            break
+        free[candidates[np.argmax(grad[candidates])]] = True
+        while True:
+            z = np.zeros(n)
+            z[free] = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
+            if (z[free] > 0).all():
+                x = z
+                break
+            bad = free & (z <= 0)
+            step = np.min(x[bad] / (x[bad] - z[bad]))
+            x = x + step * (z - x)
+            free &= x > 1e-15
+            x[~free] = 0.0
+    return x / norms
+
+
 def fit(
     shape: ModelShape,
     samples: Iterable[tuple[StepFeatures, float]],
@@ -174,9 +209,13 @@ def fit(
 ) -> CostModel:
     """Least squares on measured ``(features, seconds)`` pairs, relative error weighted
     (each row divided by its time, so a 5 ms decode counts as much as a 200 ms
-    prefill). Coefficients are kept non-negative: a term whose coefficient comes out
-    negative is dropped and the rest refitted (active set), since a negative cost
-    has no physical meaning. Terms no sample exercises are left out of the fit."""
+    prefill). Coefficients are kept non-negative (``nnls``), since a negative cost has
+    no physical meaning. Terms no sample exercises are left out of the fit.
+
+    Relative weighting trusts every measured time: one step measured at a fraction of
+    its true time outweighs dozens of good ones (issue 13: three mixed steps measured
+    at 0.8-1.8 ms zeroed the weight-read term). Screen samples with ``implausible``
+    first."""
     import numpy as np
 
     rows = list(samples)
@@ -188,13 +227,7 @@ def fit(
     weights = 1.0 / y
     active = [i for i in range(len(TERMS)) if np.any(x[:, i] != x[0, i]) or TERMS[i] == "const"]
     coef = np.zeros(len(TERMS))
-    while active:
-        sub = x[:, active] * weights[:, None]
-        solved, *_ = np.linalg.lstsq(sub, y * weights, rcond=None)
-        if (solved >= 0).all():
-            coef[active] = solved
-            break
-        active.pop(int(np.argmin(solved)))
+    coef[active] = nnls(x[:, active] * weights[:, None], y * weights)
     model = CostModel(
         shape,
         {name: float(c) for name, c in zip(TERMS, coef, strict=True)},
@@ -204,6 +237,16 @@ def fit(
     )
     model.fit_error = fit_errors(model, rows)
     return model
+
+
+def implausible(
+    shape: ModelShape, samples: Iterable[tuple[StepFeatures, float]], bandwidth: float
+) -> list[int]:
+    """Indices of samples measured faster than physics allows: every step reads all
+    the weights once, so no step takes less than ``weight_bytes / bandwidth`` (3.5 ms
+    for Llama-3-8B on an H200). Such a time was not the step's (a host-side gap)."""
+    floor = shape.weight_bytes / bandwidth
+    return [i for i, (_, seconds) in enumerate(samples) if seconds < floor]
 
 
 def fit_errors(
