@@ -7,7 +7,8 @@ a real shape, the prefix cache off so every prompt token is computed):
   async scheduling, the device's step time once the pipeline is full);
 - prefill: N prompts of L tokens in one step, alone (the step from its launch
   to its tokens);
-- mixed: a prefill of L tokens joining B decodes at context C.
+- mixed: a prefill of L tokens joining B decodes at context C, timed over the two
+  gaps around it less a steady decode step (``Calibration.mixed`` says why).
 Each point is a median over repeats (a mid-run kernel compile is an outlier, not a
 sample). The step's features come from the very ``StepInput`` the executor ran
 (``sim.cost_model.step_features``); ``sim.cost_model.fit`` fits the coefficients
@@ -173,9 +174,10 @@ class Calibration:
 
     def mixed(self, batch: int, context: int, length: int) -> None:
         """A prefill of ``length`` joining ``batch`` decodes. A single return-to-return
-        gap does not time the mixed step: its submit can block on the device (the step
-        before must finish first), so part of it runs before the previous return and
-        the gap holds only the rest (issue 13: 0.8 ms for a 528-token step). The gaps
+        gap does not time the mixed step: the call that submits it returns late (an
+        eager step's launches keep the host busy while the device follows them, or a
+        host sync waits), so part of the step runs before that return and the next gap
+        holds only the rest (issue 13: 0.8 ms for a 528-token step). The gaps
         of the call that submits it and the call that folds it sum to the decode step
         before it plus the mixed step, wherever the boundary falls; the decode step's
         time (the median of steady decode gaps just before) is subtracted."""
