@@ -8,8 +8,9 @@ a GPU (``python -m tokenloom.sim.calibrated``; a test checks the file matches).
 Screening (issue 13): a step measured faster than its own weight read is dropped
 (``cost_model.implausible``), and so is every step of a class listed in ``EXCLUDED``:
 the 2026-12-01 H200 run timed its mixed steps by one return-to-return gap, which
-misses the part of the step the submitting call already waited for (all 15 came out
-below a prefill of the same tokens alone, three below the weight read). Calibrate
+misses the part of the step that ran before the submitting call returned (all 15
+came out at 3-95% of what the decode+prefill fit predicts, three below the weight
+read). Calibrate
 now times mixed steps over two gaps; a re-run's samples need no exclusion.
 """
 
