@@ -83,15 +83,71 @@ def load_model(
     return model, info
 
 
+# Random weights' greedy output must not depend on the kernel path (see randomize_weights).
+_EMBED_STD = 64.0  # the embedding dominates the residual stream (layers add ~10-30 rms)
+_HEAD_MARGIN = 64.0  # nats: the successor's logit; the other logits have std 64 / sqrt(dim)
+
+
 @torch.no_grad()
 def randomize_weights(model: nn.Module, std: float = 0.02) -> None:
-    """Normal(0, std) matrices and biases; norm weights (1-D, named *norm*) set to one."""
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+    """Normal(0, std) matrices and biases; norm weights (1-D, named *norm*) set to one.
+
+    Then, for an untied LM head, the greedy output is made robust (issue #11): with
+    std 0.02 everywhere the logits are N(0, (0.02 sqrt(dim))^2) over the vocabulary
+    (std 1.3 at dim 4096), the top-2 gap of the max of 128k Gaussians is about
+    std / sqrt(2 ln 128k) = 0.27 nats on average (exponential, so often ~0.01), and the
+    argmax flips with the bf16 noise of another kernel path (prefix-cache hit, verify
+    steps): a rescaled head alone would not help (the noise scales with it). So the
+    embedding gets std ``_EMBED_STD`` (pre-norm layers add the same ~10-30 rms whatever
+    it is, so the final norm's input points along the last token's embedding, cosine
+    ~0.9), and the head's row ``j`` is the embedding row ``perm[j]`` scaled to
+    ``_HEAD_MARGIN / sqrt(dim)``: token ``t`` is followed by ``perm^-1(t)`` with a logit
+    of ~``_HEAD_MARGIN * 0.9`` against a maximum of the others of ~5 * 64 / sqrt(dim)
+    (5 at dim 4096): a margin of tens of nats, far beyond bf16 noise. The output is a
+    walk along a random permutation (no repeats, no EOS preference); speed does not
+    depend on the values. Tied heads are left as they are (the head would predict the
+    last token again, and a tied random draft model would then always be right).
+    """
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(0)
     for name, param in model.named_parameters():
         if param.dim() == 1 and "norm" in name:
             param.fill_(1.0)
         else:
             param.normal_(0.0, std, generator=generator)
+    inner = getattr(model, "model", model)
+    embed, head = getattr(inner, "embed_tokens", None), getattr(model, "lm_head", None)
+    if embed is None or head is None or head is embed:
+        return
+    _successor_head(embed, head, device)
+
+
+def _successor_head(embed: nn.Module, head: nn.Module, device: torch.device) -> None:
+    """Embedding ~ N(0, _EMBED_STD); head row j = embedding row perm[j], norm
+    _HEAD_MARGIN / sqrt(dim). Built in full on every rank (the same seed) and sliced to
+    each rank's vocab rows, so tensor-parallel shards agree."""
+    weights = [getattr(m, "weight", None) for m in (embed, head)]
+    vocab = getattr(embed, "num_embeddings", None)
+    if vocab is None or any(not isinstance(w, torch.Tensor) or w.dim() != 2 for w in weights):
+        return
+    embed_w, head_w = weights
+    dim = embed_w.shape[1]
+    if head_w.shape[1] != dim or not embed_w.is_floating_point() or not head_w.is_floating_point():
+        return
+    generator = torch.Generator(device=device).manual_seed(1)
+    full = torch.empty(vocab, dim, device=device, dtype=torch.float32)
+    full.normal_(0.0, _EMBED_STD, generator=generator)
+    perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(1)).to(device)
+    rows = full[perm]
+    rows *= (_HEAD_MARGIN / dim**0.5) / rows.norm(dim=1, keepdim=True)
+    for module, weight, source in ((embed, embed_w, full), (head, head_w, rows)):
+        start, _ = getattr(module, "vocab_range", (0, vocab))
+        real = max(0, min(weight.shape[0], vocab - start))
+        weight.zero_()
+        weight[:real].copy_(source[start : start + real])
+    del full, rows
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the KV cache is sized from the free memory after loading
 
 
 def read_hf_config(root: Path) -> dict[str, Any]:
