@@ -170,6 +170,9 @@ def main(argv: list[str]) -> int:
             ("spec acceptance rate", spec["acceptance_rate"]),
             ("spec tokens per verify step", spec["mean_accepted_length"]),
         ]
+    elif args.proposer != "none":  # a silent miss reads like a slow plain run
+        result["speculative"] = None
+        rows.append(("spec verify steps (none: no drafts)", 0))
     if torch.cuda.is_available():
         bandwidth = copy_bandwidth()
         step_bytes = bytes_per_step(engine, args.prompt_len + args.output_len / 2)
