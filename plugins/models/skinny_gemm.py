@@ -15,15 +15,13 @@ same tokens.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-from pathlib import Path
-from typing import Any
 
 import torch
 import triton
 import triton.language as tl
+
+from tokenloom.plugins.models import tuning_cache
 
 log = logging.getLogger("tokenloom.models")
 
@@ -137,16 +135,7 @@ Choice = tuple[int, int, int, int] | None
 _DECIDED: dict[str, Choice] = {}  # for the process, on top of the file
 
 
-def _cache_file() -> Path:
-    base = os.environ.get("TOKENLOOM_CACHE") or Path.home() / ".cache" / "tokenloom"
-    return Path(base) / "skinny-gemm.json"
-
-
-def _load_cache() -> dict[str, Any]:
-    try:
-        return dict(json.loads(_cache_file().read_text()))
-    except (OSError, ValueError):
-        return {}
+CACHE_NAME = "skinny-gemm.json"
 
 
 class SkinnyDispatch:
@@ -168,20 +157,12 @@ class SkinnyDispatch:
             f"{w.shape[0]}x{w.shape[1]}|{w.dtype}"
         )
         if key not in _DECIDED:
-            stored = _load_cache()
+            stored = tuning_cache.load(CACHE_NAME)
             if key in stored:
                 _DECIDED[key] = tuple(stored[key]) if stored[key] else None  # type: ignore[assignment]
             else:
                 _DECIDED[key] = self._measure(w)
-                stored[key] = _DECIDED[key]
-                try:  # write-then-rename: readers never see half a file
-                    target = _cache_file()
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    partial = target.with_suffix(f".{os.getpid()}.tmp")
-                    partial.write_text(json.dumps(stored, indent=1))
-                    os.replace(partial, target)
-                except OSError as err:
-                    log.warning("could not store skinny GEMM choices: %s", err)
+                tuning_cache.store(CACHE_NAME, key, _DECIDED[key])
         self.choices[key] = _DECIDED[key]
         return _DECIDED[key]
 

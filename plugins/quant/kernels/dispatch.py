@@ -11,17 +11,15 @@ runs the same kernels. Off the GPU the fixed heuristic of ``choose_config`` serv
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import torch
 import triton
 
+from tokenloom.plugins.models import tuning_cache
 from tokenloom.plugins.quant.kernels.weight_gemm import (
     SKINNY_ROWS,
     GemmConfig,
@@ -86,29 +84,15 @@ def candidates(index: int, n: int, k: int, bits: int, group: int, num_sms: int):
     return [c for c in result if c.fits(bits, group) and (bits == 4 or c.expand)]
 
 
-def _cache_file() -> Path:
-    base = os.environ.get("TOKENLOOM_CACHE") or Path.home() / ".cache" / "tokenloom"
-    return Path(base) / "weight-gemm.json"
+CACHE_NAME = "weight-gemm.json"
 
 
 def _load() -> dict[str, Any]:
-    try:
-        return dict(json.loads(_cache_file().read_text()))
-    except (OSError, ValueError):
-        return {}
+    return tuning_cache.load(CACHE_NAME)
 
 
 def _store(key: str, configs: Configs) -> None:
-    stored = _load()
-    stored[key] = [asdict(c) for c in configs]
-    try:  # write-then-rename: readers never see half a file
-        target = _cache_file()
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps(stored, indent=1))
-        os.replace(partial, target)
-    except OSError as err:
-        log.warning("could not store weight GEMM choices: %s", err)
+    tuning_cache.store(CACHE_NAME, key, [asdict(c) for c in configs])
 
 
 def choose_configs(
