@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import zmq
@@ -103,7 +103,6 @@ class ZmqFrontend(Frontend):
         }
         self.open_messages = (PingJob, HelloJob)  # answered without a session key
         self.socket: zmq.asyncio.Socket | None = None
-        self._sender: zmq.Socket | None = None  # sync view of the same socket: sends never wait
         self.connections: Connections | None = None
 
     async def serve(self) -> None:
@@ -113,10 +112,10 @@ class ZmqFrontend(Frontend):
             max_message_bytes=self.max_message_bytes,
         )  # fmt: skip
         sock.setsockopt(zmq.ROUTER_HANDOVER, 0)  # a live connection's routing id is its own
-        self._sender = zmq.Socket.shadow(sock.underlying)
         self.connections = Connections(
-            self._sender, zmq.Context.shadow(ctx.underlying), authenticated=not self.config.api_key
-        )
+            zmq.Socket.shadow(sock.underlying), zmq.Context.shadow(ctx.underlying),
+            authenticated=not self.config.api_key,
+        )  # fmt: skip
         log.info("zmq frontend: jobs at %s", self.endpoint)
         sweeper = asyncio.create_task(self._sweep_silent())
         try:
@@ -152,6 +151,8 @@ class ZmqFrontend(Frontend):
     def _on_frames(self, frames: list[Any]) -> None:
         assert self.connections is not None
         session = self.connections.session_of(frames[0].bytes, source_fd(frames[-1]))
+        if session is None:
+            return  # sent just before its connection dropped: nobody to answer
         if len(frames) != 2:
             self._send(session, JobError(None, 400, "a message is exactly one frame"))
             return
@@ -356,12 +357,20 @@ class ZmqFrontend(Frontend):
             self._send(session, msg)
 
     def _send(self, session: Session, msg: Any) -> None:
-        assert self._sender is not None and self.connections is not None
+        assert self.socket is not None and self.connections is not None
         if not self.connections.is_open(session):
             return  # its connection is gone: never to whoever holds the routing id now
-        # HWM 0: a ROUTER send never blocks; a gone client's messages are dropped.
-        with contextlib.suppress(zmq.ZMQError):
-            self._sender.send_multipart([session.identity, self.encoder.encode(msg)], zmq.NOBLOCK)
+        # HWM 0: a ROUTER send never blocks; a gone client's messages are dropped. It goes
+        # through the asyncio socket, never a synchronous shadow of it: a send processes
+        # the socket's pending commands, which can make a message readable while
+        # consuming the edge of the (edge-triggered) descriptor that the receive loop
+        # waits on; pyzmq's own send re-checks for that and wakes the receiver, a
+        # shadow's does not, and the message (a new connection's hello, say) then waits
+        # until some other connection happens to wake the loop (issue 15's lost hello).
+        frames = [session.identity, self.encoder.encode(msg)]
+        sent = cast("asyncio.Future[Any]", self.socket.send_multipart(frames, zmq.NOBLOCK))
+        if sent.done() and not sent.cancelled():
+            sent.exception()  # retrieved (a ZMQError is dropped, like a gone client's)
 
 
 def _reason(exc: BaseException) -> str:
