@@ -89,6 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     plan.set_defaults(command="plan", run=_lazy("tokenloom.entrypoints.plan"), passthrough=True)
+
+    quantize = commands.add_parser(
+        "quantize",
+        help="calibrated (GPTQ) int4 / fp8 weights into a checkpoint (see its --help)",
+        add_help=False,
+    )
+    quantize.set_defaults(
+        command="quantize", run=_lazy("tokenloom.entrypoints.quantize"), passthrough=True
+    )
     return parser
 
 

@@ -6,7 +6,10 @@ or from an fp8 checkpoint whose ``quantization_config`` says ``quant_method: fp8
 as vLLM reads it: each projection's ``weight`` (e4m3) with its per-tensor
 ``weight_scale`` (and ``input_scale`` for a static activation scheme, read but not
 used: dynamic per-token scales are at least as fine). A merged projection's parts keep
-their own scales, spread over their rows, so nothing is quantized twice. Block-wise
+their own scales, spread over their rows, so nothing is quantized twice. Checkpoints
+with one scale per output channel (``quant_method: fbgemm_fp8``: ``weight_scale [N, 1]``
+float32, dynamic per-token activations, what ``tokenloom quantize --method fp8``
+writes) load their scales as they are (``activation_scale_ub`` is not applied). Block-wise
 checkpoints (``weight_block_size``, a ``weight_scale_inv`` per block) are dequantized
 after loading and quantized again per channel, one layer at a time.
 
@@ -121,14 +124,16 @@ class Fp8Quant(WeightQuantMethod):
     name = "fp8"
     static_input = False  # the checkpoint has input_scale tensors (read, not used)
     block: tuple[int, int] | None = None  # weight_block_size of a block-wise checkpoint
+    per_channel = False  # fbgemm_fp8: weight_scale [N, 1], one per output row
 
     def prepare_model(self, model: nn.Module, hf_config: dict[str, Any]) -> None:
         qc = quantization_config(hf_config)
         if qc is None:
             return
         method = qc.get("quant_method")
-        if method != "fp8":
+        if method not in ("fp8", "fbgemm_fp8"):
             raise ValueError(f"--quant fp8: the checkpoint is quantized with {method!r}")
+        self.per_channel = method == "fbgemm_fp8"
         block = qc.get("weight_block_size")
         self.block = (int(block[0]), int(block[1])) if block else None
         self.prequantized = True
@@ -147,6 +152,11 @@ class Fp8Quant(WeightQuantMethod):
             for extra in ("part_scales", "input_scales"):
                 layer.register_parameter(
                     extra, nn.Parameter(torch.empty(parts, device=device), False)
+                )
+            if self.per_channel:
+                layer.register_parameter(
+                    "row_scales",
+                    nn.Parameter(torch.empty(layer.out_features, 1, device=device), False),
                 )
             if self.block is not None:
                 bn, bk = self.block
@@ -178,6 +188,15 @@ class Fp8Quant(WeightQuantMethod):
                 result[f"{prefix}.weight_scale_inv"] = block_slot(
                     layer.block_scales, slot, self.block
                 )
+            elif self.per_channel:  # the rows' scales: sharded with the rows, not the inputs
+                rows = slot.source if slot.source is not None and slot.source[0] == 0 else None
+                result[f"{prefix}.weight_scale"] = WeightSlot(
+                    layer.row_scales,
+                    slot.start,
+                    slot.stop,
+                    rows,
+                    slot.source_size if rows else None,
+                )
             else:
                 result[f"{prefix}.weight_scale"] = WeightSlot(layer.part_scales, part, part + 1)
             if self.static_input:
@@ -198,6 +217,10 @@ class Fp8Quant(WeightQuantMethod):
             weight, row_scales = quantize_fp8_rows(w)
             del layer.weight_fp8, layer.block_scales, layer.part_scales, layer.input_scales
             return fp8_kernel(layer, weight, row_scales)
+        if self.per_channel:
+            scales = layer.row_scales.data
+            del layer.row_scales, layer.part_scales, layer.input_scales
+            return Fp8Kernel(layer.weight_fp8.data, keep(layer, "weight_scale", scales))
         sizes = torch.tensor(layer.output_sizes, device=layer.part_scales.device)
         scales = layer.part_scales.float().repeat_interleave(sizes)[:, None].contiguous()
         del layer.part_scales, layer.input_scales
@@ -211,6 +234,7 @@ def tokenloom_register_components() -> list[ComponentSpec]:
             "quant",
             "fp8",
             Fp8Quant,
-            "fp8 e4m3 weights and activations (W8A8), per-channel and per-token scales",
+            "fp8 e4m3 weights and activations (W8A8), per-channel and per-token scales; "
+            "fp8 and fbgemm_fp8 checkpoints",
         )
     ]
