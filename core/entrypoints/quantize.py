@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -62,26 +63,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from tokenloom.checkpoints.default_model import default_model
-    from tokenloom.plugins.models.gguf import find_gguf
-    from tokenloom.plugins.models.loader import load_model, read_hf_config
-    from tokenloom.plugins.quant.calibration import quantize_sequentially, sample_calibration_tokens
-    from tokenloom.plugins.quant.gptq import Fp8Grid, Grid, Int4Grid
-    from tokenloom.plugins.quant.gptq_checkpoint import (
-        checkpoint_tensors,
-        quantization_config,
-        write_checkpoint,
-    )
+    from tokenloom.plugins.quant.calibration import sample_calibration_tokens
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     model_path = args.model or default_model()
-    gguf = find_gguf(model_path)
-    if gguf is not None:
-        from tokenloom.plugins.models.gguf.checkpoint import converted_dir
-
-        source = converted_dir(gguf)
-    else:
-        source = Path(model_path)
     started = time.perf_counter()
     sequences = sample_calibration_tokens(
         model_path, args.calibration_tokens, args.seq_len, args.seed
@@ -92,37 +78,87 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"in {sampled - started:.0f} s",
         flush=True,
     )
+    about = {
+        "calibration": "sampled from the model: temperature 1, top-p 0.95, half from "
+        "BOS, half from generic chat requests (plugins/quant/calibration.py)",
+        "seq_len": args.seq_len,
+        "seed": args.seed,
+        "sample_seconds": round(sampled - started, 1),
+    }
+    quantize_checkpoint(
+        model_path,
+        args.method,
+        Path(args.out),
+        sequences,
+        group=args.group_size,
+        damping=args.damping,
+        dtype=getattr(torch, args.dtype),
+        about=about,
+    )
+    print(
+        f"GPTQ: quantized in {time.perf_counter() - sampled:.0f} s; wrote {args.out} "
+        f"(load with --quant {args.method})"
+    )
+    return 0
+
+
+def quantize_checkpoint(
+    model_path: str,
+    method: str,
+    out: Path,
+    sequences: list[list[int]],
+    group: int = 128,
+    damping: float = 0.01,
+    dtype: Any = None,
+    about: dict[str, Any] | None = None,
+) -> None:
+    """Load ``model_path`` (directory or GGUF) in float32 on the CPU, GPTQ its
+    decoder layers for ``method`` (int4 | fp8) calibrated on ``sequences``, write the
+    checkpoint to ``out`` (dense tensors in ``dtype``, default float32)."""
+    import torch
+
+    from tokenloom.plugins.models.gguf import find_gguf
+    from tokenloom.plugins.models.loader import load_model, read_hf_config
+    from tokenloom.plugins.quant.calibration import quantize_sequentially
+    from tokenloom.plugins.quant.gptq import Fp8Grid, Grid, Int4Grid
+    from tokenloom.plugins.quant.gptq_checkpoint import (
+        checkpoint_tensors,
+        quantization_config,
+        write_checkpoint,
+    )
+
+    dtype = dtype or torch.float32
+    gguf = find_gguf(model_path)
+    if gguf is not None:
+        from tokenloom.plugins.models.gguf.checkpoint import converted_dir
+
+        source = converted_dir(gguf)
+    else:
+        source = Path(model_path)
 
     def make_grid() -> Grid:
-        return Int4Grid(args.group_size) if args.method == "int4" else Fp8Grid()
+        return Int4Grid(group) if method == "int4" else Fp8Grid()
 
+    started = time.perf_counter()
     model, _ = load_model(model_path, torch.float32, "cpu")
-    grids = quantize_sequentially(model, sequences, make_grid, args.damping)
-    quantized = time.perf_counter()
-    print(f"GPTQ: {len(grids)} layers quantized in {quantized - sampled:.0f} s", flush=True)
-    dtype = getattr(torch, args.dtype)
+    grids = quantize_sequentially(model, sequences, make_grid, damping)
     write_checkpoint(
-        Path(args.out),
+        out,
         source,
         read_hf_config(source),
         checkpoint_tensors(model, grids, dtype),
-        quantization_config(args.method, args.group_size, args.damping),
+        quantization_config(method, group, damping),
         dtype,
         {
-            "source": str(Path(model_path).name),
-            "method": f"gptq {args.method}",
-            "calibration": "sampled from the model: temperature 1, top-p 0.95, half from "
-            "BOS, half from generic chat requests (plugins/quant/calibration.py)",
+            **(about or {}),
+            "source": Path(model_path).name,
+            "method": f"gptq {method}",
             "calibration_tokens": sum(len(s) for s in sequences),
-            "seq_len": args.seq_len,
-            "seed": args.seed,
-            "damping": args.damping,
+            "damping": damping,
             "sequential": "layer by layer, and Linear by Linear inside a layer",
-            "seconds": {"sample": sampled - started, "gptq": quantized - sampled},
+            "gptq_seconds": round(time.perf_counter() - started, 1),
         },
     )
-    print(f"wrote {args.out} (load with --quant {args.method})")
-    return 0
 
 
 if __name__ == "__main__":
