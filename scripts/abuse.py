@@ -44,6 +44,7 @@ from abuse_probes import (
     probe_flood,
     probe_http_fuzz,
     probe_open_endpoints,
+    probe_refusal_burst,
     probe_soak,
     probe_zmq_frames,
 )
@@ -57,15 +58,24 @@ def _summary(row: Row) -> str:
 
 async def probe_all(args: argparse.Namespace, base: str, zmq_ep: str, pid: int | None) -> list[Row]:
     limits = httpx.Limits(max_connections=args.concurrency + 32)
+    probes = {
+        "fuzz": lambda: probe_http_fuzz(http, args.fuzz, args.max_request_body_mb),
+        "zmq": lambda: probe_zmq_frames(zmq_ep, http, args.zmq_frames),
+        "disconnects": lambda: probe_disconnects(http, args.disconnects),
+        "flood": lambda: probe_flood(http, args.concurrency),
+        "refusals": lambda: probe_refusal_burst(http, args.refusals, args.capacity),
+        "soak": lambda: probe_soak(http, pid, args.soak_s),  # before the kill: a warm engine
+        "open": lambda: probe_open_endpoints(http, pid, args.open_s),
+        "kill": lambda: probe_engine_kill(http, pid),
+    }
+    chosen = args.probes.split(",") if args.probes else list(probes)
+    if unknown := set(chosen) - set(probes):
+        raise SystemExit(f"unknown probes {sorted(unknown)}; known: {', '.join(probes)}")
+    rows = []
     async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as http:
-        rows = [await probe_http_fuzz(http, args.fuzz, args.max_request_body_mb)]
-        if zmq_ep:
-            rows.append(await probe_zmq_frames(zmq_ep, http, args.zmq_frames))
-        rows.append(await probe_disconnects(http, args.disconnects))
-        rows.append(await probe_flood(http, args.concurrency))
-        rows.append(await probe_soak(http, pid, args.soak_s))  # before the kill: a warm engine
-        rows.append(await probe_open_endpoints(http, pid, args.open_s))
-        rows.append(await probe_engine_kill(http, pid))
+        for name in probes:  # in this order whatever the order asked
+            if name in chosen and (name != "zmq" or zmq_ep):
+                rows.append(await probes[name]())
     return rows
 
 
@@ -101,6 +111,9 @@ def main() -> int:
     parser.add_argument("--zmq-frames", type=int, default=200)
     parser.add_argument("--disconnects", type=int, default=100)
     parser.add_argument("--concurrency", type=int, default=500)
+    parser.add_argument("--probes", default="", help="comma-separated subset (default: all)")
+    parser.add_argument("--refusals", type=int, default=2000, help="keep-alive refusal burst")
+    parser.add_argument("--capacity", type=int, default=24, help="running + waiting sequences")
     parser.add_argument("--soak-s", type=float, default=30.0)
     parser.add_argument("--open-s", type=float, default=5.0, help="seconds per open endpoint")
     parser.add_argument("--max-request-body-mb", type=float, default=16.0)

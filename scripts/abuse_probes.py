@@ -255,6 +255,92 @@ async def probe_flood(http: httpx.AsyncClient, concurrency: int) -> Row:
             "ok": bool(single) and slow < 0.05 and _p99(health) < 0.05}  # fmt: skip
 
 
+def keep_alive_burst(port: int, n: int, host: str = "127.0.0.1") -> dict[str, Any]:
+    """N keep-alive connections, each served one /health first (a client's warm pool),
+    then one completion request on each, sent as fast as one thread can; each timed
+    from its send to the end of its response. Raw sockets and a selector, so the client
+    adds little of its own. Returns the statuses and the sorted latencies (s)."""
+    import selectors
+
+    body = b'{"prompt": "hello", "max_tokens": 8}'
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body)
+    ) + body
+    socks = [socket.create_connection((host, port)) for _ in range(n)]
+    sel = selectors.DefaultSelector()
+    sent: dict[socket.socket, float] = {}
+    got: dict[socket.socket, bytes] = {}
+    statuses: dict[str, int] = {}
+    latencies: list[float] = []
+    try:
+        for sock in socks:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+            if not sock.recv(4096).startswith(b"HTTP/1.1 200 "):
+                raise RuntimeError("a warm-up /health failed")
+            sock.setblocking(False)
+            sel.register(sock, selectors.EVENT_READ)
+            got[sock] = b""
+        for sock in socks:
+            sent[sock] = time.perf_counter()
+            sock.send(request)
+        deadline = time.monotonic() + 60
+        while len(latencies) < n and time.monotonic() < deadline:
+            for key, _ in sel.select(1):
+                sock = key.fileobj  # type: ignore[assignment]
+                got[sock] += sock.recv(65536)
+                head, sep, rest = got[sock].partition(b"\r\n\r\n")
+                if not sep:
+                    continue
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                if len(rest) >= length:
+                    latencies.append(time.perf_counter() - sent[sock])
+                    status = head.split(b" ")[1].decode()
+                    statuses[status] = statuses.get(status, 0) + 1
+                    sel.unregister(sock)
+    finally:
+        for sock in socks:
+            sock.close()
+    return {"statuses": statuses, "latencies": sorted(latencies)}
+
+
+def _in_engine(metrics: httpx.Response) -> int:
+    """Requests running plus waiting, from a /metrics answer."""
+    total = 0.0
+    for line in metrics.text.splitlines():
+        if line.startswith(("tokenloom_num_requests_running ", "tokenloom_num_requests_waiting ")):
+            total += float(line.split()[1])
+    return int(total)
+
+
+async def probe_refusal_burst(http: httpx.AsyncClient, n: int, capacity: int) -> Row:
+    """The queue filled with ``capacity`` long requests (topped up while the engine's
+    own waiting limit refuses some of them), then ``keep_alive_burst``."""
+    port = int(str(http.base_url).rstrip("/").rsplit(":", 1)[1])
+    long = {"prompt": "fill", "max_tokens": 400, "ignore_eos": True}
+    fill: list[asyncio.Future[httpx.Response]] = []
+    try:
+        deadline = time.monotonic() + 60
+        while _in_engine(await http.get("/metrics")) < capacity:
+            if time.monotonic() > deadline:
+                return {"probe": "refusal burst", "skipped": "the queue never filled", "ok": None}
+            live = sum(not task.done() for task in fill)
+            fill += [asyncio.ensure_future(http.post("/v1/completions", json=long, timeout=600))
+                     for _ in range(capacity - live)]  # fmt: skip
+            await asyncio.sleep(0.2)
+        result = await asyncio.to_thread(keep_alive_burst, port, n)
+    finally:
+        for task in fill:
+            task.cancel()
+        await asyncio.gather(*fill, return_exceptions=True)
+    latencies = result["latencies"]
+    return {"probe": "refusal burst", "requests": n, "by_status": result["statuses"],
+            "refusal_latency": _ms(latencies),
+            "refusal_max_s": round(max(latencies, default=0.0), 3),
+            "ok": result["statuses"] == {"503": n} and _p99(latencies) < 0.05}  # fmt: skip
+
+
 async def probe_engine_kill(http: httpx.AsyncClient, server_pid: int | None) -> Row:
     engine = _engine_pid(server_pid) if server_pid else None
     if engine is None:

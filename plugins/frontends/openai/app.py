@@ -45,7 +45,13 @@ from tokenloom.plugins.frontends.openai.fast_lane import (
     Pacer,
     fast_lane_protocol,
 )
-from tokenloom.plugins.frontends.openai.info import InfoRoutes, json_response, unauthorized
+from tokenloom.plugins.frontends.openai.info import (
+    InfoRoutes,
+    _encode,
+    json_response,
+    key_matches,
+    unauthorized,
+)
 from tokenloom.plugins.frontends.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -106,8 +112,9 @@ class OpenAIApp:
         # of other requests metered, so that no burst delays /health (fast_lane.py)
         self.meter = Meter()
         info.pacer = Pacer(SLOW_RATE, 2 * SLOW_RATE)
+        refusals = {"/v1/completions": self._refusal, "/v1/chat/completions": self._refusal}
         self.http_protocol = fast_lane_protocol(
-            AutoHTTPProtocol, info.fast_answers(), self.meter, Pacer(FAST_RATE)
+            AutoHTTPProtocol, info.fast_answers(), self.meter, Pacer(FAST_RATE), refusals
         )
         self.starlette = Starlette(
             routes=[
@@ -120,6 +127,20 @@ class OpenAIApp:
                 Route("/openapi.json", info.openapi, methods=["GET"]),
             ]
         )
+
+    def _refusal(self, authorization: bytes | None) -> bytes | None:
+        """The 503 body for a generation request while the queue has no room for even
+        one sequence, if the request carries the key (else None: the route answers,
+        with its 401); for the fast lane, which has read nothing else of it."""
+        frontend = self.frontend
+        admission = frontend.admission
+        if admission.can_admit(1) or not frontend.engine.is_alive:
+            return None
+        if not key_matches(frontend.config.api_key, authorization):
+            return None
+        frontend.metrics.record_refused(503)
+        message = f"queue full: {admission.in_flight} sequences in flight, no room for more"
+        return _encode(RequestError(message, None, 503, "service_unavailable").body())
 
     # ------------------------------------------------------------------ generation routes
 

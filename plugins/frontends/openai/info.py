@@ -45,13 +45,20 @@ def _raw_json(body: bytes, status: int = 200) -> Response:
     return Response(body, status, media_type="application/json")
 
 
-def unauthorized(api_key: str | None, request: Request) -> Response | None:
-    """None if ``request`` carries ``Authorization: Bearer <api_key>`` (the scheme in
-    any case, RFC 9110) or no key is set; else the 401 response."""
+def key_matches(api_key: str | None, authorization: bytes | None) -> bool:
+    """Whether an ``Authorization`` header value is ``Bearer <api_key>`` (the scheme in
+    any case, RFC 9110), compared in constant time; True when no key is set."""
     if not api_key:
-        return None
-    scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
-    if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        return True
+    scheme, _, token = (authorization or b"").strip().partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), api_key.encode())
+
+
+def unauthorized(api_key: str | None, request: Request) -> Response | None:
+    """None if ``request`` carries the key (``key_matches``) or no key is set; else the
+    401 response."""
+    header = request.headers.get("authorization")
+    if key_matches(api_key, header.encode("latin-1") if header is not None else None):
         return None
     error = RequestError("invalid or missing API key", None, 401, "authentication_error")
     return json_response(error.body(), 401, {"WWW-Authenticate": "Bearer"})
