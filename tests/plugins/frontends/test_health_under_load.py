@@ -28,11 +28,12 @@ import pytest
 from serving_fakes import InProcessEngine, asgi_frontend
 
 LIMIT_S = 0.05  # the issue's target; printed with each run
-# What CI asserts: the issue's 50 ms is NOT met yet on the 2-core box: a 500-request served
-# burst still shows single stalls of 60-170 ms of server CPU in about half the runs (with
-# asyncio debug: single steps of ~40 ms in a few request tasks; not gen-2 GC any more,
-# see frontend.GC_THRESHOLDS). Issue 15 stays open on it; this bound catches regressions
-# towards the old 336 ms.
+# What CI asserts is a regression bound (towards the old 336 ms), not the issue's 50 ms:
+# on 2026-12-01 (evening) the 500-served burst met 50 ms of server CPU in 29 runs of 29
+# (p99 17-38 ms, load 2-5), the 2,000-refused burst in 10 of 12 (24-54 ms, load 4-5;
+# each refusal answered in the fast lane, ~35 us each, not metered). Earlier the same
+# day the 500-served burst had single 60-170 ms stalls in about half its runs; they did
+# not come back, and what removed them was not isolated (docs/reliability.md).
 REGRESSION_LIMIT_S = 0.2
 PROBE = b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n"
 
