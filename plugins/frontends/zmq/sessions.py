@@ -21,6 +21,12 @@ the socket monitor's ACCEPTED and DISCONNECTED events (both carry the descriptor
   took the id over: the old session ends the same way, and the newcomer starts a fresh
   session, unauthenticated and owning no jobs.
 
+One case stays ambiguous: a connection that dropped before any of its messages was
+read, whose last words are read only after a newer connection on its descriptor was
+accepted but before that one spoke, takes the newer connection's place, and the newer
+one's first message is then dropped (it was never seen under churn tests; it needs the
+server to lag a whole connection behind).
+
 Checking the monitor just before each send (``is_open``, a non-blocking poll of an
 inproc socket) means a reply never reaches a connection that took over the id.
 Transports without descriptors (inproc) fall back to the routing id alone.
