@@ -1,0 +1,378 @@
+"""``python -m tokenloom.bench.host``: the host's share of one decode step, on the CPU.
+
+Question (issue 16): with async scheduling the host builds step N+1 while the GPU
+runs step N, so host work is free only while it is shorter than the GPU step
+(Llama-3-8B on the H200: ~19.5 ms at 256 running sequences of ~1,500 tokens). How
+long is the host part at 64 / 256 / 512 running sequences, and where does it go?
+
+Method: the real engine (``Engine.from_config``: ``continuous`` scheduler, ``paged``
+KV manager, ``model`` executor) on the CPU with a tiny random llama, with the
+model's forward replaced by a random hidden state (and its logits, the argmax and
+the device copies timed apart as "device work": on a GPU they are kernel launches).
+``--num-running`` requests with ``--context``-token random prompts are prefilled,
+then every timed step is a steady decode step. Each component's methods are
+wrapped with accumulators for the timed steps, on this thread's CPU clock
+(``time.thread_time_ns``; ``--wall`` for ``perf_counter_ns``): on a shared box the
+wall clock also counts the time other processes hold the core, which made single
+steps of the same work vary 3x:
+
+- scheduler: ``schedule`` minus the KV manager calls made inside it;
+- KV manager: ``append`` / ``allocate`` / ``block_ids`` / ``commit`` / ``free``;
+- executor input prep: ``BatchBuilder.build`` (positions, slot mapping, block
+  table, packing; on a GPU host also the pinned staging and ~5 launches);
+- sampler host: ``Sampler._batch_for`` (the batch key) and ``count_sampled``;
+- output read: ``PendingStep.result`` (``tolist`` and the per-row lists);
+- result folding: ``update`` minus its KV calls;
+- engine glue: the rest of ``Engine.step``;
+- loop output: ``EngineOutputs`` built, msgspec-encoded, sent over a ZMQ socket;
+- frontend: receive + decode + one ``OutputProcessor.process`` per delta (the
+  detokenization ``Generation`` does), in this process (a separate one in serving).
+
+The workload is fixed by the seed, so "before" and "after" runs of a change time
+the same steps; ``--check`` prints a digest of every step's tokens for equivalence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import random
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+Ns = int
+COMPONENTS = (
+    "scheduler",
+    "kv_manager",
+    "input_prep",
+    "sampler_host",
+    "device_work",
+    "output_read",
+    "result_folding",
+    "engine_glue",
+    "loop_output",
+    "frontend",
+)
+HOST_ENGINE = (  # what the engine-core process spends per step, device work excluded
+    "scheduler",
+    "kv_manager",
+    "input_prep",
+    "sampler_host",
+    "output_read",
+    "result_folding",
+    "engine_glue",
+    "loop_output",
+)
+
+
+CLOCK = [time.thread_time_ns]  # set by ``--wall``
+
+
+class Timers:
+    """Per-step nanosecond accumulators, keyed by component."""
+
+    def __init__(self) -> None:
+        self.step: dict[str, Ns] = defaultdict(int)
+        self.last_step: Any = None  # the StepInput of the latest schedule
+
+    def wrap(self, owner: Any, name: str, component: str) -> None:
+        """Replace ``owner.name`` (an instance attribute) with a timed call."""
+        inner = getattr(owner, name)
+        step = self.step
+        clock = CLOCK[0]
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = clock()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                step[component] += clock() - started
+
+        setattr(owner, name, timed)
+
+
+IN_STEP = (  # the components timed inside ``Engine.step``
+    "scheduler",
+    "kv_manager",
+    "input_prep",
+    "sampler_host",
+    "device_work",
+    "output_read",
+    "result_folding",
+)
+
+
+def wrap_engine_steps(engine: Any, timers: Timers) -> None:
+    """Time ``schedule`` and ``update`` without their KV manager calls, and the
+    read of each step's output; keep the last built step (for the drift check)."""
+    step = timers.step
+    clock = CLOCK[0]
+    scheduler = engine.scheduler
+    executor = engine.executor
+
+    def without_kv(inner: Callable[..., Any], component: str) -> Callable[..., Any]:
+        def timed(*args: Any) -> Any:
+            kv_before = step["kv_manager"]
+            started = clock()
+            try:
+                return inner(*args)
+            finally:
+                step[component] += clock() - started - (step["kv_manager"] - kv_before)
+
+        return timed
+
+    inner_schedule = scheduler.schedule
+
+    def schedule() -> Any:
+        timers.last_step = inner_schedule()
+        return timers.last_step
+
+    scheduler.schedule = without_kv(schedule, "scheduler")
+    scheduler.update = without_kv(scheduler.update, "result_folding")
+    inner_submit = executor.submit
+
+    def submit(step_input: Any) -> Any:
+        pending = inner_submit(step_input)
+        timers.wrap(pending, "result", "output_read")
+        return pending
+
+    executor.submit = submit
+
+
+def build_engine(args: argparse.Namespace, model_dir: str) -> Any:
+    from tokenloom.config import EngineConfig
+    from tokenloom.engine.engine_core import Engine
+
+    # Requests prefilled first decode while the others prefill: room for those steps.
+    prefill_steps = -(-args.num_running * args.context // args.max_num_batched_tokens) + 1
+    final_len = args.context + prefill_steps + args.warmup + args.steps + 8
+    num_blocks = args.num_running * -(-final_len // args.block_size) + 64
+    config = EngineConfig(
+        model=model_dir,
+        device="cpu",
+        dtype="float32",
+        attention="torch",
+        max_model_len=final_len + 16,
+        block_size=args.block_size,
+        num_blocks=num_blocks,
+        max_num_seqs=args.num_running,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        async_scheduling=False,
+        enable_prefix_caching=True,
+        seed=args.seed,
+    )
+    return Engine.from_config(config)
+
+
+def stub_forward(engine: Any, timers: Timers, seed: int) -> None:
+    """The forward pass and the logits become random rows, timed as device work; so
+    do the argmax and the sampled-id copies (kernels on a GPU)."""
+    import torch
+
+    runner = engine.executor
+    hidden_size = runner.info.hidden_size
+    generator = torch.Generator().manual_seed(seed)
+
+    def forward(batch: Any) -> torch.Tensor:
+        return torch.randn(batch.num_tokens, hidden_size, generator=generator)
+
+    runner._forward = forward
+    timers.wrap(runner, "_forward", "device_work")
+    timers.wrap(runner.model, "compute_logits", "device_work")
+    sampler = runner.sampler
+    timers.wrap(sampler, "_batch_for", "sampler_host")
+    timers.wrap(sampler, "count_sampled", "sampler_host")
+    timers.wrap(runner.batches, "store_sampled_tokens", "device_work")
+    # sample() = _batch_for (host, timed above) + argmax (device): time the whole call
+    # as device work and take the nested host part back out below.
+    inner_sample = sampler.sample
+    step = timers.step
+    clock = CLOCK[0]
+
+    def sample(logits: Any, request_ids: Any) -> Any:
+        started = clock()
+        host_before = step["sampler_host"]
+        try:
+            return inner_sample(logits, request_ids)
+        finally:
+            step["device_work"] += clock() - started - (step["sampler_host"] - host_before)
+
+    sampler.sample = sample
+    timers.wrap(runner.batches, "build", "input_prep")
+
+
+def wrap_kv(engine: Any, timers: Timers) -> None:
+    for name in ("append", "allocate", "block_ids", "commit", "free", "num_cached_prefix_tokens"):
+        timers.wrap(engine.kv_cache, name, "kv_manager")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import zmq
+
+    from tokenloom.checkpoints.tiny_models import write_tiny_model
+    from tokenloom.protocols.outputs import EngineOutput, EngineOutputs
+    from tokenloom.protocols.requests import GenerateRequest
+    from tokenloom.protocols.sampling import SamplingParams
+    from tokenloom.text.output_processor import OutputProcessor
+    from tokenloom.text.tokenizer import Tokenizer
+    from tokenloom.transport.serde import Decoder, Encoder
+
+    torch.set_num_threads(1)  # host work is single-threaded; a shared box stays calmer
+    model_dir = str(
+        write_tiny_model(
+            tempfile.mkdtemp(prefix="host-bench-"),
+            "llama",
+            hidden_size=32,
+            intermediate_size=64,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=1,
+            max_position_embeddings=2 * args.context + args.warmup + args.steps + 1024,
+        )
+    )
+    engine = build_engine(args, model_dir)
+    timers = Timers()
+    stub_forward(engine, timers, args.seed)
+    wrap_kv(engine, timers)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    processor = OutputProcessor(tokenizer)
+    rng = random.Random(args.seed)
+    vocab = tokenizer.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    for index in range(args.num_running):
+        prompt = [rng.randrange(1, vocab) for _ in range(args.context)]
+        rid = f"chatcmpl-{index:08x}-{rng.getrandbits(64):016x}"  # a server-like id
+        (request,) = processor.add_request(rid, None, prompt, params, [])
+        engine.add_request(GenerateRequest(rid, request.prompt_token_ids, params))
+    prefill_started = time.perf_counter()
+    num_prefill = 0
+    started_ids: set[str] = set()
+    while len(started_ids) < args.num_running:  # until every request decodes
+        started_ids.update(delta.request_id for delta in engine.step())
+        num_prefill += 1
+    prefill_s = time.perf_counter() - prefill_started
+
+    ctx = zmq.Context()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    endpoint = f"ipc://{tempfile.mkdtemp(prefix='host-bench-')}/out"
+    pull.bind(endpoint)
+    push.connect(endpoint)
+    encoder = Encoder()
+    decoder: Decoder[Any] = Decoder(EngineOutput, 1 << 30)
+    queues: dict[str, list[Any]] = {}
+
+    per_step: dict[str, list[Ns]] = {name: [] for name in COMPONENTS + ("step_total",)}
+    digest = hashlib.sha256()
+    clock = CLOCK[0]
+    step_acc = timers.step
+    wrap_engine_steps(engine, timers)
+    for index in range(args.warmup + args.steps):
+        step_acc.clear()
+        started = clock()
+        deltas = engine.step()
+        step_wall = clock() - started
+        step_input = timers.last_step
+        step_acc["engine_glue"] += step_wall - sum(step_acc[name] for name in IN_STEP)
+        # The engine-core loop's output: one EngineOutputs per step over ZMQ.
+        o0 = clock()
+        frames = encoder.encode(EngineOutputs(deltas, time.monotonic()))
+        push.send_multipart(frames, copy=len(frames) == 1)
+        o1 = clock()
+        step_acc["loop_output"] += o1 - o0
+        # The frontend: receive, decode, route, detokenize each delta.
+        received = pull.recv_multipart(copy=False)
+        message = decoder.decode(received)
+        for delta in message.outputs:
+            queues.setdefault(delta.request_id, []).append(delta)
+            processor.process([delta])
+        step_acc["frontend"] += clock() - o1
+        total = clock() - started
+        for delta in deltas:
+            digest.update(delta.request_id.encode())
+            digest.update(bytes(str(delta.new_token_ids), "ascii"))
+        queues.clear()
+        if index >= args.warmup:
+            for name in COMPONENTS:
+                per_step[name].append(step_acc.get(name, 0))
+            per_step["step_total"].append(total)
+        if len(step_input.chunks) != args.num_running or len(deltas) != args.num_running:
+            raise RuntimeError(
+                f"step {index}: {len(step_input.chunks)} chunks, {len(deltas)} deltas; "
+                f"expected {args.num_running} decodes (the workload drifted)"
+            )
+    push.close(linger=0)
+    pull.close(linger=0)
+    ctx.term()
+    engine.shutdown()
+    medians = {name: statistics.median(v) / 1e3 for name, v in per_step.items()}
+    host_engine = [
+        sum(per_step[name][i] for name in HOST_ENGINE) for i in range(len(per_step["frontend"]))
+    ]
+    medians["engine_host_total"] = statistics.median(host_engine) / 1e3
+    return {
+        "num_running": args.num_running,
+        "context": args.context,
+        "steps": args.steps,
+        "prefill_steps": num_prefill,
+        "prefill_s": prefill_s,
+        "median_us": medians,
+        "p90_us": {name: sorted(v)[int(0.9 * (len(v) - 1))] / 1e3 for name, v in per_step.items()},
+        "tokens_digest": digest.hexdigest()[:16],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tokenloom.bench.host", description=__doc__)
+    parser.add_argument("--num-running", type=int, nargs="+", default=[64, 256, 512])
+    parser.add_argument("--context", type=int, default=1500, help="prompt tokens per request")
+    parser.add_argument("--steps", type=int, default=60, help="timed decode steps")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--runs", type=int, default=1, help="runs per size; medians of runs")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--wall", action="store_true", help="wall clock, not thread CPU time")
+    args = parser.parse_args(argv)
+    CLOCK[0] = time.perf_counter_ns if args.wall else time.thread_time_ns
+    from tokenloom.bench.common import write_json
+
+    results = []
+    for num in args.num_running:
+        runs = []
+        for _ in range(args.runs):
+            one = argparse.Namespace(**{**vars(args), "num_running": num})
+            runs.append(run(one))
+        digests = {r["tokens_digest"] for r in runs}
+        merged = dict(runs[0])
+        merged["median_us"] = {
+            k: statistics.median(r["median_us"][k] for r in runs) for k in runs[0]["median_us"]
+        }
+        merged["runs_median_us"] = [r["median_us"] for r in runs]
+        merged["tokens_digests"] = sorted(digests)
+        results.append(merged)
+    print_breakdown(results)
+    write_json(args.output_json, "host-bench.json", {"args": vars(args), "results": results})
+    return 0
+
+
+def print_breakdown(results: list[dict[str, Any]]) -> None:
+    names = list(COMPONENTS) + ["engine_host_total", "step_total"]
+    header = "component (median us/step)".ljust(30) + "".join(
+        f"{r['num_running']:>10}" for r in results
+    )
+    print(header)
+    print("-" * len(header))
+    for name in names:
+        row = name.ljust(30) + "".join(f"{r['median_us'][name]:>10.0f}" for r in results)
+        print(row)
+    print("tokens digest".ljust(30) + "".join(f"{r['tokens_digest']:>10.8}" for r in results))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
