@@ -48,7 +48,13 @@ class BatchBuilder:
         self._slots: dict[str, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
         self._arange = torch.arange(0, 0, dtype=torch.int32, device=device)
-        self._zeros = array("i", bytes(4 * 64))
+        # Host block tables of the decode path, persistent per token slot: row ``slot``
+        # holds ``self._rows[slot]`` then zeros, so a step writes only the blocks that
+        # changed since the last (a decode adds one block every ``block_size`` steps)
+        # instead of converting every table from Python ints again.
+        self._width = 0  # columns of ``_table``
+        self._table = array("i")  # [capacity * _width] int32, row-major
+        self._rows: list[list[int]] = [[] for _ in range(capacity)]
 
     # ------------------------------------------------------------------ token slots
 
@@ -61,6 +67,8 @@ class BatchBuilder:
             grown[:old] = self.last_tokens
             self.last_tokens = grown
             self._free = list(range(2 * old - 1, old - 1, -1))
+            self._table.extend(array("i", bytes(4 * old * self._width)))
+            self._rows.extend([] for _ in range(old))
         self._slots[request_id] = self._free.pop()
 
     def remove_requests(self, request_ids: list[str]) -> None:
@@ -200,16 +208,13 @@ class BatchBuilder:
         slots = self._slots
         bs = self.block_size
         num = len(chunks)
-        width = max(len(c.block_ids) for c in chunks)
-        zeros = self._zeros
-        if len(zeros) < width:
-            zeros = self._zeros = array("i", bytes(4 * width))
+        width = 0
+        rows_known = self._rows
         ids = array("i")
         positions = array("i")
         lens = array("i")
         slot_mapping = array("i")
         rows = array("i")
-        table = array("i")
         placeholders = 0
         for chunk in chunks:
             pos = chunk.start_pos
@@ -217,16 +222,23 @@ class BatchBuilder:
             token = chunk.token_ids[0]
             if token == PLACEHOLDER_TOKEN:
                 placeholders += 1
+            slot = slots[chunk.request_id]
             ids.append(token)
             positions.append(pos)
             lens.append(pos + 1)
             slot_mapping.append(blocks[pos // bs] * bs + pos % bs)
-            rows.append(slots[chunk.request_id])
-            table.extend(blocks)
-            if len(blocks) < width:
-                table.extend(zeros[: width - len(blocks)])
-        host = ids + positions + lens + slot_mapping + rows + table
-        packed = upload(torch.frombuffer(host, dtype=torch.int32), self.device)
+            rows.append(slot)
+            if len(blocks) > width:
+                width = len(blocks)
+            if blocks != rows_known[slot]:  # compares values: an aliased list is fine
+                self._write_row(slot, blocks)
+        small = ids + positions + lens + slot_mapping + rows
+        host = torch.empty(5 * num + num * width, dtype=torch.int32)
+        host[: 5 * num] = torch.frombuffer(small, dtype=torch.int32)
+        table = torch.frombuffer(self._table, dtype=torch.int32).view(-1, self._width)
+        row_index = torch.frombuffer(rows, dtype=torch.int32)
+        torch.index_select(table[:, :width], 0, row_index, out=host[5 * num :].view(num, width))
+        packed = upload(host, self.device)
         d_ids, d_pos, d_lens, d_slot, d_rows, d_table = torch.split(
             packed, [num, num, num, num, num, num * width]
         )
@@ -257,3 +269,32 @@ class BatchBuilder:
             num_seqs=num,
             sample_slots=row_slots,
         )
+
+    def _write_row(self, slot: int, blocks: list[int]) -> None:
+        """Make row ``slot`` of the host table hold ``blocks`` then zeros, writing only
+        what differs from what it held (usually one appended block)."""
+        if len(blocks) > self._width:
+            self._widen(len(blocks))
+        known = self._rows[slot]
+        base = slot * self._width
+        table = self._table
+        num_known = len(known)
+        num = len(blocks)
+        if num >= num_known and blocks[:num_known] == known:  # appended to
+            table[base + num_known : base + num] = array("i", blocks[num_known:])
+        else:  # another table (a slot reused, a preempted request resumed)
+            table[base : base + num] = array("i", blocks)
+            if num_known > num:
+                table[base + num : base + num_known] = array("i", bytes(4 * (num_known - num)))
+        self._rows[slot] = list(blocks)  # a copy: the KV manager may grow the original
+
+    def _widen(self, width: int) -> None:
+        """Give every row of the host table at least ``width`` columns."""
+        width = max(width, 2 * self._width, 16)
+        old, old_width = self._table, self._width
+        table = array("i", bytes(4 * len(self._rows) * width))
+        for slot in range(len(self._rows)):
+            table[slot * width : slot * width + old_width] = old[
+                slot * old_width : (slot + 1) * old_width
+            ]
+        self._table, self._width = table, width

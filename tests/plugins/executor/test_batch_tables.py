@@ -1,0 +1,75 @@
+"""The decode path's persistent host block table (issue 16): whatever happened to a
+request's table between steps (grown, replaced after a preemption, a slot reused by
+a shorter request, lists aliased and grown in place), each step's block table,
+slot mapping and positions equal the general path's, which builds them from scratch."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from tokenloom.plugins.executor.batch import BatchBuilder
+from tokenloom.protocols.step import ScheduledChunk, StepInput
+
+BS = 4
+
+
+def _assert_same(builder: BatchBuilder, step: StepInput) -> None:
+    fast, general = builder._build_decode(step), builder._build_general(step)
+    assert torch.equal(fast.meta.block_tables, general.meta.block_tables)
+    assert fast.meta.slot_mapping.tolist() == general.meta.slot_mapping.tolist()
+    assert fast.positions.tolist() == general.positions.tolist()
+    assert fast.meta.seq_lens.tolist() == general.meta.seq_lens.tolist()
+    assert torch.equal(fast.sample_slots, general.sample_slots)
+
+
+def test_replaced_and_shrunk_tables_leave_no_stale_blocks() -> None:
+    builder = BatchBuilder(BS, torch.device("cpu"), capacity=2)
+    builder.add_request("a")
+    builder.add_request("b")
+    long_table = [9, 8, 7, 6, 5]
+    step = StepInput(
+        1, [ScheduledChunk("a", [1], 17, long_table), ScheduledChunk("b", [2], 0, [3])]
+    )
+    _assert_same(builder, step)
+    # a resumes after a preemption on other blocks, same length: every entry rewritten
+    step = StepInput(2, [ScheduledChunk("a", [1], 17, [1, 2, 3, 4, 10])])
+    assert builder._build_decode(step).meta.block_tables.tolist() == [[1, 2, 3, 4, 10]]
+    # a's slot goes to c, whose table is shorter: the row's tail reads as padding (0)
+    builder.remove_requests(["a"])
+    builder.add_request("c")
+    step = StepInput(3, [ScheduledChunk("b", [2], 5, [3, 4]), ScheduledChunk("c", [5], 1, [11])])
+    _assert_same(builder, step)
+    assert builder._build_decode(step).meta.block_tables.tolist() == [[3, 4], [11, 0]]
+
+
+def test_random_histories_match_the_general_path() -> None:
+    rng = random.Random(7)
+    builder = BatchBuilder(BS, torch.device("cpu"), capacity=2)  # slots and width grow
+    tables: dict[str, list[int]] = {}  # live tables, grown in place as a KV manager does
+    lengths: dict[str, int] = {}
+    next_id = 0
+    for step_id in range(300):
+        if len(tables) < 6 and rng.random() < 0.3:
+            rid = f"r{next_id}"
+            next_id += 1
+            builder.add_request(rid)
+            lengths[rid] = rng.randrange(1, 40)
+            tables[rid] = [rng.randrange(1000) for _ in range(-(-lengths[rid] // BS))]
+        if tables and rng.random() < 0.1:
+            gone = rng.choice(sorted(tables))
+            del tables[gone], lengths[gone]
+            builder.remove_requests([gone])
+        if tables and rng.random() < 0.1:  # preempted and resumed: a new list
+            rid = rng.choice(sorted(tables))
+            tables[rid] = [rng.randrange(1000) for _ in tables[rid]]
+        for rid in tables:  # one decode each: a new block every BS tokens
+            lengths[rid] += 1
+            if -(-lengths[rid] // BS) > len(tables[rid]):
+                tables[rid].append(rng.randrange(1000))
+        if not tables:
+            continue
+        order = sorted(tables, key=lambda _: rng.random())
+        chunks = [ScheduledChunk(r, [1], lengths[r] - 1, tables[r]) for r in order]
+        _assert_same(builder, StepInput(step_id, chunks, num_tokens=len(chunks)))
