@@ -28,6 +28,11 @@ steps of the same work vary 3x:
 - frontend: receive + decode + one ``OutputProcessor.process`` per delta (the
   detokenization ``Generation`` does), in this process (a separate one in serving).
 
+On a GPU host (``--device cuda --model llama-3-8b --wall``) the forward is real and
+async scheduling on, as served: the same rows then time the host's share there,
+"device work" is the time spent launching, and "output read" includes the wait for
+the GPU (the host's idle time per step: > 0 means the host work is hidden).
+
 The workload is fixed by the seed, so "before" and "after" runs of a change time
 the same steps; ``--check`` prints a digest of every step's tokens for equivalence.
 """
@@ -35,7 +40,10 @@ the same steps; ``--check`` prints a digest of every step's tokens for equivalen
 from __future__ import annotations
 
 import argparse
+import cProfile
+import gc
 import hashlib
+import pstats
 import random
 import statistics
 import tempfile
@@ -150,27 +158,30 @@ def build_engine(args: argparse.Namespace, model_dir: str) -> Any:
     # Requests prefilled first decode while the others prefill: room for those steps.
     prefill_steps = -(-args.num_running * args.context // args.max_num_batched_tokens) + 1
     final_len = args.context + prefill_steps + args.warmup + args.steps + 8
-    num_blocks = args.num_running * -(-final_len // args.block_size) + 64
+    cpu = args.device == "cpu"
     config = EngineConfig(
         model=model_dir,
-        device="cpu",
-        dtype="float32",
-        attention="torch",
+        device=args.device,
+        dtype="float32" if cpu else "auto",
+        attention="torch" if cpu else "auto",
+        load_format="random" if args.model else "auto",
         max_model_len=final_len + 16,
         block_size=args.block_size,
-        num_blocks=num_blocks,
+        # On the GPU the pool is sized from memory (a preemption stops the run).
+        num_blocks=args.num_running * -(-final_len // args.block_size) + 64 if cpu else None,
         max_num_seqs=args.num_running,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        async_scheduling=False,
+        async_scheduling=None if not cpu else False,  # CUDA: async, as served
         enable_prefix_caching=True,
         seed=args.seed,
     )
     return Engine.from_config(config)
 
 
-def stub_forward(engine: Any, timers: Timers, seed: int) -> None:
-    """The forward pass and the logits become random rows, timed as device work; so
-    do the argmax and the sampled-id copies (kernels on a GPU)."""
+def stub_forward(engine: Any, timers: Timers, seed: int, stub: bool = True) -> None:
+    """With ``stub``, the forward pass and the logits become random rows, timed as
+    device work; so do the argmax and the sampled-id copies (kernels on a GPU).
+    Without (``--device cuda``), the same calls time the host's launches."""
     import torch
 
     runner = engine.executor
@@ -180,7 +191,8 @@ def stub_forward(engine: Any, timers: Timers, seed: int) -> None:
     def forward(batch: Any) -> torch.Tensor:
         return torch.randn(batch.num_tokens, hidden_size, generator=generator)
 
-    runner._forward = forward
+    if stub:
+        runner._forward = forward
     timers.wrap(runner, "_forward", "device_work")
     timers.wrap(runner.model, "compute_logits", "device_work")
     sampler = runner.sampler
@@ -214,6 +226,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import zmq
 
+    from tokenloom.bench.common import _shape_or_dir
     from tokenloom.checkpoints.tiny_models import write_tiny_model
     from tokenloom.protocols.outputs import EngineOutput, EngineOutputs
     from tokenloom.protocols.requests import GenerateRequest
@@ -223,21 +236,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from tokenloom.transport.serde import Decoder, Encoder
 
     torch.set_num_threads(1)  # host work is single-threaded; a shared box stays calmer
-    model_dir = str(
-        write_tiny_model(
-            tempfile.mkdtemp(prefix="host-bench-"),
-            "llama",
-            hidden_size=32,
-            intermediate_size=64,
-            num_layers=1,
-            num_heads=2,
-            num_kv_heads=1,
-            max_position_embeddings=2 * args.context + args.warmup + args.steps + 1024,
+    if args.model:
+        model_dir = _shape_or_dir(args.model)
+    else:
+        model_dir = str(
+            write_tiny_model(
+                tempfile.mkdtemp(prefix="host-bench-"),
+                "llama",
+                hidden_size=32,
+                intermediate_size=64,
+                num_layers=1,
+                num_heads=2,
+                num_kv_heads=1,
+                max_position_embeddings=2 * args.context + args.warmup + args.steps + 1024,
+            )
         )
-    )
     engine = build_engine(args, model_dir)
     timers = Timers()
-    stub_forward(engine, timers, args.seed)
+    stub_forward(engine, timers, args.seed, stub=args.device == "cpu")
     wrap_kv(engine, timers)
     tokenizer = Tokenizer.from_dir(model_dir)
     processor = OutputProcessor(tokenizer)
@@ -271,8 +287,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     clock = CLOCK[0]
     step_acc = timers.step
     wrap_engine_steps(engine, timers)
+    profiler = cProfile.Profile() if args.profile else None
+    gc_ns: dict[int, list[Ns]] = {0: [], 1: [], 2: []}  # per collection, by generation
+    gc_started = [0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            gc_started[0] = time.perf_counter_ns()
+        else:
+            gc_ns[info["generation"]].append(time.perf_counter_ns() - gc_started[0])
+
     for index in range(args.warmup + args.steps):
         step_acc.clear()
+        if index == args.warmup:
+            gc.callbacks.append(on_gc)
+            if profiler is not None:
+                profiler.enable()
         started = clock()
         deltas = engine.step()
         step_wall = clock() - started
@@ -305,6 +335,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"step {index}: {len(step_input.chunks)} chunks, {len(deltas)} deltas; "
                 f"expected {args.num_running} decodes (the workload drifted)"
             )
+    gc.callbacks.remove(on_gc)
+    if profiler is not None:
+        profiler.disable()
+        print(f"cProfile of the {args.steps} timed steps at {args.num_running} running:")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
     push.close(linger=0)
     pull.close(linger=0)
     ctx.term()
@@ -323,6 +358,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "median_us": medians,
         "p90_us": {name: sorted(v)[int(0.9 * (len(v) - 1))] / 1e3 for name, v in per_step.items()},
         "tokens_digest": digest.hexdigest()[:16],
+        # Collections during the timed steps (engine and frontend work together here;
+        # wall time, inside whichever component allocated at the moment).
+        "gc": {
+            f"gen{gen}": {
+                "count": len(v),
+                "total_ms": sum(v) / 1e6,
+                "max_ms": max(v, default=0) / 1e6,
+            }
+            for gen, v in gc_ns.items()
+        },
     }
 
 
@@ -336,7 +381,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--model",
+        default="",
+        help="a model shape (llama-3-8b) or directory, random weights; default: a tiny llama",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu: forward stubbed; cuda: the real forward, async scheduling (use --wall)",
+    )
     parser.add_argument("--output-json", default=None)
+    parser.add_argument(
+        "--profile", type=int, default=0, help="print cProfile's top N functions (tottime)"
+    )
     parser.add_argument("--wall", action="store_true", help="wall clock, not thread CPU time")
     args = parser.parse_args(argv)
     CLOCK[0] = time.perf_counter_ns if args.wall else time.thread_time_ns
