@@ -77,6 +77,7 @@ HOST_ENGINE = (  # what the engine-core process spends per step, device work exc
 )
 
 
+DEFAULT_GC_THRESHOLD = gc.get_threshold()
 CLOCK = [time.thread_time_ns]  # set by ``--wall``
 
 
@@ -288,6 +289,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     step_acc = timers.step
     wrap_engine_steps(engine, timers)
     profiler = cProfile.Profile() if args.profile else None
+    if args.gc_threshold:  # what a tuned engine process would do after start-up
+        gc.freeze()
+        gc.set_threshold(args.gc_threshold, 10, 10)
     gc_ns: dict[int, list[Ns]] = {0: [], 1: [], 2: []}  # per collection, by generation
     gc_started = [0]
 
@@ -336,6 +340,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"expected {args.num_running} decodes (the workload drifted)"
             )
     gc.callbacks.remove(on_gc)
+    if args.gc_threshold:
+        gc.unfreeze()
+        gc.set_threshold(*DEFAULT_GC_THRESHOLD)
     if profiler is not None:
         profiler.disable()
         print(f"cProfile of the {args.steps} timed steps at {args.num_running} running:")
@@ -394,6 +401,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-json", default=None)
     parser.add_argument(
         "--profile", type=int, default=0, help="print cProfile's top N functions (tottime)"
+    )
+    parser.add_argument(
+        "--gc-threshold",
+        type=int,
+        default=0,
+        help="freeze the start-up objects and set gc's gen-0 threshold (0: Python's default)",
     )
     parser.add_argument("--wall", action="store_true", help="wall clock, not thread CPU time")
     args = parser.parse_args(argv)
