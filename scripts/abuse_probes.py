@@ -334,6 +334,9 @@ async def probe_refusal_burst(http: httpx.AsyncClient, n: int, capacity: int) ->
         for task in fill:
             task.cancel()
         await asyncio.gather(*fill, return_exceptions=True)
+        deadline = time.monotonic() + 60  # the aborted fill drains before the next probe
+        while _in_engine(await http.get("/metrics")) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
     latencies = result["latencies"]
     return {"probe": "refusal burst", "requests": n, "by_status": result["statuses"],
             "refusal_latency": _ms(latencies),
