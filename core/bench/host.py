@@ -40,6 +40,7 @@ the same steps; ``--check`` prints a digest of every step's tokens for equivalen
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import hashlib
@@ -77,7 +78,6 @@ HOST_ENGINE = (  # what the engine-core process spends per step, device work exc
 )
 
 
-DEFAULT_GC_THRESHOLD = gc.get_threshold()
 CLOCK = [time.thread_time_ns]  # set by ``--wall``
 
 
@@ -253,6 +253,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
         )
     engine = build_engine(args, model_dir)
+    tuned_gc = contextlib.ExitStack()
+    if args.engine_gc:  # as the served engine-core process runs, from before any request
+        from tokenloom.engine.loop import engine_gc
+
+        tuned_gc.enter_context(engine_gc())
     timers = Timers()
     stub_forward(engine, timers, args.seed, stub=args.device == "cpu")
     wrap_kv(engine, timers)
@@ -289,9 +294,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     step_acc = timers.step
     wrap_engine_steps(engine, timers)
     profiler = cProfile.Profile() if args.profile else None
-    if args.gc_threshold:  # what a tuned engine process would do after start-up
-        gc.freeze()
-        gc.set_threshold(args.gc_threshold, 10, 10)
     gc_ns: dict[int, list[Ns]] = {0: [], 1: [], 2: []}  # per collection, by generation
     gc_started = [0]
 
@@ -340,9 +342,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"expected {args.num_running} decodes (the workload drifted)"
             )
     gc.callbacks.remove(on_gc)
-    if args.gc_threshold:
-        gc.unfreeze()
-        gc.set_threshold(*DEFAULT_GC_THRESHOLD)
+    tuned_gc.close()
     if profiler is not None:
         profiler.disable()
         print(f"cProfile of the {args.steps} timed steps at {args.num_running} running:")
@@ -403,10 +403,10 @@ def main(argv: list[str] | None = None) -> int:
         "--profile", type=int, default=0, help="print cProfile's top N functions (tottime)"
     )
     parser.add_argument(
-        "--gc-threshold",
-        type=int,
-        default=0,
-        help="freeze the start-up objects and set gc's gen-0 threshold (0: Python's default)",
+        "--python-gc",
+        dest="engine_gc",
+        action="store_false",
+        help="Python's default GC thresholds, not the served engine's (engine.loop.engine_gc)",
     )
     parser.add_argument("--wall", action="store_true", help="wall clock, not thread CPU time")
     args = parser.parse_args(argv)
