@@ -172,7 +172,8 @@ def build_engine(args: argparse.Namespace, model_dir: str) -> Any:
         num_blocks=args.num_running * -(-final_len // args.block_size) + 64 if cpu else None,
         max_num_seqs=args.num_running,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        async_scheduling=None if not cpu else False,  # CUDA: async, as served
+        # CUDA: async, as served; the CPU: synchronous unless --async-scheduling.
+        async_scheduling=True if args.async_scheduling else (None if not cpu else False),
         enable_prefix_caching=True,
         seed=args.seed,
     )
@@ -401,6 +402,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-json", default=None)
     parser.add_argument(
         "--profile", type=int, default=0, help="print cProfile's top N functions (tottime)"
+    )
+    parser.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="pipelined steps on the CPU too (the order of work a GPU host runs)",
     )
     parser.add_argument(
         "--python-gc",
