@@ -93,11 +93,17 @@ class BatchBuilder:
         chunks = step.chunks
         if chunks and all(c.sample and len(c.token_ids) == 1 for c in chunks):
             return self._build_decode(step)
-        return self._build_general(step)
+        slots = self._slots
+        return self._build_general(step, not all(c.request_id in slots for c in chunks))
 
-    def _build_general(self, step: StepInput) -> FlatBatch:
+    def _build_general(self, step: StepInput, from_scratch: bool = True) -> FlatBatch:
+        """Any step. The block table comes from the persistent host rows (as in the
+        decode path), or, ``from_scratch`` (a chunk of a request without a token slot),
+        from the chunks' flat block lists, placed on the device."""
         chunks = step.chunks
         slots = self._slots
+        rows_known = self._rows
+        rows = array("i")
         ids: list[int] = []
         starts: list[int] = []
         qlens: list[int] = []
@@ -116,7 +122,13 @@ class BatchBuilder:
             qlens.append(q)
             starts.append(chunk.start_pos)
             blens.append(len(chunk.block_ids))
-            blocks += chunk.block_ids
+            if from_scratch:
+                blocks += chunk.block_ids
+            else:
+                slot = slots[chunk.request_id]
+                rows.append(slot)
+                if chunk.block_ids != rows_known[slot]:
+                    self._write_row(slot, chunk.block_ids)
             end = chunk.start_pos + q
             if end > max_seq:
                 max_seq = end
@@ -130,11 +142,21 @@ class BatchBuilder:
                 sample_slots.append(slots[chunk.request_id])
                 sample_ids.append(chunk.request_id)
         num_tokens, num_seqs = len(ids), len(chunks)
-        host = torch.tensor(
-            ids + starts + qlens + blens + sample_rows + sample_slots + fill_rows + fill_slots
-            + blocks,
-            dtype=torch.int32,
-        )  # fmt: skip
+        max_blocks = max(blens) if blens else 0
+        gathered = 0 if from_scratch or not max_blocks else num_seqs * max_blocks
+        small = ids + starts + qlens + blens + sample_rows + sample_slots + fill_rows + fill_slots
+        if gathered:  # the rows' tables follow the small fields, padded to max_blocks
+            host = torch.empty(len(small) + gathered, dtype=torch.int32)
+            host[: len(small)] = torch.tensor(small, dtype=torch.int32)
+            table = torch.frombuffer(self._table, dtype=torch.int32).view(-1, self._width)
+            torch.index_select(
+                table[:, :max_blocks],
+                0,
+                torch.frombuffer(rows, dtype=torch.int32),
+                out=host[len(small) :].view(num_seqs, max_blocks),
+            )
+        else:
+            host = torch.tensor(small + blocks, dtype=torch.int32)
         packed = upload(host, self.device)
         num_rows, num_sample, num_fill = len(sample_rows), len(sample_slots), len(fill_rows)
         d_ids, d_starts, d_qlens, d_blens, d_sample, d_slots, d_fill, d_fill_slots, d_blocks = (
@@ -149,7 +171,7 @@ class BatchBuilder:
                     num_sample,
                     num_fill,
                     num_fill,
-                    len(blocks),
+                    gathered or len(blocks),
                 ],
             )  # fmt: skip
         )
@@ -165,8 +187,10 @@ class BatchBuilder:
         offsets = torch.arange(num_tokens, device=self.device, dtype=torch.int32)
         positions = (d_starts[token_seq] + offsets - query_start_loc[token_seq]).long()
 
-        max_blocks = max(blens) if blens else 0
-        block_tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int32, device=self.device)
+        if gathered:
+            block_tables = d_blocks.view(num_seqs, max_blocks)
+        else:
+            block_tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int32, device=self.device)
         if blocks:
             block_start = torch.zeros(num_seqs, dtype=torch.int64, device=self.device)
             block_start[1:] = torch.cumsum(d_blens[:-1], 0)

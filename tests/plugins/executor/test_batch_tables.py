@@ -1,7 +1,8 @@
-"""The decode path's persistent host block table (issue 16): whatever happened to a
-request's table between steps (grown, replaced after a preemption, a slot reused by
-a shorter request, lists aliased and grown in place), each step's block table,
-slot mapping and positions equal the general path's, which builds them from scratch."""
+"""The persistent host block table (issue 16): whatever happened to a request's
+table between steps (grown, replaced after a preemption, a slot reused by a shorter
+request, lists aliased and grown in place), each step's block table, slot mapping
+and positions, from the decode path or the general path's rows, equal those the
+general path builds from the chunks' block lists alone."""
 
 from __future__ import annotations
 
@@ -16,7 +17,17 @@ BS = 4
 
 
 def _assert_same(builder: BatchBuilder, step: StepInput) -> None:
-    fast, general = builder._build_decode(step), builder._build_general(step)
+    """The persistent rows' batches (decode path when every chunk is one sampling
+    token, the general path's rows otherwise) equal the from-scratch general path."""
+    general = builder._build_general(step, from_scratch=True)
+    if all(c.sample and len(c.token_ids) == 1 for c in step.chunks):
+        fast = builder._build_decode(step)
+    else:
+        fast = builder._build_general(step, from_scratch=False)
+        assert fast.input_ids.tolist() == general.input_ids.tolist()
+        assert fast.meta.query_start_loc.tolist() == general.meta.query_start_loc.tolist()
+        assert fast.sample_index is not None and general.sample_index is not None
+        assert fast.sample_index.tolist() == general.sample_index.tolist()
     assert torch.equal(fast.meta.block_tables, general.meta.block_tables)
     assert fast.meta.slot_mapping.tolist() == general.meta.slot_mapping.tolist()
     assert fast.positions.tolist() == general.positions.tolist()
@@ -71,8 +82,14 @@ def test_random_histories_match_the_general_path() -> None:
         if not tables:
             continue
         order = sorted(tables, key=lambda _: rng.random())
-        chunks = [ScheduledChunk(r, [1], lengths[r] - 1, tables[r]) for r in order]
-        _assert_same(builder, StepInput(step_id, chunks, num_tokens=len(chunks)))
+        chunks = []
+        for r in order:
+            q = 1 if rng.random() < 0.7 else rng.randrange(1, 5)  # else a prefill chunk
+            chunks.append(
+                ScheduledChunk(r, [1] * q, lengths[r] - q, tables[r], q == 1 or rng.random() < 0.5)
+            )
+        num_tokens = sum(len(c.token_ids) for c in chunks)
+        _assert_same(builder, StepInput(step_id, chunks, num_tokens=num_tokens))
 
 
 def _greedy_tokens(model_dir: str) -> tuple[dict[str, list[int]], int]:
