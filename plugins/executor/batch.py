@@ -145,21 +145,25 @@ class BatchBuilder:
         max_blocks = max(blens) if blens else 0
         gathered = 0 if from_scratch or not max_blocks else num_seqs * max_blocks
         small = ids + starts + qlens + blens + sample_rows + sample_slots + fill_rows + fill_slots
-        if gathered:  # the rows' tables follow the small fields, padded to max_blocks
-            host = torch.empty(len(small) + gathered, dtype=torch.int32)
+        # The rows' tables (padded to max_blocks) follow the small fields, from a
+        # 16-byte boundary: attention kernels get a table as aligned as a fresh tensor
+        # (Triton specializes on pointer alignment; a new variant would compile mid-run).
+        pad = -len(small) % 4 if gathered else 0
+        if gathered:
+            host = torch.empty(len(small) + pad + gathered, dtype=torch.int32)
             host[: len(small)] = torch.tensor(small, dtype=torch.int32)
             table = torch.frombuffer(self._table, dtype=torch.int32).view(-1, self._width)
             torch.index_select(
                 table[:, :max_blocks],
                 0,
                 torch.frombuffer(rows, dtype=torch.int32),
-                out=host[len(small) :].view(num_seqs, max_blocks),
+                out=host[len(small) + pad :].view(num_seqs, max_blocks),
             )
         else:
             host = torch.tensor(small + blocks, dtype=torch.int32)
         packed = upload(host, self.device)
         num_rows, num_sample, num_fill = len(sample_rows), len(sample_slots), len(fill_rows)
-        d_ids, d_starts, d_qlens, d_blens, d_sample, d_slots, d_fill, d_fill_slots, d_blocks = (
+        d_ids, d_starts, d_qlens, d_blens, d_sample, d_slots, d_fill, d_fill_slots, _, d_blocks = (
             torch.split(
                 packed,
                 [
@@ -171,6 +175,7 @@ class BatchBuilder:
                     num_sample,
                     num_fill,
                     num_fill,
+                    pad,
                     gathered or len(blocks),
                 ],
             )  # fmt: skip

@@ -24,6 +24,9 @@ def _assert_same(builder: BatchBuilder, step: StepInput) -> None:
         fast = builder._build_decode(step)
     else:
         fast = builder._build_general(step, from_scratch=False)
+        # As aligned as the fresh tensor the from-scratch path makes (Triton specializes
+        # kernels on 16-byte pointer alignment).
+        assert fast.meta.block_tables.data_ptr() % 16 == 0
         assert fast.input_ids.tolist() == general.input_ids.tolist()
         assert fast.meta.query_start_loc.tolist() == general.meta.query_start_loc.tolist()
         assert fast.sample_index is not None and general.sample_index is not None
