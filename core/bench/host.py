@@ -153,6 +153,7 @@ def wrap_engine_steps(engine: Any, timers: Timers) -> None:
 
 
 def build_engine(args: argparse.Namespace, model_dir: str) -> Any:
+    from tokenloom.checkpoints.model_shapes import is_shape_name
     from tokenloom.config import EngineConfig
     from tokenloom.engine.engine_core import Engine
 
@@ -165,7 +166,7 @@ def build_engine(args: argparse.Namespace, model_dir: str) -> Any:
         device=args.device,
         dtype="float32" if cpu else "auto",
         attention="torch" if cpu else "auto",
-        load_format="random" if args.model else "auto",
+        load_format="random" if args.model and is_shape_name(args.model) else "auto",
         max_model_len=final_len + 16,
         block_size=args.block_size,
         # On the GPU the pool is sized from memory (a preemption stops the run).
