@@ -49,12 +49,13 @@ import random
 import statistics
 import tempfile
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
 Ns = int
 COMPONENTS = (
+    "loop_input",
     "scheduler",
     "kv_manager",
     "input_prep",
@@ -67,6 +68,7 @@ COMPONENTS = (
     "frontend",
 )
 HOST_ENGINE = (  # what the engine-core process spends per step, device work excluded
+    "loop_input",
     "scheduler",
     "kv_manager",
     "input_prep",
@@ -291,6 +293,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     queues: dict[str, list[Any]] = {}
 
     per_step: dict[str, list[Ns]] = {name: [] for name in COMPONENTS + ("step_total",)}
+    mixed_steps: list[bool] = []  # per timed step: a prefill chunk joined the decodes
     digest = hashlib.sha256()
     clock = CLOCK[0]
     step_acc = timers.step
@@ -305,8 +308,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         else:
             gc_ns[info["generation"]].append(time.perf_counter_ns() - gc_started[0])
 
+    live = deque(sorted(started_ids))  # the next to go with --churn first
+    made = args.num_running
     for index in range(args.warmup + args.steps):
         step_acc.clear()
+        aborted: list[Any] = []
+        if args.churn and index % args.churn == args.churn - 1:
+            # One request leaves (an abort, as a stop string or a gone client makes) and
+            # a new one arrives: its prefill makes the next step a mixed one.
+            rid = f"chatcmpl-{made:08x}-{rng.getrandbits(64):016x}"
+            made += 1
+            prompt = [rng.randrange(1, vocab) for _ in range(args.context)]
+            (request,) = processor.add_request(rid, None, prompt, params, [])  # frontend's
+            c0 = clock()  # the engine's part: the abort and the new request's intake
+            aborted = engine.abort([live.popleft()])
+            engine.add_request(GenerateRequest(rid, request.prompt_token_ids, params))
+            step_acc["loop_input"] += clock() - c0
+            live.append(rid)
         if index == args.warmup:
             gc.callbacks.append(on_gc)
             if profiler is not None:
@@ -318,7 +336,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         step_acc["engine_glue"] += step_wall - sum(step_acc[name] for name in IN_STEP)
         # The engine-core loop's output: one EngineOutputs per step over ZMQ.
         o0 = clock()
-        frames = encoder.encode(EngineOutputs(deltas, time.monotonic()))
+        frames = encoder.encode(EngineOutputs(aborted + deltas, time.monotonic()))
         push.send_multipart(frames, copy=len(frames) == 1)
         o1 = clock()
         step_acc["loop_output"] += o1 - o0
@@ -334,11 +352,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             digest.update(delta.request_id.encode())
             digest.update(bytes(str(delta.new_token_ids), "ascii"))
         queues.clear()
+        mixed = step_input.num_tokens > len(step_input.chunks)
         if index >= args.warmup:
             for name in COMPONENTS:
                 per_step[name].append(step_acc.get(name, 0))
             per_step["step_total"].append(total)
-        if len(step_input.chunks) != args.num_running or len(deltas) != args.num_running:
+            mixed_steps.append(mixed)
+        if args.churn:  # the sizes move by one around an abort; a drift stays caught
+            if not args.num_running - 1 <= len(step_input.chunks) <= args.num_running:
+                raise RuntimeError(f"step {index}: {len(step_input.chunks)} chunks")
+        elif len(step_input.chunks) != args.num_running or len(deltas) != args.num_running:
             raise RuntimeError(
                 f"step {index}: {len(step_input.chunks)} chunks, {len(deltas)} deltas; "
                 f"expected {args.num_running} decodes (the workload drifted)"
@@ -358,6 +381,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sum(per_step[name][i] for name in HOST_ENGINE) for i in range(len(per_step["frontend"]))
     ]
     medians["engine_host_total"] = statistics.median(host_engine) / 1e3
+    mixed_medians = {}
+    if any(mixed_steps):
+        for name, values in (*per_step.items(), ("engine_host_total", host_engine)):
+            picked = [v for v, m in zip(values, mixed_steps, strict=True) if m]
+            mixed_medians[name] = statistics.median(picked) / 1e3
     return {
         "num_running": args.num_running,
         "context": args.context,
@@ -365,6 +393,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "prefill_steps": num_prefill,
         "prefill_s": prefill_s,
         "median_us": medians,
+        "num_mixed_steps": sum(mixed_steps),
+        "mixed_median_us": mixed_medians,  # over the steps with a prefill chunk only
         "p90_us": {name: sorted(v)[int(0.9 * (len(v) - 1))] / 1e3 for name, v in per_step.items()},
         "tokens_digest": digest.hexdigest()[:16],
         # Collections during the timed steps (engine and frontend work together here;
@@ -405,6 +435,12 @@ def main(argv: list[str] | None = None) -> int:
         "--profile", type=int, default=0, help="print cProfile's top N functions (tottime)"
     )
     parser.add_argument(
+        "--churn",
+        type=int,
+        default=0,
+        help="every N steps one request is aborted and a new prompt arrives (0: none)",
+    )
+    parser.add_argument(
         "--async-scheduling",
         action="store_true",
         help="pipelined steps on the CPU too (the order of work a GPU host runs)",
@@ -432,6 +468,11 @@ def main(argv: list[str] | None = None) -> int:
             k: statistics.median(r["median_us"][k] for r in runs) for k in runs[0]["median_us"]
         }
         merged["runs_median_us"] = [r["median_us"] for r in runs]
+        if runs[0]["mixed_median_us"]:
+            merged["mixed_median_us"] = {
+                k: statistics.median(r["mixed_median_us"][k] for r in runs)
+                for k in runs[0]["mixed_median_us"]
+            }
         merged["tokens_digests"] = sorted(digests)
         results.append(merged)
     print_breakdown(results)
@@ -449,6 +490,11 @@ def print_breakdown(results: list[dict[str, Any]]) -> None:
     for name in names:
         row = name.ljust(30) + "".join(f"{r['median_us'][name]:>10.0f}" for r in results)
         print(row)
+    if all(r["mixed_median_us"] for r in results):  # --churn
+        print("steps with a prefill chunk only (median us/step):")
+        for name in names:
+            row = name.ljust(30) + "".join(f"{r['mixed_median_us'][name]:>10.0f}" for r in results)
+            print(row)
     print("tokens digest".ljust(30) + "".join(f"{r['tokens_digest']:>10.8}" for r in results))
 
 
