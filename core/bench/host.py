@@ -35,7 +35,8 @@ async scheduling on, as served: the same rows then time the host's share there,
 the host work is hidden behind the GPU's).
 
 The workload is fixed by the seed, so "before" and "after" runs of a change time
-the same steps; ``--check`` prints a digest of every step's tokens for equivalence.
+the same steps; the digest of every step's deltas (request ids and tokens) printed
+under the table says whether they produced the same output.
 """
 
 from __future__ import annotations
@@ -50,122 +51,20 @@ import random
 import statistics
 import tempfile
 import time
-from collections import defaultdict, deque
-from collections.abc import Callable
+from collections import deque
 from typing import Any
 
-Ns = int
-COMPONENTS = (
-    "loop_input",
-    "scheduler",
-    "kv_manager",
-    "input_prep",
-    "sampler_host",
-    "device_work",
-    "output_read",
-    "result_folding",
-    "engine_glue",
-    "loop_output",
-    "frontend",
-    "gpu_wait",
+from tokenloom.bench.host_timers import (
+    CLOCK,
+    COMPONENTS,
+    HOST_ENGINE,
+    IN_STEP,
+    Ns,
+    Timers,
+    stub_forward,
+    wrap_engine_steps,
+    wrap_kv,
 )
-HOST_ENGINE = (  # what the engine-core process spends per step, device work excluded
-    "loop_input",
-    "scheduler",
-    "kv_manager",
-    "input_prep",
-    "sampler_host",
-    "output_read",
-    "result_folding",
-    "engine_glue",
-    "loop_output",
-)
-
-
-CLOCK = [time.thread_time_ns]  # set by ``--wall``
-
-
-class Timers:
-    """Per-step nanosecond accumulators, keyed by component."""
-
-    def __init__(self) -> None:
-        self.step: dict[str, Ns] = defaultdict(int)
-        self.last_step: Any = None  # the StepInput of the latest schedule
-
-    def wrap(self, owner: Any, name: str, component: str) -> None:
-        """Replace ``owner.name`` (an instance attribute) with a timed call."""
-        inner = getattr(owner, name)
-        step = self.step
-        clock = CLOCK[0]
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            started = clock()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                step[component] += clock() - started
-
-        setattr(owner, name, timed)
-
-
-IN_STEP = (  # the components timed inside ``Engine.step``
-    "scheduler",
-    "kv_manager",
-    "input_prep",
-    "sampler_host",
-    "device_work",
-    "output_read",
-    "result_folding",
-    "gpu_wait",
-)
-
-
-def wrap_engine_steps(engine: Any, timers: Timers) -> None:
-    """Time ``schedule`` and ``update`` without their KV manager calls, and the
-    read of each step's output; keep the last built step (for the drift check)."""
-    step = timers.step
-    clock = CLOCK[0]
-    scheduler = engine.scheduler
-    executor = engine.executor
-
-    def without_kv(inner: Callable[..., Any], component: str) -> Callable[..., Any]:
-        def timed(*args: Any) -> Any:
-            kv_before = step["kv_manager"]
-            started = clock()
-            try:
-                return inner(*args)
-            finally:
-                step[component] += clock() - started - (step["kv_manager"] - kv_before)
-
-        return timed
-
-    inner_schedule = scheduler.schedule
-
-    def schedule() -> Any:
-        timers.last_step = inner_schedule()
-        return timers.last_step
-
-    scheduler.schedule = without_kv(schedule, "scheduler")
-    scheduler.update = without_kv(scheduler.update, "result_folding")
-    inner_submit = executor.submit
-
-    def submit(step_input: Any) -> Any:
-        pending = inner_submit(step_input)
-        timers.wrap(pending, "result", "output_read")
-        done = getattr(pending, "_done", None)  # a CUDA event: the sampled ids' copy
-        if done is not None:  # wait for it first, as gpu_wait, then read as usual
-            read = pending.result
-
-            def result() -> Any:
-                started = clock()
-                done.synchronize()
-                step["gpu_wait"] += clock() - started
-                return read()
-
-            pending.result = result
-        return pending
-
-    executor.submit = submit
 
 
 def build_engine(args: argparse.Namespace, model_dir: str) -> Any:
@@ -195,50 +94,6 @@ def build_engine(args: argparse.Namespace, model_dir: str) -> Any:
         seed=args.seed,
     )
     return Engine.from_config(config)
-
-
-def stub_forward(engine: Any, timers: Timers, seed: int, stub: bool = True) -> None:
-    """With ``stub``, the forward pass and the logits become random rows, timed as
-    device work; so do the argmax and the sampled-id copies (kernels on a GPU).
-    Without (``--device cuda``), the same calls time the host's launches."""
-    import torch
-
-    runner = engine.executor
-    hidden_size = runner.info.hidden_size
-    generator = torch.Generator().manual_seed(seed)
-
-    def forward(batch: Any) -> torch.Tensor:
-        return torch.randn(batch.num_tokens, hidden_size, generator=generator)
-
-    if stub:
-        runner._forward = forward
-    timers.wrap(runner, "_forward", "device_work")
-    timers.wrap(runner.model, "compute_logits", "device_work")
-    sampler = runner.sampler
-    timers.wrap(sampler, "_batch_for", "sampler_host")
-    timers.wrap(sampler, "count_sampled", "sampler_host")
-    timers.wrap(runner.batches, "store_sampled_tokens", "device_work")
-    # sample() = _batch_for (host, timed above) + argmax (device): time the whole call
-    # as device work and take the nested host part back out below.
-    inner_sample = sampler.sample
-    step = timers.step
-    clock = CLOCK[0]
-
-    def sample(logits: Any, request_ids: Any) -> Any:
-        started = clock()
-        host_before = step["sampler_host"]
-        try:
-            return inner_sample(logits, request_ids)
-        finally:
-            step["device_work"] += clock() - started - (step["sampler_host"] - host_before)
-
-    sampler.sample = sample
-    timers.wrap(runner.batches, "build", "input_prep")
-
-
-def wrap_kv(engine: Any, timers: Timers) -> None:
-    for name in ("append", "allocate", "block_ids", "commit", "free", "num_cached_prefix_tokens"):
-        timers.wrap(engine.kv_cache, name, "kv_manager")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
