@@ -17,7 +17,7 @@ from typing import Any
 
 from tokenloom.config import ConfigError, EngineConfig, load_config
 
-BENCHES = ("scheduler", "throughput", "latency", "serve", "calibrate")
+BENCHES = ("scheduler", "throughput", "latency", "serve", "calibrate", "host", "allreduce")
 SKIPPED_FIELDS = ("plugin",)  # dict-valued: set in the TOML file's [plugin.NAME] tables
 
 
