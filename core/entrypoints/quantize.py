@@ -41,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--damping", type=float, default=0.01, metavar="F", help="of H's mean diagonal"
     )
+    parser.add_argument(
+        "--act-order",
+        action="store_true",
+        help="visit the columns by decreasing input energy (group parameters fitted "
+        "beforehand, so the groups stay k // group and every reader loads it)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="of the calibration sampling")
     parser.add_argument(
         "--dtype",
@@ -92,6 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sequences,
         group=args.group_size,
         damping=args.damping,
+        act_order=args.act_order,
         dtype=getattr(torch, args.dtype),
         about=about,
     )
@@ -109,6 +116,7 @@ def quantize_checkpoint(
     sequences: list[list[int]],
     group: int = 128,
     damping: float = 0.01,
+    act_order: bool = False,
     dtype: Any = None,
     about: dict[str, Any] | None = None,
 ) -> None:
@@ -137,11 +145,11 @@ def quantize_checkpoint(
         source = Path(model_path)
 
     def make_grid() -> Grid:
-        return Int4Grid(group) if method == "int4" else Fp8Grid()
+        return Int4Grid(group, static=act_order) if method == "int4" else Fp8Grid()
 
     started = time.perf_counter()
     model, _ = load_model(model_path, torch.float32, "cpu")
-    grids = quantize_sequentially(model, sequences, make_grid, damping)
+    grids = quantize_sequentially(model, sequences, make_grid, damping, act_order)
     write_checkpoint(
         out,
         source,
@@ -155,6 +163,7 @@ def quantize_checkpoint(
             "method": f"gptq {method}",
             "calibration_tokens": sum(len(s) for s in sequences),
             "damping": damping,
+            "act_order": act_order,
             "sequential": "layer by layer, and Linear by Linear inside a layer",
             "gptq_seconds": round(time.perf_counter() - started, 1),
         },

@@ -116,6 +116,7 @@ def quantize_sequentially(
     sequences: list[list[int]],
     make_grid: Callable[[], Grid],
     damping: float = DAMPING,
+    act_order: bool = False,
 ) -> dict[str, Grid]:
     """GPTQ every ``Linear`` of ``model.model.layers`` in place (its ``weight`` now
     holds the rounded values), calibrated on ``sequences``; returns each one's grid
@@ -138,7 +139,9 @@ def quantize_sequentially(
         for name, linear in _call_order(layer, states, ctx):
             h = _capture(layer, linear, states, ctx)
             grid = make_grid()
-            linear.weight.data.copy_(gptq(linear.weight.data, h, grid, damping))
+            linear.weight.data.copy_(
+                gptq(linear.weight.data, h, grid, damping, act_order=act_order)
+            )
             grids[prefix + name] = grid
         for i in range(len(states.hidden)):
             states.hidden[i], states.residual[i] = layer(

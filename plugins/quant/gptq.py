@@ -35,6 +35,7 @@ class Grid(ABC):
     """The values one weight may take, and a record of the codes chosen."""
 
     group: int = 0  # columns sharing parameters fitted as GPTQ reaches them; 0: none
+    static: bool = True  # parameters fixed by ``start`` (act-order needs this)
 
     @abstractmethod
     def start(self, w: torch.Tensor) -> None:
@@ -57,16 +58,25 @@ class Int4Grid(Grid):
 
     The group's range is widened to hold 0 (as RTN in ``int4.py``); the zero point
     is kept in 1..15, so that the classic GPTQ format, which stores ``z - 1`` in four
-    bits, holds every value: a group with no negative weight uses ``s = max / 14``."""
+    bits, holds every value: a group with no negative weight uses ``s = max / 14``.
 
-    def __init__(self, group: int) -> None:
+    ``static``: every group's parameters are fitted on the weight before GPTQ moves
+    it (needed for act-order, which visits the columns out of order; the groups stay
+    ``k // group``, so the checkpoint needs no permutation); otherwise each group is
+    fitted when GPTQ reaches its first column, on the values moved so far."""
+
+    def __init__(self, group: int, static: bool = False) -> None:
         self.group = group
+        self.static = static
         self.scales: list[torch.Tensor] = []  # per group [N] float32 (fp16 values)
         self.zeros: list[torch.Tensor] = []  # per group [N] float32 integers
         self.codes: torch.Tensor | None = None  # [N, K] int32
 
     def start(self, w: torch.Tensor) -> None:
         self.codes = torch.zeros(w.shape, dtype=torch.int32, device=w.device)
+        if self.static:
+            for first in range(0, w.shape[1], self.group):
+                self.fit(first, w[:, first : first + self.group])
 
     def fit(self, first: int, columns: torch.Tensor) -> None:
         lo = columns.amin(dim=1).clamp(max=0.0)
@@ -116,24 +126,40 @@ class Fp8Grid(Grid):
 
 
 def gptq(
-    w: torch.Tensor, h: torch.Tensor, grid: Grid, damping: float = DAMPING, block: int = BLOCK
+    w: torch.Tensor,
+    h: torch.Tensor,
+    grid: Grid,
+    damping: float = DAMPING,
+    block: int = BLOCK,
+    act_order: bool = False,
 ) -> torch.Tensor:
     """Round ``w [N, K]`` onto ``grid`` minimizing the output error under ``h [K, K]``
     (the inputs' ``X^T X``, any positive factor); returns the rounded weight
     (float32, ``[N, K]``); the codes are in ``grid``. Columns whose input is always
-    zero (``h_jj = 0``) are set to 0 first: no input reaches them."""
+    zero (``h_jj = 0``) are set to 0 first: no input reaches them.
+
+    ``act_order``: visit the columns by decreasing ``h_jj`` (the inputs with the most
+    energy first, while many columns are left to absorb their error); the grid must
+    be ``static``."""
     w = w.detach().float().clone()
     h = h.detach().double().clone()
     n, k = w.shape
-    if grid.group:
-        block = max(grid.group, block // grid.group * grid.group)  # groups start in a block
     dead = torch.diagonal(h) == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
+    grid.start(w)  # in the natural column order: groups are k // group
+    order = torch.arange(k, device=w.device)
+    if act_order:
+        if not grid.static:
+            raise ValueError("act_order needs a static grid")
+        order = torch.argsort(torch.diagonal(h), descending=True, stable=True)
+        w, h = w[:, order], h[order][:, order]
+    elif grid.group:
+        block = max(grid.group, block // grid.group * grid.group)  # groups start in a block
     h.diagonal().add_(damping * torch.diagonal(h).mean())
     h_inv = torch.cholesky_inverse(torch.linalg.cholesky(h))
     u = torch.linalg.cholesky(h_inv, upper=True).float()  # H^-1 = U^T U
-    grid.start(w)
+    dynamic = grid.group and not grid.static
     rounded = torch.empty_like(w)
     for first in range(0, k, block):
         last = min(first + block, k)
@@ -142,15 +168,15 @@ def gptq(
         u_chunk = u[first:last, first:last]
         for i in range(last - first):
             column = first + i
-            if grid.group and column % grid.group == 0:
+            if dynamic and column % grid.group == 0:
                 grid.fit(column, chunk[:, i : i + grid.group])
-            q = grid.round(chunk[:, i], column)
+            q = grid.round(chunk[:, i], int(order[column]))
             rounded[:, column] = q
             error = (chunk[:, i] - q) / u_chunk[i, i]
             chunk[:, i + 1 :] -= error[:, None] * u_chunk[i, i + 1 :][None, :]
             errors[:, i] = error
         w[:, last:] -= errors @ u[first:last, last:]
-    return rounded
+    return rounded[:, torch.argsort(order)]
 
 
 def output_error(w: torch.Tensor, q: torch.Tensor, h: torch.Tensor) -> float:

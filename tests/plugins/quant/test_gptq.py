@@ -41,6 +41,18 @@ def test_gptq_leaves_less_output_error_than_round_to_nearest_on_the_same_grid(me
     assert output_error(w, rtn, torch.eye(h.shape[0])) < output_error(w, q, torch.eye(h.shape[0]))
 
 
+def test_act_order_visits_columns_out_of_order_and_keeps_groups_in_place():
+    w, h = _layer(seed=4)
+    grid = Int4Grid(32, static=True)
+    q = gptq(w, h, grid, act_order=True)
+    rtn = gptq(w, torch.eye(h.shape[0]), Int4Grid(32, static=True))
+    assert output_error(w, q, h) < 0.6 * output_error(w, rtn, h)
+    qweight, scales, zeros = grid.packed()  # groups are k // 32: no permutation stored
+    assert torch.equal(dequantize_int4(qweight, scales, zeros.half(), 32, torch.float32), q)
+    with pytest.raises(ValueError, match="static"):
+        gptq(w, h, Int4Grid(32), act_order=True)
+
+
 def test_int4_grid_without_feedback_is_the_rtn_of_load_time_quantization():
     w, _ = _layer(seed=1)
     w = w.half().float()  # RTN at load takes 16-bit weights
