@@ -43,9 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--act-order",
-        action="store_true",
-        help="visit the columns by decreasing input energy (group parameters fitted "
-        "beforehand, so the groups stay k // group and every reader loads it)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="visit the columns by decreasing input energy, group parameters fitted "
+        "beforehand (groups stay k // group: every reader loads it); default: on for "
+        "int4, off for fp8 (what measured better on the built-in model)",
     )
     parser.add_argument("--seed", type=int, default=0, help="of the calibration sampling")
     parser.add_argument(
@@ -98,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sequences,
         group=args.group_size,
         damping=args.damping,
-        act_order=args.act_order,
+        act_order=args.method == "int4" if args.act_order is None else args.act_order,
         dtype=getattr(torch, args.dtype),
         about=about,
     )
