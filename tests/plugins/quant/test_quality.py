@@ -28,6 +28,7 @@ NUM_PROMPTS = 10
 ISSUE_MAX_PPL_INCREASE = {"fp8": 0.01, "int8": 0.01, "int4": 0.05}
 # Where the built-in model misses the issue's threshold (docs/quantization.md says
 # why); strict: a method that starts meeting it fails here until this entry goes.
+# GPTQ checkpoints (tokenloom quantize) miss too: fp8 +1.6%, int4 +40.5% on the full text.
 KNOWN_MISSES = {
     "fp8": "e4m3 weights: +3.5% on the full text (3 mantissa bits; down_proj alone +2.2%)",
     "int4": "RTN in groups of 128 of a model already 4-bit in groups of 32: +26%",
