@@ -113,10 +113,13 @@ class PagedKVCache(KVCacheManager):
             if refs[block] == 0:
                 del self._free[block]
             refs[block] += 1
+        # The chain continues from the last HIT's key (read before the fresh blocks go
+        # on the end of the same list: reading it after gave a fresh block's stale key
+        # id, so the next block was registered as if it began a prompt).
+        parent = self._key_ids[hits[-1]] if hits else ROOT_KEY_ID
         blocks = hits
         for _ in range(num_fresh):
             blocks.append(self._take_fresh_block())
-        parent = self._key_ids[hits[len(hits) - 1]] if num_cached else ROOT_KEY_ID
         self._tables[request_id] = _BlockTable(blocks, num_cached // bs, parent)
         self.prefix_cache_queries += len(token_ids)
         self.prefix_cache_hits += num_cached

@@ -137,3 +137,27 @@ def test_allocating_twice_for_one_request_is_an_error() -> None:
     kv.allocate("a", [1], 1)
     with pytest.raises(ValueError, match="already holds"):
         kv.allocate("a", [1], 1)
+
+
+def test_a_block_registered_after_a_prefix_hit_chains_to_the_hit() -> None:
+    """Found by the scheduler property test (pipelined, chunked prefill): a request that
+    hit cached blocks and then took fresh ones registered its next block under the
+    fresh block's (root) key id, as if that block began a prompt, so a prompt starting
+    with those tokens got a block computed at another position."""
+    kv = make(num_blocks=8)  # block_size 4
+    shared = [1, 2, 3, 4, 5, 6, 7, 8]
+    kv.allocate("a", shared + [9], 9)
+    kv.commit("a", shared + [9], 8)  # two cached blocks
+    kv.free("a")
+    tokens = shared + [10, 11, 12, 13, 14]
+    assert kv.allocate("b", tokens, len(tokens)) == 8  # hits both, one fresh block
+    kv.commit("b", tokens, 12)  # registers block 2: [10, 11, 12, 13]
+    third = kv.block_ids("b")[2]
+    # a prompt that starts with block 2's tokens must not reuse it at position 0
+    other = [10, 11, 12, 13, 99]
+    assert kv.allocate("c", other, len(other)) == 0
+    assert third not in kv.block_ids("c")
+    # the chain still serves the same prefix at the right position
+    again = tokens + [15]
+    assert kv.allocate("d", again, len(again)) == 12
+    assert kv.block_ids("d")[:3] == kv.block_ids("b")[:3]
