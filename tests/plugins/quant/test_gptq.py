@@ -110,8 +110,8 @@ def test_quantize_writes_a_checkpoint_the_reader_loads_with_the_gptq_values(meth
     # the same calibration again (seeded) gives the values the checkpoint must hold
     sequences = sample_calibration_tokens(str(tiny), 256, 64, 0)
     model, _ = load_model(tiny, torch.float32, "cpu")
-    grid = (lambda: Int4Grid(32)) if method == "int4" else Fp8Grid
-    quantize_sequentially(model, sequences, grid)
+    grid = (lambda: Int4Grid(32, static=True)) if method == "int4" else Fp8Grid
+    quantize_sequentially(model, sequences, grid, act_order=method == "int4")  # the defaults
     expected = model.model.layers[1].mlp.gate_up_proj.weight.data
 
     llm = LLM(str(out), dtype="float32", quant=method)
