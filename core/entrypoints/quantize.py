@@ -56,7 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="float32",
         help="of the tensors left dense: embedding, norms, LM head (default float32)",
     )
-    parser.add_argument("--threads", type=int, default=0, metavar="N", help="torch CPU threads")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        metavar="N",
+        help="torch CPU threads (default 1; 0: one per core). Sampling runs many small "
+        "steps: with the cores shared, more threads measured several times slower",
+    )
     return parser
 
 
