@@ -19,6 +19,7 @@ import httpx
 import msgspec
 import zmq
 import zmq.asyncio
+from abuse_http import keep_alive_burst, read_response
 
 from tokenloom.protocols.jobs import HelloJob, PingJob, SubmitJob
 from tokenloom.protocols.sampling import SamplingParams
@@ -255,56 +256,6 @@ async def probe_flood(http: httpx.AsyncClient, concurrency: int) -> Row:
             "ok": bool(single) and slow < 0.05 and _p99(health) < 0.05}  # fmt: skip
 
 
-def keep_alive_burst(port: int, n: int, host: str = "127.0.0.1") -> dict[str, Any]:
-    """N keep-alive connections, each served one /health first (a client's warm pool),
-    then one completion request on each, sent as fast as one thread can; each timed
-    from its send to the end of its response. Raw sockets and a selector, so the client
-    adds little of its own. Returns the statuses and the sorted latencies (s)."""
-    import selectors
-
-    body = b'{"prompt": "hello", "max_tokens": 8}'
-    request = (
-        b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n" % len(body)
-    ) + body
-    socks = [socket.create_connection((host, port)) for _ in range(n)]
-    sel = selectors.DefaultSelector()
-    sent: dict[socket.socket, float] = {}
-    got: dict[socket.socket, bytes] = {}
-    statuses: dict[str, int] = {}
-    latencies: list[float] = []
-    try:
-        for sock in socks:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
-            if not sock.recv(4096).startswith(b"HTTP/1.1 200 "):
-                raise RuntimeError("a warm-up /health failed")
-            sock.setblocking(False)
-            sel.register(sock, selectors.EVENT_READ)
-            got[sock] = b""
-        for sock in socks:
-            sent[sock] = time.perf_counter()
-            sock.send(request)
-        deadline = time.monotonic() + 60
-        while len(latencies) < n and time.monotonic() < deadline:
-            for key, _ in sel.select(1):
-                sock = key.fileobj  # type: ignore[assignment]
-                got[sock] += sock.recv(65536)
-                head, sep, rest = got[sock].partition(b"\r\n\r\n")
-                if not sep:
-                    continue
-                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
-                if len(rest) >= length:
-                    latencies.append(time.perf_counter() - sent[sock])
-                    status = head.split(b" ")[1].decode()
-                    statuses[status] = statuses.get(status, 0) + 1
-                    sel.unregister(sock)
-    finally:
-        for sock in socks:
-            sock.close()
-    return {"statuses": statuses, "latencies": sorted(latencies)}
-
-
 def _in_engine(metrics: httpx.Response) -> int:
     """Requests running plus waiting, from a /metrics answer."""
     total = 0.0
@@ -438,13 +389,7 @@ def _loop_on(port: int, path: str, seconds: float) -> int:
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
             sock.sendall(request)
-            answer = b""
-            while b"\r\n\r\n" not in answer:
-                answer += sock.recv(65536)
-            head, _, body = answer.partition(b"\r\n\r\n")
-            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
-            while len(body) < length:
-                body += sock.recv(65536)
+            read_response(sock)
             count += 1
     return count
 

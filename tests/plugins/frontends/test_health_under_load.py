@@ -177,12 +177,12 @@ def test_health_within_50ms_while_2000_concurrent_requests_are_refused(model_dir
     _check(walls, cpus)
 
 
-# Refusal latency at the client: scripts/abuse_probes.py's keep_alive_burst in a
+# Refusal latency at the client: scripts/abuse_http.py's keep_alive_burst in a
 # subprocess (N warm keep-alive connections, one POST on each sent at once).
 REFUSALS = """
 import json, sys
 sys.path.insert(0, sys.argv[3])
-from abuse_probes import keep_alive_burst
+from abuse_http import keep_alive_burst
 print(json.dumps(keep_alive_burst(int(sys.argv[1]), int(sys.argv[2]))))
 """
 SCRIPTS = str(Path(__file__).resolve().parents[3] / "scripts")
