@@ -11,6 +11,14 @@ for the last one (update, output processing by the caller) overlaps the device's
 current step. Step N+1's inputs that depend on step N's tokens are placeholders the
 executor fills on the device. A request that stops by itself in step N has already
 been scheduled in step N+1; that one token of work is discarded.
+
+Speculative decoding composes with it: pipelined while no speculating request is
+live, synchronous while one is. A verify step's drafts are proposed from the
+previous step's tokens on the host, so while a request with ``k > 0`` (see
+``plugins.executor.speculative.speculative_tokens``) is queued or running, ``step``
+first finishes the step in flight, then schedules and runs the next one to
+completion; once the last one finishes, pipelining resumes (its first step has no
+pending tokens, so placeholders only ever refer to steps sampled on the device).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from tokenloom.config import ConfigError, EngineConfig
+from tokenloom.plugins.executor.speculative import speculation_configured, speculative_tokens
 from tokenloom.protocols.control import Ready
 from tokenloom.protocols.outputs import EngineStats, TokenDelta
 from tokenloom.protocols.requests import GenerateRequest
@@ -66,19 +75,11 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
 
 def async_scheduling_enabled(config: EngineConfig, executor: Executor) -> bool:
     """Whether the engine runs async scheduling: ``async_scheduling``, where None
-    means on for CUDA; the executor must support pipelining. Off with speculative
-    decoding."""
+    means on for CUDA; the executor must support pipelining. With speculative
+    decoding the engine still runs synchronous steps while a request speculates
+    (``Engine.step``)."""
     wanted = config.async_scheduling
     supported = executor.supports_pipelining
-    if config.num_speculative_tokens > 0 and config.proposer != "none":
-        # Drafts are proposed from the tokens a step returns, so the next step can
-        # only be built once they are on the host (see plugins/executor/speculative.py).
-        if wanted:
-            raise ValueError(
-                "async_scheduling: speculative decoding (num_speculative_tokens > 0) runs "
-                "without it; set async_scheduling = false or leave it unset"
-            )
-        return False
     if wanted is None:
         return supported and config.device == "cuda"
     if wanted and not supported:
@@ -124,6 +125,10 @@ class Engine:
         )
         self.pipelined = async_scheduling_enabled(config, executor)
         self._in_flight: tuple[StepInput, PendingStep] | None = None
+        # Pipelined with a proposer: the ids of the live requests that speculate
+        # (k > 0); while there is one, steps run synchronously.
+        self._track_speculation = self.pipelined and speculation_configured(config)
+        self.speculating: set[str] = set()
 
     @classmethod
     def from_config(
@@ -182,7 +187,7 @@ class Engine:
             num_blocks,
             config.block_size,
             num_blocks * config.block_size,
-            "on" if engine.pipelined else "off",
+            engine._async_note(),
         )
         return engine
 
@@ -192,6 +197,8 @@ class Engine:
         if not request.eos_token_ids and self.info.eos_token_ids:
             request.eos_token_ids = list(self.info.eos_token_ids)
         self.scheduler.add_request(request)
+        if self._track_speculation and speculative_tokens(self.config, request.params) > 0:
+            self.speculating.add(request.request_id)
         if self._observed_added and self.plugins is not None:
             self.plugins.hook.tokenloom_request_added(
                 request_id=request.request_id, num_prompt_tokens=len(request.prompt_token_ids)
@@ -204,12 +211,15 @@ class Engine:
 
     def step(self) -> list[TokenDelta]:
         scheduler = self.scheduler
-        step = scheduler.schedule()
         if not self.pipelined:
+            step = scheduler.schedule()
             if not step.chunks and not step.finished_request_ids:
                 return []
             deltas = scheduler.update(step, self.executor.execute(step))
+        elif self.speculating:
+            deltas = self._step_synchronously()
         else:
+            step = scheduler.schedule()
             submitted = None
             if step.chunks or step.finished_request_ids:
                 submitted = (step, self.executor.submit(step))
@@ -218,6 +228,20 @@ class Engine:
                 return []
             deltas = scheduler.update(in_flight[0], in_flight[1].result())
         self._observe_finished(deltas)
+        return deltas
+
+    def _step_synchronously(self) -> list[TokenDelta]:
+        """Pipelined engine, a speculating request live: finish the step in flight,
+        then schedule and run the next one to completion (its drafts need the tokens
+        on the host). The deltas of both."""
+        scheduler = self.scheduler
+        deltas: list[TokenDelta] = []
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            deltas = scheduler.update(in_flight[0], in_flight[1].result())
+        step = scheduler.schedule()
+        if step.chunks or step.finished_request_ids:
+            deltas += scheduler.update(step, self.executor.execute(step))
         return deltas
 
     def has_unfinished(self) -> bool:
@@ -243,7 +267,18 @@ class Engine:
     def shutdown(self) -> None:
         self.executor.shutdown()
 
+    def _async_note(self) -> str:
+        """The start-up log's word on async scheduling."""
+        if not self.pipelined:
+            return "off"
+        return "on, synchronous while speculating" if self._track_speculation else "on"
+
     def _observe_finished(self, deltas: list[TokenDelta]) -> None:
+        speculating = self.speculating
+        if speculating:
+            for delta in deltas:
+                if delta.finish_reason is not None:
+                    speculating.discard(delta.request_id)
         if self.plugins is None:
             return
         if self._observed_first:

@@ -25,7 +25,7 @@ from tokenloom.plugins.executor.batch import BatchBuilder, FlatBatch
 from tokenloom.plugins.executor.cuda_graphs import DecodeGraphs
 from tokenloom.plugins.executor.parallel.symmetric import TensorParallelSettings
 from tokenloom.plugins.executor.prompt_logprobs import PromptLogprobs
-from tokenloom.plugins.executor.speculative import SpeculativeDecoder
+from tokenloom.plugins.executor.speculative import SpeculativeDecoder, speculation_configured
 from tokenloom.plugins.executor.verify_graphs import VerifyGraphs, verify_batch_sizes
 from tokenloom.plugins.models import parallel
 from tokenloom.protocols.components.attention import ForwardContext
@@ -105,7 +105,7 @@ class ModelRunner(Executor):
         self.sampler = Sampler(self.info.vocab_size, self.device)
         self.prompt_logprobs = PromptLogprobs(self.device)
         self.spec: SpeculativeDecoder | None = None  # speculative decoding, when configured
-        if self.config.num_speculative_tokens > 0 and self.config.proposer != "none":
+        if speculation_configured(self.config):
             proposer = self.plugins.build("proposer", self.config.proposer, self.config)
             proposer.bind(self.info)
             self.spec = SpeculativeDecoder(self.config, proposer, self.sampler)
@@ -331,7 +331,8 @@ class ModelRunner(Executor):
             return DoneStep(StepOutput(step.step_id, [], []))
         rows = hidden if batch.sample_index is None else hidden[batch.sample_index]
         logits = self.model.compute_logits(rows)
-        if self.spec is not None:  # verify drafts, then propose (host tokens: no pipelining)
+        if self.spec is not None and self.spec.speculating(step.chunks):
+            # verify drafts, then propose: host tokens (the engine runs this step alone)
             prompt_values = self.prompt_logprobs.take(step.chunks, request_ids)
             spec_output = self.spec.sample(
                 step.step_id, step.chunks, logits, request_ids, prompt_values

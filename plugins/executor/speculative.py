@@ -13,8 +13,13 @@ attention's extend path, and the batch keeps the logits of all of them. Here:
    here on the host) goes to the proposer, whose drafts return to the scheduler in
    ``StepOutput.draft_token_ids``.
 
-Speculation needs each step's tokens on the host before the next step is built,
-so the engine turns async scheduling off when it is on (``engine_core``).
+Speculation needs each step's tokens on the host before the next step is built.
+With async scheduling the engine therefore runs a step synchronously while any
+request speculates (``engine_core``), and the runner takes this path only for a
+step with a speculating request (``speculating``); every other step samples on the
+device as usual, keeping its tokens there for the placeholders of a pipelined next
+step. A step on this path is never followed by one with placeholders: the engine
+has its tokens before it schedules again.
 """
 
 from __future__ import annotations
@@ -34,13 +39,23 @@ from tokenloom.plugins.executor.sampling.sampler import Sampler
 from tokenloom.plugins.executor.staging import upload
 from tokenloom.protocols.components.proposer import Proposer
 from tokenloom.protocols.outputs import TopLogprobs
+from tokenloom.protocols.sampling import SamplingParams
 from tokenloom.protocols.step import NewRequestData, ScheduledChunk, StepOutput
 
 
-def speculative_tokens(config: EngineConfig, data: NewRequestData) -> int:
+def speculation_configured(config: EngineConfig) -> bool:
+    """Whether the engine speculates at all: a proposer and ``num_speculative_tokens``."""
+    return config.num_speculative_tokens > 0 and config.proposer != "none"
+
+
+def speculative_tokens(config: EngineConfig, params: SamplingParams) -> int:
     """How many drafts a request verifies per step: its own setting, capped by (and
-    defaulting to) the engine's ``num_speculative_tokens``."""
-    own = data.params.num_speculative_tokens
+    defaulting to) the engine's ``num_speculative_tokens``; 0 (no speculation) without
+    a proposer. The engine (which steps run synchronously) and the executor (which
+    requests it drafts for) both ask this."""
+    if not speculation_configured(config):
+        return 0
+    own = params.num_speculative_tokens
     limit = config.num_speculative_tokens
     return limit if own is None else min(own, limit)
 
@@ -58,7 +73,7 @@ class SpeculativeDecoder:
     # ------------------------------------------------------------------ request state
 
     def add_request(self, data: NewRequestData) -> None:
-        k = speculative_tokens(self.config, data)
+        k = speculative_tokens(self.config, data.params)
         if k <= 0 or data.request_id in self._k:
             return
         self._k[data.request_id] = k
@@ -71,6 +86,12 @@ class SpeculativeDecoder:
             del self._histories[request_id]
         if gone:
             self.proposer.remove_requests(gone)
+
+    def speculating(self, chunks: Sequence[ScheduledChunk]) -> bool:
+        """Whether a chunk that samples belongs to a speculating request: such a step
+        goes through ``sample`` (verify, then propose from the host tokens)."""
+        ks = self._k
+        return bool(ks) and any(c.sample and c.request_id in ks for c in chunks)
 
     # ------------------------------------------------------------------ one step
 

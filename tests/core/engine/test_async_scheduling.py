@@ -164,3 +164,53 @@ def test_async_scheduling_is_refused_for_an_executor_that_cannot_pipeline():
     with pytest.raises(ValueError, match="async_scheduling"):
         async_scheduling_enabled(config, Plain())  # type: ignore[arg-type]
     assert not async_scheduling_enabled(load_config(model="x"), Plain())  # type: ignore[arg-type]
+
+
+def test_async_scheduling_stays_on_with_speculation():
+    class Pipelining:
+        supports_pipelining = True
+
+    executor = Pipelining()
+    spec = {"proposer": "ngram", "num_speculative_tokens": 3}
+    for wanted in (True, False):
+        config = load_config(model="x", async_scheduling=wanted, **spec)
+        assert async_scheduling_enabled(config, executor) is wanted  # type: ignore[arg-type]
+    # None: on for CUDA, as without speculation.
+    cuda = load_config(model="x", device="cuda", **spec)
+    assert async_scheduling_enabled(cuda, executor)  # type: ignore[arg-type]
+    assert not async_scheduling_enabled(load_config(model="x", device="cpu", **spec), executor)  # type: ignore[arg-type]
+
+
+def test_pipelined_without_a_speculating_request_synchronous_with_one(model):
+    """Speculation configured, async scheduling on: a step is left in flight while
+    only k = 0 requests run, none while a speculating one is live, and again once
+    it has finished; the tokens equal the synchronous engine's."""
+    config = load_config(
+        model=model, async_scheduling=True, proposer="ngram", num_speculative_tokens=3
+    )
+    engine = Engine.from_config(config)
+    assert engine.pipelined
+    plain = SamplingParams(
+        temperature=0.0, max_tokens=16, ignore_eos=True, num_speculative_tokens=0
+    )
+    spec = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    tokens: dict[str, list[int]] = {"plain": [], "spec": []}
+
+    def step() -> bool:
+        for delta in engine.step():
+            tokens[delta.request_id] += delta.new_token_ids
+        return engine._in_flight is not None
+
+    engine.add_request(GenerateRequest("plain", [5, 9, 2, 33], plain))
+    assert step() and step()  # pipelined: each call leaves the next step in flight
+    assert tokens["plain"] and not engine.speculating
+    engine.add_request(GenerateRequest("spec", [40, 41, 42] * 3, spec))
+    assert engine.speculating == {"spec"}
+    while engine.speculating:
+        assert not step()  # synchronous: the step in flight was finished first
+    assert len(tokens["spec"]) == 5
+    assert step()  # the speculating request is gone: pipelined again
+    while engine.has_unfinished():
+        step()
+    assert tokens["plain"] == _sync_tokens(model, [5, 9, 2, 33], plain)
+    assert tokens["spec"] == _sync_tokens(model, [40, 41, 42] * 3, spec)

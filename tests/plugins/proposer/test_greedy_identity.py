@@ -4,7 +4,7 @@ Each test runs the same requests through an engine without speculation and with
 it, on the tiny random checkpoints, and compares the tokens. The prompts repeat
 themselves, so the n-gram proposer drafts often; the draft-model tests use the
 target itself (every draft should be accepted) and a smaller model of the same
-tokenizer (many rejections).
+tokenizer (many rejections). With async scheduling: test_async_speculation.py.
 """
 
 from __future__ import annotations
@@ -166,17 +166,6 @@ def test_logprobs_are_the_targets_for_accepted_tokens(tiny_model_factory) -> Non
     for request_id, values in plain_lp.items():
         assert len(spec_lp[request_id]) == len(values) == 24
         assert spec_lp[request_id] == pytest.approx(values, abs=1e-4)
-
-
-def test_async_scheduling_is_refused_with_speculation(tiny_model_factory) -> None:
-    with pytest.raises(ValueError, match="async_scheduling"):
-        generate(
-            tiny_model_factory("llama"),
-            GREEDY,
-            proposer="ngram",
-            num_speculative_tokens=2,
-            async_scheduling=True,
-        )
 
 
 def test_seeded_sampling_with_penalties_min_tokens_and_logprobs_repeats(tiny_model_factory):

@@ -1,0 +1,181 @@
+"""Speculative decoding under async scheduling: pipelined steps while no request
+speculates, synchronous steps while one does, greedy output unchanged.
+
+One engine (``async_scheduling = true``, a proposer) runs a batch that mixes
+requests with ``num_speculative_tokens`` 0 and > 0; speculating requests arrive
+while plain ones run, finish, and one is aborted mid-run, so the engine switches
+from pipelined to synchronous steps and back more than once. Every request that
+runs to its end must produce exactly the tokens of an engine without speculation.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenloom.config import load_config
+from tokenloom.engine.engine_core import Engine
+from tokenloom.protocols.requests import GenerateRequest
+from tokenloom.protocols.sampling import SamplingParams
+from tokenloom.protocols.step import PLACEHOLDER_TOKEN, StepInput
+
+PROMPTS = {
+    "plain-a": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
+    "plain-b": list(range(20, 45)),
+    "spec-a": [10, 11, 12, 13, 14, 10, 11, 12],
+    "spec-b": [3, 9, 3, 9, 3, 9, 3],
+    "aborted": [30, 31, 32, 30, 31, 32, 30],
+    "plain-c": [40, 41, 42, 43, 40, 41],
+}
+
+
+def _params(max_tokens: int, k: int | None) -> SamplingParams:
+    return SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, num_speculative_tokens=k
+    )
+
+
+# request id -> (the step it arrives before, its params); k None = the engine's default.
+ARRIVALS = {
+    "plain-a": (0, _params(40, 0)),
+    "plain-b": (0, _params(40, 0)),
+    "spec-a": (4, _params(10, None)),  # arrives while two plain requests pipeline
+    "spec-b": (16, _params(12, 2)),  # arrives after spec-a finished: pipelined again
+    "aborted": (16, _params(40, None)),
+    "plain-c": (18, _params(12, 0)),  # joins while two requests speculate
+}
+ABORT_AT = 22  # "aborted" is aborted before this step, mid-run
+SPECULATING = ("spec-a", "spec-b", "aborted")
+
+
+def _engine(model: object, **options: object) -> Engine:
+    config = load_config(model=str(model), device="cpu", num_blocks=128, block_size=4, **options)
+    return Engine.from_config(config)
+
+
+def _greedy(model: object, prompts: dict[str, list[int]], max_tokens: int | None = None):
+    """Each request through a synchronous engine without speculation."""
+    engine = _engine(model, async_scheduling=False)
+    out: dict[str, list[int]] = {}
+    for request_id, prompt in prompts.items():
+        params = ARRIVALS[request_id][1]
+        if max_tokens is not None:
+            params = _params(max_tokens, 0)
+        engine.add_request(GenerateRequest(request_id, prompt, params))
+        out[request_id] = []
+    while engine.has_unfinished():
+        for delta in engine.step():
+            out[delta.request_id] += delta.new_token_ids
+    return out
+
+
+def _prompts(model: object) -> dict[str, list[int]]:
+    """The prompts, those of the speculating requests followed by 24 tokens of their
+    own greedy continuation: a tiny random model soon repeats itself, so their
+    output repeats tokens of their history and the n-gram proposer drafts."""
+    own = _greedy(model, {r: PROMPTS[r] for r in SPECULATING}, max_tokens=24)
+    return {r: p + own[r] if r in SPECULATING else p for r, p in PROMPTS.items()}
+
+
+def _run_mixed(
+    engine: Engine, prompts: dict[str, list[int]]
+) -> tuple[dict[str, list[int]], dict[str, str], str]:
+    """The arrivals and the abort on one engine; returns the tokens, the finish
+    reasons and the mode of each step: "P" when a step is left in flight
+    (pipelined), "S" when not (synchronous)."""
+    tokens: dict[str, list[int]] = {r: [] for r in ARRIVALS}
+    reasons: dict[str, str] = {}
+    modes = []
+    for index in range(1000):
+        for request_id, (at, params) in ARRIVALS.items():
+            if at == index:
+                engine.add_request(GenerateRequest(request_id, prompts[request_id], params))
+        deltas = engine.abort(["aborted"]) if index == ABORT_AT else []
+        if index > max(at for at, _ in ARRIVALS.values()) and not engine.has_unfinished():
+            break
+        deltas += engine.step()
+        modes.append("P" if engine._in_flight is not None else "S")
+        for delta in deltas:
+            tokens[delta.request_id] += delta.new_token_ids
+            if delta.finish_reason is not None:
+                reasons[delta.request_id] = delta.finish_reason
+    assert not engine.has_unfinished()
+    return tokens, reasons, "".join(modes)
+
+
+def _check(engine: Engine, model: object) -> None:
+    prompts = _prompts(model)
+    reference = _greedy(model, prompts)
+    tokens, reasons, modes = _run_mixed(engine, prompts)
+    assert engine.pipelined
+    finished = [r for r in ARRIVALS if r != "aborted"]
+    assert {r: tokens[r] for r in finished} == {r: reference[r] for r in finished}
+    assert reasons == {**{r: "length" for r in finished}, "aborted": "abort"}
+    # Aborted mid-run: a true prefix of its tokens, none after the abort.
+    assert 0 < len(tokens["aborted"]) < 40
+    assert tokens["aborted"] == reference["aborted"][: len(tokens["aborted"])]
+    # Pipelined at first, synchronous while spec-a runs, pipelined between spec-a
+    # and spec-b, synchronous again, pipelined once the speculating ones are gone.
+    assert modes.startswith("PPPP") and "PS" in modes and "SP" in modes
+    runs = [m for i, m in enumerate(modes) if i == 0 or modes[i - 1] != m]
+    assert "".join(runs).startswith("PSPSP"), modes
+    assert not engine.speculating
+    scheduler = engine.scheduler
+    assert scheduler.spec_verify_steps > 0 and scheduler.spec_accepted_total > 0
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_ngram_with_async_scheduling_is_identical(tiny_model_factory, arch: str) -> None:
+    model = tiny_model_factory(arch)
+    engine = _engine(model, async_scheduling=True, proposer="ngram", num_speculative_tokens=3)
+    _check(engine, model)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_target_as_its_own_draft_with_async_scheduling_is_identical(
+    tiny_model_factory, arch: str
+) -> None:
+    model = tiny_model_factory(arch)
+    engine = _engine(
+        model,
+        async_scheduling=True,
+        proposer="draft",
+        draft_model=str(model),
+        num_speculative_tokens=4,
+    )
+    _check(engine, model)
+    # Same weights: nearly every draft is accepted.
+    scheduler = engine.scheduler
+    assert scheduler.spec_accepted_total >= 0.9 * scheduler.spec_proposed_total
+
+
+def test_placeholder_steps_never_take_the_speculative_path(tiny_model_factory) -> None:
+    """The executor samples on the device (keeping the tokens for placeholders)
+    in every step without a speculating request, and verifies only in the
+    synchronous ones: no step that carries a placeholder goes through ``spec``."""
+    model = tiny_model_factory("llama")
+    engine = _engine(model, async_scheduling=True, proposer="ngram", num_speculative_tokens=3)
+    runner = engine.executor
+    spec = runner.spec
+    assert spec is not None
+    paths: list[tuple[bool, bool]] = []  # (has a placeholder, speculative path)
+    sample = spec.sample
+
+    def spy_sample(*args, **kwargs):  # type: ignore[no-untyped-def]
+        paths[-1] = (paths[-1][0], True)
+        return sample(*args, **kwargs)
+
+    submit = runner.submit
+
+    def spy_submit(step: StepInput):  # type: ignore[no-untyped-def]
+        placeholder = any(PLACEHOLDER_TOKEN in c.token_ids for c in step.chunks)
+        paths.append((placeholder, False))
+        return submit(step)
+
+    spec.sample = spy_sample  # type: ignore[method-assign]
+    runner.submit = spy_submit  # type: ignore[method-assign]
+    prompts = _prompts(model)
+    tokens, _, _ = _run_mixed(engine, prompts)
+    assert any(p for p, _ in paths) and any(s for _, s in paths)
+    assert not any(p and s for p, s in paths)
+    assert tokens["spec-a"] == _greedy(model, prompts)["spec-a"]
