@@ -65,7 +65,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--range-ratio", type=float, default=0.0)
     parser.add_argument("--token-range", default="100:1000", help="random prompt ids lo:hi")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="prompt ids; a second run with the same seed against the same server hits its "
+        "prefix cache (use another seed to measure prefill again)",
+    )
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--out", default=None, help="JSON output file")
     trace = parser.add_argument_group("trace replay")

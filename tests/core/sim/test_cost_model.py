@@ -59,7 +59,8 @@ def _random_features(rng: random.Random) -> StepFeatures:
     return StepFeatures(seqs, tokens + decodes, decodes, ctx, tokens * tokens // 2, seqs, 0)
 
 
-def test_fit_recovers_known_coefficients_and_reports_error_per_class():
+@pytest.mark.parametrize("overlap", [False, True], ids=["additive", "launch-overlap"])
+def test_fit_recovers_known_coefficients_and_reports_error_per_class(overlap):
     shape = ModelShape.named("llama-3-8b")
     truth = CostModel(
         shape,
@@ -72,17 +73,28 @@ def test_fit_recovers_known_coefficients_and_reports_error_per_class():
             "attn": 2.5,
             "seq": 4e-6,
         },
+        launch_overlap=overlap,
     )
+    if overlap:  # launches that outlast the GPU work of the smaller eager steps
+        truth.coefficients["eager"] = 0.01
     rng = random.Random(0)
-    samples = [(f, truth.step_time(f)) for f in (_random_features(rng) for _ in range(300))]
-    fitted = fit(shape, samples, source="test")
+    steps = [_random_features(rng) for _ in range(300)]
+    # Weight-bound decode steps (small graph batches) separate gemm from flops: the
+    # random decode steps above all replay the 256 graph, where both read as FLOPs.
+    for b in (1, 2, 4, 8, 16, 32, 64):
+        ctx = rng.randint(b * 100, b * 4000)
+        steps.append(StepFeatures(b, b, b, ctx, ctx, b, b))
+    samples = [(f, truth.step_time(f)) for f in steps]
+    if overlap:
+        assert any(truth.step_time(f) == pytest.approx(0.0105) for f, _ in samples)
+    fitted = fit(shape, samples, source="test", launch_overlap=overlap)
     for name in TERMS:
         assert fitted.coefficients[name] == pytest.approx(truth.coefficients[name], rel=1e-3)
     assert set(fitted.fit_error) == {"decode", "prefill", "mixed", "all"}
     assert fitted.fit_error["all"]["max_rel_err"] < 1e-6
     # Noisy times: still close, and the error figures say how close.
     noisy = [(f, t * rng.uniform(0.95, 1.05)) for f, t in samples]
-    again = fit(shape, noisy)
+    again = fit(shape, noisy, launch_overlap=overlap)
     assert 0.01 < again.fit_error["all"]["mean_rel_err"] < 0.05
     for probe in (mixed_step(), StepFeatures(32, 32, 32, 64_000, 64_000, 32, 32)):
         assert again.step_time(probe) == pytest.approx(truth.step_time(probe), rel=0.05)
