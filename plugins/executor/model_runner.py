@@ -7,7 +7,9 @@ batches on CUDA), compute logits for the rows that sample, sample on the device,
 copy the sampled ids to pinned host memory. ``execute`` waits for that copy (the step's only host sync); ``submit``
 returns at once, so the engine can build the next step while this one runs. The
 sampled ids also stay on the device, where the next step's placeholder inputs read
-them.
+them. A step with a speculating request verifies its drafts and proposes the next
+ones instead (``speculative``): its tokens are on the host when ``submit`` returns,
+and the engine never pipelines such a step (``engine_core``).
 """
 
 from __future__ import annotations

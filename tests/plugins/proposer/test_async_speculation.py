@@ -47,14 +47,21 @@ ABORT_AT = 22  # "aborted" is aborted before this step, mid-run
 SPECULATING = ("spec-a", "spec-b", "aborted")
 
 
+CPU = {"device": "cpu", "num_blocks": 128, "block_size": 4}
+
+
 def _engine(model: object, **options: object) -> Engine:
-    config = load_config(model=str(model), device="cpu", num_blocks=128, block_size=4, **options)
-    return Engine.from_config(config)
+    return Engine.from_config(load_config(model=str(model), **{**CPU, **options}))
 
 
-def _greedy(model: object, prompts: dict[str, list[int]], max_tokens: int | None = None):
+def _greedy(
+    model: object,
+    prompts: dict[str, list[int]],
+    max_tokens: int | None = None,
+    **device: object,
+) -> dict[str, list[int]]:
     """Each request through a synchronous engine without speculation."""
-    engine = _engine(model, async_scheduling=False)
+    engine = _engine(model, async_scheduling=False, **device)
     out: dict[str, list[int]] = {}
     for request_id, prompt in prompts.items():
         params = ARRIVALS[request_id][1]
@@ -68,11 +75,11 @@ def _greedy(model: object, prompts: dict[str, list[int]], max_tokens: int | None
     return out
 
 
-def _prompts(model: object) -> dict[str, list[int]]:
+def _prompts(model: object, **device: object) -> dict[str, list[int]]:
     """The prompts, those of the speculating requests followed by 24 tokens of their
     own greedy continuation: a tiny random model soon repeats itself, so their
     output repeats tokens of their history and the n-gram proposer drafts."""
-    own = _greedy(model, {r: PROMPTS[r] for r in SPECULATING}, max_tokens=24)
+    own = _greedy(model, {r: PROMPTS[r] for r in SPECULATING}, max_tokens=24, **device)
     return {r: p + own[r] if r in SPECULATING else p for r, p in PROMPTS.items()}
 
 
@@ -102,9 +109,11 @@ def _run_mixed(
     return tokens, reasons, "".join(modes)
 
 
-def _check(engine: Engine, model: object) -> None:
-    prompts = _prompts(model)
-    reference = _greedy(model, prompts)
+def _check(engine: Engine, model: object, drafts: bool = True, **device: object) -> None:
+    """The mixed run on ``engine`` against the synchronous engine without
+    speculation; ``drafts``: the run must verify and accept drafts."""
+    prompts = _prompts(model, **device)
+    reference = _greedy(model, prompts, **device)
     tokens, reasons, modes = _run_mixed(engine, prompts)
     assert engine.pipelined
     finished = [r for r in ARRIVALS if r != "aborted"]
@@ -120,7 +129,8 @@ def _check(engine: Engine, model: object) -> None:
     assert "".join(runs).startswith("PSPSP"), modes
     assert not engine.speculating
     scheduler = engine.scheduler
-    assert scheduler.spec_verify_steps > 0 and scheduler.spec_accepted_total > 0
+    assert scheduler.spec_verify_steps > 0 or not drafts
+    assert scheduler.spec_accepted_total > 0 or not drafts
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
 
 
@@ -179,3 +189,21 @@ def test_placeholder_steps_never_take_the_speculative_path(tiny_model_factory) -
     assert any(p for p, _ in paths) and any(s for _, s in paths)
     assert not any(p and s for p, s in paths)
     assert tokens["spec-a"] == _greedy(model, prompts)["spec-a"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("proposer", ["ngram", "draft-self"])
+def test_on_cuda_with_graphs_the_mixed_run_is_identical(tiny_model_factory, proposer: str) -> None:
+    """The same run on CUDA: pipelined steps decode in CUDA graphs (placeholders
+    filled on the device), synchronous ones verify on the Triton extend path (in
+    verify graphs when uniform); fp32, so tokens must be identical. The n-gram
+    proposer's drafts depend on this model's outputs repeating themselves (on the
+    CPU this run verifies one step), so only the draft model must draft here."""
+    model = tiny_model_factory("llama", num_heads=8, num_kv_heads=2, hidden_size=256)
+    cuda = {"device": "cuda", "dtype": "float32", "attention": "triton", "block_size": 16}
+    spec: dict[str, object] = {"proposer": proposer.split("-")[0], "num_speculative_tokens": 4}
+    if proposer == "draft-self":
+        spec["draft_model"] = str(model)
+    engine = _engine(model, async_scheduling=None, num_blocks=64, **cuda, **spec)
+    assert engine.executor.graphs is not None, "CUDA graphs were not captured"
+    _check(engine, model, proposer == "draft-self", num_blocks=64, **cuda)
