@@ -191,6 +191,25 @@ def test_placeholder_steps_never_take_the_speculative_path(tiny_model_factory) -
     assert tokens["spec-a"] == _greedy(model, prompts)["spec-a"]
 
 
+@pytest.mark.slow
+def test_tensor_parallel_ranks_take_the_same_path(tiny_model_factory) -> None:
+    """TP = 2 on the CPU (gloo): every rank decides per step between the device
+    path and the speculative one from the same NewRequestData, so the workers'
+    placeholders follow rank 0's; the mixed run equals TP = 1 without speculation."""
+    model = tiny_model_factory("llama")
+    engine = _engine(
+        model,
+        async_scheduling=True,
+        tensor_parallel_size=2,
+        proposer="ngram",
+        num_speculative_tokens=3,
+    )
+    try:
+        _check(engine, model)
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("proposer", ["ngram", "draft-self"])
 def test_on_cuda_with_graphs_the_mixed_run_is_identical(tiny_model_factory, proposer: str) -> None:
