@@ -337,7 +337,12 @@ class ModelRunner(Executor):
             # verify drafts, then propose: host tokens (the engine runs this step alone)
             prompt_values = self.prompt_logprobs.take(step.chunks, request_ids)
             spec_output = self.spec.sample(
-                step.step_id, step.chunks, logits, request_ids, prompt_values
+                step.step_id,
+                step.chunks,
+                logits,
+                request_ids,
+                prompt_values,
+                lambda last: batches.store_sampled_tokens(batch, last),
             )
             return DoneStep(spec_output)
         result = sampler.sample(logits, request_ids)

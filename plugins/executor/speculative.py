@@ -18,13 +18,14 @@ With async scheduling the engine therefore runs a step synchronously while any
 request speculates (``engine_core``), and the runner takes this path only for a
 step with a speculating request (``speculating``); every other step samples on the
 device as usual, keeping its tokens there for the placeholders of a pipelined next
-step. A step on this path is never followed by one with placeholders: the engine
-has its tokens before it schedules again.
+step. A step on this path is not followed by one with placeholders (the engine has
+its tokens before it schedules again); it keeps each request's last token on the
+device all the same, so the tokens stay exact should a step of it be pipelined.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -102,16 +103,22 @@ class SpeculativeDecoder:
         logits: torch.Tensor,  # [R, V]: k + 1 rows per sampling chunk with k drafts
         request_ids: list[str],
         prompt_values: list[torch.Tensor | None] | None,
+        keep_last: Callable[[torch.Tensor], None] | None = None,
     ) -> StepOutput:
-        """The step's output with every sampled request's tokens, on the host."""
+        """The step's output with every sampled request's tokens, on the host.
+        ``keep_last`` gets each sampled request's last new token on the device (the
+        runner keeps them for placeholders, as on its usual path: correct tokens do
+        not rest on the engine never pipelining after such a step)."""
         sampler = self.sampler
         drafts = [c.token_ids[len(c.token_ids) - c.num_draft_tokens :] for c in chunks if c.sample]
         if not any(drafts):
             result = sampler.sample(logits, request_ids)
             sampler.count_sampled(request_ids, result)
+            if keep_last is not None:
+                keep_last(result.token_ids)
             output = result.to_step_output(step_id, request_ids)
         else:
-            output = self._verify(step_id, logits, request_ids, drafts)
+            output = self._verify(step_id, logits, request_ids, drafts, keep_last)
             sampler.count_host_tokens(request_ids, output.token_ids)
         if prompt_values is not None:
             output.prompt_logprobs = prompt_values_to_host(prompt_values)
@@ -124,6 +131,7 @@ class SpeculativeDecoder:
         logits: torch.Tensor,
         request_ids: list[str],
         drafts: list[list[int]],
+        keep_last: Callable[[torch.Tensor], None] | None = None,
     ) -> StepOutput:
         device = logits.device
         row_ids: list[str] = []
@@ -147,6 +155,8 @@ class SpeculativeDecoder:
             tokens, num_accepted = rejection_sample(
                 probs, draft_rows, greedy, layout, uniform, noise
             )
+        if keep_last is not None:  # the correction or bonus token ends each row
+            keep_last(tokens.gather(1, num_accepted.unsqueeze(1)).squeeze(1))
         values = [tokens.double(), num_accepted.double().unsqueeze(1)]
         asked = sampler.num_logprobs(request_ids)
         want = max(asked, default=-1)

@@ -191,6 +191,56 @@ def test_placeholder_steps_never_take_the_speculative_path(tiny_model_factory) -
     assert tokens["spec-a"] == _greedy(model, prompts)["spec-a"]
 
 
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_tokens_stay_exact_even_if_a_speculating_step_is_pipelined(
+    tiny_model_factory, proposer: str
+) -> None:
+    """The speculative path keeps its last tokens on the device too: with the
+    engine's bookkeeping switched off (every step pipelined, a speculating one
+    included), a later placeholder still reads the right token."""
+    model = tiny_model_factory("llama")
+    spec = {"proposer": proposer, "num_speculative_tokens": 3}
+    if proposer == "draft":
+        spec["draft_model"] = str(model)
+    engine = _engine(model, async_scheduling=True, **spec)
+    engine._track_speculation = False  # never synchronous
+    prompts = _prompts(model)
+    tokens, _, modes = _run_mixed(engine, prompts)
+    reference = _greedy(model, prompts)
+    finished = [r for r in ARRIVALS if r != "aborted"]
+    assert {r: tokens[r] for r in finished} == {r: reference[r] for r in finished}
+    assert set(modes[:-1]) == {"P"}
+
+
+def test_the_speculative_path_keeps_each_last_token_on_the_device(tiny_model_factory) -> None:
+    """After a verify step (and a speculative step without drafts) the runner's
+    device copy of each sampled request's last token is the one the host got."""
+    model = tiny_model_factory("llama")
+    engine = _engine(
+        model,
+        async_scheduling=True,
+        proposer="draft",
+        draft_model=str(model),
+        num_speculative_tokens=3,
+    )
+    runner = engine.executor
+    batches, spec = runner.batches, runner.spec
+    sample = spec.sample
+    checked = {"verify": 0, "plain": 0}
+
+    def spy_sample(step_id, chunks, *args, **kwargs):  # type: ignore[no-untyped-def]
+        output = sample(step_id, chunks, *args, **kwargs)
+        slots = [batches._slots[r] for r in output.request_ids]
+        kept = batches.last_tokens[slots].tolist()
+        assert kept == [ids[-1] for ids in output.token_ids]
+        checked["verify" if any(c.num_draft_tokens for c in chunks) else "plain"] += 1
+        return output
+
+    spec.sample = spy_sample  # type: ignore[method-assign]
+    _run_mixed(engine, _prompts(model))
+    assert checked["verify"] > 0 and checked["plain"] > 0
+
+
 @pytest.mark.slow
 def test_tensor_parallel_ranks_take_the_same_path(tiny_model_factory) -> None:
     """TP = 2 on the CPU (gloo): every rank decides per step between the device
