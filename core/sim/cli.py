@@ -57,7 +57,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     e.add_argument("--config", help="TOML engine config to start from")
     e.add_argument("--plugin", action="append", default=[], help="plugin .py file or module")
     m = p.add_argument_group("cost model and report")
-    m.add_argument("--cost-model", default="llama-3-8b", help="shipped shape name or JSON file")
+    m.add_argument(
+        "--cost-model",
+        default="llama-3-8b-calibrated",
+        help="shipped model name (llama-3-8b-calibrated, qwen3-0.6b-calibrated: fitted on an "
+        "H200; llama-3-8b, qwen3-0.6b: derived from recorded figures) or a JSON file",
+    )
     m.add_argument("--slo-ttft-ms", type=float, default=None)
     m.add_argument("--slo-tpot-ms", type=float, default=None)
     m.add_argument("--out", default="sim-out", help="directory for sim.json and the plots")
