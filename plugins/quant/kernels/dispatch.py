@@ -30,7 +30,7 @@ from tokenloom.plugins.quant.kernels.weight_gemm import (
 log = logging.getLogger("tokenloom.quant")
 
 # (largest row count of the bucket, row counts measured for it)
-BUCKETS = ((SKINNY_ROWS, (1, SKINNY_ROWS)), (64, (64,)), (None, (512,)))
+BUCKETS = ((1, (1,)), (SKINNY_ROWS, (2, SKINNY_ROWS)), (64, (64,)), (None, (512,)))
 
 SKINNY = [
     GemmConfig(16, 32, 256, 1, 4, 4),
@@ -38,6 +38,14 @@ SKINNY = [
     GemmConfig(16, 32, 128, 1, 4, 4),
     GemmConfig(16, 16, 256, 1, 4, 4),
     GemmConfig(16, 32, 256, 1, 4, 4, expand=False),
+]
+GEMV = [  # weight_gemv tilings (block_m unused); int4 groups of 128 take BLOCK_K 64 or 128
+    GemmConfig(1, 64, 128, 1, 4, 3, gemv=True),
+    GemmConfig(1, 32, 128, 1, 4, 4, gemv=True),
+    GemmConfig(1, 128, 128, 1, 4, 3, gemv=True),
+    GemmConfig(1, 64, 64, 1, 4, 4, gemv=True),
+    GemmConfig(1, 64, 256, 1, 4, 3, gemv=True),
+    GemmConfig(1, 32, 256, 1, 4, 3, gemv=True),
 ]
 MEDIUM = [
     GemmConfig(64, 64, 128, 1, 4, 3),
@@ -53,12 +61,12 @@ LARGE = [
     GemmConfig(128, 128, 64, 1, 8, 3, expand=False),
 ]
 
-Configs = tuple[GemmConfig, GemmConfig, GemmConfig]  # one per bucket
+Configs = tuple[GemmConfig, GemmConfig, GemmConfig, GemmConfig]  # one per bucket
 _DECIDED: dict[str, Configs] = {}
 
 
 def bucket(m: int) -> int:
-    return 0 if m <= SKINNY_ROWS else 1 if m <= 64 else 2
+    return 0 if m <= 1 else 1 if m <= SKINNY_ROWS else 2 if m <= 64 else 3
 
 
 def _with_split(cfg: GemmConfig, n: int, k: int, num_sms: int) -> list[GemmConfig]:
@@ -74,10 +82,10 @@ def _with_split(cfg: GemmConfig, n: int, k: int, num_sms: int) -> list[GemmConfi
 
 
 def candidates(index: int, n: int, k: int, bits: int, group: int, num_sms: int):
-    pools = (SKINNY, MEDIUM, LARGE)
+    pools = (GEMV + SKINNY, GEMV + SKINNY, MEDIUM, LARGE)
     result: list[GemmConfig] = []
     for cfg in pools[index]:
-        if index == 0:
+        if index <= 1:
             result += _with_split(cfg, n, k, num_sms)
         else:
             result.append(cfg)
@@ -114,6 +122,7 @@ def choose_configs(
     key = (
         f"{torch.cuda.get_device_name(device)}|torch {torch.__version__}|"
         f"triton {triton.__version__}|int{bits} g{group}|{n}x{k}|{dtype}|zeros {zeros is not None}"
+        "|buckets 1/16/64/any, gemv"
     )
     if key not in _DECIDED:
         stored = _load().get(key)

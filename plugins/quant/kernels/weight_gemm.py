@@ -15,7 +15,8 @@ group may be partial when ``K`` is no multiple of ``group``).
 Shapes: small batches (``M <= 16``, decode) are a pure weight stream. There the grid
 also splits ``K`` (``split_k`` programs per output tile, fp32 partial sums added by
 one small reduction) so that narrow layers still put enough programs on the GPU.
-Larger batches use square tiles and no split.
+Larger batches use square tiles and no split. A config with ``gemv`` runs
+``weight_gemv``'s FMA kernel instead (one row, or a few: no ``tl.dot``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from functools import cache
 import torch
 import triton
 import triton.language as tl
+
+from tokenloom.plugins.quant.kernels.weight_gemv import gemv_fits, launch_gemv
 
 SKINNY_ROWS = 16
 
@@ -39,10 +42,13 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     expand: bool = True  # int4: unpack words and broadcast group scales by reshape
+    gemv: bool = False  # weight_gemv's FMA kernel, one program row per row of x
 
     def fits(self, bits: int, group: int) -> bool:
         """Whether this tiling can serve the format (the reshape path needs the tile
-        and the group to nest)."""
+        and the group to nest; the GEMV's tiles must lie in one group)."""
+        if self.gemv:
+            return gemv_fits(bits, group, self.block_k, has_zeros=bits == 4 and group > 0)
         if not self.expand or bits == 8 or group == 0:
             return True
         return self.block_k % group == 0 or group % self.block_k == 0
@@ -195,14 +201,28 @@ def weight_gemm(
     assert bits in (4, 8) and x.stride(1) == 1
     assert qweight.shape[0] * (8 if bits == 4 else 1) == k, (tuple(qweight.shape), k)
     cfg = config or choose_config(m, n, k, _num_sms(x.device))
+    if cfg.gemv and not gemv_fits(bits, group, cfg.block_k, zeros is not None):
+        cfg = choose_config(m, n, k, _num_sms(x.device))  # a format the GEMV cannot serve
     k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_chunk)
     if split == 1:
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        stride_split = 0
     else:
         y = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        stride_split = y.stride(0)
+    if cfg.gemv:
+        launch_gemv(x, qweight, scales, zeros, bits, group, bias, y, m, n, k, k_chunk, split, cfg)
+    else:
+        _launch_gemm(x, qweight, scales, zeros, bits, group, bias, y, m, n, k, k_chunk, split, cfg)
+    if split == 1:
+        return y
+    out = y.sum(0)
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)
+
+
+def _launch_gemm(x, qweight, scales, zeros, bits, group, bias, y, m, n, k, k_chunk, split, cfg):
+    stride_split = y.stride(0) if split > 1 else 0
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
     _weight_gemm_kernel[grid](
         x,
@@ -231,9 +251,3 @@ def weight_gemm(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if split == 1:
-        return y
-    out = y.sum(0)
-    if bias is not None:
-        out += bias.float()
-    return out.to(x.dtype)

@@ -1,6 +1,7 @@
-"""The weight-only Triton GEMM (int8 and int4 weights) equals the reference path
-(dequantize, then ``F.linear``): tiny shapes in the interpreter on the CPU, the real
-configs and Llama-3-8B shapes on the GPU."""
+"""The weight-only Triton GEMM and GEMV (int8 and int4 weights) equal the reference
+path (dequantize, then ``F.linear``): tiny shapes in the interpreter on the CPU, the
+real configs and Llama-3-8B shapes on the GPU; the dispatcher offers the GEMV only
+where it fits."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 
 from tokenloom.plugins.quant.int4 import dequantize_int4, quantize_int4
 from tokenloom.plugins.quant.int8 import dequantize_int8, quantize_int8
+from tokenloom.plugins.quant.kernels.dispatch import bucket, candidates
 from tokenloom.plugins.quant.kernels.weight_gemm import GemmConfig, choose_config, weight_gemm
 
 CUDA = torch.cuda.is_available()
@@ -70,6 +72,43 @@ def test_float16_in_the_interpreter():
     _check(4, 2, 32, 64, torch.float16, GemmConfig(16, 16, 32), True, group=32)
 
 
+GEMV_CASES = [
+    (GemmConfig(1, 16, 32, gemv=True), 1, 40, 96),  # N and K not multiples of the tile
+    (GemmConfig(1, 16, 32, split_k=2, gemv=True), 3, 32, 256),  # K split, three rows
+    (GemmConfig(1, 32, 16, gemv=True), 2, 48, 64),  # two tiles per group
+]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(("config", "m", "n", "k"), GEMV_CASES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_weight_gemv_equals_dequantized_linear(bits, config, m, n, k, bias):
+    _check(bits, m, n, k, torch.float32, config, bias, group=32)
+
+
+def test_weight_gemv_with_a_partial_last_group_and_float16():
+    _check(4, 2, 32, 96, torch.float32, GemmConfig(1, 16, 32, gemv=True), False, group=64)
+    _check(4, 1, 32, 64, torch.float16, GemmConfig(1, 16, 32, gemv=True), True, group=32)
+    _check(8, 1, 32, 64, torch.float16, GemmConfig(1, 16, 32, gemv=True), True)
+
+
+def test_a_gemv_tiling_that_does_not_fit_the_groups_falls_back_to_the_gemm():
+    # BLOCK_K 64 over groups of 32: a tile would span two groups
+    _check(4, 1, 32, 128, torch.float32, GemmConfig(1, 16, 64, gemv=True), False, group=32)
+
+
+def test_the_dispatcher_offers_the_gemv_where_it_fits():
+    assert [bucket(m) for m in (1, 2, 16, 17, 64, 65)] == [0, 1, 1, 2, 2, 3]
+    int4 = candidates(0, 4096, 4096, 4, 128, 132)
+    gemv = [c for c in int4 if c.gemv]
+    assert gemv and all(128 % c.block_k == 0 for c in gemv)
+    assert any(not c.gemv for c in int4)  # the dot kernel competes
+    int8 = candidates(0, 4096, 14336, 8, 0, 132)
+    assert any(c.gemv and c.block_k == 256 for c in int8)
+    assert any(c.gemv and c.split_k > 1 for c in int8)  # 4096 columns: split K too
+    assert not any(c.gemv for c in candidates(2, 4096, 4096, 4, 128, 132))
+
+
 def test_decode_batches_split_k_on_narrow_layers():
     h200_sms = 132
     down = choose_config(1, 4096, 14336, h200_sms)  # 64 column tiles: too few alone
@@ -88,3 +127,14 @@ LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o,
 @pytest.mark.parametrize(("n", "k"), LLAMA_8B)
 def test_weight_gemm_on_llama_shapes_gpu(bits, m, n, k):
     _check(bits, m, n, k, torch.bfloat16, None, m == 7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("split_k", [1, 4])
+@pytest.mark.parametrize(("n", "k"), LLAMA_8B)
+def test_weight_gemv_on_llama_shapes_gpu(bits, m, split_k, n, k):
+    config = GemmConfig(1, 64, 128, split_k, 4, 3, gemv=True)
+    _check(bits, m, n, k, torch.bfloat16, config, m == 4)

@@ -1,0 +1,148 @@
+"""A Triton GEMV for weight-only quantized linears at one to a few rows (decode).
+
+``weight_gemm``'s tiles feed ``tl.dot``: at one row they pad the batch to 16 and
+convert every weight to the activation dtype first (integer to float conversions run
+at a quarter of the FMA rate), so a batch-1 decode of int4 Llama-3-8B ran slower
+than bf16 (issue 12). Here each program streams a ``[BLOCK_K, BLOCK_N]`` slice of
+the weight for ONE row of ``x`` and does the dot products with plain FMAs:
+
+- int4 nibbles become floats without a conversion instruction: OR-ing a value
+  ``q < 2^23`` into the mantissa of ``2^23`` (``0x4B000000``) gives the float
+  ``2^23 + q`` exactly, and one subtraction leaves ``q``;
+- int8 the same way after a sign-preserving offset (``q + 128``);
+- per group, ``sum_k (q - z) s x = s (sum_k q x - z sum_k x)``: the zero point and the
+  scale are applied once per ``[group, BLOCK_N]`` tile, not per weight;
+- the FMAs accumulate ``[BLOCK_K / 8, BLOCK_N]`` partial products and reduce across
+  rows once per tile.
+
+Same layouts and arguments as ``weight_gemm`` (``qweight [K / 8, N]`` int32 for int4,
+``[K, N]`` int8 for int8; scales per group or per channel). The grid is ``(N tiles,
+K splits, rows)``; split ``K`` writes fp32 partial sums that the caller adds. Which
+tiling (or ``weight_gemm``'s) a layer runs is measured per shape (``dispatch``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+MAGIC = 0x4B000000  # the bits of 2.0 ** 23 in fp32
+MAGIC_F = 8388608.0
+
+
+@triton.jit
+def _weight_gemv_kernel(
+    x_ptr,
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    b_ptr,
+    y_ptr,
+    N,
+    K,
+    K_CHUNK,  # K range of one split, a multiple of BLOCK_K
+    stride_xm,
+    stride_ym,
+    stride_ysplit,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,  # 0: one scale per output channel (applied at the end)
+    HAS_ZEROS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # int4 with groups: divides GROUP (a tile lies in one group)
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    row = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    k_begin = pid_k * K_CHUNK
+    k_end = tl.minimum(K, k_begin + K_CHUNK)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        if BITS == 8:
+            ks = k0 + tl.arange(0, BLOCK_K)
+            mask_k = ks < K
+            x = tl.load(x_row + ks, mask=mask_k, other=0.0).to(tl.float32)
+            q = tl.load(
+                qw_ptr + ks[:, None].to(tl.int64) * N + offs_n[None, :],
+                mask=mask_k[:, None] & mask_n[None, :],
+                other=0,
+            )
+            w = ((q.to(tl.int32) + (MAGIC + 128)).to(tl.float32, bitcast=True)) - (MAGIC_F + 128.0)
+            acc += tl.sum(w * x[:, None], axis=0)
+        else:
+            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            mask_kw = kw < K // 8
+            words = tl.load(
+                qw_ptr + kw[:, None].to(tl.int64) * N + offs_n[None, :],
+                mask=mask_kw[:, None] & mask_n[None, :],
+                other=0,
+            )
+            part = tl.zeros([BLOCK_K // 8, BLOCK_N], tl.float32)
+            xs = tl.zeros([BLOCK_K // 8], tl.float32)
+            for j in tl.static_range(8):
+                xj = tl.load(x_row + kw * 8 + j, mask=mask_kw, other=0.0).to(tl.float32)
+                bits = ((words >> (4 * j)) & 0xF) | MAGIC
+                qj = bits.to(tl.float32, bitcast=True) - MAGIC_F
+                part += qj * xj[:, None]
+                xs += xj
+            dot = tl.sum(part, axis=0)
+            if GROUP == 0:
+                acc += dot
+            else:
+                g = (k0 // GROUP) * N + offs_n
+                s = tl.load(s_ptr + g, mask=mask_n, other=0.0).to(tl.float32)
+                if HAS_ZEROS:
+                    z = tl.load(z_ptr + g, mask=mask_n, other=0.0).to(tl.float32)
+                    acc += s * (dot - z * tl.sum(xs, axis=0))
+                else:
+                    acc += s * dot
+    if GROUP == 0:
+        acc = acc * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    if not PARTIAL:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
+    else:
+        tl.store(y_ptr + pid_k * stride_ysplit + row * stride_ym + offs_n, acc, mask=mask_n)
+
+
+def gemv_fits(bits: int, group: int, block_k: int, has_zeros: bool) -> bool:
+    """Whether the GEMV serves this format with this ``BLOCK_K``: int4 groups must
+    hold whole tiles; per-channel int4 with zero points is not a format we store."""
+    if bits == 8:
+        return group == 0 and not has_zeros
+    if group == 0:
+        return not has_zeros and block_k % 8 == 0
+    return group % block_k == 0 and block_k % 8 == 0
+
+
+def launch_gemv(x, qweight, scales, zeros, bits, group, bias, y, m, n, k, k_chunk, split, cfg):
+    """Run the kernel into ``y`` (``[m, n]``, or ``[split, m, n]`` fp32 when split)."""
+    grid = (triton.cdiv(n, cfg.block_n), split, m)
+    _weight_gemv_kernel[grid](
+        x,
+        qweight,
+        scales,
+        zeros if zeros is not None else scales,
+        bias if bias is not None else scales,
+        y,
+        n,
+        k,
+        k_chunk,
+        x.stride(0),
+        n,
+        y.stride(0) if split > 1 else 0,
+        BITS=bits,
+        GROUP=group,
+        HAS_ZEROS=zeros is not None,
+        HAS_BIAS=bias is not None and split == 1,
+        PARTIAL=split > 1,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
