@@ -26,8 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-MAGIC = 0x4B000000  # the bits of 2.0 ** 23 in fp32
-MAGIC_F = 8388608.0
+MAGIC = tl.constexpr(0x4B000000)  # the bits of 2.0 ** 23 in fp32
+MAGIC_F = tl.constexpr(8388608.0)
 
 
 @triton.jit
