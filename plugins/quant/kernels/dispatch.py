@@ -46,6 +46,8 @@ GEMV = [  # weight_gemv tilings (block_m unused); int4 groups of 128 take BLOCK_
     GemmConfig(1, 64, 64, 1, 4, 4, gemv=True),
     GemmConfig(1, 64, 256, 1, 4, 3, gemv=True),
     GemmConfig(1, 32, 256, 1, 4, 3, gemv=True),
+    GemmConfig(1, 128, 64, 1, 4, 4, gemv=True),
+    GemmConfig(1, 256, 128, 1, 8, 3, gemv=True),
 ]
 MEDIUM = [
     GemmConfig(64, 64, 128, 1, 4, 3),
