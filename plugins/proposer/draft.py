@@ -9,7 +9,9 @@ proposal, so the target's rejection sampler stays exact for sampled requests.
 KV written for drafts that the target accepted is kept (the next catch-up starts
 after the longest accepted prefix); the rest is rewritten.
 
-Options (``[plugin.draft]``): ``dtype`` (default: the target's), ``max_pool_tokens``
+Options (``[plugin.draft]``): ``dtype`` (default: the target's), ``quant`` (a weight
+quantization method for the draft alone, as ``--quant`` names them: ``int8``, ``int4``,
+``fp8``; default ``none``, whatever the target uses), ``max_pool_tokens``
 (default 262144: the draft's KV pool in tokens; a request that does not fit gets no
 drafts that step), ``cuda_graphs`` (default true). A draft whose vocabulary size differs from the target's fails at
 start-up (``bind``).
@@ -47,10 +49,12 @@ class _DraftRequest:
 
 
 class DraftSettings(msgspec.Struct, forbid_unknown_fields=True):
-    """``[plugin.draft]``: the draft's dtype ("" = the target's), KV pool size in
-    tokens, and whether its decode steps replay CUDA graphs."""
+    """``[plugin.draft]``: the draft's dtype ("" = the target's) and weight
+    quantization, KV pool size in tokens, and whether its decode steps replay CUDA
+    graphs."""
 
     dtype: str = ""
+    quant: str = "none"
     max_pool_tokens: int = 1 << 18
     cuda_graphs: bool = True
 
@@ -66,6 +70,7 @@ class DraftProposer(Proposer):
         self.dtype_name = options.dtype or config.dtype
         if self.dtype_name not in DTYPES:
             raise ValueError(f"plugin.draft.dtype: one of {', '.join(DTYPES)}")
+        self.quant_name = options.quant
         self.max_pool_tokens = options.max_pool_tokens
         self.use_graphs = options.cuda_graphs and not config.enforce_eager
         self.graphs: DecodeGraphs | None = None
@@ -85,20 +90,26 @@ class DraftProposer(Proposer):
         # the target's per-step staging buffers, which the executor rewinds each step.
         self.device = torch.device(target.device)
         dtype = getattr(torch, self.dtype_name)
+        plugins = PluginManager.default()
+        # The draft's own weight method: the target's config with the draft's ``quant``.
+        draft_config = msgspec.structs.replace(config, quant=self.quant_name)
+        quant = plugins.build("quant", self.quant_name, draft_config)
         self.model, self.info = load_model(
             config.draft_model,
             dtype,
             self.device,
             random_weights=config.load_format == "random",
+            prepare=quant.prepare_model,
         )
         self.model.eval()
+        quant.quantize_model(self.model)
         if self.info.vocab_size != target.vocab_size:
             raise ValueError(
                 f"draft_model: its vocabulary ({self.info.vocab_size} tokens) differs from the "
                 f"target's ({target.vocab_size}); a draft must share the target's tokenizer"
             )
         info = self.info
-        self.attn = PluginManager.default().build("attention", config.attention, config, info)
+        self.attn = plugins.build("attention", config.attention, config, info)
         self.block_size = bs = config.block_size
         max_len = min(config.max_model_len or target.max_model_len, target.max_model_len)
         pool_tokens = min(self.max_pool_tokens, config.max_num_seqs * (max_len + bs))

@@ -105,6 +105,35 @@ def test_a_smaller_draft_of_the_same_tokenizer_is_identical(tiny_model_factory, 
     assert engine.scheduler.spec_proposed_total > engine.scheduler.spec_accepted_total
 
 
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_a_draft_quantized_apart_from_the_target_is_identical(tiny_model_factory, quant) -> None:
+    """``[plugin.draft] quant``: the draft's weights quantized, the target's not; the
+    output stays the target's (exactness never rests on the draft)."""
+    model = tiny_model_factory("llama")
+    plain = plain_greedy(model)
+    spec, engine, _ = generate(
+        model,
+        GREEDY,
+        proposer="draft",
+        draft_model=str(model),
+        num_speculative_tokens=3,
+        plugin={"draft": {"quant": quant}},
+    )
+    assert spec == plain
+    draft_kernels = {
+        type(m.kernel).__name__
+        for m in engine.executor.spec.proposer.model.modules()
+        if hasattr(m, "kernel")
+    }
+    target_kernels = {
+        type(m.kernel).__name__ for m in engine.executor.model.modules() if hasattr(m, "kernel")
+    }
+    assert any(quant in name.lower() for name in draft_kernels), draft_kernels
+    assert not any(quant in name.lower() for name in target_kernels), target_kernels
+    scheduler = engine.scheduler
+    assert scheduler.spec_accepted_total > 0.5 * scheduler.spec_proposed_total > 0
+
+
 def test_a_draft_with_another_vocabulary_fails_at_start_up(tiny_model_factory) -> None:
     model = tiny_model_factory("llama")
     draft = tiny_model_factory("llama", vocab_size=1024)
