@@ -21,12 +21,11 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -34,10 +33,18 @@ from starlette.routing import Route
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from tokenloom.plugins.frontends.admission import Reservation
-from tokenloom.plugins.frontends.generation import ChoiceUpdate, Generation, job_metrics
+from tokenloom.plugins.frontends.generation import Generation
 from tokenloom.plugins.frontends.limits import PromptError
 from tokenloom.plugins.frontends.openai import formatting as fmt
-from tokenloom.plugins.frontends.openai.body import check_json_depth, read_json_body
+from tokenloom.plugins.frontends.openai.body import read_json_body
+from tokenloom.plugins.frontends.openai.choices import (
+    Merged,
+    chain,
+    close_all,
+    engine_metrics,
+    merge,
+    usage,
+)
 from tokenloom.plugins.frontends.openai.fast_lane import (
     FAST_RATE,
     SLOW_RATE,
@@ -52,12 +59,17 @@ from tokenloom.plugins.frontends.openai.info import (
     key_matches,
     unauthorized,
 )
+from tokenloom.plugins.frontends.openai.prompts import (
+    OFFLOAD_BYTES,
+    chat_ids,
+    decode_body,
+    encode_all,
+    num_prompts,
+)
 from tokenloom.plugins.frontends.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestError,
-    decode_chat,
-    decode_completion,
     message_text,
     request_params,
     sampling_params,
@@ -75,10 +87,8 @@ if TYPE_CHECKING:
     from tokenloom.plugins.frontends.openai.frontend import OpenAIFrontend
 
 T = TypeVar("T")
-Merged = AsyncGenerator[tuple[int, list[ChoiceUpdate]], None]  # (prompt index, updates)
 Prompts = list[tuple[str | None, list[int]]]
 CLIENT_CLOSED = 499  # nginx's status for "client closed request"; nobody reads it
-OFFLOAD_BYTES = 64 * 1024  # inputs larger than this are decoded and tokenized off the loop
 MAX_ECHOED_CHARS = 100  # of a client's string quoted back in an error
 
 
@@ -158,14 +168,14 @@ class OpenAIApp:
                 frontend.metrics.record_refused(401)
                 return denied
             body = await read_json_body(request, self.max_body_bytes)
-            req = await self._off_loop(len(body), _decode, body, chat)
+            req = await self._off_loop(len(body), decode_body, body, chat)
             self._check_model(req.model)
             if not frontend.engine.is_alive:
                 raise engine_error(EngineDeadError())
-            num_prompts = 1 if chat else _num_prompts(req.prompt)
-            base = request_params(req, frontend.config, num_prompts)
+            count = 1 if chat else num_prompts(req.prompt)
+            base = request_params(req, frontend.config, count)
             try:
-                reservation = frontend.live.reserve(base.n * num_prompts)
+                reservation = frontend.live.reserve(base.n * count)
             except QueueFullError as exc:
                 raise engine_error(exc) from exc
             if chat:
@@ -207,16 +217,16 @@ class OpenAIApp:
             )
             for i, ((text, ids), sp) in enumerate(zip(prompts, params, strict=True))
         ]  # fmt: skip
-        merged = _merge(generations)
+        merged = merge(generations)
         try:
             first = await unless_disconnected(anext(merged, None), request.receive)
         except (EngineError, EngineDeadError) as exc:
-            await _close_all(merged, generations)
+            await close_all(merged, generations)
             raise engine_error(exc) from exc
         if first is None:
-            await _close_all(merged, generations)
+            await close_all(merged, generations)
             return Response(status_code=CLIENT_CLOSED)
-        stream = _chain(first, merged)
+        stream = chain(first, merged)
         head = {
             "id": request_id,
             "object": "chat.completion" if chat else "text_completion",
@@ -263,9 +273,9 @@ class OpenAIApp:
             make_choice(i, "".join(parts), finish[i], logprobs[i] if logprobs else None)
             for i, parts in enumerate(texts)
         ]
-        body = {**head, "choices": choices, "usage": _usage(generations)}
+        body = {**head, "choices": choices, "usage": usage(generations)}
         if req.include_metrics:
-            body["metrics"] = _metrics(generations)
+            body["metrics"] = engine_metrics(generations)
         return body
 
     async def _events(
@@ -297,9 +307,9 @@ class OpenAIApp:
                 if choices:
                     yield sse_event({**head, "choices": choices})
             if req.stream_options is not None and req.stream_options.include_usage:
-                yield sse_event({**head, "choices": [], "usage": _usage(generations)})
+                yield sse_event({**head, "choices": [], "usage": usage(generations)})
             if req.include_metrics:
-                yield sse_event({**head, "choices": [], "metrics": _metrics(generations)})
+                yield sse_event({**head, "choices": [], "metrics": engine_metrics(generations)})
         except (EngineError, EngineDeadError) as exc:
             yield sse_event(engine_error(exc).body())
         finally:
@@ -320,7 +330,7 @@ class OpenAIApp:
             texts: list[str] = [prompt] if isinstance(prompt, str) else prompt  # type: ignore[list-item]
             size = sum(len(text) for text in texts)
             self._check_text_length(max(len(text) for text in texts), "prompt")
-            ids = await self._off_loop(size, _encode_all, self.frontend.tokenizer, texts)
+            ids = await self._off_loop(size, encode_all, self.frontend.tokenizer, texts)
             return list(zip(texts, ids, strict=True))
         id_lists = [prompt] if isinstance(prompt[0], int) else prompt
         for ids in id_lists:
@@ -340,7 +350,7 @@ class OpenAIApp:
         messages = [{"role": m.role, "content": message_text(m)} for m in req.messages]
         size = sum(len(m["content"]) for m in messages)
         self._check_text_length(size, "messages")
-        ids = await self._off_loop(size, _chat_ids, self.frontend.tokenizer, messages)
+        ids = await self._off_loop(size, chat_ids, self.frontend.tokenizer, messages)
         return [(None, ids)]
 
     def _logprobs(self, count: int, req: Any, chat: bool) -> list[fmt.ChoiceLogprobs] | None:
@@ -348,102 +358,3 @@ class OpenAIApp:
         if not wanted:
             return None
         return [fmt.ChoiceLogprobs(chat, self.texts) for _ in range(count)]
-
-
-def _decode(body: bytes, chat: bool) -> CompletionRequest | ChatCompletionRequest:
-    check_json_depth(body)
-    return decode_chat(body) if chat else decode_completion(body)
-
-
-def _num_prompts(prompt: str | list[Any]) -> int:
-    if isinstance(prompt, str) or isinstance(prompt[0], int):
-        return 1
-    return len(prompt)
-
-
-def _encode_all(
-    tokenizer: Any, texts: list[str], add_special_tokens: bool = True
-) -> list[list[int]]:
-    """Token ids of ``texts``, through the ``tokenizers`` backend's ``encode_batch``
-    where there is one: unlike ``encode``, it releases the GIL, so a worker thread
-    tokenizing a large prompt does not stall the event loop (a 512 KiB prompt held
-    it for 0.3-0.4 s)."""
-    backend = getattr(tokenizer, "_backend", None)  # core.tokenizer.Tokenizer's
-    if len(texts) == 1 and sum(map(len, texts)) <= OFFLOAD_BYTES or backend is None:
-        return [tokenizer.encode(text, add_special_tokens=add_special_tokens) for text in texts]
-    encodings = backend.encode_batch(texts, add_special_tokens=add_special_tokens)
-    return [encoding.ids for encoding in encodings]
-
-
-def _chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except ValueError as exc:  # ChatTemplateError: the template refused them
-        raise RequestError(f"messages: {exc}", "messages") from exc
-    return _encode_all(tokenizer, [text], add_special_tokens=False)[0]
-
-
-def _usage(generations: list[Generation]) -> dict[str, Any]:
-    return fmt.usage(
-        sum(g.num_prompt_tokens for g in generations),
-        sum(g.num_generated_tokens for g in generations),
-        sum(g.num_cached_tokens for g in generations),
-    )
-
-
-def _metrics(generations: list[Generation]) -> dict[str, Any] | None:
-    """The "metrics" extra: the engine's timings, merged over every choice."""
-    merged = job_metrics([m for g in generations for m in g.engine_metrics])
-    return None if merged is None else msgspec.structs.asdict(merged)
-
-
-async def _close_all(merged: Merged, generations: list[Generation]) -> None:
-    await merged.aclose()
-    for generation in generations:  # also those whose updates() never started
-        await generation.close()
-
-
-async def _chain(first: tuple[int, list[ChoiceUpdate]], rest: Merged) -> Merged:
-    try:
-        yield first
-        async for item in rest:
-            yield item
-    finally:
-        await rest.aclose()
-
-
-async def _merge(generations: list[Generation]) -> Merged:
-    """The updates of every generation, tagged with its index, as they come."""
-    if len(generations) == 1:
-        updates = generations[0].updates()
-        try:
-            async for batch in updates:
-                yield 0, batch
-        finally:
-            await updates.aclose()
-        return
-    queue: asyncio.Queue[Any] = asyncio.Queue()
-
-    async def pump(index: int, generation: Generation) -> None:
-        try:
-            async for batch in generation.updates():
-                queue.put_nowait((index, batch))
-            queue.put_nowait((index, None))
-        except Exception as exc:
-            queue.put_nowait(exc)
-
-    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generations)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            item = await queue.get()
-            if isinstance(item, Exception):
-                raise item
-            if item[1] is None:
-                remaining -= 1
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
