@@ -217,6 +217,10 @@ def main(argv: list[str]) -> int:
     from tokenloom import LLM
 
     options = engine_options(args)
+    if options.get("num_speculative_tokens") and options.get("proposer", "none") != "none":
+        # The cost model has no speculative steps, and with speculation a pipelined
+        # engine runs synchronous steps, which the step timing below cannot tell apart.
+        parser.error("calibrate measures plain steps: leave out --proposer speculation")
     options["enable_prefix_caching"] = False
     llm = LLM(**options)
     engine = llm.engine

@@ -58,6 +58,17 @@ class DraftSettings(msgspec.Struct, forbid_unknown_fields=True):
     max_pool_tokens: int = 1 << 18
     cuda_graphs: bool = True
 
+    def __post_init__(self) -> None:
+        # Checked with the rest of the config (check_config decodes these settings), so
+        # a misspelt method fails before the target's weights load. The draft builds
+        # its method from the default plugin set, so that is the set asked here.
+        from tokenloom.plugin_manager import PluginError, PluginManager
+
+        try:
+            PluginManager.default().component("quant", self.quant)
+        except PluginError as exc:
+            raise ValueError(str(exc).splitlines()[0]) from None
+
 
 class DraftProposer(Proposer):
     name = "draft"

@@ -95,6 +95,10 @@ def candidates(index: int, n: int, k: int, bits: int, group: int, num_sms: int):
 
 
 CACHE_NAME = "weight-gemm.json"
+# Part of every cache key: bump it when a kernel, the buckets or the candidate lists
+# change, so that no machine keeps a choice measured on code that is gone.
+# v2: buckets 1 / 16 / 64 / any with the one-row GEMV (weight_gemv), its single reduction.
+KERNELS_VERSION = 2
 
 
 def _load() -> dict[str, Any]:
@@ -124,7 +128,7 @@ def choose_configs(
     key = (
         f"{torch.cuda.get_device_name(device)}|torch {torch.__version__}|"
         f"triton {triton.__version__}|int{bits} g{group}|{n}x{k}|{dtype}|zeros {zeros is not None}"
-        "|buckets 1/16/64/any, gemv"
+        f"|kernels v{KERNELS_VERSION}"
     )
     if key not in _DECIDED:
         stored = _load().get(key)

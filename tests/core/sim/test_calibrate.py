@@ -36,6 +36,19 @@ def test_calibrate_measures_the_grid_and_writes_a_fitted_model(tiny_model_factor
     assert {"decode", "prefill", "mixed"} <= set(errors)
 
 
+def test_calibrate_refuses_speculation(tmp_path, capsys):
+    """With a proposer, a pipelined engine runs synchronous steps, which calibrate's
+    step timing would pair with the wrong steps; the cost model has no verify steps."""
+    with pytest.raises(SystemExit) as exc:
+        main([
+            "--model", "llama-3-8b", "--proposer", "ngram", "--num-speculative-tokens", "3",
+            "--out", str(tmp_path / "x.json"),
+        ])  # fmt: skip
+    assert exc.value.code == 2
+    assert "speculation" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+
+
 class _Clock:
     now = 0.0
 

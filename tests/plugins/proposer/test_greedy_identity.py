@@ -134,6 +134,21 @@ def test_a_draft_quantized_apart_from_the_target_is_identical(tiny_model_factory
     assert scheduler.spec_accepted_total > 0.5 * scheduler.spec_proposed_total > 0
 
 
+def test_a_misspelt_draft_quant_fails_with_the_config_before_any_weights_load() -> None:
+    from tokenloom.config import ConfigError
+    from tokenloom.plugin_manager import PluginManager
+
+    config = load_config(
+        model="/nonexistent",
+        proposer="draft",
+        draft_model="/nonexistent",
+        num_speculative_tokens=2,
+        plugin={"draft": {"quant": "int9"}},
+    )
+    with pytest.raises(ConfigError, match="int9"):
+        PluginManager.default().check_config(config)
+
+
 def test_a_draft_with_another_vocabulary_fails_at_start_up(tiny_model_factory) -> None:
     model = tiny_model_factory("llama")
     draft = tiny_model_factory("llama", vocab_size=1024)
