@@ -135,7 +135,9 @@ def expected_tokens_per_step(acceptance: float, k: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="llama-3-8b")
-    parser.add_argument("--draft", default="llama-3.2-1b")
+    parser.add_argument(
+        "--draft", default="llama-3.2-1b", help="shape or dir; none: no draft phase"
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -148,6 +150,13 @@ def main() -> None:
     parser.add_argument("--batch-acceptances", default="0.6,0.8,0.9")
     parser.add_argument("--batch-grid", default="2,4", help="ks run at batch > 1")
     parser.add_argument("--draft-k", type=int, default=4)
+    parser.add_argument(
+        "--max-verify-graph-seqs",
+        type=int,
+        default=None,
+        help="the replay engine's verify-graph limit (default: the engine's, 64); batch 128 "
+        "verifies eagerly under it",
+    )
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
@@ -176,7 +185,11 @@ def main() -> None:
     base_step = result["baseline"][1]["median_plain_step_ms"] if 1 in args.batches else None
 
     # 2. replay at controlled acceptance
-    llm = build(args, proposer="replay", num_speculative_tokens=max(ks + batch_ks))
+    graphs = {}
+    if args.max_verify_graph_seqs is not None:
+        graphs["max_verify_graph_seqs"] = args.max_verify_graph_seqs
+    result["max_verify_graph_seqs"] = args.max_verify_graph_seqs
+    llm = build(args, proposer="replay", num_speculative_tokens=max(ks + batch_ks), **graphs)
     proposer = llm.engine.executor.spec.proposer
     recorded = {}
     for b in args.batches:
@@ -211,7 +224,9 @@ def main() -> None:
                 save()
     free(llm)
 
-    # 3. draft model cost
+    # 3. draft model cost (``--draft none``: skipped)
+    if args.draft == "none":
+        return
     from tokenloom.bench.common import _shape_or_dir
 
     llm = build(
