@@ -62,16 +62,8 @@ class Timers:
         setattr(owner, name, timed)
 
 
-IN_STEP = (  # the components timed inside ``Engine.step``
-    "scheduler",
-    "kv_manager",
-    "input_prep",
-    "sampler_host",
-    "device_work",
-    "output_read",
-    "result_folding",
-    "gpu_wait",
-)
+OUTSIDE_STEP = ("loop_input", "engine_glue", "loop_output", "frontend")
+IN_STEP = tuple(c for c in COMPONENTS if c not in OUTSIDE_STEP)  # timed inside ``Engine.step``
 
 
 def wrap_engine_steps(engine: Any, timers: Timers) -> None:
