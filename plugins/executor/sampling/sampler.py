@@ -5,6 +5,11 @@ min_tokens mask, then temperature, top-k, top-p, min-p, then one exponential-rac
 draw. Greedy rows (temperature 0) take the argmax of the penalised logits. Logprobs
 are those of the raw model distribution (log_softmax of the unprocessed logits).
 
+On a GPU, a batch that samples with temperature only (no top-k, top-p or min-p, no
+seeded row) skips the softmax and the noise tensor: its (penalised) logits go straight
+into one fused Gumbel-max kernel with each row's temperature (``fused_sample``), one
+pass over the logits instead of five. Every other batch takes the unfused path.
+
 Everything runs on the device and is vectorised over the batch; the only host work
 per step is comparing the batch key and, for rows still short of min_tokens, one
 small index copy. Nothing here reads a device value on the host: the executor does
@@ -47,6 +52,10 @@ class Sampler:
         self._requests: dict[str, RequestSamplingState] = {}
         self._counts = TokenCounts(vocab_size, self.device)
         self._batch: SamplingBatch | None = None
+        # The fused draw needs Triton on a GPU; tests set it to run the kernel under
+        # TRITON_INTERPRET=1 on the CPU.
+        self.use_fused_sample = self.device.type == "cuda"
+        self._fused_temperature: tuple[SamplingBatch, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ request state
 
@@ -122,7 +131,9 @@ class Sampler:
         """One token per row. ``logits`` is ``[B, V]`` float32 on the device, row i
         belonging to ``request_ids[i]``; it is not modified."""
         batch = self._batch_for(request_ids)
-        if batch.needs_processing:
+        if self._takes_fused_draw(batch):
+            token_ids = self._fused_draw(logits, batch)
+        elif batch.needs_processing:
             token_ids = self._draw(self._process(logits, batch), batch)
         else:
             token_ids = logits.argmax(dim=-1)
@@ -206,6 +217,41 @@ class Sampler:
             slots = [self._counts.slot(r) if r in self._counts else None for r in key]
             self._batch = build_sampling_batch(key, states, slots, self.vocab_size, self.device)
         return self._batch
+
+    def _takes_fused_draw(self, batch: SamplingBatch) -> bool:
+        """True when temperature is all the processing after the penalties: no filter
+        (they need the divided logits), no seeded row (it keeps its own generator's
+        stream), and some row samples."""
+        return (
+            self.use_fused_sample
+            and not batch.all_greedy
+            and not batch.seeded_rows
+            and batch.top_k is None
+            and batch.top_p is None
+            and batch.min_p is None
+        )
+
+    def _fused_draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Penalties and min_tokens mask, then the one-pass draw with each row's
+        temperature: the raw logits go straight into the kernel when no row needs those."""
+        from tokenloom.plugins.executor.sampling import fused_sample  # Triton, imported late
+
+        return fused_sample.fused_sample(
+            self._penalise(logits, batch),
+            self._temperature_or_zero(batch),
+            fused_sample.host_seed(),
+        )
+
+    def _temperature_or_zero(self, batch: SamplingBatch) -> torch.Tensor:  # [B] float32
+        """The rows' temperatures with 0 on greedy rows, as ``fused_sample`` takes them;
+        made once per batch composition."""
+        if self._fused_temperature is None or self._fused_temperature[0] is not batch:
+            assert batch.temperature is not None
+            temperature = batch.temperature.view(-1)
+            if batch.greedy is not None:
+                temperature = temperature.masked_fill(batch.greedy.view(-1), 0.0)
+            self._fused_temperature = (batch, temperature)
+        return self._fused_temperature[1]
 
     def _process(
         self,

@@ -1,0 +1,292 @@
+"""The fused Gumbel-max sampler: its distribution, greedy rows, masked tokens, seeds,
+the split path, and which batches the Sampler sends to it.
+
+On the CPU the kernel runs under TRITON_INTERPRET=1 (set by conftest) on tiny shapes;
+the interpreter runs one program at a time, ~10 ms each, so the distribution tests use
+a few hundred rows. The ``gpu`` tests check the real vocabulary size and time it.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+
+from tokenloom.plugins.executor.sampling import fused_sample as fused
+from tokenloom.plugins.executor.sampling.fused_sample import fused_sample, host_seed
+from tokenloom.plugins.executor.sampling.sampler import Sampler
+from tokenloom.protocols.sampling import SamplingParams
+from tokenloom.protocols.step import NewRequestData
+
+ROW = torch.linspace(-2.0, 2.0, 8)  # V = 8
+CHI2_DF7_P001 = 24.3  # chi-square, 7 degrees of freedom: exceeded by chance with p = 0.001
+
+
+def chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> float:
+    observed = torch.bincount(tokens.cpu(), minlength=probs.numel()).double()
+    expected = probs.double().cpu() * tokens.numel()
+    return ((observed - expected) ** 2 / expected).sum().item()
+
+
+def mean_z_score(tokens: torch.Tensor, row: torch.Tensor, probs: torch.Tensor) -> float:
+    """How many standard errors the drawn logits' mean lies from its expectation."""
+    x, p = row.double().cpu(), probs.double().cpu()
+    mean, var = (p * x).sum(), (p * x * x).sum() - (p * x).sum() ** 2
+    return ((x[tokens.cpu()].mean() - mean) / (var / tokens.numel()).sqrt()).item()
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.5])
+def test_draws_follow_the_softmax_at_the_rows_temperature(temperature: float) -> None:
+    rows = 500  # ~6 s interpreted
+    logits = ROW.expand(rows, -1).contiguous()
+    tokens = fused_sample(logits, torch.full((rows,), temperature), seed=1234, block=16)
+    probs = (ROW / temperature).softmax(-1)
+    assert chi_square(tokens, probs) < CHI2_DF7_P001
+    assert abs(mean_z_score(tokens, ROW, probs)) < 4.0
+    # The bounds catch a kernel that ignored T (drew from softmax(x)) or the noise (always
+    # the argmax): these counts would fail them against either distribution.
+    assert chi_square(tokens, ROW.softmax(-1)) > CHI2_DF7_P001
+    assert abs(mean_z_score(tokens, ROW, ROW.softmax(-1))) > 4.0
+    assert (tokens == ROW.argmax()).sum() < 0.9 * rows
+
+
+def test_greedy_rows_take_the_argmax_and_masked_tokens_never_win() -> None:
+    torch.manual_seed(0)
+    rows, vocab = 6, 40
+    logits = torch.randn(rows, vocab) * 3
+    masked = torch.rand(rows, vocab) < 0.5
+    logits[masked] = float("-inf")
+    logits[5, :] = float("-inf")
+    logits[5, 33] = -50.0  # the only finite logit of its row
+    masked[5, :] = True
+    masked[5, 33] = False
+    temperature = torch.tensor([0.0, 5.0, 0.0, 5.0, 1.0, 5.0])
+    sampled = []
+    for seed in (1, 2, 3):
+        tokens = fused_sample(logits, temperature, seed=seed, block=16)
+        assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
+        assert not masked.gather(1, tokens.view(-1, 1)).any()
+        assert tokens[5] == 33
+        sampled.append(tokens[[1, 3]])
+    assert len({tuple(t.tolist()) for t in sampled}) > 1  # T = 5 rows do vary
+
+
+@pytest.mark.parametrize("vocab", [64, 61])
+def test_splitting_a_row_across_programs_gives_the_same_ids(vocab: int) -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(4, vocab)
+    temperature = torch.tensor([1.0, 0.5, 0.0, 2.0])
+    one = fused_sample(logits, temperature, seed=99, num_splits=1, block=16)
+    for splits in (2, 3, 4):
+        assert torch.equal(fused_sample(logits, temperature, 99, num_splits=splits, block=16), one)
+
+
+def test_the_same_seed_repeats_the_draw_and_another_seed_does_not() -> None:
+    logits = torch.zeros(16, 64)  # flat: every id equally likely
+    temperature = torch.ones(16)
+    first = fused_sample(logits, temperature, seed=5, block=16)
+    assert torch.equal(fused_sample(logits, temperature, seed=5, block=16), first)
+    assert not torch.equal(fused_sample(logits, temperature, seed=6, block=16), first)
+    assert len(set(first.tolist())) > 4
+
+
+def test_the_host_seed_follows_torch_manual_seed() -> None:
+    torch.manual_seed(3)
+    a = [host_seed(), host_seed()]
+    torch.manual_seed(3)
+    assert [host_seed(), host_seed()] == a and a[0] != a[1]
+
+
+# ---------------------------------------------------------------------- the Sampler
+
+
+class Spy:
+    """Wraps ``fused_sample``: records each call's arguments, returns the real draw."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+
+    def __call__(self, logits: torch.Tensor, temperature: torch.Tensor, seed: int) -> torch.Tensor:
+        self.calls.append((logits, temperature, seed))
+        return fused_sample(logits, temperature, seed, block=16)
+
+
+@pytest.fixture
+def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
+    spy = Spy()
+    monkeypatch.setattr(fused, "fused_sample", spy)
+    return spy
+
+
+def fused_sampler(requests: dict[str, SamplingParams], vocab: int = 32) -> Sampler:
+    sampler = Sampler(vocab, "cpu")
+    sampler.use_fused_sample = True  # the kernel runs under TRITON_INTERPRET=1
+    for request_id, params in requests.items():
+        sampler.add_request(NewRequestData(request_id, [1, 2, 3], params, eos_token_ids=[0]))
+    return sampler
+
+
+def test_a_temperature_only_batch_sends_the_raw_logits_to_the_fused_draw(spy: Spy) -> None:
+    sampler = fused_sampler(
+        {
+            "a": SamplingParams(temperature=0.8),
+            "g": SamplingParams(temperature=0.0),
+            "b": SamplingParams(temperature=1.2, logprobs=2),
+        }
+    )
+    ids = ["a", "g", "b"]
+    logits = torch.randn(3, 32)
+    for _ in range(2):
+        result = sampler.sample(logits, ids)
+        assert result.token_ids[1] == logits[1].argmax()
+    assert len(spy.calls) == 2
+    given, temperature, _ = spy.calls[0]
+    assert given is logits  # no division, no copy: the kernel applies T itself
+    assert temperature.tolist() == pytest.approx([0.8, 0.0, 1.2])
+    assert spy.calls[0][2] != spy.calls[1][2]  # a fresh seed per step
+    assert result.logprobs is not None  # logprobs still come from the raw logits
+
+
+def test_penalties_and_min_tokens_are_applied_before_the_fused_draw(spy: Spy) -> None:
+    sampler = fused_sampler(
+        {"m": SamplingParams(temperature=1.0, min_tokens=3, repetition_penalty=1.5)}
+    )
+    logits = torch.zeros(1, 32)
+    logits[0, 0] = 30.0  # EOS: certain, once min_tokens allows it
+    logits[0, 1] = 3.0  # a prompt token: the repetition penalty divides it by 1.5
+    for step in range(4):
+        token = sampler.sample(logits, ["m"]).token_ids[0].item()
+        sampler.count_host_tokens(["m"], [token])
+        assert (token == 0) == (step == 3)
+    assert len(spy.calls) == 4
+    seen = spy.calls[0][0]
+    assert seen[0, 0] == float("-inf") and seen[0, 1].item() == pytest.approx(2.0)
+    assert spy.calls[3][0][0, 0] == 30.0
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.9, seed=4),
+        SamplingParams(temperature=0.9, top_p=0.8),
+        SamplingParams(temperature=0.9, top_k=5),
+        SamplingParams(temperature=0.9, min_p=0.1),
+    ],
+    ids=["seeded", "top-p", "top-k", "min-p"],
+)
+def test_seeded_or_filtered_rows_keep_the_unfused_draw_bit_for_bit(spy, params) -> None:
+    requests = {"x": params, "t": SamplingParams(temperature=1.1)}
+    logits = torch.randn(2, 32)
+    draws = []
+    for use_fused in (True, False):
+        sampler = fused_sampler(requests)
+        sampler.use_fused_sample = use_fused
+        torch.manual_seed(11)
+        draws.append([sampler.sample(logits, ["x", "t"]).token_ids for _ in range(5)])
+    assert spy.calls == []
+    assert all(torch.equal(a, b) for a, b in zip(*draws, strict=True))
+
+
+def test_a_greedy_only_batch_takes_the_plain_argmax(spy: Spy) -> None:
+    sampler = fused_sampler({f"g{i}": SamplingParams(temperature=0.0) for i in range(3)})
+    logits = torch.randn(3, 32)
+    assert torch.equal(sampler.sample(logits, ["g0", "g1", "g2"]).token_ids, logits.argmax(-1))
+    assert spy.calls == []
+
+
+def test_the_fused_draw_is_off_by_default_on_the_cpu() -> None:
+    assert not Sampler(32, "cpu").use_fused_sample
+
+
+# ---------------------------------------------------------------------- on the GPU
+
+BIG_VOCAB = 128_256
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [0.7, 1.5])
+def test_gpu_draws_follow_the_softmax(temperature: float) -> None:
+    rows = 50_000
+    logits = ROW.cuda().expand(rows, -1).contiguous()
+    temps = torch.full((rows,), temperature, device="cuda")
+    tokens = fused_sample(logits, temps, host_seed())
+    assert chi_square(tokens, (ROW / temperature).softmax(-1)) < 2 * CHI2_DF7_P001
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, 128, 256])
+def test_gpu_full_vocab_draws_land_on_likely_tokens(rows: int) -> None:
+    """Half the vocabulary sits 40 nats below the rest (odds ~1e-17 each) and a tenth is
+    -inf: no draw may land there. The drawn logits' sum matches its expectation under
+    softmax(x / T) (a z-score), and greedy rows take the argmax."""
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    logits = torch.randn(rows, BIG_VOCAB, device="cuda", generator=gen)
+    unlikely = torch.rand(rows, BIG_VOCAB, device="cuda", generator=gen) < 0.5
+    masked = torch.rand(rows, BIG_VOCAB, device="cuda", generator=gen) < 0.1
+    logits = logits.masked_fill(unlikely, -40.0).masked_fill(masked, float("-inf"))
+    temperature = torch.full((rows,), 0.8, device="cuda")
+    temperature[::7] = 0.0  # greedy rows
+    sampled = temperature > 0
+    probs = (logits / temperature.clamp(min=1e-5).view(-1, 1)).softmax(-1)
+    finite = logits.masked_fill(masked, 0.0)
+    mean = (probs * finite).sum(-1)
+    var = (probs * finite**2).sum(-1) - mean**2
+    total, expected, variance = 0.0, 0.0, 0.0
+    for _ in range(20):
+        tokens = fused_sample(logits, temperature, host_seed())
+        assert not (unlikely | masked).gather(1, tokens.view(-1, 1)).any()
+        assert torch.equal(tokens[~sampled], logits[~sampled].argmax(-1))
+        total += logits.gather(1, tokens.view(-1, 1)).view(-1)[sampled].sum().item()
+        expected += mean[sampled].sum().item()
+        variance += var[sampled].sum().item()
+    assert abs(total - expected) < 5 * variance**0.5
+
+
+def temperature_sampler(rows: int, use_fused: bool) -> Sampler:
+    sampler = Sampler(BIG_VOCAB, "cuda")
+    sampler.use_fused_sample = use_fused
+    for i in range(rows):
+        sampler.add_request(NewRequestData(f"r{i}", [1], SamplingParams(temperature=1.0)))
+    return sampler
+
+
+@pytest.mark.gpu
+def test_gpu_fused_sampling_never_syncs_the_host() -> None:
+    sampler = temperature_sampler(8, use_fused=True)
+    ids = [f"r{i}" for i in range(8)]
+    logits = torch.randn(8, BIG_VOCAB, device="cuda")
+    sampler.sample(logits, ids)  # compile and build the batch outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens = sampler.sample(logits, ids).token_ids
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert tokens.shape == (8,) and bool(((tokens >= 0) & (tokens < BIG_VOCAB)).all())
+
+
+@pytest.mark.gpu
+def test_gpu_fused_draw_is_faster_than_the_unfused_one_at_batch_128() -> None:
+    rows = 128
+    ids = [f"r{i}" for i in range(rows)]
+    logits = torch.randn(rows, BIG_VOCAB, device="cuda")
+    medians = {}
+    for use_fused in (False, True):
+        sampler = temperature_sampler(rows, use_fused)
+        for _ in range(3):
+            sampler.sample(logits, ids)
+        times = []
+        for _ in range(20):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            sampler.sample(logits, ids)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1000)  # us
+        medians[use_fused] = statistics.median(times)
+    print(
+        f"\nsample() B={rows} V={BIG_VOCAB} T=1.0, median of 20: unfused {medians[False]:.1f} us,"
+        f" fused {medians[True]:.1f} us ({medians[False] / medians[True]:.1f}x)"
+    )
+    assert medians[True] < medians[False]
