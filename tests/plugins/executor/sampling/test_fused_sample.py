@@ -19,6 +19,7 @@ from tokenloom.plugins.executor.sampling.sampler import Sampler
 from tokenloom.protocols.sampling import SamplingParams
 from tokenloom.protocols.step import NewRequestData
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ROW = torch.linspace(-2.0, 2.0, 8)  # V = 8
 CHI2_DF7_P001 = 24.3  # chi-square, 7 degrees of freedom: exceeded by chance with p = 0.001
 
@@ -39,8 +40,9 @@ def mean_z_score(tokens: torch.Tensor, row: torch.Tensor, probs: torch.Tensor) -
 @pytest.mark.parametrize("temperature", [0.7, 1.5])
 def test_draws_follow_the_softmax_at_the_rows_temperature(temperature: float) -> None:
     rows = 500  # ~6 s interpreted
-    logits = ROW.expand(rows, -1).contiguous()
-    tokens = fused_sample(logits, torch.full((rows,), temperature), seed=1234, block=16)
+    logits = ROW.expand(rows, -1).contiguous().to(DEVICE)
+    temperatures = torch.full((rows,), temperature, device=DEVICE)
+    tokens = fused_sample(logits, temperatures, seed=1234, block=16).cpu()
     probs = (ROW / temperature).softmax(-1)
     assert chi_square(tokens, probs) < CHI2_DF7_P001
     assert abs(mean_z_score(tokens, ROW, probs)) < 4.0
@@ -61,7 +63,8 @@ def test_greedy_rows_take_the_argmax_and_masked_tokens_never_win() -> None:
     logits[5, 33] = -50.0  # the only finite logit of its row
     masked[5, :] = True
     masked[5, 33] = False
-    temperature = torch.tensor([0.0, 5.0, 0.0, 5.0, 1.0, 5.0])
+    logits, masked = logits.to(DEVICE), masked.to(DEVICE)
+    temperature = torch.tensor([0.0, 5.0, 0.0, 5.0, 1.0, 5.0], device=DEVICE)
     sampled = []
     for seed in (1, 2, 3):
         tokens = fused_sample(logits, temperature, seed=seed, block=16)
@@ -75,16 +78,16 @@ def test_greedy_rows_take_the_argmax_and_masked_tokens_never_win() -> None:
 @pytest.mark.parametrize("vocab", [64, 61])
 def test_splitting_a_row_across_programs_gives_the_same_ids(vocab: int) -> None:
     torch.manual_seed(1)
-    logits = torch.randn(4, vocab)
-    temperature = torch.tensor([1.0, 0.5, 0.0, 2.0])
+    logits = torch.randn(4, vocab, device=DEVICE)
+    temperature = torch.tensor([1.0, 0.5, 0.0, 2.0], device=DEVICE)
     one = fused_sample(logits, temperature, seed=99, num_splits=1, block=16)
     for splits in (2, 3, 4):
         assert torch.equal(fused_sample(logits, temperature, 99, num_splits=splits, block=16), one)
 
 
 def test_the_same_seed_repeats_the_draw_and_another_seed_does_not() -> None:
-    logits = torch.zeros(16, 64)  # flat: every id equally likely
-    temperature = torch.ones(16)
+    logits = torch.zeros(16, 64, device=DEVICE)  # flat: every id equally likely
+    temperature = torch.ones(16, device=DEVICE)
     first = fused_sample(logits, temperature, seed=5, block=16)
     assert torch.equal(fused_sample(logits, temperature, seed=5, block=16), first)
     assert not torch.equal(fused_sample(logits, temperature, seed=6, block=16), first)
@@ -120,8 +123,8 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
 
 
 def fused_sampler(requests: dict[str, SamplingParams], vocab: int = 32) -> Sampler:
-    sampler = Sampler(vocab, "cpu")
-    sampler.use_fused_sample = True  # the kernel runs under TRITON_INTERPRET=1
+    sampler = Sampler(vocab, DEVICE)
+    sampler.use_fused_sample = True  # on the CPU the kernel runs under TRITON_INTERPRET=1
     for request_id, params in requests.items():
         sampler.add_request(NewRequestData(request_id, [1, 2, 3], params, eos_token_ids=[0]))
     return sampler
@@ -136,7 +139,7 @@ def test_a_temperature_only_batch_sends_the_raw_logits_to_the_fused_draw(spy: Sp
         }
     )
     ids = ["a", "g", "b"]
-    logits = torch.randn(3, 32)
+    logits = torch.randn(3, 32, device=DEVICE)
     for _ in range(2):
         result = sampler.sample(logits, ids)
         assert result.token_ids[1] == logits[1].argmax()
@@ -152,7 +155,7 @@ def test_penalties_and_min_tokens_are_applied_before_the_fused_draw(spy: Spy) ->
     sampler = fused_sampler(
         {"m": SamplingParams(temperature=1.0, min_tokens=3, repetition_penalty=1.5)}
     )
-    logits = torch.zeros(1, 32)
+    logits = torch.zeros(1, 32, device=DEVICE)
     logits[0, 0] = 30.0  # EOS: certain, once min_tokens allows it
     logits[0, 1] = 3.0  # a prompt token: the repetition penalty divides it by 1.5
     for step in range(4):
@@ -177,7 +180,7 @@ def test_penalties_and_min_tokens_are_applied_before_the_fused_draw(spy: Spy) ->
 )
 def test_seeded_or_filtered_rows_keep_the_unfused_draw_bit_for_bit(spy, params) -> None:
     requests = {"x": params, "t": SamplingParams(temperature=1.1)}
-    logits = torch.randn(2, 32)
+    logits = torch.randn(2, 32, device=DEVICE)
     draws = []
     for use_fused in (True, False):
         sampler = fused_sampler(requests)
@@ -190,7 +193,7 @@ def test_seeded_or_filtered_rows_keep_the_unfused_draw_bit_for_bit(spy, params) 
 
 def test_a_greedy_only_batch_takes_the_plain_argmax(spy: Spy) -> None:
     sampler = fused_sampler({f"g{i}": SamplingParams(temperature=0.0) for i in range(3)})
-    logits = torch.randn(3, 32)
+    logits = torch.randn(3, 32, device=DEVICE)
     assert torch.equal(sampler.sample(logits, ["g0", "g1", "g2"]).token_ids, logits.argmax(-1))
     assert spy.calls == []
 
@@ -253,6 +256,7 @@ def temperature_sampler(rows: int, use_fused: bool) -> Sampler:
 
 @pytest.mark.gpu
 def test_gpu_fused_sampling_never_syncs_the_host() -> None:
+    assert Sampler(BIG_VOCAB, "cuda").use_fused_sample  # on by default on a GPU
     sampler = temperature_sampler(8, use_fused=True)
     ids = [f"r{i}" for i in range(8)]
     logits = torch.randn(8, BIG_VOCAB, device="cuda")
