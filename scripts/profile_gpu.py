@@ -1,12 +1,17 @@
 """Per-kernel GPU time of single-stream decode steps (torch.profiler), eager and graphs.
-Usage: python scripts/profile_gpu.py [MODEL_SHAPE] [graphs]  (graphs: skip eager)"""
+Usage: python scripts/profile_gpu.py [MODEL_SHAPE] [graphs]  (graphs: skip eager)
+Prints the kernel table, the step's busy time and gaps, and the kernel classes against
+their floors (``kernel_classes.py``); with OUT set, writes profile-gpu-SHAPE.json there."""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import tempfile
 
 import torch
+from kernel_classes import class_times, floors, measure_peaks, print_class_table
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
@@ -51,6 +56,16 @@ for eager in (False,) if "graphs" in sys.argv[2:] else (True, False):
     )
     for gap in big[:6]:
         print(f"  gap {gap[0]:.0f} us after {gap[1]} before {gap[2]}")
+    peaks = measure_peaks()
+    print("peaks: " + ", ".join(f"{k} {v / 1e12:.1f} T" for k, v in peaks.items()))
+    per_step = class_times([(k.name, k.time_range.end - k.time_range.start) for k in kernels], 20)
+    # 128 prompt tokens, then 10 warm-up steps and 20 profiled: mean context ~148
+    summary = print_class_table(per_step, floors(shape, 1, 148, peaks), span)
+    summary.update(shape=shape, eager=eager, peaks=peaks, kernels_per_step=len(kernels) / 20)
+    if os.environ.get("OUT"):
+        name = f"profile-gpu-{shape}{'-eager' if eager else ''}.json"
+        with open(os.path.join(os.environ["OUT"], name), "w") as f:
+            json.dump(summary, f, indent=2)
     engine.abort(["r"])
     engine.shutdown()
     del llm, engine

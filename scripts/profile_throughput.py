@@ -7,7 +7,12 @@ GPU time of the step (CUDA events around execute). Prints totals per step class
 kernel table of a few large decode steps and one mixed step.
 
 Usage: python scripts/profile_throughput.py [MODEL_SHAPE] [NUM_PROMPTS] [key=value ...]
-(key=value are engine options, e.g. async_scheduling=false).
+(key=value are engine options, e.g. async_scheduling=false). Environment: MIN_LEN /
+MAX_LEN (the workload's input and output lengths, default 100 / 1024, as the bench),
+PROF_SEQS / PROF_CTX (the profiled decode steps: rows and context, default 128 / 600),
+KERNELS=0 skips the kernel tables. The kernel classes of the decode steps are printed
+against their floors (``kernel_classes.py``: the GEMMs' weight bytes or FLOPs, the
+attention's KV bytes, at the copy bandwidth and GEMM rate measured first).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import time
 from collections import defaultdict
 
 import torch
+from kernel_classes import class_times, floors, measure_peaks, print_class_table
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from tokenloom import LLM, SamplingParams
@@ -50,7 +57,9 @@ else:
         **{k: parse(v) for k, v in options.items()},
     )
 engine = llm.engine
-work = make_workload(num_prompts, 100, 1024, engine.info.vocab_size, 0)
+MIN_LEN, MAX_LEN = int(os.environ.get("MIN_LEN", 100)), int(os.environ.get("MAX_LEN", 1024))
+PROF_SEQS, PROF_CTX = int(os.environ.get("PROF_SEQS", 128)), int(os.environ.get("PROF_CTX", 600))
+work = make_workload(num_prompts, MIN_LEN, MAX_LEN, engine.info.vocab_size, 0)
 
 scheduler, executor = engine.scheduler, engine.executor
 timing = {"schedule": 0.0, "execute": 0.0, "update": 0.0}
@@ -156,8 +165,9 @@ for name in sorted(classes, key=lambda n: (n[0], int(n.split("=")[1]))):
         f"{name:<18}{int(c['steps']):>7}{c['gpu_ms'] / 1e3:>8.2f}"
         f"{c['gpu_ms'] / c['steps']:>9.2f}{c['tokens'] / c['steps']:>10.0f}"
     )
-summary = {
+summary: dict = {
     "shape": shape,
+    "lengths": [MIN_LEN, MAX_LEN],
     "options": options,
     "wall_s": wall,
     "steps": num_steps,
@@ -166,24 +176,69 @@ summary = {
     "classes": {k: dict(v) for k, v in classes.items()},
 }
 out_dir = os.environ.get("OUT", ".")
-tag = "-".join(f"{k}{v}" for k, v in options.items()) or "default"
+tag = (
+    "-".join(
+        [f"len{MIN_LEN}-{MAX_LEN}"] * ((MIN_LEN, MAX_LEN) != (100, 1024))
+        + [f"{k}{v}" for k, v in options.items()]
+    )
+    or "default"
+)
 with open(os.path.join(out_dir, f"profile-throughput-{shape}-{tag}.json"), "w") as f:
     json.dump(summary, f, indent=2)
 
 if CUDA and os.environ.get("KERNELS", "1") == "1":
-    # Kernel table: 128 decodes at ~600 context, then one 8192-token mixed step.
+    # Kernel table: PROF_SEQS decodes at ~PROF_CTX context, then one 8192-token mixed step.
     scheduler.schedule, scheduler.update = orig_schedule, orig_update
     decode = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
-    for i in range(128):
-        engine.add_request(GenerateRequest(f"d{i}", work[i][0][:600], decode))
-    for _ in range(8):
+    profiled = SamplingParams(temperature=1.0, max_tokens=400, ignore_eos=True)
+    for i in range(PROF_SEQS):
+        prompt = (work[i % len(work)][0] * (PROF_CTX // MIN_LEN + 2))[:PROF_CTX]
+        prompt[0] = i  # distinct prompts: no prefix shared between the rows
+        engine.add_request(GenerateRequest(f"d{i}", prompt, profiled))
+    # Step until every row decodes (the prompts' prefill takes PROF_SEQS * PROF_CTX / 8192
+    # steps), then a few more: the profiled steps are steady decode steps.
+    steady = 0
+    while steady < 4:
         engine.step()
+        last = events[-1][2]
+        steady = steady + 1 if last["seqs"] == last["tokens"] == PROF_SEQS else 0
+    num_profiled = 5
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
+        for _ in range(num_profiled):
             engine.step()
         torch.cuda.synchronize()
-    print("\n== 5 decode steps, batch 128, context ~600")
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
+    print(f"\n== {num_profiled} decode steps, batch {PROF_SEQS}, context ~{PROF_CTX}")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18))
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    span = (kernels[-1].time_range.end - kernels[0].time_range.start) / num_profiled
+    quant = options.get("quant")
+    peaks = measure_peaks(quant)
+    print("peaks: " + ", ".join(f"{k} {v / 1e12:.0f} T" for k, v in peaks.items()))
+    step_floors = floors(
+        shape,
+        PROF_SEQS,
+        PROF_CTX + 30,  # about the mean context of the profiled steps
+        peaks,
+        weight_byte_scale=0.5 if quant in ("fp8", "int8") else 0.28 if quant == "int4" else 1.0,
+        kv_byte_scale=0.5 if options.get("kv_cache_dtype") in ("fp8", "int8") else 1.0,
+        flop_rate=peaks.get("fp8_flop_s") if quant == "fp8" else None,
+    )
+    per_step = class_times(
+        [(k.name, k.time_range.end - k.time_range.start) for k in kernels], num_profiled
+    )
+    summary["decode_profile"] = {
+        "num_seqs": PROF_SEQS,
+        "context": PROF_CTX,
+        "peaks": peaks,
+        "floors": step_floors,
+        **print_class_table(per_step, step_floors, span),
+    }
+    with open(os.path.join(out_dir, f"profile-throughput-{shape}-{tag}.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    engine.abort([f"d{i}" for i in range(PROF_SEQS)])
     while engine.has_unfinished():
         engine.step()
     for i in range(8):

@@ -11,7 +11,8 @@ quantized by the write and dequantized inside both attention kernels.
 
 Settings (``[plugin.triton]`` in the config, or keyword arguments), defaults in
 ``__init__``: ``max_num_splits``, ``decode_block_n``, ``decode_num_stages``,
-``decode_programs_per_sm``, ``prefill_block_m``, ``prefill_block_n``,
+``decode_programs_per_sm``, ``decode_min_split_tokens``, ``decode_num_warps``,
+``prefill_block_m``, ``prefill_block_n``,
 ``prefill_num_warps``, ``prefill_num_stages``. Without a GPU the kernels run under
 ``TRITON_INTERPRET=1`` with small tiles.
 """
@@ -38,6 +39,8 @@ SETTINGS = (
     "decode_block_n",
     "decode_num_stages",
     "decode_programs_per_sm",
+    "decode_min_split_tokens",
+    "decode_num_warps",
     "prefill_block_m",
     "prefill_block_n",
     "prefill_num_warps",
@@ -53,6 +56,8 @@ class TritonSettings(msgspec.Struct, forbid_unknown_fields=True):
     decode_block_n: int | None = None
     decode_num_stages: int | None = None
     decode_programs_per_sm: int | None = None
+    decode_min_split_tokens: int | None = None
+    decode_num_warps: int | None = None
     prefill_block_m: int | None = None
     prefill_block_n: int | None = None
     prefill_num_warps: int | None = None
@@ -65,6 +70,8 @@ INTERPRETER_DEFAULTS = {
     "decode_block_n": 16,
     "decode_num_stages": 1,
     "decode_programs_per_sm": 4,
+    "decode_min_split_tokens": 0,
+    "decode_num_warps": 4,
     "prefill_block_m": 16,
     "prefill_block_n": 16,
     "prefill_num_warps": 4,
@@ -81,6 +88,8 @@ def cuda_defaults(head_dim: int) -> dict[str, int]:
         "decode_block_n": 0,  # 0: chosen per batch size by decode_block_n_for
         "decode_num_stages": 2,
         "decode_programs_per_sm": 4,
+        "decode_min_split_tokens": 0,
+        "decode_num_warps": 4,
         "prefill_block_m": 64,
         "prefill_block_n": 32 if big_head else 64,
         "prefill_num_warps": 4,
@@ -134,6 +143,8 @@ class TritonAttention(AttentionBackend):
         self.decode_block_n = int(defaults["decode_block_n"])
         self.decode_num_stages = int(defaults["decode_num_stages"])
         self.decode_programs_per_sm = int(defaults["decode_programs_per_sm"])
+        self.decode_min_split_tokens = int(defaults["decode_min_split_tokens"])
+        self.decode_num_warps = int(defaults["decode_num_warps"])
         self.prefill_block_m = int(defaults["prefill_block_m"])
         self.prefill_block_n = int(defaults["prefill_block_n"])
         self.prefill_num_warps = int(defaults["prefill_num_warps"])
@@ -231,6 +242,8 @@ class TritonAttention(AttentionBackend):
                 scale,
                 num_splits=self.num_splits(num_decodes),
                 block_n=self.decode_block_n_for(num_decodes),
+                min_split_tokens=self.decode_min_split_tokens,
+                num_warps=self.decode_num_warps,
                 num_stages=self.decode_num_stages,
             )
         if num_decodes < num_seqs:

@@ -43,7 +43,9 @@ def info(device: str) -> ModelInfo:
     )  # fmt: skip
 
 
-def step(batch: int, context: int, layers: int, kv: str, device: str) -> dict[str, float]:
+def step(
+    batch: int, context: int, layers: int, kv: str, device: str, settings: dict[str, int]
+) -> dict[str, float]:
     blocks_per_seq = -(-context // BLOCK)
     num_blocks = batch * blocks_per_seq + 1
     # enough layers that one replay reads more KV than L2 holds (in the model dtype)
@@ -80,7 +82,7 @@ def step(batch: int, context: int, layers: int, kv: str, device: str) -> dict[st
     q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen, device=device).to(MODEL_DTYPE)
     k = torch.randn(batch, KV_HEADS, HEAD_DIM, generator=gen, device=device).to(MODEL_DTYPE)
     v = torch.randn(batch, KV_HEADS, HEAD_DIM, generator=gen, device=device).to(MODEL_DTYPE)
-    attn = TritonAttention(EngineConfig(max_num_seqs=max(batch, 1)), info(device))
+    attn = TritonAttention(EngineConfig(max_num_seqs=max(batch, 1)), info(device), **settings)
     attn.prepare(meta)
     scale = HEAD_DIM**-0.5
     out = attn.forward(q, k, v, *caches[0], meta, scale)
@@ -112,24 +114,35 @@ def main() -> int:
     parser.add_argument("--contexts", default="1024,4096")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--kv", default=",".join(DTYPES), help="KV dtypes, of auto,fp8,int8")
+    parser.add_argument(
+        "--setting", action="append", default=[], help="backend setting NAME=INT (repeatable)"
+    )
     args = parser.parse_args()
+    settings = {k: int(v) for k, v in (s.split("=", 1) for s in args.setting)}
+    kvs = args.kv.split(",")
     rows = []
     for context in (int(c) for c in args.contexts.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
             row: dict[str, object] = {"batch": batch, "context": context}
-            for kv in DTYPES:
-                row[kv] = step(batch, context, args.layers, kv, "cuda")
+            for kv in kvs:
+                row[kv] = step(batch, context, args.layers, kv, "cuda", settings)
                 torch.cuda.empty_cache()  # the step's caches are gone: give their memory back
-            row["fp8_speedup"] = row["auto"]["us_per_layer"] / row["fp8"]["us_per_layer"]
-            row["int8_speedup"] = row["auto"]["us_per_layer"] / row["int8"]["us_per_layer"]
+            for kv in ("fp8", "int8"):
+                if kv in row and "auto" in row:
+                    row[f"{kv}_speedup"] = row["auto"]["us_per_layer"] / row[kv]["us_per_layer"]
             rows.append(row)
             print(
                 f"batch {batch:4d} context {context:5d}: "
                 + "  ".join(
                     f"{kv} {row[kv]['us_per_layer']:7.1f} us {row[kv]['gbps']:6.0f} GB/s"
-                    for kv in DTYPES
+                    for kv in kvs
                 )
-                + f"  fp8 x{row['fp8_speedup']:.2f} int8 x{row['int8_speedup']:.2f}",
+                + "".join(
+                    f"  {kv} x{row[kv + '_speedup']:.2f}"
+                    for kv in ("fp8", "int8")
+                    if kv + "_speedup" in row
+                ),  # fmt: skip
                 flush=True,
             )
     path = args.json or (os.path.join(os.environ["OUT"], "kvq_decode_bench.json")

@@ -31,9 +31,11 @@ from tokenloom.plugins.attention import kv_quant
 
 
 @triton.jit
-def _split_length(seq_len, num_splits, BLOCK_N: tl.constexpr):
-    # Splits are whole BLOCK_N tiles so that no tile straddles two programs.
-    return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+def _split_length(seq_len, num_splits, min_split, BLOCK_N: tl.constexpr):
+    # Splits are whole BLOCK_N tiles so that no tile straddles two programs, and at
+    # least ``min_split`` tokens (a multiple of BLOCK_N): a short KV stays in fewer
+    # programs, which skips the partials and the merge.
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, min_split)
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -60,6 +62,7 @@ def _decode_kernel(
     stride_scale_block,
     scale_log2,  # softmax scale * log2(e)
     num_splits,
+    min_split,  # tokens, a multiple of BLOCK_N (0: splits as even as the tiles allow)
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -84,7 +87,7 @@ def _decode_kernel(
     out_offs = seq * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :]
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = _split_length(seq_len, num_splits, BLOCK_N)
+    split_len = _split_length(seq_len, num_splits, min_split, BLOCK_N)
     num_active = tl.cdiv(seq_len, tl.maximum(split_len, 1))
     kv_start = split * split_len
     kv_end = tl.minimum(kv_start + split_len, seq_len)
@@ -189,9 +192,11 @@ def decode_attention(
     block_n: int,
     num_warps: int = 4,
     num_stages: int = 2,
+    min_split_tokens: int = 0,
 ) -> None:
     """Launch the kernel. No host sync; the grid depends only on shapes and
-    ``num_splits``, so a captured graph replays with new values in the same tensors."""
+    ``num_splits``, so a captured graph replays with new values in the same tensors.
+    ``min_split_tokens``: no split shorter than this (rounded up to whole tiles)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -222,6 +227,7 @@ def decode_attention(
         k_scales.stride(0) if quantized else 0,
         scale * 1.4426950408889634,
         num_splits,
+        triton.cdiv(min_split_tokens, block_n) * block_n,
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,

@@ -90,6 +90,31 @@ def test_the_last_split_merges_and_leaves_the_counters_zero_for_the_next_launch(
     assert torch.equal(forward(triton_attn, batch), first)
 
 
+@pytest.mark.parametrize("min_split", [16, 40, 64, 1000])
+def test_a_minimum_split_length_keeps_short_kv_in_fewer_programs(min_split):
+    # 150 tokens over 4 splits of 16-token tiles: 48 per split by default; a minimum
+    # split (rounded up to whole tiles) leaves fewer programs active (one at 1000:
+    # no merge at all), and every count must give the same attention.
+    check_against_references(
+        [1, 1, 1], [150, 37, 3], max_num_splits=4, decode_min_split_tokens=min_split
+    )
+
+
+def test_kv_within_the_minimum_split_skips_the_partials():
+    batch = make_batch([1, 1, 1], [150, 37, 3], device=DEVICE)
+    triton_attn, _ = backends(4, 2, 32, torch.float32, max_num_splits=4)
+    triton_attn.decode_min_split_tokens = 160  # 150 tokens in one program
+    part_out, part_lse, _ = triton_attn._decode_scratch(3)
+    part_out.fill_(7.0)
+    part_lse.fill_(7.0)
+    out = forward(triton_attn, batch)
+    assert relative_error(out, dense_reference(batch)) < TOLERANCE[torch.float32]
+    assert bool((part_out == 7.0).all()) and bool((part_lse == 7.0).all())
+    triton_attn.decode_min_split_tokens = 0  # 48 tokens per split: partials written
+    forward(triton_attn, batch)
+    assert not bool((part_lse == 7.0).all())
+
+
 def test_decode_with_one_split_matches_references():
     check_against_references([1, 1, 1], [5, 40, 64], max_num_splits=1)
 
