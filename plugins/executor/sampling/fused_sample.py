@@ -40,11 +40,20 @@ PROGRAMS_PER_SM = 4  # enough programs in flight to keep HBM busy
 
 
 @triton.jit
+def _open_uniform(bits):
+    """32 random bits (uint32) -> a float32 uniform in (0, 1), both ends excluded."""
+    # 23 bits to a float in (0, 1), both ends excluded and exact in float32: the largest,
+    # 1 - 2^-24, is representable (with 24 bits, (2^24 - 0.5) / 2^24 rounds to 1.0, and
+    # G = -log(-log(1)) = +inf let a -inf or far-below token win about once per 2^24
+    # draws). G stays in (-2.8, 16.7).
+    return ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+
+
+@triton.jit
 def _gumbel_score(logits_ptr, offs, hi, bits, temperature):
     """``x + T * G`` for the elements ``offs`` (-inf past ``hi``), G from 32 random bits."""
     x = tl.load(logits_ptr + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
-    # 24 bits to a float in (0, 1) exactly, both ends excluded: G stays finite (|G| < 18).
-    u = ((bits >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08
+    u = _open_uniform(bits)
     gumbel = -tl.log(-tl.log(u))
     return x + temperature * gumbel
 

@@ -12,6 +12,8 @@ import statistics
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from tokenloom.plugins.executor.sampling import fused_sample as fused
 from tokenloom.plugins.executor.sampling.fused_sample import fused_sample, host_seed
@@ -308,3 +310,21 @@ def test_gpu_fused_draw_is_faster_than_the_unfused_one_at_batch_128() -> None:
             f" of logits read, {splits} splits per row"
         )
     assert fused_us < unfused_us
+
+
+@triton.jit
+def _uniform_probe(bits_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    u = fused._open_uniform(tl.load(bits_ptr + offs).to(tl.uint32, bitcast=True))
+    tl.store(out_ptr + offs, -tl.log(-tl.log(u)))
+
+
+def test_the_extreme_random_words_give_finite_gumbel_noise() -> None:
+    # The all-ones word once mapped to u = 1.0 in float32 (G = +inf: a masked or
+    # far-below token could win, about once per 2^24 draws, seen at B=128 on the H200).
+    words = torch.tensor([-1, 0, 1, 2**31 - 1, -(2**31), 511, 512, -512], dtype=torch.int32)
+    noise = torch.empty(8, dtype=torch.float32)
+    words, noise = words.to(DEVICE), noise.to(DEVICE)
+    _uniform_probe[(1,)](words, noise, N=8)
+    assert torch.isfinite(noise).all(), noise
+    assert float(noise.max()) < 17.0 and float(noise.min()) > -3.0
