@@ -99,7 +99,11 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     done = [r for r in results if r.ok]
     out_tokens = sum(r.output_len for r in done)
     in_tokens = sum(r.prompt_len for r in done)
-    tpot = [(r.e2e - r.ttft) / (r.output_len - 1) for r in done if r.output_len > 1]
+    # A request whose tokens all decoded to empty text (random weights do that; a
+    # synthetic run asks no logprobs) never showed a first token: its TTFT is unknown,
+    # not 0, and it is left out of the latency figures (counted apart).
+    seen = [r for r in done if r.ttft > 0.0]
+    tpot = [(r.e2e - r.ttft) / (r.output_len - 1) for r in seen if r.output_len > 1]
     summary: dict[str, Any] = {
         "completed": len(done),
         "failed": len(results) - len(done),
@@ -109,9 +113,10 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         "total_token_throughput": (in_tokens + out_tokens) / duration if duration else 0.0,
         "input_tokens": in_tokens,
         "output_tokens": out_tokens,
+        "no_visible_token": len(done) - len(seen),
     }
     for name, values in (
-        ("ttft_ms", [r.ttft for r in done]),
+        ("ttft_ms", [r.ttft for r in seen]),
         ("tpot_ms", tpot),
         ("itl_ms", [gap for r in done for gap in r.itl]),
         ("e2e_ms", [r.e2e for r in done]),

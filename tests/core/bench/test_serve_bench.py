@@ -48,3 +48,15 @@ def test_lengths_stay_in_range_and_summary_derives_tpot_and_throughput():
     summary = summarize(results, duration=2.0)
     assert summary["request_throughput"] == 2.0
     assert abs(summary["tpot_ms"]["mean"] - 100.0) < 1e-6
+
+
+def test_a_request_that_showed_no_token_is_left_out_of_the_latencies():
+    # Random weights can stream only empty texts: no first token was seen, so its
+    # TTFT is unknown; counting it as 0 pulled the p50 to 0 ms on a CPU run.
+    shown = RequestResult(True, 10, 5, ttft=0.2, e2e=0.6, itl=[0.1] * 4)
+    blank = RequestResult(True, 10, 5, ttft=0.0, e2e=0.9)
+    summary = summarize([shown, blank, blank], duration=1.0)
+    assert summary["no_visible_token"] == 2
+    assert summary["ttft_ms"]["p50"] == summary["ttft_ms"]["mean"] == 200.0
+    assert abs(summary["tpot_ms"]["mean"] - 100.0) < 1e-6
+    assert summary["output_tokens"] == 15  # throughput still counts every token
