@@ -72,6 +72,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="prompt ids; a second run with the same seed against the same server hits its "
         "prefix cache (use another seed to measure prefill again)",
     )
+    parser.add_argument(
+        "--logprobs",
+        action="store_true",
+        help="ask each token's logprob, so that every token streams as a chunk: TTFT and "
+        "TPOT then count tokens, not visible text (needed on random weights, whose tokens "
+        "often decode to empty text; a trace replay always asks)",
+    )
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--out", default=None, help="JSON output file")
     trace = parser.add_argument_group("trace replay")
@@ -213,8 +220,9 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 body["priority"] = request.priority
             if request.tenant:
                 body["user"] = request.tenant
-            if args.trace:  # every token as a chunk, and the engine's own timings
+            if args.trace or args.logprobs:  # every token as a chunk
                 body["logprobs"] = 0
+            if args.trace:  # and the engine's own timings
                 body["include_metrics"] = True
             bodies.append(body)
         gate = asyncio.Semaphore(args.max_concurrency or len(bodies))
