@@ -294,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         ("output token throughput (tok/s)", summary["output_token_throughput"]),
         ("total token throughput (tok/s)", summary["total_token_throughput"]),
     ]
+    if summary["no_visible_token"]:
+        rows.append(("no visible token (left out of TTFT/TPOT)", summary["no_visible_token"]))
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         stats = summary[name]
         rows.append((f"{name} mean/p50/p90/p99", " / ".join(f"{v:.2f}" for v in stats.values())))
