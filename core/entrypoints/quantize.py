@@ -6,6 +6,10 @@ load the model in float32 on the CPU, quantize its decoder ``Linear`` layers one
 one with GPTQ (``plugins.quant.gptq``) on the inputs of the layers before them already
 quantized, write the directory (``plugins.quant.gptq_checkpoint``). The LM head and
 the embedding stay dense, as at load-time quantization.
+
+``--awq`` (int4): before a layer's linears are rounded, its input channels are scaled
+by AWQ's searched scales (``plugins.quant.awq``), folded into the RMSNorm weights and
+the up / v rows, which the checkpoint then holds (norms dense, up / v quantized).
 """
 
 from __future__ import annotations
@@ -49,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
         "beforehand (groups stay k // group: every reader loads it); default: on for "
         "int4, off for fp8 (what measured better on the built-in model)",
     )
+    parser.add_argument(
+        "--awq",
+        action="store_true",
+        help="int4: scale each layer's input channels by AWQ's searched scales (folded "
+        "into the RMSNorm weights and the up / v rows) before GPTQ rounds it",
+    )
     parser.add_argument("--seed", type=int, default=0, help="of the calibration sampling")
     parser.add_argument(
         "--dtype",
@@ -74,6 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.group_size < 8 or args.group_size % 8:
         print("error: --group-size must be a positive multiple of 8", file=sys.stderr)
+        return 2
+    if args.awq and args.method != "int4":
+        print("error: --awq is for --method int4", file=sys.stderr)
         return 2
     import torch
 
@@ -110,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         act_order=args.method == "int4" if args.act_order is None else args.act_order,
         dtype=getattr(torch, args.dtype),
         about=about,
+        awq=args.awq,
     )
     print(
         f"GPTQ: quantized in {time.perf_counter() - sampled:.0f} s; wrote {args.out} "
@@ -128,10 +142,12 @@ def quantize_checkpoint(
     act_order: bool = False,
     dtype: Any = None,
     about: dict[str, Any] | None = None,
+    awq: bool = False,
 ) -> None:
     """Load ``model_path`` (directory or GGUF) in float32 on the CPU, GPTQ its
     decoder layers for ``method`` (int4 | fp8) calibrated on ``sequences``, write the
-    checkpoint to ``out`` (dense tensors in ``dtype``, default float32)."""
+    checkpoint to ``out`` (dense tensors in ``dtype``, default float32). ``awq``
+    (int4): AWQ-scale each layer first."""
     import torch
 
     from tokenloom.plugins.models.gguf import find_gguf
@@ -156,9 +172,16 @@ def quantize_checkpoint(
     def make_grid() -> Grid:
         return Int4Grid(group, static=act_order) if method == "int4" else Fp8Grid()
 
+    scaler = None
+    if awq:
+        from tokenloom.plugins.quant.awq import AwqScaler, int4_rtn
+
+        if method != "int4":
+            raise ValueError("AWQ is implemented for int4 only")
+        scaler = AwqScaler(int4_rtn(group))
     started = time.perf_counter()
     model, _ = load_model(model_path, torch.float32, "cpu")
-    grids = quantize_sequentially(model, sequences, make_grid, damping, act_order)
+    grids = quantize_sequentially(model, sequences, make_grid, damping, act_order, scaler)
     write_checkpoint(
         out,
         source,
@@ -169,12 +192,13 @@ def quantize_checkpoint(
         {
             **(about or {}),
             "source": Path(model_path).name,
-            "method": f"gptq {method}",
+            "method": f"{'awq + ' if awq else ''}gptq {method}",
             "calibration_tokens": sum(len(s) for s in sequences),
             "damping": damping,
             "act_order": act_order,
             "sequential": "layer by layer, and Linear by Linear inside a layer",
             "gptq_seconds": round(time.perf_counter() - started, 1),
+            **({"awq_alpha": scaler.alphas, "awq_error_vs_rtn": scaler.gains} if scaler else {}),
         },
     )
 

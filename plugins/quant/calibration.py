@@ -117,10 +117,15 @@ def quantize_sequentially(
     make_grid: Callable[[], Grid],
     damping: float = DAMPING,
     act_order: bool = False,
+    prepare_layer: Callable[[int, nn.Module, Callable[[], None]], None] | None = None,
 ) -> dict[str, Grid]:
     """GPTQ every ``Linear`` of ``model.model.layers`` in place (its ``weight`` now
     holds the rounded values), calibrated on ``sequences``; returns each one's grid
-    (its codes and parameters), by module name."""
+    (its codes and parameters), by module name.
+
+    ``prepare_layer(index, layer, run)`` (optional, e.g. ``awq.AwqScaler``) may change
+    each layer's float weights before they are rounded; ``run()`` makes the layer's
+    forward over every sequence (on the outputs of the layers before it, quantized)."""
     inner = model.model
     ctx = ForwardContext(
         attn=CausalAttention(),  # type: ignore[arg-type]
@@ -136,6 +141,8 @@ def quantize_sequentially(
     grids: dict[str, Grid] = {}
     for index, layer in enumerate(inner.layers):
         prefix = f"model.layers.{index}."
+        if prepare_layer is not None:
+            prepare_layer(index, layer, lambda layer=layer: _run(layer, states, ctx))
         for name, linear in _call_order(layer, states, ctx):
             h = _capture(layer, linear, states, ctx)
             grid = make_grid()
@@ -149,6 +156,11 @@ def quantize_sequentially(
             )
         log.info("GPTQ: layer %d of %d quantized", index + 1, len(inner.layers))
     return grids
+
+
+def _run(layer: nn.Module, states: LayerStates, ctx: ForwardContext) -> None:
+    for i in range(len(states.hidden)):
+        layer(states.rope[i], states.hidden[i], states.residual[i], ctx)
 
 
 def _call_order(
