@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="int4: scale each layer's input channels by AWQ's searched scales (folded "
         "into the RMSNorm weights and the up / v rows) before GPTQ rounds it",
     )
+    parser.add_argument(
+        "--awq-clip",
+        action="store_true",
+        help="with --awq: also AWQ's clipping search (each group's range shrunk by the "
+        "ratio, 1 to 0.55, of least rounded output error)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="of the calibration sampling")
     parser.add_argument(
         "--dtype",
@@ -85,8 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.group_size < 8 or args.group_size % 8:
         print("error: --group-size must be a positive multiple of 8", file=sys.stderr)
         return 2
-    if args.awq and args.method != "int4":
-        print("error: --awq is for --method int4", file=sys.stderr)
+    if (args.awq or args.awq_clip) and (args.method != "int4" or not args.awq):
+        print("error: --awq is for --method int4; --awq-clip needs --awq", file=sys.stderr)
         return 2
     import torch
 
@@ -124,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dtype=getattr(torch, args.dtype),
         about=about,
         awq=args.awq,
+        awq_clip=args.awq_clip,
     )
     print(
         f"GPTQ: quantized in {time.perf_counter() - sampled:.0f} s; wrote {args.out} "
@@ -143,11 +150,12 @@ def quantize_checkpoint(
     dtype: Any = None,
     about: dict[str, Any] | None = None,
     awq: bool = False,
+    awq_clip: bool = False,
 ) -> None:
     """Load ``model_path`` (directory or GGUF) in float32 on the CPU, GPTQ its
     decoder layers for ``method`` (int4 | fp8) calibrated on ``sequences``, write the
     checkpoint to ``out`` (dense tensors in ``dtype``, default float32). ``awq``
-    (int4): AWQ-scale each layer first."""
+    (int4): AWQ-scale each layer first; ``awq_clip``: and clip its groups."""
     import torch
 
     from tokenloom.plugins.models.gguf import find_gguf
@@ -178,7 +186,7 @@ def quantize_checkpoint(
 
         if method != "int4":
             raise ValueError("AWQ is implemented for int4 only")
-        scaler = AwqScaler(int4_rtn(group))
+        scaler = AwqScaler(int4_rtn(group), clip_group=group if awq_clip else 0)
     started = time.perf_counter()
     model, _ = load_model(model_path, torch.float32, "cpu")
     grids = quantize_sequentially(model, sequences, make_grid, damping, act_order, scaler)
@@ -198,9 +206,17 @@ def quantize_checkpoint(
             "act_order": act_order,
             "sequential": "layer by layer, and Linear by Linear inside a layer",
             "gptq_seconds": round(time.perf_counter() - started, 1),
-            **({"awq_alpha": scaler.alphas, "awq_error_vs_rtn": scaler.gains} if scaler else {}),
+            **(_awq_record(scaler) if scaler else {}),
         },
     )
+
+
+def _awq_record(scaler: Any) -> dict[str, Any]:
+    """What AWQ chose, for quantize.json."""
+    record = {"awq_alpha": scaler.alphas, "awq_error_vs_rtn": scaler.gains}
+    if scaler.clip_group:
+        record["awq_mean_clip_ratio"] = scaler.clips
+    return record
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ from tokenloom.plugins.quant.gptq import Int4Grid
 log = get_logger(__name__)
 
 ALPHAS = tuple(i / 20 for i in range(21))  # 0, 0.05, ..., 1
+CLIP_RATIOS = tuple(1 - i / 20 for i in range(10))  # 1, 0.95, ..., 0.55
 MIN_MAGNITUDE = 1e-5  # of the largest mean |x|: floor for channels that never fire
 
 Quantizer = Callable[[torch.Tensor], torch.Tensor]  # W [N, K] -> rounded W, float32
@@ -71,6 +72,40 @@ def int4_rtn(group: int) -> Quantizer:
         return (q - zero) * scale
 
     return quantize
+
+
+def search_clip(
+    w: torch.Tensor,
+    h: torch.Tensor,
+    quantize: Quantizer,
+    group: int,
+    ratios: tuple[float, ...] = CLIP_RATIOS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """AWQ's second step: ``w [N, K]`` with each group of ``group`` inputs of each
+    row clamped to ``ratio`` times its range (so the grid fitted on it is that much
+    finer), the ratio chosen per row and group among ``ratios`` by the group's own
+    share of the rounded output error, ``d_g H_gg d_g^T`` (``h [K, K]`` the inputs'
+    ``X^T X``; the cross terms between groups are left out, as in the paper).
+    Returns the clamped weight and the ratios ``[N, K / group]``."""
+    w = w.float()
+    n, k = w.shape
+    blocks = torch.stack(
+        [h[g : g + group, g : g + group] for g in range(0, k, group)]
+    ).float()  # [G, group, group]
+    wg = w.view(n, k // group, group)
+    lo = wg.amin(dim=2, keepdim=True).clamp(max=0.0)
+    hi = wg.amax(dim=2, keepdim=True).clamp(min=0.0)
+    best_error = torch.full((n, k // group), float("inf"))
+    best_ratio = torch.ones(n, k // group)
+    for ratio in ratios:
+        clamped = torch.maximum(torch.minimum(wg, hi * ratio), lo * ratio).reshape(n, k)
+        d = (w - quantize(clamped)).view(n, k // group, group)
+        error = torch.einsum("ngi,gij,ngj->ng", d, blocks, d)
+        better = error < best_error
+        best_error = torch.where(better, error, best_error)
+        best_ratio = torch.where(better, torch.full_like(best_ratio, ratio), best_ratio)
+    r = best_ratio[:, :, None]
+    return torch.maximum(torch.minimum(wg, hi * r), lo * r).reshape(n, k), best_ratio
 
 
 @dataclass
@@ -166,12 +201,14 @@ class AwqScaler:
     searches and folds the four scales of one Llama-family decoder layer in place,
     before its linears are rounded. ``alphas`` records the chosen ``alpha`` and
     ``gains`` the searched error as a fraction of RTN's (``alpha = 0``), by the
-    linear's full name."""
+    linear's full name. ``clip_group``: AWQ's clipping search too (``clips``)."""
 
     quantize: Quantizer
     grid: tuple[float, ...] = ALPHAS  # the alphas tried
+    clip_group: int = 0  # > 0: then clip each scaled weight (``search_clip``) per group
     alphas: dict[str, float] = field(default_factory=dict)
     gains: dict[str, float] = field(default_factory=dict)
+    clips: dict[str, float] = field(default_factory=dict)  # the mean clip ratio
 
     @torch.no_grad()
     def __call__(self, index: int, layer: nn.Module, run: Callable[[], None]) -> None:
@@ -190,21 +227,30 @@ class AwqScaler:
             self.gains[key] = errors[alpha] / rtn if rtn > 0 else 1.0
             return s
 
+        def scale(name: str, s: torch.Tensor) -> None:
+            linear = linears[name]
+            scale_columns(linear, s)
+            if self.clip_group:
+                h = stats[name].h() / s[:, None] / s[None, :]  # of the inputs x / s
+                clipped, ratios = search_clip(linear.weight.data, h, self.quantize, self.clip_group)
+                linear.weight.data.copy_(clipped)
+                self.clips[f"model.layers.{index}.{name}"] = float(ratios.mean())
+
         s = search("mlp.down_proj")
         fold_into_rows(mlp.gate_up_proj, mlp.down_proj.in_features, s)  # up_proj's rows
-        scale_columns(mlp.down_proj, s)
+        scale("mlp.down_proj", s)
         s = search("mlp.gate_up_proj")
         fold_into_norm(layer.post_attention_layernorm, s)
-        scale_columns(mlp.gate_up_proj, s)
+        scale("mlp.gate_up_proj", s)
 
         tie = value_rows_of_o_inputs(attn.num_heads, attn.num_kv_heads, attn.head_dim)
         s = search("self_attn.o_proj", tie)
         v_scale = torch.ones(attn.kv_size).index_copy_(0, tie, s)  # one per value row
         fold_into_rows(attn.qkv_proj, attn.q_size + attn.kv_size, v_scale)
-        scale_columns(attn.o_proj, s)
+        scale("self_attn.o_proj", s)
         s = search("self_attn.qkv_proj")
         fold_into_norm(layer.input_layernorm, s)
-        scale_columns(attn.qkv_proj, s)
+        scale("self_attn.qkv_proj", s)
         chosen = (
             f"{n.rsplit('.', 1)[1]} {self.alphas[f'model.layers.{index}.{n}']:.2f}" for n in LINEARS
         )
@@ -248,6 +294,7 @@ __all__ = [
     "fold_into_rows",
     "int4_rtn",
     "scale_columns",
+    "search_clip",
     "search_scale",
     "value_rows_of_o_inputs",
 ]

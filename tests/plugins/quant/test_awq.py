@@ -17,6 +17,7 @@ from tokenloom.plugins.quant.awq import (
     AwqScaler,
     InputStats,
     int4_rtn,
+    search_clip,
     search_scale,
     value_rows_of_o_inputs,
 )
@@ -85,6 +86,22 @@ def test_searched_scale_leaves_less_error_than_rtn_on_inputs_with_large_channels
     assert torch.equal(s_tied[:64], s_tied[64:])
 
 
+def test_clip_search_keeps_each_groups_error_at_most_that_of_the_full_range():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2048, 64, generator=gen)
+    w = 0.05 * torch.randn(32, 64, generator=gen)
+    w[::2, 5] = 1.0  # an outlier weight stretches half the rows' first group
+    h = x.t() @ x
+    clipped, ratios = search_clip(w, h, int4_rtn(32), 32)
+    assert ratios.shape == (32, 2) and bool(((ratios >= 0.55) & (ratios <= 1.0)).all())
+    assert float(ratios.min()) < 1.0  # some group is clipped
+    full, clip = w - int4_rtn(32)(w), w - int4_rtn(32)(clipped)
+    for g in (slice(0, 32), slice(32, 64)):
+        per_row = [torch.einsum("ni,ij,nj->n", d[:, g], h[g, g], d[:, g]) for d in (full, clip)]
+        assert bool((per_row[1] <= per_row[0] * (1 + 1e-5)).all())
+    assert output_error(w, int4_rtn(32)(clipped), h) < output_error(w, int4_rtn(32)(w), h)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("grid", [(0.5,), None], ids=["alpha-0.5", "searched"])
 def test_scaling_and_folding_leave_the_float_model_unchanged(arch, grid, tiny_model_factory):
@@ -114,25 +131,30 @@ def tiny(tiny_model_factory) -> Path:
     return Path(tiny_model_factory("llama"))
 
 
-def test_quantize_awq_writes_a_checkpoint_that_loads_as_quantized_in_memory(tiny, tmp_path):
+@pytest.mark.parametrize("clip", [False, True], ids=["awq", "awq-clip"])
+def test_quantize_awq_writes_a_checkpoint_that_loads_as_quantized_in_memory(clip, tiny, tmp_path):
     from tokenloom.entrypoints.quantize import main
     from tokenloom.plugins.models.loader import load_model
     from tokenloom.plugins.quant.calibration import quantize_sequentially, sample_calibration_tokens
 
     out = tmp_path / "awq"
     args = ["--method", "int4", "--awq", "--out", str(out), "--calibration-tokens", "256"]
+    args += ["--awq-clip"] if clip else []
     assert main([str(tiny), *args, "--seq-len", "64", "--group-size", "32", "--threads", "1"]) == 0
     about = json.loads((out / "quantize.json").read_text())
     assert about["method"] == "awq + gptq int4" and len(about["awq_alpha"]) == 8
     assert main([str(tiny), "--method", "fp8", "--awq", "--out", str(tmp_path / "x")]) == 2
+    assert main([str(tiny), "--method", "int4", "--awq-clip", "--out", str(tmp_path / "x")]) == 2
+    assert ("awq_mean_clip_ratio" in about) == clip
     # the same calibration again (seeded): the values the checkpoint must hold
     sequences = sample_calibration_tokens(str(tiny), 256, 64, 0)
     model, _ = load_model(tiny, torch.float32, "cpu")
-    scaler = AwqScaler(int4_rtn(32))
+    scaler = AwqScaler(int4_rtn(32), clip_group=32 if clip else 0)
     quantize_sequentially(
         model, sequences, lambda: Int4Grid(32, static=True), act_order=True, prepare_layer=scaler
     )
     assert scaler.alphas == about["awq_alpha"]
+    assert scaler.clips == about.get("awq_mean_clip_ratio", {})
     prompt = [5, 6, 7, 8]
     expected = _greedy(model, prompt, 8)
 
