@@ -73,7 +73,6 @@ def _decode_kernel(
     PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_QUANT: tl.constexpr,
-    F16_DOTS: tl.constexpr,  # a quantized cache under a 16-bit query: f16 dot operands
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -100,12 +99,6 @@ def _decode_kernel(
 
     q_offs = seq * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :]
     q = tl.load(q_ptr + q_offs, mask=mask_hd, other=0.0)
-    if F16_DOTS:
-        # fp8 / int8 keys and values enter the dots as float16 instead of bf16: e4m3 ->
-        # f16 is one conversion per two values (to bf16 it goes through f32), and the raw
-        # codes (|x| <= 448 or 127; the scales are applied outside the dots) are exact in
-        # f16. The query is clamped into f16's range (a no-op for any real query).
-        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -139,12 +132,9 @@ def _decode_kernel(
         if KV_QUANT:
             s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * NUM_KV_HEADS + kv_head
             p = p * tl.load(v_scale_ptr + s_off, mask=mask_n, other=0.0)[None, :]
-        if F16_DOTS:
-            # p * scale is small (scales ~ |v| / 448): 256x keeps it in f16's normal range
-            pv = tl.dot((p * 256.0).to(tl.float16), v.to(tl.float16)) * (1.0 / 256.0)
-        else:
-            pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-        acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + tl.dot(
+            p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION
+        )
         m_i = m_new
 
     if num_active == 1:  # the whole KV in this program: no partials to merge
@@ -248,7 +238,6 @@ def decode_attention(
         PAGE_SIZE=k_cache.shape[1],
         DOT_PRECISION=precision,
         KV_QUANT=quantized,
-        F16_DOTS=quantized and q.dtype != torch.float32,
         num_warps=num_warps,
         num_stages=num_stages,
     )

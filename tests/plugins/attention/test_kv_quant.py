@@ -235,7 +235,6 @@ def check_triton_against_torch(query_lens, seq_lens, kv_dtype, dtype=torch.float
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_triton_decode_over_a_quantized_cache_matches_the_reference(kv_dtype, dtype):
-    # float16 queries take the kernel's f16-operand path (F16_DOTS)
     check_triton_against_torch([1, 1, 1], [150, 17, 40], kv_dtype, dtype, max_num_splits=4)
 
 
