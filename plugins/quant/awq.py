@@ -86,26 +86,29 @@ def search_clip(
     finer), the ratio chosen per row and group among ``ratios`` by the group's own
     share of the rounded output error, ``d_g H_gg d_g^T`` (``h [K, K]`` the inputs'
     ``X^T X``; the cross terms between groups are left out, as in the paper).
-    Returns the clamped weight and the ratios ``[N, K / group]``."""
+    Returns the clamped weight and the ratios ``[N, ceil(K / group)]``."""
     w = w.float()
     n, k = w.shape
-    blocks = torch.stack(
-        [h[g : g + group, g : g + group] for g in range(0, k, group)]
-    ).float()  # [G, group, group]
-    wg = w.view(n, k // group, group)
-    lo = wg.amin(dim=2, keepdim=True).clamp(max=0.0)
+    groups = -(-k // group)
+    pad = groups * group - k  # the last group may be short (k = 576 in groups of 128)
+    hp = torch.nn.functional.pad(h.float(), (0, pad, 0, pad))
+    blocks = torch.stack([hp[g : g + group, g : g + group] for g in range(0, k + pad, group)])
+    wg = torch.nn.functional.pad(w, (0, pad)).view(n, groups, group)
+    lo = wg.amin(dim=2, keepdim=True).clamp(max=0.0)  # the zero padding changes neither
     hi = wg.amax(dim=2, keepdim=True).clamp(min=0.0)
-    best_error = torch.full((n, k // group), float("inf"))
-    best_ratio = torch.ones(n, k // group)
+
+    def clamp(ratio: torch.Tensor | float) -> torch.Tensor:
+        return torch.maximum(torch.minimum(wg, hi * ratio), lo * ratio).reshape(n, -1)[:, :k]
+
+    best_error = torch.full((n, groups), float("inf"))
+    best_ratio = torch.ones(n, groups)
     for ratio in ratios:
-        clamped = torch.maximum(torch.minimum(wg, hi * ratio), lo * ratio).reshape(n, k)
-        d = (w - quantize(clamped)).view(n, k // group, group)
+        d = torch.nn.functional.pad(w - quantize(clamp(ratio)), (0, pad)).view(n, groups, group)
         error = torch.einsum("ngi,gij,ngj->ng", d, blocks, d)
         better = error < best_error
         best_error = torch.where(better, error, best_error)
         best_ratio = torch.where(better, torch.full_like(best_ratio, ratio), best_ratio)
-    r = best_ratio[:, :, None]
-    return torch.maximum(torch.minimum(wg, hi * r), lo * r).reshape(n, k), best_ratio
+    return clamp(best_ratio[:, :, None]), best_ratio
 
 
 @dataclass

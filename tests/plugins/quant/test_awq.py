@@ -88,15 +88,16 @@ def test_searched_scale_leaves_less_error_than_rtn_on_inputs_with_large_channels
 
 def test_clip_search_keeps_each_groups_error_at_most_that_of_the_full_range():
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(2048, 64, generator=gen)
-    w = 0.05 * torch.randn(32, 64, generator=gen)
+    x = torch.randn(2048, 80, generator=gen)
+    w = 0.05 * torch.randn(32, 80, generator=gen)  # the last group is short (80 = 2 * 32 + 16)
     w[::2, 5] = 1.0  # an outlier weight stretches half the rows' first group
+    w[1::2, 70] = 1.0  # and the other half's last
     h = x.t() @ x
     clipped, ratios = search_clip(w, h, int4_rtn(32), 32)
-    assert ratios.shape == (32, 2) and bool(((ratios >= 0.55) & (ratios <= 1.0)).all())
-    assert float(ratios.min()) < 1.0  # some group is clipped
+    assert ratios.shape == (32, 3) and bool(((ratios >= 0.55) & (ratios <= 1.0)).all())
+    assert float(ratios[::2, 0].min()) < 1.0 and float(ratios[1::2, 2].min()) < 1.0
     full, clip = w - int4_rtn(32)(w), w - int4_rtn(32)(clipped)
-    for g in (slice(0, 32), slice(32, 64)):
+    for g in (slice(0, 32), slice(32, 64), slice(64, 80)):
         per_row = [torch.einsum("ni,ij,nj->n", d[:, g], h[g, g], d[:, g]) for d in (full, clip)]
         assert bool((per_row[1] <= per_row[0] * (1 + 1e-5)).all())
     assert output_error(w, int4_rtn(32)(clipped), h) < output_error(w, int4_rtn(32)(w), h)
