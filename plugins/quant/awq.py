@@ -32,6 +32,10 @@ when gate/up and q/k/v are searched on them. Every statistic comes from one floa
 forward of the layer (the inputs of the layers before it already quantized, as in the
 sequential GPTQ pass); folding leaves that forward unchanged.
 
+Optionally (``AwqScaler.clip_group``) AWQ's second step follows each scaling: every
+row's groups clamped to the fraction of their range that rounds with the least
+output error (``search_clip``); on the built-in model it raised the perplexity.
+
 The grid is int4 ``Int4Grid`` (asymmetric groups, fitted on the whole weight: the RTN
 of ``int4.py``). Built for the Llama-family layers of ``plugins.models.llama``
 (Llama, Mistral, Qwen2/3), unsharded (tensor parallel size 1), on the CPU.
