@@ -94,7 +94,10 @@ def _gumbel_max_kernel(
     split = tl.program_id(1)
     num_splits = tl.num_programs(1)
     QUARTER: tl.constexpr = BLOCK // 4
-    temperature = tl.load(temperature_ptr + row)
+    # At most 1e30: T * G stays finite (an inf temperature, which a request's 1e39 becomes
+    # in float32, made +inf scores whose ties the lowest id won), and x + 1e30 * G already
+    # drowns any logit, as x / T vanishes in the unfused draw: uniform over unmasked ids.
+    temperature = tl.minimum(tl.load(temperature_ptr + row), 1e30)
     row_logits = logits_ptr + row.to(tl.int64) * stride_row
     lo = split * chunk
     hi = tl.minimum(lo + chunk, vocab)

@@ -96,6 +96,20 @@ def test_the_same_seed_repeats_the_draw_and_another_seed_does_not() -> None:
     assert len(set(first.tolist())) > 4
 
 
+def test_an_infinite_temperature_draws_uniformly_as_the_unfused_sampler() -> None:
+    # A request's temperature of 1e39 is finite in the API and inf as the batch's float32:
+    # the unfused draw divides the logits to 0 and picks uniformly. T * G must not
+    # overflow to +inf (every positive-noise token then ties and the lowest id wins).
+    rows = 200
+    logits = ROW.expand(rows, -1).contiguous().to(DEVICE)
+    temperature = torch.full((rows,), float("inf"), device=DEVICE)
+    tokens = fused_sample(logits, temperature, seed=7, block=16).cpu()
+    assert chi_square(tokens, torch.full((8,), 1 / 8)) < CHI2_DF7_P001
+    masked = logits.clone()
+    masked[:, 0] = float("-inf")  # a masked token stays out
+    assert (fused_sample(masked, temperature, seed=7, block=16) != 0).all()
+
+
 def test_the_host_seed_follows_torch_manual_seed() -> None:
     torch.manual_seed(3)
     a = [host_seed(), host_seed()]
