@@ -23,7 +23,10 @@ CLASSES = (
     ("rope+kv", r"rope|kv_write|_write_quantized_kv|_store_quantized"),
     ("activation", r"silu|gelu"),
     ("quantize", r"_per_token_fp8|quant"),
-    ("sampling", r"softmax|exponential|argmax|argmin|reduce_kernel|_sample|gumbel|topk|sort"),
+    (
+        "sampling",
+        r"softmax|exponential|argmax|argmin|reduce_kernel|reduce_splits|_sample|gumbel|topk|sort",
+    ),
 )
 
 
