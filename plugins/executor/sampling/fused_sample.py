@@ -124,7 +124,7 @@ def _gumbel_max_kernel(
     tl.store(part_idx_ptr + row * num_splits + split, index.to(tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_splits_kernel(
     part_val_ptr,  # [B, S] float32
     part_idx_ptr,  # [B, S] int64
@@ -209,7 +209,9 @@ def fused_sample(
             part_idx,
             out,
             num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            # Sized by the vocabulary, not the split count (which follows the batch
+            # size): one compile per model instead of one per split bracket mid-run.
+            BLOCK_S=triton.next_power_of_2(blocks),
             num_warps=1,
         )
     return out

@@ -87,6 +87,29 @@ def test_splitting_a_row_across_programs_gives_the_same_ids(vocab: int) -> None:
         assert torch.equal(fused_sample(logits, temperature, 99, num_splits=splits, block=16), one)
 
 
+def test_the_split_reduction_compiles_once_whatever_the_split_count(monkeypatch) -> None:
+    # The split count follows the batch size (default_num_splits): a block size tied to it
+    # compiled a new reduction (seven on the H200's 128k vocabulary) each time a serving
+    # batch first grew past 35, 69, 106, 141, 264 or 528 rows, stalling that step.
+    blocks: list[int] = []
+    kernel = fused._reduce_splits_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                blocks.append(kwargs["BLOCK_S"])
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(fused, "_reduce_splits_kernel", Recorder())
+    logits = torch.randn(2, 61, device=DEVICE)  # 4 blocks of 16
+    temperature = torch.ones(2, device=DEVICE)
+    for splits in (2, 3, 4):
+        fused_sample(logits, temperature, 3, num_splits=splits, block=16)
+    assert len(blocks) == 3 and len(set(blocks)) == 1
+
+
 def test_the_same_seed_repeats_the_draw_and_another_seed_does_not() -> None:
     logits = torch.zeros(16, 64, device=DEVICE)  # flat: every id equally likely
     temperature = torch.ones(16, device=DEVICE)
