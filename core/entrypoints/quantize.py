@@ -7,7 +7,7 @@ one with GPTQ (``plugins.quant.gptq``) on the inputs of the layers before them a
 quantized, write the directory (``plugins.quant.gptq_checkpoint``). The LM head and
 the embedding stay dense, as at load-time quantization.
 
-``--awq`` (int4): before a layer's linears are rounded, its input channels are scaled
+``--awq`` (int4, the default there): before a layer's linears are rounded, its input channels are scaled
 by AWQ's searched scales (``plugins.quant.awq``), folded into the RMSNorm weights and
 the up / v rows, which the checkpoint then holds (norms dense, up / v quantized).
 """
@@ -55,9 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--awq",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="int4: scale each layer's input channels by AWQ's searched scales (folded "
-        "into the RMSNorm weights and the up / v rows) before GPTQ rounds it",
+        "into the RMSNorm weights and the up / v rows) before GPTQ rounds it; default: "
+        "on for int4 (+15.5%% / +17.2%% perplexity on the built-in model against GPTQ "
+        "alone's +23.5%% / +24.8%%, two calibration seeds), refused for fp8",
     )
     parser.add_argument(
         "--awq-clip",
@@ -92,6 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.group_size < 8 or args.group_size % 8:
         print("error: --group-size must be a positive multiple of 8", file=sys.stderr)
         return 2
+    if args.awq is None:
+        args.awq = args.method == "int4"
     if (args.awq or args.awq_clip) and (args.method != "int4" or not args.awq):
         print("error: --awq is for --method int4; --awq-clip needs --awq", file=sys.stderr)
         return 2
