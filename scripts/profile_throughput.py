@@ -197,11 +197,15 @@ if CUDA and os.environ.get("KERNELS", "1") == "1":
         engine.add_request(GenerateRequest(f"d{i}", prompt, profiled))
     # Step until every row decodes (the prompts' prefill takes PROF_SEQS * PROF_CTX / 8192
     # steps), then a few more: the profiled steps are steady decode steps.
-    steady = 0
-    while steady < 4:
+    # (At most max_num_seqs run at once; the step count is bounded in case rows never all
+    # decode together, e.g. with speculation: the profile then says what it caught.)
+    rows = min(PROF_SEQS, engine.config.max_num_seqs)
+    steady, budget = 0, 4 * (PROF_SEQS * PROF_CTX // 8192 + 50)
+    while steady < 4 and budget > 0:
         engine.step()
+        budget -= 1
         last = events[-1][2]
-        steady = steady + 1 if last["seqs"] == last["tokens"] == PROF_SEQS else 0
+        steady = steady + 1 if last["seqs"] == last["tokens"] == rows else 0
     num_profiled = 5
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(num_profiled):
