@@ -41,19 +41,10 @@ def classify(name: str) -> str:
 def measure_peaks(quant: str | None = None) -> dict[str, float]:
     """The copy bandwidth (bytes/s) and the bf16 (and fp8) dense GEMM rate (FLOP/s) of
     this GPU, measured now: median of 10 timed runs each, after a warm-up."""
+    from tokenloom.plugins.executor.parallel.symmetric import median_cuda_us
 
-    def median_ms(fn, runs: int = 10) -> float:
-        fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(runs):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2]
+    def median_ms(fn) -> float:
+        return median_cuda_us(fn, iters=10) / 1e3
 
     buffers = [torch.empty(2 << 30, dtype=torch.uint8, device="cuda") for _ in range(2)]
     copy_ms = median_ms(lambda: buffers[1].copy_(buffers[0]))

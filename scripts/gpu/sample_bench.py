@@ -17,25 +17,11 @@ import os
 
 import torch
 
+from tokenloom.plugins.executor.parallel.symmetric import median_cuda_us
 from tokenloom.plugins.executor.sampling import fused_sample as fused
 from tokenloom.plugins.executor.sampling.logits_filters import exponential_race
 
 VOCAB = 128_256
-
-
-def median_us(fn, runs: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def bench_batch(batch: int, sms: int) -> dict:
@@ -51,19 +37,19 @@ def bench_batch(batch: int, sms: int) -> dict:
     def fused_call(splits: int | None = None, block: int = fused.DEFAULT_BLOCK) -> torch.Tensor:
         return fused.fused_sample(logits, temperature, seed, num_splits=splits, block=block)
 
-    row["unfused_us"] = median_us(unfused)
+    row["unfused_us"] = median_cuda_us(unfused, iters=50)
     for per_sm in (4, 8, 16):
         for block in (1024, 2048):
             splits = max(1, min(-(-VOCAB // block), -(-per_sm * sms // batch)))
-            row[f"fused_{per_sm}_{block}_us"] = median_us(
-                functools.partial(fused_call, splits, block)
+            row[f"fused_{per_sm}_{block}_us"] = median_cuda_us(
+                functools.partial(fused_call, splits, block), iters=50
             )
     # the kernels alone, without the host's launch cost: 20 calls in one CUDA graph
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(20):
             fused_call()
-    row["fused_default_graph_us"] = median_us(graph.replay, runs=20) / 20
+    row["fused_default_graph_us"] = median_cuda_us(graph.replay, iters=20) / 20
     best = min((v, k) for k, v in row.items() if k.startswith("fused_") and "graph" not in k)
     row["best"] = best[1]
     print(
