@@ -48,6 +48,8 @@ GEMV = [  # weight_gemv tilings (block_m unused); int4 groups of 128 take BLOCK_
     GemmConfig(1, 32, 256, 1, 4, 3, gemv=True),
     GemmConfig(1, 128, 64, 1, 4, 4, gemv=True),
     GemmConfig(1, 256, 128, 1, 8, 3, gemv=True),
+    GemmConfig(1, 128, 128, 1, 8, 3, gemv=True),
+    GemmConfig(1, 256, 64, 1, 4, 3, gemv=True),
 ]
 MEDIUM = [
     GemmConfig(64, 64, 128, 1, 4, 3),
@@ -72,14 +74,16 @@ def bucket(m: int) -> int:
 
 
 def _with_split(cfg: GemmConfig, n: int, k: int, num_sms: int) -> list[GemmConfig]:
-    """A skinny tiling alone and with the K split the heuristic would give it."""
-    split = 1
-    tiles = triton.cdiv(n, cfg.block_n)
-    while tiles * split < 2 * num_sms and split * 2 <= max(1, triton.cdiv(k, cfg.block_k) // 2):
-        split *= 2
+    """A skinny tiling alone and with each power-of-two K split that keeps at most
+    eight programs per multiprocessor and two K tiles per split: at one row a
+    program holds a few KiB in flight, so more of them cover more memory latency."""
     configs = [cfg]
-    if split > 1:
+    tiles = triton.cdiv(n, cfg.block_n)
+    k_tiles = triton.cdiv(k, cfg.block_k)
+    split = 2
+    while tiles * split <= 8 * num_sms and split * 2 <= k_tiles:
         configs.append(GemmConfig(**{**asdict(cfg), "split_k": split}))
+        split *= 2
     return configs
 
 
@@ -98,7 +102,8 @@ CACHE_NAME = "weight-gemm.json"
 # Part of every cache key: bump it when a kernel, the buckets or the candidate lists
 # change, so that no machine keeps a choice measured on code that is gone.
 # v2: buckets 1 / 16 / 64 / any with the one-row GEMV (weight_gemv), its single reduction.
-KERNELS_VERSION = 2
+# v3: the GEMV's shift-free nibbles and register prefetch, one split-sum launch, more splits.
+KERNELS_VERSION = 3
 
 
 def _load() -> dict[str, Any]:

@@ -46,6 +46,7 @@ def _weight_gemv_kernel(
     stride_xm,
     stride_ym,
     stride_ysplit,
+    nibble,  # 0xF, passed at run time: the masks stay in registers, not in per-use moves
     BITS: tl.constexpr,
     GROUP: tl.constexpr,  # 0: one scale per output channel (applied at the end)
     HAS_ZEROS: tl.constexpr,
@@ -68,32 +69,61 @@ def _weight_gemv_kernel(
         acc2 = tl.zeros([BLOCK_K // 8, BLOCK_N], tl.float32)
     k_begin = pid_k * K_CHUNK
     k_end = tl.minimum(K, k_begin + K_CHUNK)
+    # The next tile's weights are loaded before this one's FMAs (a register double
+    # buffer): at one row a program holds too few bytes in flight to cover the memory
+    # latency otherwise.
+    if BITS == 8:
+        ks = k_begin + tl.arange(0, BLOCK_K)
+        q = tl.load(
+            qw_ptr + ks[:, None].to(tl.int64) * N + offs_n[None, :],
+            mask=(ks < k_end)[:, None] & mask_n[None, :],
+            other=0,
+        )
+    else:
+        kw = k_begin // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(
+            qw_ptr + kw[:, None].to(tl.int64) * N + offs_n[None, :],
+            mask=(kw < k_end // 8)[:, None] & mask_n[None, :],
+            other=0,
+        )
     for k0 in range(k_begin, k_end, BLOCK_K):
         if BITS == 8:
             ks = k0 + tl.arange(0, BLOCK_K)
-            mask_k = ks < K
+            mask_k = ks < k_end
             x = tl.load(x_row + ks, mask=mask_k, other=0.0).to(tl.float32)
-            q = tl.load(
-                qw_ptr + ks[:, None].to(tl.int64) * N + offs_n[None, :],
-                mask=mask_k[:, None] & mask_n[None, :],
+            ks_next = ks + BLOCK_K
+            q_next = tl.load(
+                qw_ptr + ks_next[:, None].to(tl.int64) * N + offs_n[None, :],
+                mask=(ks_next < k_end)[:, None] & mask_n[None, :],
                 other=0,
             )
             w = ((q.to(tl.int32) + (MAGIC + 128)).to(tl.float32, bitcast=True)) - (MAGIC_F + 128.0)
             acc2 += w * x[:, None]
+            q = q_next
         else:
             kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            mask_kw = kw < K // 8
-            words = tl.load(
-                qw_ptr + kw[:, None].to(tl.int64) * N + offs_n[None, :],
-                mask=mask_kw[:, None] & mask_n[None, :],
+            mask_kw = kw < k_end // 8
+            kw_next = kw + BLOCK_K // 8
+            words_next = tl.load(
+                qw_ptr + kw_next[:, None].to(tl.int64) * N + offs_n[None, :],
+                mask=(kw_next < k_end // 8)[:, None] & mask_n[None, :],
                 other=0,
             )
+            # Nibble j sits at bit p = 4j (j < 5) or, after one shift by 12, at 4j - 12
+            # (j >= 5): p <= 16 either way. OR-ed under the exponent of 2^(23 - p) it
+            # reads as the float 2^(23 - p) + q exactly, so each weight costs one
+            # logic op (and + or), one subtraction and one FMA, without a shift.
+            high = words >> 12
             part = tl.zeros([BLOCK_K // 8, BLOCK_N], tl.float32)
             xs = tl.zeros([BLOCK_K // 8], tl.float32)
             for j in tl.static_range(8):
                 xj = tl.load(x_row + kw * 8 + j, mask=mask_kw, other=0.0).to(tl.float32)
-                bits = ((words >> (4 * j)) & 0xF) | MAGIC
-                qj = bits.to(tl.float32, bitcast=True) - MAGIC_F
+                if j < 5:
+                    bits = (words & (nibble << (4 * j))) | ((150 - 4 * j) << 23)
+                    qj = bits.to(tl.float32, bitcast=True) - (2.0 ** (23 - 4 * j))
+                else:
+                    bits = (high & (nibble << (4 * j - 12))) | ((162 - 4 * j) << 23)
+                    qj = bits.to(tl.float32, bitcast=True) - (2.0 ** (35 - 4 * j))
                 part += qj * xj[:, None]
                 xs += xj
             if GROUP == 0:
@@ -106,6 +136,7 @@ def _weight_gemv_kernel(
                     acc2 += s * (part - z * xs[:, None])
                 else:
                     acc2 += s * part
+            words = words_next
     acc = tl.sum(acc2, axis=0)
     if GROUP == 0:
         acc = acc * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -143,6 +174,7 @@ def launch_gemv(x, qweight, scales, zeros, bits, group, bias, y, m, n, k, k_chun
         x.stride(0),
         n,
         y.stride(0) if split > 1 else 0,
+        0xF,
         BITS=bits,
         GROUP=group,
         HAS_ZEROS=zeros is not None,

@@ -1,0 +1,113 @@
+"""Sweep the weight-only GEMV/GEMM tilings on the Llama-3-8B decode shapes (one H200).
+
+For each shape and format (int4 g128, int8) and row count (1, 4), every candidate the
+dispatcher offers (``dispatch.candidates``) is checked against the dequantized
+reference and timed in a CUDA graph (``time_graph``: the median of 5 rounds of 20
+replays, after a warm-up); the table gives the best, its tiling, the weight bytes
+it streams per microsecond (GB/s) and that as % of the measured device-to-device
+copy bandwidth. Runs against whatever tokenloom is installed, so the same script
+times the code before and after a kernel change.
+
+    python scripts/gpu/gemv_bench.py [--rows 1,4] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+import torch
+import torch.nn.functional as F
+
+from tokenloom.bench.latency import copy_bandwidth
+from tokenloom.plugins.models.skinny_gemm import time_graph
+from tokenloom.plugins.quant.int4 import dequantize_int4, quantize_int4
+from tokenloom.plugins.quant.int8 import dequantize_int8, quantize_int8
+from tokenloom.plugins.quant.kernels.dispatch import bucket, candidates
+from tokenloom.plugins.quant.kernels.weight_gemm import weight_gemm
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,4")
+    ap.add_argument("--bits", default="4,8")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    peak = copy_bandwidth() / 1e9  # the latency bench's roofline bandwidth, GB/s
+    print(f"copy bandwidth {peak:.0f} GB/s")
+    rows_out = []
+    for bits in [int(b) for b in args.bits.split(",")]:
+        for name, (n, k) in SHAPES.items():
+            w = torch.randn(n, k, device="cuda") / k**0.5
+            if bits == 8:
+                qw, s = quantize_int8(w)
+                z, group = None, 0
+                ref_w = dequantize_int8(qw, s, torch.bfloat16)
+            else:
+                qw, s, z = quantize_int4(w.to(torch.bfloat16), 128)
+                group = 128
+                ref_w = dequantize_int4(qw, s, z, group, torch.bfloat16)
+            nbytes = qw.numel() * qw.element_size() + s.numel() * s.element_size()
+            nbytes += 0 if z is None else z.numel() * z.element_size()
+            for m in [int(r) for r in args.rows.split(",")]:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                ref = F.linear(x.float(), ref_w.float())
+                results = []
+                for cfg in candidates(bucket(m), n, k, bits, group, sms):
+                    try:
+                        y = weight_gemm(x, qw, s, z, bits, group, None, cfg).float()
+                        err = float((y - ref).norm() / ref.norm())
+                        if err > 2e-2:
+                            print(f"  WRONG {name} int{bits} m{m} {cfg}: {err:.3g}")
+                            continue
+                        args_ = (x, qw, s, z, bits, group, None, cfg)
+                        t = time_graph(lambda a=args_: weight_gemm(*a))
+                    except Exception as e:  # noqa: BLE001
+                        print(f"  skip {cfg}: {type(e).__name__} {str(e)[:80]}")
+                        continue
+                    results.append((t, cfg))
+                results.sort(key=lambda r: r[0])
+                t, cfg = results[0]
+                gbs = nbytes / t / 1e3
+                rows_out.append(
+                    dict(
+                        bits=bits,
+                        shape=name,
+                        n=n,
+                        k=k,
+                        rows=m,
+                        us=t,
+                        gb_s=gbs,
+                        pct=100 * gbs / peak,
+                        config=asdict(cfg),
+                        top5=[(round(tt, 2), asdict(c)) for tt, c in results[:5]],
+                    )
+                )
+                c = cfg
+                print(
+                    f"int{bits} {name:8s} m={m} {t:7.1f} us {gbs:6.0f} GB/s {100 * gbs / peak:5.1f}%  "
+                    f"gemv={c.gemv} bn={c.block_n} bk={c.block_k} split={c.split_k} w={c.num_warps} st={c.num_stages}"
+                )
+    print("\nbits shape     rows      us    GB/s   %copy")
+    for r in rows_out:
+        print(
+            f"int{r['bits']} {r['shape']:8s} {r['rows']:4d} {r['us']:7.1f} {r['gb_s']:7.0f} {r['pct']:6.1f}"
+        )
+    per_layer = {}
+    for r in rows_out:
+        per_layer.setdefault((r["bits"], r["rows"]), 0.0)
+        per_layer[(r["bits"], r["rows"])] += r["us"]
+    for (b, m), us in sorted(per_layer.items()):
+        print(f"int{b} rows {m}: {us:.1f} us per layer (qkv+o+gate_up+down)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(copy_gb_s=peak, rows=rows_out), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
