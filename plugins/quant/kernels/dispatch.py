@@ -51,6 +51,13 @@ GEMV = [  # weight_gemv tilings (block_m unused); int4 groups of 128 take BLOCK_
     GemmConfig(1, 128, 128, 1, 8, 3, gemv=True),
     GemmConfig(1, 256, 64, 1, 4, 3, gemv=True),
 ]
+GEMV_ROWS = [  # two or four rows per program (bucket 2-16): the weights are read once for all
+    GemmConfig(1, 64, 128, 1, 4, 3, gemv=True, rows=4),
+    GemmConfig(1, 64, 64, 1, 4, 3, gemv=True, rows=4),
+    GemmConfig(1, 128, 64, 1, 8, 3, gemv=True, rows=4),
+    GemmConfig(1, 64, 128, 1, 4, 3, gemv=True, rows=2),
+    GemmConfig(1, 128, 128, 1, 8, 3, gemv=True, rows=2),
+]
 MEDIUM = [
     GemmConfig(64, 64, 128, 1, 4, 3),
     GemmConfig(32, 64, 128, 1, 4, 3),
@@ -88,7 +95,7 @@ def _with_split(cfg: GemmConfig, n: int, k: int, num_sms: int) -> list[GemmConfi
 
 
 def candidates(index: int, n: int, k: int, bits: int, group: int, num_sms: int):
-    pools = (GEMV + SKINNY, GEMV + SKINNY, MEDIUM, LARGE)
+    pools = (GEMV + SKINNY, GEMV + GEMV_ROWS + SKINNY, MEDIUM, LARGE)
     result: list[GemmConfig] = []
     for cfg in pools[index]:
         if index <= 1:
@@ -102,7 +109,8 @@ CACHE_NAME = "weight-gemm.json"
 # Part of every cache key: bump it when a kernel, the buckets or the candidate lists
 # change, so that no machine keeps a choice measured on code that is gone.
 # v2: buckets 1 / 16 / 64 / any with the one-row GEMV (weight_gemv), its single reduction.
-# v3: the GEMV's shift-free nibbles and register prefetch, one split-sum launch, more splits.
+# v3: the GEMV's shift-free nibbles and register prefetch, one split-sum launch, more splits,
+# a GEMV over several rows per program.
 KERNELS_VERSION = 3
 
 

@@ -43,6 +43,7 @@ class GemmConfig:
     num_stages: int = 3
     expand: bool = True  # int4: unpack words and broadcast group scales by reshape
     gemv: bool = False  # weight_gemv's FMA kernel, one program row per row of x
+    rows: int = 1  # the GEMV's rows of x per program: 1, 2 or 4
 
     def fits(self, bits: int, group: int) -> bool:
         """Whether this tiling can serve the format (the reshape path needs the tile

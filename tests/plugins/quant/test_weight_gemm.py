@@ -76,6 +76,9 @@ GEMV_CASES = [
     (GemmConfig(1, 16, 32, gemv=True), 1, 40, 96),  # N and K not multiples of the tile
     (GemmConfig(1, 16, 32, split_k=2, gemv=True), 3, 32, 256),  # K split, three rows
     (GemmConfig(1, 32, 16, gemv=True), 2, 48, 64),  # two tiles per group
+    (GemmConfig(1, 16, 32, gemv=True, rows=2), 3, 40, 96),  # rows per program: a partial pair
+    (GemmConfig(1, 16, 32, split_k=2, gemv=True, rows=4), 7, 32, 256),  # 4 + 3 rows, K split
+    (GemmConfig(1, 32, 16, gemv=True, rows=4), 1, 48, 64),  # one row takes the 1-row kernel
 ]
 
 
@@ -90,6 +93,7 @@ def test_weight_gemv_with_a_partial_last_group_and_float16():
     _check(4, 2, 32, 96, torch.float32, GemmConfig(1, 16, 32, gemv=True), False, group=64)
     _check(4, 1, 32, 64, torch.float16, GemmConfig(1, 16, 32, gemv=True), True, group=32)
     _check(8, 1, 32, 64, torch.float16, GemmConfig(1, 16, 32, gemv=True), True)
+    _check(4, 3, 32, 96, torch.float16, GemmConfig(1, 16, 32, gemv=True, rows=2), True, group=64)
 
 
 def test_a_gemv_tiling_that_does_not_fit_the_groups_falls_back_to_the_gemm():
@@ -138,3 +142,13 @@ def test_weight_gemm_on_llama_shapes_gpu(bits, m, n, k):
 def test_weight_gemv_on_llama_shapes_gpu(bits, m, split_k, n, k):
     config = GemmConfig(1, 64, 128, split_k, 4, 3, gemv=True)
     _check(bits, m, n, k, torch.bfloat16, config, m == 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(("m", "rows"), [(3, 2), (16, 4), (7, 4)])
+@pytest.mark.parametrize(("n", "k"), LLAMA_8B)
+def test_weight_gemv_rows_on_llama_shapes_gpu(bits, m, rows, n, k):
+    config = GemmConfig(1, 64, 128, 4, 4, 3, gemv=True, rows=rows)
+    _check(bits, m, n, k, torch.bfloat16, config, m == 7)
