@@ -111,7 +111,8 @@ CACHE_NAME = "weight-gemm.json"
 # v2: buckets 1 / 16 / 64 / any with the one-row GEMV (weight_gemv), its single reduction.
 # v3: the GEMV's shift-free nibbles and register prefetch, one split-sum launch, more splits,
 # a GEMV over several rows per program.
-KERNELS_VERSION = 3
+# v4: the int4 dot kernel converts nibbles through the mantissa of 2^23 (no I2F).
+KERNELS_VERSION = 4
 
 
 def _load() -> dict[str, Any]:

@@ -152,3 +152,25 @@ def test_weight_gemv_on_llama_shapes_gpu(bits, m, split_k, n, k):
 def test_weight_gemv_rows_on_llama_shapes_gpu(bits, m, rows, n, k):
     config = GemmConfig(1, 64, 128, 4, 4, 3, gemv=True, rows=rows)
     _check(bits, m, n, k, torch.bfloat16, config, m == 7)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        GemmConfig(16, 16, 32),  # the tile lies in one group
+        GemmConfig(16, 16, 64),  # two whole groups per tile
+        GemmConfig(1, 16, 32, gemv=True),
+    ],
+)
+def test_int4_without_zero_points(config):
+    # zeros=None means zero points of 0 (symmetric formats): every int4 path subtracts
+    # the float constant its nibble conversion adds, and nothing else
+    torch.manual_seed(0)
+    (qweight, scales, zeros, group), _ = _quantized(4, 32, 128, torch.float32, group=32)
+    x = torch.randn(3, 128, device=DEVICE)
+    expected = F.linear(
+        x.double(),
+        dequantize_int4(qweight, scales, torch.zeros_like(zeros), group, torch.float64),
+    )
+    got = weight_gemm(x, qweight, scales, None, 4, group, None, config)
+    assert float((got.double() - expected).norm() / expected.norm()) < 1e-5
