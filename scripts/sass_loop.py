@@ -1,0 +1,189 @@
+"""Compile a Triton kernel for the H200 (sm_90) on a machine without a GPU and count
+the SASS instructions of its hottest loop.
+
+Triton's wheel carries ptxas and cuobjdump, so the machine code a kernel will run on
+the H200 can be read here: instructions per weight (or per element) of the inner loop,
+registers, spills, shared memory, whether the loads are vectorized (LDG.E.128) and the
+MMAs are Hopper's (HGMMA) or Ampere's (HMMA). This is how the GEMV rewrite of session 7
+was iterated with no device time: 6.88 -> 5.58 instructions per int4 weight before one
+GPU run confirmed it (docs/quantization.md). It does not time anything: a kernel can
+be bound by memory latency or by one slow unit (e.g. I2F) at any instruction count.
+
+    python scripts/sass_loop.py gemv  [BLOCK_N BLOCK_K WARPS STAGES BITS]
+    python scripts/sass_loop.py rows  [BLOCK_N BLOCK_K WARPS STAGES ROWS BITS]
+    python scripts/sass_loop.py gemm  [BLOCK_M BLOCK_N BLOCK_K WARPS STAGES BITS]
+
+The presets compile the weight-only quantized kernels with Llama-3-8B-like
+specializations (every pointer and size divisible by 16, as Triton specializes them at
+run time). ``--sass FILE`` keeps the full listing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+import warnings
+from typing import Any
+
+warnings.filterwarnings("ignore")
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+ )?([A-Z0-9_.]+)([^;]*);")
+
+
+def compile_sm90(
+    fn: Any,
+    signature: dict[str, str],
+    constexprs: dict[str, Any],
+    divisible: list[str],
+    num_warps: int,
+    num_stages: int,
+) -> tuple[str, str]:
+    """(SASS listing, resource usage) of ``fn`` compiled for sm_90."""
+    sig = dict(signature)
+    for name in constexprs:
+        sig[name] = "constexpr"
+    names = list(sig)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in divisible}
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(
+        src,
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": num_warps, "num_stages": num_stages},
+    )
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run(
+            [f"{BIN}/cuobjdump", "-sass", f.name], capture_output=True, text=True, check=True
+        ).stdout
+        res = subprocess.run(
+            [f"{BIN}/cuobjdump", "-res-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    return sass, res, int(compiled.metadata.shared)
+
+
+def hottest_loop(sass: str) -> list[tuple[int, str]]:
+    """The instructions between the target and the source of the longest backward
+    branch (the main loop, for the kernels here)."""
+    ops = [
+        (int(m.group(1), 16), m.group(3), m.group(4))
+        for m in map(LINE.match, sass.splitlines())
+        if m
+    ]
+    best = None
+    for addr, op, rest in ops:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            span = (int(target.group(1), 16), addr)
+            if best is None or span[1] - span[0] > best[1] - best[0]:
+                best = span
+    return [(a, op) for a, op, _ in ops if best and best[0] <= a <= best[1]]
+
+
+QUANT_ARGS = ["x_ptr", "qw_ptr", "s_ptr", "z_ptr", "b_ptr", "y_ptr"]
+
+
+def _quant_sig(bits: int, with_m: bool, extra: list[str]) -> dict[str, str]:
+    sig = {n: "*bf16" for n in QUANT_ARGS}
+    sig["qw_ptr"] = "*i32" if bits == 4 else "*i8"
+    if with_m:
+        sig["M"] = "i32"
+    for n in ["N", "K", "K_CHUNK", "stride_xm", "stride_ym", "stride_ysplit", *extra]:
+        sig[n] = "i32"
+    return sig
+
+
+def preset(name: str, values: list[int]) -> tuple[Any, dict, dict, list[str], int, int, float]:
+    """(kernel, signature, constexprs, divisible args, warps, stages, work per thread)."""
+    from tokenloom.plugins.quant.kernels import weight_gemm, weight_gemv
+
+    divisible = QUANT_ARGS + ["N", "K", "K_CHUNK", "stride_xm", "stride_ym", "stride_ysplit"]
+    if name in ("gemv", "rows"):
+        bn, bk, warps, stages, *rest = values
+        rows = rest[0] if name == "rows" else 1
+        bits = rest[-1] if len(rest) > (1 if name == "rows" else 0) else 4
+        consts: dict[str, Any] = dict(
+            BITS=bits,
+            GROUP=128 if bits == 4 else 0,
+            HAS_ZEROS=bits == 4,
+            HAS_BIAS=False,
+            PARTIAL=False,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+        )
+        if name == "rows":
+            consts["ROWS"] = rows
+            kernel = weight_gemv._weight_gemv_rows_kernel
+        else:
+            kernel = weight_gemv._weight_gemv_kernel
+        sig = _quant_sig(bits, name == "rows", ["nibble"])
+        return kernel, sig, consts, divisible, warps, stages, bn * bk * rows / (warps * 32)
+    bm, bn, bk, warps, stages, bits = values
+    consts = dict(
+        BITS=bits,
+        GROUP=128 if bits == 4 else 0,
+        HAS_ZEROS=bits == 4,
+        HAS_BIAS=False,
+        PARTIAL=False,
+        EXPAND=True,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        DOT_PRECISION="tf32",
+    )
+    sig = _quant_sig(bits, True, [])
+    return (
+        weight_gemm._weight_gemm_kernel,
+        sig,
+        consts,
+        divisible,
+        warps,
+        stages,
+        bn * bk / (warps * 32),
+    )
+
+
+DEFAULTS = {
+    "gemv": [64, 128, 4, 3, 4],
+    "rows": [64, 128, 4, 3, 4, 4],
+    "gemm": [128, 128, 64, 8, 3, 4],
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("preset", choices=sorted(DEFAULTS))
+    ap.add_argument("values", nargs="*", type=int)
+    ap.add_argument("--sass", help="write the full SASS listing here")
+    args = ap.parse_args()
+    values = args.values or DEFAULTS[args.preset]
+    kernel, sig, consts, divisible, warps, stages, per_thread = preset(args.preset, values)
+    sass, res, shared = compile_sm90(kernel, sig, consts, divisible, warps, stages)
+    if args.sass:
+        with open(args.sass, "w") as f:
+            f.write(sass)
+    loop = hottest_loop(sass)
+    counts = collections.Counter(op for _, op in loop)
+    regs = re.search(r"REG:(\d+)", res)
+    spills = sum(v for k, v in counts.items() if k.startswith(("LDL", "STL")))
+    unit = "weight-row" if args.preset == "rows" else "weight"
+    print(
+        f"{args.preset} {values}: loop {len(loop)} instructions, {per_thread:.0f} {unit}s per "
+        f"thread per iteration = {len(loop) / per_thread:.2f} per {unit}; registers "
+        f"{regs.group(1) if regs else '?'}, shared memory {shared} B, "
+        f"spill instructions {spills}"
+    )
+    print("  " + " ".join(f"{k}:{v}" for k, v in counts.most_common(16)))
+
+
+if __name__ == "__main__":
+    main()
