@@ -2,7 +2,8 @@
 # Issue 12 (weights) on one H200: the quant GPU tests (kernels against the reference
 # paths), then single-stream latency and offline throughput of the llama-3-8b shape
 # with --quant none / int8 / int4 / fp8. About 6 minutes of GPU time.
-# Usage on the GPU host, from the repo root:  bash scripts/gpu/quant.sh [tests] [bench]
+# Usage on the GPU host, from the repo root:  bash scripts/gpu/quant.sh [tests] [bench] [gemv]
+# (gemv: every GEMV/GEMM tiling per Llama-3-8B shape at 1, 4 and 16 rows, gemv.json)
 # Writes to $OUT (or ./gpu-out): quant.json (every figure and the speedups over none),
 # quant-tests.log, quant-bench.log, weight-gemm.json (the tilings measured per shape).
 set -uo pipefail
@@ -32,5 +33,11 @@ if [[ $STEPS == *" bench "* ]]; then
       --out "$RUNS/throughput-$q.json" >> "$OUT/quant-bench.log" 2>&1 || echo "throughput $q failed"
   done
   python3 scripts/gpu/quant_summary.py "$RUNS" "$OUT/quant.json"
+fi
+if [[ $STEPS == *" gemv "* ]]; then
+  echo "=== weight GEMV/GEMM tilings"
+  timeout 300 python3 scripts/gpu/gemv_bench.py --rows 1,4,16 --json "$OUT/gemv.json" \
+    > "$OUT/gemv.log" 2>&1 || echo "gemv bench failed"
+  grep -E "per layer" "$OUT/gemv.log"
 fi
 cp "$TOKENLOOM_CACHE/weight-gemm.json" "$OUT/" 2>/dev/null || true
