@@ -41,7 +41,7 @@ def classify(name: str) -> str:
 def measure_peaks(quant: str | None = None) -> dict[str, float]:
     """The copy bandwidth (bytes/s) and the bf16 (and fp8) dense GEMM rate (FLOP/s) of
     this GPU, measured now: median of 10 timed runs each, after a warm-up."""
-    from tokenloom.plugins.executor.parallel.symmetric import median_cuda_us
+    from tokenloom.plugins.models.cuda_timing import median_cuda_us
 
     def median_ms(fn) -> float:
         return median_cuda_us(fn, iters=10) / 1e3

@@ -18,7 +18,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from tokenloom.plugins.executor.parallel.symmetric import median_cuda_us
+from tokenloom.plugins.models.cuda_timing import median_cuda_us
 
 DEFAULT_SIZES_KIB = [8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 16384, 65536]
 

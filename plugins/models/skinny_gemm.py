@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from tokenloom.plugins.models import tuning_cache
+from tokenloom.plugins.models.cuda_timing import time_graph
 
 log = logging.getLogger("tokenloom.models")
 
@@ -105,30 +106,6 @@ def skinny_gemm(
         num_stages=stages,
     )
     return y
-
-
-def time_graph(fn, repeats: int = 20, rounds: int = 5) -> float:
-    """Median microseconds per call of ``fn`` replayed in a CUDA graph (launch
-    overhead excluded, as in decode steps)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            fn()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / repeats)
-    return sorted(times)[len(times) // 2]
 
 
 Choice = tuple[int, int, int, int] | None

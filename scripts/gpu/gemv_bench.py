@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenloom.bench.latency import copy_bandwidth
-from tokenloom.plugins.models.skinny_gemm import time_graph
+from tokenloom.plugins.models.cuda_timing import time_graph
 from tokenloom.plugins.quant.int4 import dequantize_int4, quantize_int4
 from tokenloom.plugins.quant.int8 import dequantize_int8, quantize_int8
 from tokenloom.plugins.quant.kernels.dispatch import bucket, candidates

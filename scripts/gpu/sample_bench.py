@@ -17,9 +17,9 @@ import os
 
 import torch
 
-from tokenloom.plugins.executor.parallel.symmetric import median_cuda_us
 from tokenloom.plugins.executor.sampling import fused_sample as fused
 from tokenloom.plugins.executor.sampling.logits_filters import exponential_race
+from tokenloom.plugins.models.cuda_timing import median_cuda_us
 
 VOCAB = 128_256
 

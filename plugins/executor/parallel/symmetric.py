@@ -13,12 +13,13 @@ measures the same comparison over a wider range of sizes.
 from __future__ import annotations
 
 import logging
-import statistics
 from typing import Any
 
 import msgspec
 import torch
 import torch.distributed as dist
+
+from tokenloom.plugins.models.cuda_timing import median_cuda_us
 
 log = logging.getLogger("tokenloom.executor.parallel")
 
@@ -94,18 +95,3 @@ def enable(group: Any, config: Any, hidden: int, dtype: torch.dtype) -> None:
     symmetric = SymmetricAllReduce(config.max_num_seqs, hidden, dtype)
     if symmetric.tune(config.max_num_seqs):
         group.symmetric = symmetric
-
-
-def median_cuda_us(fn: Any, iters: int = 30) -> float:
-    """Median microseconds of ``fn`` on the device (CUDA events), after a warm-up."""
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)

@@ -1,0 +1,53 @@
+"""The two ways kernels are timed on the GPU, in one place: the tuners (the skinny GEMM,
+the quantized GEMM/GEMV, the all-reduce choice), the benches and the profiling scripts
+all use these, so every figure they report is taken the same way (warm-up first, CUDA
+events, the median)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def median_cuda_us(fn: Callable[[], Any], iters: int = 30) -> float:
+    """Median microseconds of ``fn`` on the device (CUDA events around each call, launch
+    overhead included), after a warm-up of 5 calls."""
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def time_graph(fn: Callable[[], Any], repeats: int = 20, rounds: int = 5) -> float:
+    """Median microseconds per call of ``fn`` replayed in a CUDA graph (launch overhead
+    excluded, as in decode steps): one call outside the capture compiles it, then
+    ``repeats`` calls are captured and the graph is replayed ``rounds`` times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / repeats)
+    return sorted(times)[len(times) // 2]
