@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from tokenloom.config import load_config
+from tokenloom.engine.loop import engine_gc
 from tokenloom.protocols.components.errors import QueueFullError
 from tokenloom.protocols.sampling import SamplingParams
 
@@ -101,7 +102,12 @@ class LLM:
             text = prompt if isinstance(prompt, str) else None
             pending.extend(self._requests(text, ids, sp, priority[i] if priority else 0, order))
         try:
-            return self._run(pending, order, use_tqdm)
+            # The served engine-core's collector settings while the engine steps: with
+            # Python's defaults a young collection runs about once per decode step at
+            # hundreds of sequences and a full one (tens of ms, the GPU idle) every
+            # ~100 steps. Restored when the call returns.
+            with engine_gc():
+                return self._run(pending, order, use_tqdm)
         except BaseException:
             # Interrupted or failed: leave nothing of this call running in the engine.
             for request_id in order:

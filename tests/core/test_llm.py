@@ -182,3 +182,27 @@ def test_a_refused_prompt_leaves_nothing_running(llama_llm):
     assert not llama_llm.processor.has_unfinished_requests()
     again = llama_llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)
     assert len(again[0].outputs[0].token_ids) == 12
+
+
+def test_generate_runs_under_the_engine_gc_settings_and_restores_them(llama_llm):
+    # the offline API steps the engine with the served engine-core's collector settings
+    # (rare full collections, start-up objects frozen) and leaves the caller's as they were
+    import gc
+
+    from tokenloom.engine.loop import ENGINE_GC_THRESHOLDS
+
+    before = gc.get_threshold()
+    seen = []
+    step = llama_llm.engine.step
+
+    def recording_step():
+        seen.append((gc.get_threshold(), gc.get_freeze_count()))
+        return step()
+
+    llama_llm.engine.step = recording_step
+    try:
+        llama_llm.generate([[5, 9, 2]], GREEDY, use_tqdm=False)
+    finally:
+        del llama_llm.engine.step
+    assert seen and all(t == ENGINE_GC_THRESHOLDS and frozen > 0 for t, frozen in seen)
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
