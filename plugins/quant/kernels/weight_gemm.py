@@ -49,7 +49,7 @@ class GemmConfig:
         """Whether this tiling can serve the format (the reshape path needs the tile
         and the group to nest; the GEMV's tiles must lie in one group)."""
         if self.gemv:
-            return gemv_fits(bits, group, self.block_k, has_zeros=bits == 4 and group > 0)
+            return gemv_fits(bits, group, self.block_k, bits == 4 and group > 0, self.rows)
         if not self.expand or bits == 8 or group == 0:
             return True
         return self.block_k % group == 0 or group % self.block_k == 0
@@ -209,7 +209,7 @@ def weight_gemm(
     assert bits in (4, 8) and x.stride(1) == 1
     assert qweight.shape[0] * (8 if bits == 4 else 1) == k, (tuple(qweight.shape), k)
     cfg = config or choose_config(m, n, k, _num_sms(x.device))
-    if cfg.gemv and not gemv_fits(bits, group, cfg.block_k, zeros is not None):
+    if cfg.gemv and not gemv_fits(bits, group, cfg.block_k, zeros is not None, cfg.rows):
         cfg = choose_config(m, n, k, _num_sms(x.device))  # a format the GEMV cannot serve
     k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_chunk)

@@ -337,9 +337,15 @@ def _weight_gemv_rows_kernel(
         _row_store(y_ptr, acc3, r0 + 3, *args)
 
 
-def gemv_fits(bits: int, group: int, block_k: int, has_zeros: bool) -> bool:
-    """Whether the GEMV serves this format with this ``BLOCK_K``: int4 groups must
-    hold whole tiles; per-channel int4 with zero points is not a format we store."""
+ROWS_PER_PROGRAM = (1, 2, 4)  # the row counts the kernels spell out
+
+
+def gemv_fits(bits: int, group: int, block_k: int, has_zeros: bool, rows: int = 1) -> bool:
+    """Whether the GEMV serves this format with this ``BLOCK_K`` and ``rows`` per
+    program: int4 groups must hold whole tiles; per-channel int4 with zero points is
+    not a format we store; other row counts would leave rows unwritten."""
+    if rows not in ROWS_PER_PROGRAM:
+        return False
     if bits == 8:
         return group == 0 and not has_zeros
     if group == 0:

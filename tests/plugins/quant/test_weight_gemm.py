@@ -101,6 +101,16 @@ def test_a_gemv_tiling_that_does_not_fit_the_groups_falls_back_to_the_gemm():
     _check(4, 1, 32, 128, torch.float32, GemmConfig(1, 16, 64, gemv=True), False, group=32)
 
 
+@pytest.mark.parametrize("rows", [3, 8])
+def test_a_gemv_row_count_the_kernel_lacks_is_neither_offered_nor_run(rows):
+    # the rows kernel spells out 2 or 4 rows: any other count left rows unwritten
+    # (garbage from torch.empty) while fits() admitted it
+    config = GemmConfig(1, 16, 32, gemv=True, rows=rows)
+    assert not config.fits(8, 0) and not config.fits(4, 32)
+    _check(8, rows, 16, 64, torch.float32, config, True)
+    _check(4, rows, 16, 64, torch.float32, config, False, group=32)
+
+
 def test_the_dispatcher_offers_the_gemv_where_it_fits():
     assert [bucket(m) for m in (1, 2, 16, 17, 64, 65)] == [0, 1, 1, 2, 2, 3]
     int4 = candidates(0, 4096, 4096, 4, 128, 132)
