@@ -52,7 +52,9 @@ def bytes_per_step(engine: Any, context: float) -> float:
         getattr(model, "model", None), "embed_tokens", None
     )
     tied = getattr(model, "lm_head", None) is embed
-    if embed is not None and not tied:
+    # the embedding's 16-bit rows are gathered, not read in full, unless they are the
+    # LM head's (tied, with no quantized copy for the logits: quant_lm_head)
+    if embed is not None and (not tied or getattr(embed, "logits_kernel", None) is not None):
         weights -= embed.weight.numel() * embed.weight.element_size()
     element = 2 if str(info.dtype) in ("torch.bfloat16", "torch.float16") else 4
     # per rank under tensor parallelism: its weight shard (above) and its KV heads

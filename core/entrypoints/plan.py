@@ -135,10 +135,13 @@ def rank_heads(num_heads: int, tp: int) -> int:
     return 1
 
 
-def weight_bytes(shape: ModelShape, quant: str, element: int, tp: int) -> int:
+def weight_bytes(
+    shape: ModelShape, quant: str, element: int, tp: int, quant_lm_head: bool = False
+) -> int:
     """One rank's weights: its q/k/v/o and MLP shards (quantized), its rows of the
     vocab-parallel embedding and LM head (the vocabulary padded to a multiple of the
-    ranks) and the norms, in the model dtype."""
+    ranks) and the norms, in the model dtype; with ``quant_lm_head`` the head's rows as
+    the method stores them (a tied embedding keeps its 16-bit rows besides)."""
     h, d = shape.hidden_size, shape.head_dim
     q = rank_heads(shape.num_heads, tp) * d
     kv = rank_heads(shape.num_kv_heads, tp) * d
@@ -151,7 +154,10 @@ def weight_bytes(shape: ModelShape, quant: str, element: int, tp: int) -> int:
         + 2 * h * element  # the two RMSNorms
     )
     vocab_rows = -(-shape.vocab_size // tp)
-    embeddings = (1 if shape.tie_word_embeddings else 2) * vocab_rows * h * element
+    if quant_lm_head and quant != "none":
+        embeddings = vocab_rows * h * element + linear_bytes(vocab_rows, h, quant, element)
+    else:
+        embeddings = (1 if shape.tie_word_embeddings else 2) * vocab_rows * h * element
     return shape.num_layers * per_layer + embeddings + h * element
 
 
@@ -191,7 +197,7 @@ def make_plan(config: EngineConfig, gpu_memory_gb: float | None, advice: bool = 
     kv_heads = rank_heads(shape.num_kv_heads, tp)
     per_layer = kv_quant.block_bytes(config.block_size, kv_heads, shape.head_dim, kv_dtype)
     per_block = 2 * shape.num_layers * per_layer
-    weights = weight_bytes(shape, config.quant, element, tp)
+    weights = weight_bytes(shape, config.quant, element, tp, config.quant_lm_head)
     activations = activation_bytes(shape, config, element)
     other = int(OTHER_GIB * GiB)
     reserve = 0 if config.enforce_eager else GRAPH_RESERVE

@@ -167,6 +167,11 @@ class Embedding(nn.Module):
     logits ``[N, num_embeddings]`` (the padding columns are cut off, never sampled).
     """
 
+    # Set by a weight quant method under ``quant_lm_head``: the LM head's projection
+    # from its own quantized copy of this rank's rows (the 16-bit weight then serves
+    # only lookups, and is released when the head is not tied to the embedding).
+    logits_kernel: LinearKernel | None = None
+
     def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype) -> None:
         super().__init__()
         group = self.group = parallel_state.current()
@@ -189,8 +194,12 @@ class Embedding(nn.Module):
         return self.group.all_reduce(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, dim] -> logits [N, num_embeddings] in the model dtype."""
-        logits = F.linear(hidden, self.weight)
+        """hidden [N, dim] -> logits [N, num_embeddings] in the model dtype (through the
+        quantized copy when ``logits_kernel`` is set: ``quant_lm_head``)."""
+        if self.logits_kernel is not None:
+            logits = self.logits_kernel.apply(hidden, None)
+        else:
+            logits = F.linear(hidden, self.weight)
         if not self._sharded:
             return logits
         gathered = self.group.all_gather(logits, dim=-1)  # [N, padded vocab]

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from tokenloom.config import EngineConfig
-from tokenloom.plugins.models.layers import Linear
+from tokenloom.plugins.models.layers import Embedding, Linear
 from tokenloom.protocols.components.quant import LinearKernel, QuantMethod
 
 
@@ -73,6 +73,22 @@ class WeightQuantMethod(QuantMethod):
             elif not self.prequantized:
                 layer.kernel = self.make_kernel(layer)
                 release_weight(layer)
+        if self.config.quant_lm_head:
+            quantize_lm_head(self, model)
+
+
+def quantize_lm_head(method: WeightQuantMethod, model: nn.Module) -> None:
+    """``quant_lm_head``: the LM head's rows quantized at load with ``make_kernel`` (a
+    checkpoint's quantized head is not read: none of the formats here stores one).
+    Tied to the embedding, the 16-bit rows stay for the lookups; otherwise they go."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, Embedding):
+        raise ValueError(f"quant_lm_head: {type(model).__name__} has no Embedding lm_head")
+    inner = getattr(model, "model", model)
+    tied = head is getattr(inner, "embed_tokens", None)
+    head.logits_kernel = method.make_kernel(head)  # type: ignore[arg-type]  # .weight is all it reads
+    if not tied:
+        head.weight.data = torch.empty(0, dtype=head.weight.dtype, device=head.weight.device)
 
 
 def quantization_config(hf_config: dict[str, Any]) -> dict[str, Any] | None:

@@ -96,3 +96,16 @@ def test_cli_reads_a_model_directory_and_prints_json(tmp_path, capsys):
     assert cli_main(["plan", "llama-3-8b", "--gpu-memory-gb", "16"]) == 1
     assert "fits                NO" in capsys.readouterr().out
     assert cli_main(["plan", "llama-3-8b", "--gpu-memory-gb", "80", "--quant", "awq"]) == 2
+
+
+def test_a_quantized_lm_head_counts_at_the_method_s_bytes():
+    # Llama-3-8B's untied head: 128,256 x 4,096 bf16 -> one byte a weight plus a scale
+    # a row (int8); SmolLM2's tied head keeps its bf16 rows for lookups besides
+    head = 128256 * 4096
+    for quant, stored in (("int8", head + 4 * 128256), ("int4", head // 2 + 2 * 32 * 128256 * 2)):
+        plain = plan_of("llama-3-8b", quant=quant).weights_bytes
+        quantized = plan_of("llama-3-8b", quant=quant, quant_lm_head=True).weights_bytes
+        assert plain - quantized == 2 * head - stored
+    tied_plain = plan_of("smollm2-135m", quant="int8").weights_bytes
+    tied = plan_of("smollm2-135m", quant="int8", quant_lm_head=True).weights_bytes
+    assert tied - tied_plain == 49152 * 576 + 4 * 49152

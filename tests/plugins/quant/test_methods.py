@@ -120,3 +120,35 @@ def test_checkpoint_skip_lists_match_names_modules_and_parts():
     assert is_skipped(parts, ["model.layers.0.mlp"])
     assert is_skipped(parts, ["gate_proj"])
     assert not is_skipped(parts, ["model.layers.1.mlp", "down_proj", "lm_head", ""])
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("tied", [False, True])
+def test_quant_lm_head_computes_the_logits_from_a_quantized_copy(method, tied, tiny_model_factory):
+    from tokenloom import LLM, SamplingParams
+
+    model_dir = tiny_model_factory("llama", tie_word_embeddings=tied)
+    plain = LLM(str(model_dir), dtype="float32", quant=method)
+    llm = LLM(str(model_dir), dtype="float32", quant=method, quant_lm_head=True)
+    model, dense = llm.engine.executor.model, plain.engine.executor.model
+    head = model.lm_head
+    assert head.logits_kernel is not None and dense.lm_head.logits_kernel is None
+    assert (head is model.model.embed_tokens) == tied
+    # untied: the 16-bit rows are freed; tied: they stay for the lookups
+    assert (head.weight.numel() == 0) != tied
+    hidden = torch.randn(5, model.model.embed_tokens.weight.shape[1])
+    got = model.compute_logits(hidden)
+    expected = dense.compute_logits(hidden)
+    assert got.shape == expected.shape
+    err = float((got - expected).norm() / expected.norm())
+    assert 0 < err < {"int8": 0.02, "fp8": 0.08, "int4": 0.2}[method]  # quantized, and close
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    out = llm.generate([[5, 9, 2, 33]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(out) == 6
+
+
+def test_quant_lm_head_needs_a_weight_method():
+    from tokenloom.config import ConfigError
+
+    with pytest.raises(ConfigError, match="quant_lm_head"):
+        EngineConfig(quant_lm_head=True)
