@@ -79,6 +79,9 @@ GEMV_CASES = [
     (GemmConfig(1, 16, 32, gemv=True, rows=2), 3, 40, 96),  # rows per program: a partial pair
     (GemmConfig(1, 16, 32, split_k=2, gemv=True, rows=4), 7, 32, 256),  # 4 + 3 rows, K split
     (GemmConfig(1, 32, 16, gemv=True, rows=4), 1, 48, 64),  # one row takes the 1-row kernel
+    # K 200: the last split holds one word of a partial tile, the last group 8 rows
+    (GemmConfig(1, 16, 32, split_k=3, gemv=True), 2, 24, 200),
+    (GemmConfig(1, 16, 32, split_k=3, gemv=True, rows=4), 5, 24, 200),
 ]
 
 
