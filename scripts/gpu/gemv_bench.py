@@ -91,7 +91,8 @@ def main() -> None:
                 c = cfg
                 print(
                     f"int{bits} {name:8s} m={m} {t:7.1f} us {gbs:6.0f} GB/s {100 * gbs / peak:5.1f}%  "
-                    f"gemv={c.gemv} bn={c.block_n} bk={c.block_k} split={c.split_k} w={c.num_warps} st={c.num_stages}"
+                    f"gemv={c.gemv} rows={c.rows} bn={c.block_n} bk={c.block_k} split={c.split_k} "
+                    f"w={c.num_warps} st={c.num_stages}"
                 )
     print("\nbits shape     rows      us    GB/s   %copy")
     for r in rows_out:

@@ -156,7 +156,7 @@ def choose_configs(
 
 @torch.inference_mode()
 def _measure(qweight, scales, zeros, bits, group, dtype, reference) -> Configs:
-    from tokenloom.plugins.models.skinny_gemm import time_graph
+    from tokenloom.plugins.models.cuda_timing import time_graph
 
     n = qweight.shape[1]
     k = qweight.shape[0] * (8 if bits == 4 else 1)
