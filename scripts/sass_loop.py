@@ -12,6 +12,14 @@ be bound by memory latency or by one slow unit (e.g. I2F) at any instruction cou
     python scripts/sass_loop.py gemv  [BLOCK_N BLOCK_K WARPS STAGES BITS]
     python scripts/sass_loop.py rows  [BLOCK_N BLOCK_K WARPS STAGES ROWS BITS]
     python scripts/sass_loop.py gemm  [BLOCK_M BLOCK_N BLOCK_K WARPS STAGES BITS]
+    python scripts/sass_loop.py decode-bf16|decode-fp8|decode-int8 [BLOCK_N WARPS STAGES]
+
+The decode presets compile the Triton decode attention over a 16-bit or 8-bit KV cache
+(Llama-3-8B heads: 32 query, 8 KV, head_dim 128, pages of 16); "per KV byte" there.
+Read on 2026-12-02: bf16 2.0-2.4 instructions per KV byte; fp8 5.7 (each fp8 value read
+from shared memory by a 1-byte load, LDS.U8, then e4m3 -> f16 -> bf16 per element),
+4.2 with f16 dot operands (the byte loads stay: Triton converts the layout before the
+cast, at the narrow type).
 
 The presets compile the weight-only quantized kernels with Llama-3-8B-like
 specializations (every pointer and size divisible by 16, as Triton specializes them at
@@ -152,10 +160,45 @@ def preset(name: str, values: list[int]) -> tuple[Any, dict, dict, list[str], in
     )
 
 
+def decode_preset(kv: str, values: list[int]) -> tuple[Any, dict, dict, list[str], int, int, float]:
+    from tokenloom.plugins.attention.triton_kernels.decode import _decode_kernel
+
+    block_n, warps, stages = values
+    cache = {"bf16": "*bf16", "fp8": "*fp8e4nv", "int8": "*i8"}[kv]
+    scale = cache if kv == "bf16" else "*fp32"
+    sig = {"q_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache, "block_tables_ptr": "*i32",
+           "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "part_out_ptr": "*fp32",
+           "part_lse_ptr": "*fp32", "counters_ptr": "*i32", "k_scale_ptr": scale,
+           "v_scale_ptr": scale}  # fmt: skip
+    strides = ["stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head", "stride_bt",
+               "stride_cache_block", "stride_cache_tok", "stride_cache_head",
+               "stride_scale_block"]  # fmt: skip
+    sig.update({n: "i32" for n in strides})
+    sig.update({"scale_log2": "fp32", "num_splits": "i32", "min_split": "i32"})
+    consts = dict(
+        NUM_HEADS=32,
+        NUM_KV_HEADS=8,
+        GROUP=4,
+        HEAD_DIM=128,
+        BLOCK_D=128,
+        BLOCK_H=16,
+        BLOCK_N=block_n,
+        PAGE_SIZE=16,
+        DOT_PRECISION="tf32",
+        KV_QUANT=kv != "bf16",
+    )
+    divisible = [n for n in sig if n.endswith("_ptr")] + [n for n in strides if n != "stride_bt"]
+    kv_bytes = block_n * 128 * 2 * (1 if kv != "bf16" else 2) / (warps * 32)
+    return _decode_kernel, sig, consts, divisible, warps, stages, kv_bytes
+
+
 DEFAULTS = {
     "gemv": [64, 128, 4, 3, 4],
     "rows": [64, 128, 4, 3, 4, 4],
     "gemm": [128, 128, 64, 8, 3, 4],
+    "decode-bf16": [32, 4, 2],
+    "decode-fp8": [128, 4, 2],
+    "decode-int8": [128, 4, 2],
 }
 
 
@@ -166,7 +209,11 @@ def main() -> None:
     ap.add_argument("--sass", help="write the full SASS listing here")
     args = ap.parse_args()
     values = args.values or DEFAULTS[args.preset]
-    kernel, sig, consts, divisible, warps, stages, per_thread = preset(args.preset, values)
+    if args.preset.startswith("decode-"):
+        found = decode_preset(args.preset.removeprefix("decode-"), values)
+    else:
+        found = preset(args.preset, values)
+    kernel, sig, consts, divisible, warps, stages, per_thread = found
     sass, res, shared = compile_sm90(kernel, sig, consts, divisible, warps, stages)
     if args.sass:
         with open(args.sass, "w") as f:
@@ -175,7 +222,9 @@ def main() -> None:
     counts = collections.Counter(op for _, op in loop)
     regs = re.search(r"REG:(\d+)", res)
     spills = sum(v for k, v in counts.items() if k.startswith(("LDL", "STL")))
-    unit = "weight-row" if args.preset == "rows" else "weight"
+    unit = {"rows": "weight-row"}.get(
+        args.preset, "KV byte" if "decode" in args.preset else "weight"
+    )
     print(
         f"{args.preset} {values}: loop {len(loop)} instructions, {per_thread:.0f} {unit}s per "
         f"thread per iteration = {len(loop) / per_thread:.2f} per {unit}; registers "
