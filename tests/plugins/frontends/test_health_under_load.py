@@ -14,6 +14,7 @@ wall-clock p99 only on a quiet machine (load average below the core count).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -86,7 +87,9 @@ class Served:
         while self.frontend.port is None and not serving.done():
             await asyncio.sleep(0.01)
         self.ready.set()
-        await serving
+        # __exit__ cancels the server; its CancelledError ends this thread, not a failure
+        with contextlib.suppress(asyncio.CancelledError):
+            await serving
 
     def __enter__(self) -> Served:
         self.thread.start()
