@@ -105,6 +105,7 @@ class ModelRunner(Executor):
         if self.device.type == "cuda":
             self._choose_skinny_gemms()
         self.sampler = Sampler(self.info.vocab_size, self.device)
+        self.sampler.warm_up()
         self.prompt_logprobs = PromptLogprobs(self.device)
         self.spec: SpeculativeDecoder | None = None  # speculative decoding, when configured
         if speculation_configured(self.config):

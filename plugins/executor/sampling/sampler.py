@@ -218,6 +218,18 @@ class Sampler:
             self._batch = build_sampling_batch(key, states, slots, self.vocab_size, self.device)
         return self._batch
 
+    def warm_up(self) -> None:
+        """Compile the fused draw for this vocabulary now, at start-up: Triton compiles
+        on first use, on the engine thread, so the first temperature-sampled step of a
+        fresh server (a cold Triton cache) stalled every request in flight."""
+        if not self.use_fused_sample:
+            return
+        from tokenloom.plugins.executor.sampling import fused_sample  # Triton, imported late
+
+        logits = torch.zeros(1, self.vocab_size, dtype=torch.float32, device=self.device)
+        one = torch.ones(1, dtype=torch.float32, device=self.device)
+        fused_sample.fused_sample(logits, one, fused_sample.host_seed())
+
     def _takes_fused_draw(self, batch: SamplingBatch) -> bool:
         """True when temperature is all the processing after the penalties: no filter
         (they need the divided logits), no seeded row (it keeps its own generator's

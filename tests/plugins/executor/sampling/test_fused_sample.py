@@ -365,3 +365,28 @@ def test_the_extreme_random_words_give_finite_gumbel_noise() -> None:
     _uniform_probe[(1,)](words, noise, N=8)
     assert torch.isfinite(noise).all(), noise
     assert float(noise.max()) < 17.0 and float(noise.min()) > -3.0
+
+
+def test_warm_up_compiles_the_fused_draw_for_the_vocabulary_once(spy: Spy) -> None:
+    # start-up runs the kernel once on one row of the model's vocabulary (so Triton
+    # compiles it then, not on the first sampled step); off the fused path, nothing
+    sampler = Sampler(40, DEVICE)
+    sampler.use_fused_sample = True
+    sampler.warm_up()
+    assert len(spy.calls) == 1
+    logits, temperature, _ = spy.calls[0]
+    assert logits.shape == (1, 40) and logits.dtype == torch.float32
+    assert temperature.tolist() == [1.0]
+    unfused = Sampler(40, DEVICE)
+    unfused.use_fused_sample = False
+    unfused.warm_up()
+    assert len(spy.calls) == 1
+
+
+def test_the_executor_warms_the_sampler_up_at_load(monkeypatch, tiny_model_factory) -> None:
+    from tokenloom import LLM
+
+    warmed: list[int] = []
+    monkeypatch.setattr(Sampler, "warm_up", lambda self: warmed.append(self.vocab_size))
+    llm = LLM(str(tiny_model_factory("llama")), dtype="float32")
+    assert warmed == [llm.engine.executor.sampler.vocab_size]
