@@ -145,8 +145,11 @@ def _reduce_splits_kernel(
 
 def host_seed() -> int:
     """A fresh Philox key from torch's CPU default generator: no device sync, and
-    ``torch.manual_seed`` makes the sequence of draws reproducible."""
-    return int(torch.randint(0, 2**31 - 1, ()).item())
+    ``torch.manual_seed`` makes the sequence of draws reproducible. 63-bit keys in
+    [2^32, 2^63): Philox takes a 64-bit key, and a 31-bit one repeated a step's noise
+    about 230 times in a million steps; keeping them above 2^32 passes every key to
+    the kernel as int64, so it compiles once (Triton types an int argument by value)."""
+    return int(torch.randint(2**32, 2**63 - 1, ()).item())
 
 
 @functools.cache

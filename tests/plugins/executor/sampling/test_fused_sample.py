@@ -390,3 +390,18 @@ def test_the_executor_warms_the_sampler_up_at_load(monkeypatch, tiny_model_facto
     monkeypatch.setattr(Sampler, "warm_up", lambda self: warmed.append(self.vocab_size))
     llm = LLM(str(tiny_model_factory("llama")), dtype="float32")
     assert warmed == [llm.engine.executor.sampler.vocab_size]
+
+
+def test_the_key_is_63_bits_and_its_high_half_changes_the_draw() -> None:
+    # keys above 2^32 (one int64 kernel argument); two keys equal in their low 32 bits
+    # draw differently, so the high half reaches Philox rather than being cut off
+    torch.manual_seed(3)
+    keys = [host_seed() for _ in range(64)]
+    assert all(2**32 <= k < 2**63 for k in keys) and max(keys) > 2**62
+    logits = torch.zeros(16, 64, device=DEVICE)
+    temps = torch.ones(16, device=DEVICE)
+    low = 12345
+    a = fused_sample(logits, temps, (7 << 40) | low, block=16)
+    b = fused_sample(logits, temps, (9 << 40) | low, block=16)
+    assert not torch.equal(a, b)
+    assert torch.equal(a, fused_sample(logits, temps, (7 << 40) | low, block=16))
