@@ -33,6 +33,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quant", default="none", help="weight quantization method")
+    parser.add_argument(
+        "--quant-lm-head",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="also quantize the LM head with the weight method",
+    )
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | int8")
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--proposer", default="none", help="speculative-decoding proposer")
@@ -74,6 +80,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         async_scheduling=args.async_scheduling,
         seed=args.seed,
         quant=args.quant,
+        quant_lm_head=args.quant_lm_head,
         kv_cache_dtype=args.kv_cache_dtype,
         tensor_parallel_size=args.tensor_parallel_size,
         proposer=args.proposer,

@@ -2,8 +2,9 @@
 # Issue 12 (weights) on one H200: the quant GPU tests (kernels against the reference
 # paths), then single-stream latency and offline throughput of the llama-3-8b shape
 # with --quant none / int8 / int4 / fp8. About 6 minutes of GPU time.
-# Usage on the GPU host, from the repo root:  bash scripts/gpu/quant.sh [tests] [bench] [gemv]
-# (gemv: every GEMV/GEMM tiling per Llama-3-8B shape at 1, 4 and 16 rows, gemv.json)
+# Usage on the GPU host, from the repo root:  bash scripts/gpu/quant.sh [tests] [bench] [gemv] [lmhead]
+# (gemv: every GEMV/GEMM tiling per Llama-3-8B shape at 1, 4 and 16 rows, gemv.json;
+#  lmhead: bench latency and throughput of int8 and int4 with and without --quant-lm-head)
 # Writes to $OUT (or ./gpu-out): quant.json (every figure and the speedups over none),
 # quant-tests.log, quant-bench.log, weight-gemm.json (the tilings measured per shape).
 set -uo pipefail
@@ -39,5 +40,16 @@ if [[ $STEPS == *" gemv "* ]]; then
   timeout 300 python3 scripts/gpu/gemv_bench.py --rows 1,4,16 --json "$OUT/gemv.json" \
     > "$OUT/gemv.log" 2>&1 || echo "gemv bench failed"
   grep -E "per layer" "$OUT/gemv.log"
+fi
+if [[ $STEPS == *" lmhead "* ]]; then
+  for q in int8 int4; do
+    for head in --no-quant-lm-head --quant-lm-head; do
+      echo "=== llama-3-8b --quant $q $head"
+      timeout 150 python3 -m tokenloom bench latency --model llama-3-8b --quant "$q" $head --runs 3 \
+        --out "$OUT/lmhead-latency-$q$head.json" 2>&1 | grep -E "ms per step|% of roofline"
+      timeout 200 python3 -m tokenloom bench throughput --model llama-3-8b --quant "$q" $head \
+        --runs 1 --out "$OUT/lmhead-throughput-$q$head.json" 2>&1 | grep -E "^output tokens/s"
+    done
+  done
 fi
 cp "$TOKENLOOM_CACHE/weight-gemm.json" "$OUT/" 2>/dev/null || true
