@@ -33,6 +33,52 @@ MAGIC_F = tl.constexpr(8388608.0)
 
 
 @triton.jit
+def _weight_rows(qw_ptr, rows, limit, offs_n, mask_n, N):
+    """``qweight[rows, offs_n]`` (zeros from row ``limit`` on): int8 weights, or the
+    int4 words that pack eight rows each."""
+    return tl.load(
+        qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :],
+        mask=(rows < limit)[:, None] & mask_n[None, :],
+        other=0,
+    )
+
+
+@triton.jit
+def _first_tile(
+    qw_ptr, k_begin, k_end, offs_n, mask_n, N, BITS: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """The weights of the split's first ``BLOCK_K`` rows (the register double buffer's
+    first fill)."""
+    if BITS == 8:
+        return _weight_rows(qw_ptr, k_begin + tl.arange(0, BLOCK_K), k_end, offs_n, mask_n, N)
+    else:
+        kw = k_begin // 8 + tl.arange(0, BLOCK_K // 8)
+        return _weight_rows(qw_ptr, kw, k_end // 8, offs_n, mask_n, N)
+
+
+@triton.jit
+def _int8_floats(q):
+    """int8 weights as floats: offset by 128 into the mantissa of 2^23, then back."""
+    return ((q.to(tl.int32) + (MAGIC + 128)).to(tl.float32, bitcast=True)) - (MAGIC_F + 128.0)
+
+
+@triton.jit
+def _nibble_floats(words, high, nibble, j: tl.constexpr):
+    """Nibble ``j`` of each word as a float. It sits at bit p = 4j (j < 5) or, in
+    ``high = words >> 12``, at 4j - 12 (j >= 5): p <= 16 either way. OR-ed under the
+    exponent of 2^(23 - p) it reads as the float 2^(23 - p) + q exactly, so a weight
+    costs one logic op (and + or), one subtraction and one FMA, without a shift.
+    ``nibble`` is 0xF passed at run time: a constant mask was re-materialised by a
+    move before every use."""
+    if j < 5:
+        bits = (words & (nibble << (4 * j))) | ((150 - 4 * j) << 23)
+        return bits.to(tl.float32, bitcast=True) - (2.0 ** (23 - 4 * j))
+    else:
+        bits = (high & (nibble << (4 * j - 12))) | ((162 - 4 * j) << 23)
+        return bits.to(tl.float32, bitcast=True) - (2.0 ** (35 - 4 * j))
+
+
+@triton.jit
 def _weight_gemv_kernel(
     x_ptr,
     qw_ptr,
@@ -72,58 +118,26 @@ def _weight_gemv_kernel(
     # The next tile's weights are loaded before this one's FMAs (a register double
     # buffer): at one row a program holds too few bytes in flight to cover the memory
     # latency otherwise.
-    if BITS == 8:
-        ks = k_begin + tl.arange(0, BLOCK_K)
-        q = tl.load(
-            qw_ptr + ks[:, None].to(tl.int64) * N + offs_n[None, :],
-            mask=(ks < k_end)[:, None] & mask_n[None, :],
-            other=0,
-        )
-    else:
-        kw = k_begin // 8 + tl.arange(0, BLOCK_K // 8)
-        words = tl.load(
-            qw_ptr + kw[:, None].to(tl.int64) * N + offs_n[None, :],
-            mask=(kw < k_end // 8)[:, None] & mask_n[None, :],
-            other=0,
-        )
+    tile = _first_tile(qw_ptr, k_begin, k_end, offs_n, mask_n, N, BITS, BLOCK_K)
     for k0 in range(k_begin, k_end, BLOCK_K):
         if BITS == 8:
             ks = k0 + tl.arange(0, BLOCK_K)
             mask_k = ks < k_end
             x = tl.load(x_row + ks, mask=mask_k, other=0.0).to(tl.float32)
-            ks_next = ks + BLOCK_K
-            q_next = tl.load(
-                qw_ptr + ks_next[:, None].to(tl.int64) * N + offs_n[None, :],
-                mask=(ks_next < k_end)[:, None] & mask_n[None, :],
-                other=0,
-            )
-            w = ((q.to(tl.int32) + (MAGIC + 128)).to(tl.float32, bitcast=True)) - (MAGIC_F + 128.0)
+            tile_next = _weight_rows(qw_ptr, ks + BLOCK_K, k_end, offs_n, mask_n, N)
+            w = _int8_floats(tile)
             acc2 += w * x[:, None]
-            q = q_next
+            tile = tile_next
         else:
             kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
             mask_kw = kw < k_end // 8
-            kw_next = kw + BLOCK_K // 8
-            words_next = tl.load(
-                qw_ptr + kw_next[:, None].to(tl.int64) * N + offs_n[None, :],
-                mask=(kw_next < k_end // 8)[:, None] & mask_n[None, :],
-                other=0,
-            )
-            # Nibble j sits at bit p = 4j (j < 5) or, after one shift by 12, at 4j - 12
-            # (j >= 5): p <= 16 either way. OR-ed under the exponent of 2^(23 - p) it
-            # reads as the float 2^(23 - p) + q exactly, so each weight costs one
-            # logic op (and + or), one subtraction and one FMA, without a shift.
-            high = words >> 12
+            tile_next = _weight_rows(qw_ptr, kw + BLOCK_K // 8, k_end // 8, offs_n, mask_n, N)
+            high = tile >> 12
             part = tl.zeros([BLOCK_K // 8, BLOCK_N], tl.float32)
             xs = tl.zeros([BLOCK_K // 8], tl.float32)
             for j in tl.static_range(8):
                 xj = tl.load(x_row + kw * 8 + j, mask=mask_kw, other=0.0).to(tl.float32)
-                if j < 5:
-                    bits = (words & (nibble << (4 * j))) | ((150 - 4 * j) << 23)
-                    qj = bits.to(tl.float32, bitcast=True) - (2.0 ** (23 - 4 * j))
-                else:
-                    bits = (high & (nibble << (4 * j - 12))) | ((162 - 4 * j) << 23)
-                    qj = bits.to(tl.float32, bitcast=True) - (2.0 ** (35 - 4 * j))
+                qj = _nibble_floats(tile, high, nibble, j)
                 part += qj * xj[:, None]
                 xs += xj
             if GROUP == 0:
@@ -136,7 +150,7 @@ def _weight_gemv_kernel(
                     acc2 += s * (part - z * xs[:, None])
                 else:
                     acc2 += s * part
-            words = words_next
+            tile = tile_next
     acc = tl.sum(acc2, axis=0)
     if GROUP == 0:
         acc = acc * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -227,47 +241,24 @@ def _weight_gemv_rows_kernel(
     acc3 = tl.zeros_like(acc0)
     k_begin = pid_k * K_CHUNK
     k_end = tl.minimum(K, k_begin + K_CHUNK)
-    if BITS == 8:
-        ks = k_begin + tl.arange(0, BLOCK_K)
-        q = tl.load(
-            qw_ptr + ks[:, None].to(tl.int64) * N + offs_n[None, :],
-            mask=(ks < k_end)[:, None] & mask_n[None, :],
-            other=0,
-        )
-    else:
-        kw = k_begin // 8 + tl.arange(0, BLOCK_K // 8)
-        words = tl.load(
-            qw_ptr + kw[:, None].to(tl.int64) * N + offs_n[None, :],
-            mask=(kw < k_end // 8)[:, None] & mask_n[None, :],
-            other=0,
-        )
+    tile = _first_tile(qw_ptr, k_begin, k_end, offs_n, mask_n, N, BITS, BLOCK_K)
     for k0 in range(k_begin, k_end, BLOCK_K):
         if BITS == 8:
             ks = k0 + tl.arange(0, BLOCK_K)
             mask_k = ks < k_end
-            ks_next = ks + BLOCK_K
-            q_next = tl.load(
-                qw_ptr + ks_next[:, None].to(tl.int64) * N + offs_n[None, :],
-                mask=(ks_next < k_end)[:, None] & mask_n[None, :],
-                other=0,
-            )
-            w = ((q.to(tl.int32) + (MAGIC + 128)).to(tl.float32, bitcast=True)) - (MAGIC_F + 128.0)
+            tile_next = _weight_rows(qw_ptr, ks + BLOCK_K, k_end, offs_n, mask_n, N)
+            w = _int8_floats(tile)
             acc0 += w * _row_x(x_ptr, r0, stride_xm, ks, mask_k, M)[:, None]
             acc1 += w * _row_x(x_ptr, r0 + 1, stride_xm, ks, mask_k, M)[:, None]
             if ROWS == 4:
                 acc2 += w * _row_x(x_ptr, r0 + 2, stride_xm, ks, mask_k, M)[:, None]
                 acc3 += w * _row_x(x_ptr, r0 + 3, stride_xm, ks, mask_k, M)[:, None]
-            q = q_next
+            tile = tile_next
         else:
             kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
             mask_kw = kw < k_end // 8
-            kw_next = kw + BLOCK_K // 8
-            words_next = tl.load(
-                qw_ptr + kw_next[:, None].to(tl.int64) * N + offs_n[None, :],
-                mask=(kw_next < k_end // 8)[:, None] & mask_n[None, :],
-                other=0,
-            )
-            high = words >> 12  # see _weight_gemv_kernel for the nibble arithmetic
+            tile_next = _weight_rows(qw_ptr, kw + BLOCK_K // 8, k_end // 8, offs_n, mask_n, N)
+            high = tile >> 12
             part0 = tl.zeros([BLOCK_K // 8, BLOCK_N], tl.float32)
             part1 = tl.zeros_like(part0)
             part2 = tl.zeros_like(part0)
@@ -277,12 +268,7 @@ def _weight_gemv_rows_kernel(
             xs2 = tl.zeros_like(xs0)
             xs3 = tl.zeros_like(xs0)
             for j in tl.static_range(8):
-                if j < 5:
-                    bits = (words & (nibble << (4 * j))) | ((150 - 4 * j) << 23)
-                    qj = bits.to(tl.float32, bitcast=True) - (2.0 ** (23 - 4 * j))
-                else:
-                    bits = (high & (nibble << (4 * j - 12))) | ((162 - 4 * j) << 23)
-                    qj = bits.to(tl.float32, bitcast=True) - (2.0 ** (35 - 4 * j))
+                qj = _nibble_floats(tile, high, nibble, j)
                 x0 = _row_x(x_ptr, r0, stride_xm, kw * 8 + j, mask_kw, M)
                 x1 = _row_x(x_ptr, r0 + 1, stride_xm, kw * 8 + j, mask_kw, M)
                 part0 += qj * x0[:, None]
@@ -316,7 +302,7 @@ def _weight_gemv_rows_kernel(
                     acc1 += s * part1
                     acc2 += s * part2
                     acc3 += s * part3
-            words = words_next
+            tile = tile_next
     args = (
         M,
         pid_k,
