@@ -65,7 +65,11 @@ def compile_sm90(
     compiled = triton.compile(
         src,
         target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": num_warps, "num_stages": num_stages},
+        options={
+            "num_warps": num_warps,
+            "num_stages": num_stages,
+            **({"maxnreg": int(os.environ["MAXNREG"])} if os.environ.get("MAXNREG") else {}),
+        },
     )
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -186,6 +190,9 @@ def decode_preset(kv: str, values: list[int]) -> tuple[Any, dict, dict, list[str
         PAGE_SIZE=16,
         DOT_PRECISION="tf32",
         KV_QUANT=kv != "bf16",
+        KV_F16=kv != "bf16",
+        KV_ASM=kv != "bf16" and os.environ.get("KV_ASM", "1") == "1",
+        HEADS_FIRST=False,
     )
     divisible = [n for n in sig if n.endswith("_ptr")] + [n for n in strides if n != "stride_bt"]
     kv_bytes = block_n * 128 * 2 * (1 if kv != "bf16" else 2) / (warps * 32)

@@ -29,6 +29,8 @@ import triton.language as tl
 
 from tokenloom.plugins.attention import kv_quant
 
+P_SCALE: tl.constexpr = tl.constexpr(128.0)
+
 
 @triton.jit
 def _split_length(seq_len, num_splits, min_split, BLOCK_N: tl.constexpr):
@@ -36,6 +38,52 @@ def _split_length(seq_len, num_splits, min_split, BLOCK_N: tl.constexpr):
     # least ``min_split`` tokens (a multiple of BLOCK_N): a short KV stays in fewer
     # programs, which skips the partials and the merge.
     return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, min_split)
+
+
+# fp8 e4m3 -> f16, four values per call: two hardware conversions of two values each
+# (``cvt.rn.f16x2.e4m3x2``). Not marked pure on purpose: Triton moves a layout change
+# above a pure elementwise op to the narrower type, which for an 8-bit tile means one
+# 1-byte shared-memory load per value (``LDS.U8``). Opaque, the tile is converted in the
+# layout it was loaded in and reaches the dot as f16, through 16-byte stores and
+# ``ldmatrix`` like a 16-bit cache.
+@triton.jit
+def _fp8x4_to_f16(x):
+    return tl.inline_asm_elementwise(
+        asm="{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+        "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        constraints="=r,=r,r",
+        args=[x],
+        dtype=tl.float16,
+        is_pure=False,
+        pack=4,
+    )
+
+
+# int8 -> f16, four values per call: each byte, offset by 128, becomes the low byte of
+# the f16 1024 + (b + 128) (a byte permute with 0x64 as high byte), then 1,152 is
+# subtracted from both halves at once. Exact: f16 holds every integer below 2,048.
+@triton.jit
+def _int8x4_to_f16(x):
+    return tl.inline_asm_elementwise(
+        asm="{ .reg .b32 t, lo, hi, c; xor.b32 t, $2, 0x80808080; "
+        "prmt.b32 lo, t, 0x64646464, 0x4140; prmt.b32 hi, t, 0x64646464, 0x4342; "
+        "mov.b32 c, 0x64806480; sub.f16x2 $0, lo, c; sub.f16x2 $1, hi, c; }",
+        constraints="=r,=r,r",
+        args=[x],
+        dtype=tl.float16,
+        is_pure=False,
+        pack=4,
+    )
+
+
+@triton.jit
+def _kv_to_f16(x, KV_ASM: tl.constexpr):
+    """An 8-bit KV tile as f16 dot operands (exact for e4m3 and int8 values)."""
+    if KV_ASM:
+        if x.dtype == tl.int8:
+            return _int8x4_to_f16(x)
+        return _fp8x4_to_f16(x.to(tl.uint8, bitcast=True))
+    return x.to(tl.float16)
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -73,9 +121,16 @@ def _decode_kernel(
     PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_QUANT: tl.constexpr,
+    KV_F16: tl.constexpr,
+    KV_ASM: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FIRST:  # a request's KV heads run side by side: whole token rows from DRAM
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1)
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -99,6 +154,8 @@ def _decode_kernel(
 
     q_offs = seq * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :]
     q = tl.load(q_ptr + q_offs, mask=mask_hd, other=0.0)
+    if KV_F16:
+        q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -115,7 +172,10 @@ def _decode_kernel(
             mask=mask_n[None, :] & mask_d[:, None],
             other=0.0,
         )  # [BLOCK_D, BLOCK_N]
-        qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
+        if KV_F16:
+            qk = tl.dot(q, _kv_to_f16(k, KV_ASM)) * scale_log2
+        else:
+            qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
         if KV_QUANT:
             s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * NUM_KV_HEADS + kv_head
             qk = qk * tl.load(k_scale_ptr + s_off, mask=mask_n, other=0.0)[None, :]
@@ -131,11 +191,19 @@ def _decode_kernel(
         )  # [BLOCK_N, BLOCK_D]
         if KV_QUANT:
             s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * NUM_KV_HEADS + kv_head
-            p = p * tl.load(v_scale_ptr + s_off, mask=mask_n, other=0.0)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(
-            p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION
-        )
+            v_scale = tl.load(v_scale_ptr + s_off, mask=mask_n, other=0.0)
+            if KV_F16:  # p * scale in f16, lifted into its normal range (undone below)
+                p = p * (v_scale * P_SCALE)[None, :]
+            else:
+                p = p * v_scale[None, :]
+        if KV_F16:
+            pv = tl.dot(p.to(tl.float16), _kv_to_f16(v, KV_ASM))
+        else:
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
+    if KV_F16:
+        acc = acc * (1.0 / P_SCALE)
 
     if num_active == 1:  # the whole KV in this program: no partials to merge
         tl.store(
@@ -193,10 +261,17 @@ def decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     min_split_tokens: int = 0,
+    kv_asm: bool = False,
+    heads_first: bool = False,
+    maxnreg: int = 0,
 ) -> None:
     """Launch the kernel. No host sync; the grid depends only on shapes and
     ``num_splits``, so a captured graph replays with new values in the same tensors.
-    ``min_split_tokens``: no split shorter than this (rounded up to whole tiles)."""
+    ``min_split_tokens``: no split shorter than this (rounded up to whole tiles).
+    ``kv_asm``: convert an 8-bit cache with the PTX helpers (CUDA only).
+    ``heads_first``: grid ``(num_kv_heads, batch, num_splits)``, so that programs
+    launched together read every head of the same tokens. ``maxnreg``: a register cap
+    per thread (more programs per SM, at the price of spills; 0: none)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -204,7 +279,8 @@ def decode_attention(
     quantized = kv_quant.is_quantized(k_cache.dtype)
     k_scales = kv_quant.scales_of(k_cache) if quantized else k_cache
     v_scales = kv_quant.scales_of(v_cache) if quantized else v_cache
-    _decode_kernel[(batch, num_kv_heads, num_splits)](
+    grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
+    _decode_kernel[grid](
         q,
         k_cache,
         v_cache,
@@ -238,6 +314,10 @@ def decode_attention(
         PAGE_SIZE=k_cache.shape[1],
         DOT_PRECISION=precision,
         KV_QUANT=quantized,
+        KV_F16=quantized and q.dtype != torch.float32,
+        KV_ASM=quantized and kv_asm,
+        HEADS_FIRST=heads_first,
         num_warps=num_warps,
         num_stages=num_stages,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     )

@@ -96,6 +96,32 @@ def test_quantized_decode_replayed_from_a_cuda_graph_matches_eager(kv_dtype):
         assert torch.isfinite(static_out).all() and static_out.abs().sum() > 0
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_decode_ptx_conversion_of_every_8_bit_value_is_exact(kv_dtype):
+    """The decode kernel's PTX helpers (``_kv_to_f16`` with ``KV_ASM``) against torch's
+    conversion, bit for bit, for all 256 byte values in every position of a pack of 4."""
+    import triton
+    import triton.language as tl
+
+    from tokenloom.plugins.attention.triton_kernels.decode import _kv_to_f16
+
+    @triton.jit
+    def convert(x_ptr, y_ptr, N: tl.constexpr):
+        offs = tl.arange(0, N)[:, None] * N + tl.arange(0, N)[None, :]
+        tl.store(y_ptr + offs, _kv_to_f16(tl.load(x_ptr + offs), True))
+
+    raw = torch.arange(256, dtype=torch.uint8, device="cuda")
+    raw = torch.stack([raw.roll(shift) for shift in range(16)]).view(64, 64)
+    x = raw.view(kv_dtype)
+    y = torch.empty(64, 64, dtype=torch.float16, device="cuda")
+    convert[(1,)](x, y, N=64)
+    expected = x.to(torch.float16)
+    nan = expected.isnan()
+    assert torch.equal(y.isnan(), nan)
+    assert torch.equal(y[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+    assert int(nan.sum()) == (0 if kv_dtype == torch.int8 else 2 * 16)
+
+
 def test_cache_views_keep_their_scales_in_the_pool_on_the_gpu():
     pool, caches = kv_quant.allocate(2, 3, 16, 8, 128, torch.int8, torch.device("cuda"))
     k_cache, _ = caches[1]

@@ -30,9 +30,11 @@ pytestmark = pytest.mark.skipif(not PTXAS.exists(), reason="Triton's NVIDIA back
 QMAX = {"i8": 127.0, "fp8e4nv": 448.0}
 
 
-def compile_ptx(fn, pointers: dict[str, str], constexprs: dict[str, object]) -> str:
+def compile_ptx(
+    fn, pointers: dict[str, str], constexprs: dict[str, object], float_args=frozenset({"eps"})
+) -> str:
     """``fn`` compiled for sm_90: pointer args typed by ``pointers`` (name -> element
-    type), ``eps`` fp32, the other runtime args i32."""
+    type), ``float_args`` fp32, the other runtime args i32."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -43,7 +45,7 @@ def compile_ptx(fn, pointers: dict[str, str], constexprs: dict[str, object]) -> 
         elif name in pointers:
             signature[name] = "*" + pointers[name]
         else:
-            signature[name] = "fp32" if name == "eps" else "i32"
+            signature[name] = "fp32" if name in float_args else "i32"
     index = {name: i for i, name in enumerate(fn.arg_names)}
     source = ASTSource(
         fn=fn, signature=signature, constexprs={(index[k],): v for k, v in constexprs.items()}
@@ -103,6 +105,21 @@ def fused_rope_ptx(cache: str) -> str:
     )
 
 
+def decode_ptx(cache: str) -> str:
+    from tokenloom.plugins.attention.triton_kernels import decode
+
+    pointers = {"q_ptr": "bf16", "out_ptr": "bf16", "k_cache_ptr": cache, "v_cache_ptr": cache}
+    pointers |= dict.fromkeys(
+        ["part_out_ptr", "part_lse_ptr", "k_scale_ptr", "v_scale_ptr"], "fp32"
+    )
+    pointers |= {"block_tables_ptr": "i32", "seq_lens_ptr": "i32", "counters_ptr": "i32"}
+    constexprs = dict(
+        NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16,
+        BLOCK_N=128, PAGE_SIZE=16, DOT_PRECISION="tf32", KV_QUANT=True, KV_F16=True, KV_ASM=True, HEADS_FIRST=False,
+    )  # fmt: skip
+    return compile_ptx(decode._decode_kernel, pointers, constexprs, float_args={"scale_log2"})
+
+
 VARIANTS = {
     f"{kind}-{cache}": (kind, cache) for kind in ("kv_write", "fused_rope") for cache in QMAX
 }
@@ -129,6 +146,18 @@ def test_quantized_kv_write_divides_as_ieee_and_scales_by_the_reciprocal(compile
     assert fp32_hex(kv_quant.INV_QMAX[dtype]) in compiled[variant]["immediates"]
 
 
+@pytest.mark.parametrize("cache", sorted(QMAX))
+def test_decode_converts_an_8_bit_tile_before_its_layout_change(compiled, cache):
+    """The decode kernel reads an 8-bit cache tile from shared memory as f16 through
+    ``ldmatrix``, never value by value (``ld.shared.b8`` / ``.s8``: what Triton emits
+    when it moves the layout change above a pure conversion, 2x the kernel's
+    instructions per KV byte on the H200)."""
+    loads = compiled[f"decode-{cache}"]["shared_loads"]
+    assert not [op for op in loads if re.search(r"\.[bsu]8$", op)], loads
+    assert any(op.startswith("ldmatrix") for op in loads)
+    assert compiled[f"decode-{cache}"]["conversions"] >= 128
+
+
 if __name__ == "__main__":
     build = {"kv_write": kv_write_ptx, "fused_rope": fused_rope_ptx}
     summary = {}
@@ -137,5 +166,11 @@ if __name__ == "__main__":
         summary[name] = {
             "divisions": sorted(divisions(ptx)),
             "immediates": sorted(set(re.findall(r"\b0f[0-9A-F]{8}\b", ptx))),
+        }
+    for cache in QMAX:
+        ptx = decode_ptx(cache)
+        summary[f"decode-{cache}"] = {
+            "shared_loads": sorted(set(re.findall(r"\b(?:ld\.shared|ldmatrix)[\w.]*", ptx))),
+            "conversions": len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2|sub\.f16x2", ptx)),
         }
     print(json.dumps(summary))

@@ -71,6 +71,31 @@ def test_head_dim_that_is_not_a_power_of_two_is_masked_correctly():
     check_against_references([9, 1], [30, 5], head_dim=48)
 
 
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn, torch.int8])
+def test_decode_grid_in_either_order_gives_the_same_output(kv_dtype):
+    """``decode_heads_first`` only reorders the programs: the same bits come out,
+    over a 16-bit or a quantized cache, with the splits merged."""
+    from test_kv_quant import quantized_copy
+
+    from tokenloom.plugins.attention.torch_backend import write_kv_cache
+
+    batch = make_batch([1, 1, 1, 1], [150, 17, 1, 64], num_heads=8, num_kv_heads=2,
+                       head_dim=32, dtype=torch.float16, device=DEVICE)  # fmt: skip
+    caches = (batch.k_cache, batch.v_cache)
+    if kv_dtype is not None:
+        caches = quantized_copy(batch, kv_dtype)
+        write_kv_cache(batch.k, batch.v, *caches, batch.meta.slot_mapping)
+    outs = []
+    for first in (0, 1):
+        attn, _ = backends(8, 2, 32, torch.float16, max_num_splits=4, decode_heads_first=first)
+        attn.prepare(batch.meta)
+        outs.append(attn.forward(batch.q, batch.k, batch.v, *caches, batch.meta, batch.scale,
+                                 kv_written=kv_dtype is not None))  # fmt: skip
+    assert torch.equal(outs[0], outs[1])
+    bound = TOLERANCE[torch.float16] if kv_dtype is None else 0.1
+    assert relative_error(outs[1], dense_reference(batch)) < bound
+
+
 def test_decode_of_one_long_request_merges_four_splits():
     triton_attn, _ = backends(4, 2, 32, torch.float32, max_num_splits=4)
     assert triton_attn.num_splits(1) == 4
