@@ -153,11 +153,14 @@ class TritonAttention(AttentionBackend):
         if unknown:
             raise ValueError(f"plugin.triton: unknown settings {sorted(unknown)}")
 
+        self._fp8_cvt = False
         if interpreted:
             self.num_sms = 4
             defaults = dict(INTERPRETER_DEFAULTS)
         else:
             self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            # the PTX e4m3 -> f16 conversion needs sm_89 (Ada, Hopper) or later
+            self._fp8_cvt = torch.cuda.get_device_capability(self.device) >= (8, 9)
             defaults = cuda_defaults(self.head_dim)
         defaults.update(settings)
         self.max_num_splits = int(defaults["max_num_splits"])
@@ -280,7 +283,7 @@ class TritonAttention(AttentionBackend):
                 min_split_tokens=self.decode_min_split_tokens,
                 num_warps=self.decode_num_warps,
                 num_stages=self.quant_decode_num_stages if quantized else self.decode_num_stages,
-                kv_asm=self.decode_kv_asm,
+                kv_asm=self.decode_kv_asm and (k_cache.dtype == torch.int8 or self._fp8_cvt),
                 heads_first=self.decode_heads_first,
                 maxnreg=self.quant_decode_maxnreg if quantized else self.decode_maxnreg,
             )
