@@ -58,6 +58,9 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_waiting_requests: int = 4096
     # executor
     enforce_eager: bool = False
+    # decode steps of up to this many requests replay CUDA graphs (captured at start-up
+    # in buckets of 16); larger ones run eagerly. Raise it with max_num_seqs above 512.
+    max_graph_batch: int = 512
     # Build and launch step N+1 while step N runs on the device (the engine reads
     # step N's tokens afterwards). None: on for CUDA, off elsewhere (no overlap there).
     async_scheduling: bool | None = None
@@ -103,6 +106,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(f"block_size: must be a power of two, got {self.block_size}")
         _at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _at_least("max_num_seqs", self.max_num_seqs, 1)
+        _at_least("max_graph_batch", self.max_graph_batch, 1)
         _at_least("max_waiting_requests", self.max_waiting_requests, 1)
         _at_least("num_speculative_tokens", self.num_speculative_tokens, 0)
         _at_least("max_verify_graph_seqs", self.max_verify_graph_seqs, 0)

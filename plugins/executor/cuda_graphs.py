@@ -23,8 +23,8 @@ from tokenloom.protocols.components.attention import (
 log = logging.getLogger("tokenloom.executor")
 
 
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    top = min(max_num_seqs, 512)
+def graph_batch_sizes(top: int) -> list[int]:
+    """Bucketed batch sizes up to ``top``: 1, 2, 4, 8, then every 16, and ``top``."""
     sizes = [s for s in (1, 2, 4, 8) if s <= top] + list(range(16, top + 1, 16))
     if sizes[-1] != top:
         sizes.append(top)
@@ -37,7 +37,7 @@ class DecodeGraphs:
         model: torch.nn.Module,
         attn: AttentionBackend,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        max_num_seqs: int,
+        max_batch: int,
         max_blocks_per_seq: int,
         max_model_len: int,
         hidden_size: int,
@@ -47,7 +47,7 @@ class DecodeGraphs:
         self.model = model
         self.attn = attn
         self.kv_caches = kv_caches
-        self.sizes = graph_batch_sizes(max_num_seqs)
+        self.sizes = graph_batch_sizes(max_batch)
         self.max_bs = self.sizes[-1]
         self.max_model_len = max_model_len
         n = self.max_bs

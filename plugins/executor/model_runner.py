@@ -258,7 +258,7 @@ class ModelRunner(Executor):
             self.model,
             self.attn,
             self.kv_caches,
-            self.config.max_num_seqs,
+            min(self.config.max_num_seqs, self.config.max_graph_batch),
             -(-max_len // self.block_size),
             max_len,
             self.info.hidden_size,

@@ -138,7 +138,7 @@ class DraftProposer(Proposer):
                 self.model,
                 self.attn,
                 self.kv_caches,
-                config.max_num_seqs,
+                min(config.max_num_seqs, config.max_graph_batch),
                 -(-span // bs),
                 span,
                 info.hidden_size,
