@@ -191,8 +191,9 @@ def decode_preset(kv: str, values: list[int]) -> tuple[Any, dict, dict, list[str
         DOT_PRECISION="tf32",
         KV_QUANT=kv != "bf16",
         KV_F16=kv != "bf16",
+        P_LIFT=512.0 if kv == "fp8" else 128.0,
         KV_ASM=kv != "bf16" and os.environ.get("KV_ASM", "1") == "1",
-        HEADS_FIRST=False,
+        HEADS_FIRST=True,
     )
     divisible = [n for n in sig if n.endswith("_ptr")] + [n for n in strides if n != "stride_bt"]
     kv_bytes = block_n * 128 * 2 * (1 if kv != "bf16" else 2) / (warps * 32)

@@ -114,7 +114,8 @@ def cuda_defaults(head_dim: int) -> dict[str, int]:
 
 # An 8-bit cache's decode tile (128 tokens) with one stage and at most 128 registers
 # per thread: four programs per SM instead of three, 5-10% faster on the H200 at
-# 32-512 x 1,500 (docs/quantization.md). Applied where the user set neither.
+# 32-512 x 1,500 with head_dim 128 and bf16 queries (docs/quantization.md). Applied
+# there, and only where the user set neither key.
 QUANT_DECODE = {"decode_num_stages": 1, "decode_maxnreg": 128}
 
 
@@ -153,14 +154,14 @@ class TritonAttention(AttentionBackend):
         if unknown:
             raise ValueError(f"plugin.triton: unknown settings {sorted(unknown)}")
 
-        self._fp8_cvt = False
+        self._fp8_ok = True
         if interpreted:
             self.num_sms = 4
             defaults = dict(INTERPRETER_DEFAULTS)
         else:
             self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            # the PTX e4m3 -> f16 conversion needs sm_89 (Ada, Hopper) or later
-            self._fp8_cvt = torch.cuda.get_device_capability(self.device) >= (8, 9)
+            # Triton reads fp8 e4m3 on sm_89 (Ada, Hopper) or later only
+            self._fp8_ok = torch.cuda.get_device_capability(self.device) >= (8, 9)
             defaults = cuda_defaults(self.head_dim)
         defaults.update(settings)
         self.max_num_splits = int(defaults["max_num_splits"])
@@ -169,14 +170,15 @@ class TritonAttention(AttentionBackend):
         self.decode_programs_per_sm = int(defaults["decode_programs_per_sm"])
         self.decode_min_split_tokens = int(defaults["decode_min_split_tokens"])
         self.decode_num_warps = int(defaults["decode_num_warps"])
-        self.decode_kv_asm = bool(defaults["decode_kv_asm"])
+        self.decode_kv_asm = bool(defaults["decode_kv_asm"]) and not interpreted  # no PTX there
         self.decode_heads_first = bool(defaults["decode_heads_first"])
         self.decode_maxnreg = int(defaults["decode_maxnreg"])
-        quant = {} if interpreted else QUANT_DECODE
-        self.quant_decode_num_stages = int(settings.get("decode_num_stages", quant.get(
-            "decode_num_stages", self.decode_num_stages)))  # fmt: skip
-        self.quant_decode_maxnreg = int(settings.get("decode_maxnreg", quant.get(
-            "decode_maxnreg", self.decode_maxnreg)))  # fmt: skip
+        # QUANT_DECODE where it was measured (CUDA, head_dim <= 128, 16-bit queries) and
+        # the user set neither of its keys: a cap on its own, with two stages, only spills
+        measured = not interpreted and self.head_dim <= 128 and model_info.dtype != torch.float32
+        quant = QUANT_DECODE if measured and not set(QUANT_DECODE) & set(settings) else {}
+        self.quant_decode_num_stages = int(quant.get("decode_num_stages", self.decode_num_stages))
+        self.quant_decode_maxnreg = int(quant.get("decode_maxnreg", self.decode_maxnreg))
         self.prefill_block_m = int(defaults["prefill_block_m"])
         self.prefill_block_n = int(defaults["prefill_block_n"])
         self.prefill_num_warps = int(defaults["prefill_num_warps"])
@@ -266,6 +268,11 @@ class TritonAttention(AttentionBackend):
             num_decodes = int(meta.extra.get("num_leading_decodes", 0))
         if num_decodes:
             quantized = kv_quant.is_quantized(k_cache.dtype)
+            if k_cache.dtype == torch.float8_e4m3fn and not self._fp8_ok:
+                raise RuntimeError(
+                    "an fp8 KV cache needs a GPU of compute capability 8.9 or later "
+                    "(Ada, Hopper); use kv_cache_dtype = 'int8' here"
+                )
             part_out, part_lse, counters = self._decode_scratch(num_decodes)
             decode_attention(
                 q[:num_decodes],
@@ -283,7 +290,7 @@ class TritonAttention(AttentionBackend):
                 min_split_tokens=self.decode_min_split_tokens,
                 num_warps=self.decode_num_warps,
                 num_stages=self.quant_decode_num_stages if quantized else self.decode_num_stages,
-                kv_asm=self.decode_kv_asm and (k_cache.dtype == torch.int8 or self._fp8_cvt),
+                kv_asm=self.decode_kv_asm,
                 heads_first=self.decode_heads_first,
                 maxnreg=self.quant_decode_maxnreg if quantized else self.decode_maxnreg,
             )

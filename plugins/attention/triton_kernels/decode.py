@@ -1,6 +1,8 @@
 """Paged decode attention with split-KV (flash-decoding), one query token per request.
 
-One kernel, grid ``(batch, num_kv_heads, num_splits)``: a program takes every query
+One kernel, grid ``(num_kv_heads, batch, num_splits)`` (``heads_first``, the CUDA
+default: the programs launched together read every head of the same tokens) or
+``(batch, num_kv_heads, num_splits)``: a program takes every query
 head that shares one KV head as a ``[BLOCK_H, D]`` tile (heads padded to at least 16
 so that ``tl.dot`` runs on the tensor cores), walks its slice of the request's KV
 through the block table, and writes the normalised partial output and its
@@ -17,8 +19,12 @@ path is CUDA-graph capturable. Padding rows (seq_len 0) produce zeros.
 
 A quantized cache (``KV_QUANT``, a compile-time switch: the unquantized kernel is
 unchanged) is dequantized on the fly with its per-token-head scales: the raw fp8 /
-int8 keys enter the dot in the query dtype and the scores are scaled per key; the
-probabilities are scaled per value before the second dot.
+int8 values enter both dots as f16 (exact; ``KV_F16``, for 16-bit queries; an fp32
+model keeps fp32 dots), the scores are scaled per key, and the probabilities per value
+before the second dot. On CUDA the tile is converted by PTX helpers in the layout it
+was loaded in (``KV_ASM``; see ``_fp8x4_to_f16``): Triton's own cast lets the layout
+change happen first, at one shared-memory load per byte, which doubled the kernel's
+instructions (docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -29,7 +35,11 @@ import triton.language as tl
 
 from tokenloom.plugins.attention import kv_quant
 
-P_SCALE: tl.constexpr = tl.constexpr(128.0)
+# p * v_scale enters the second dot in f16, multiplied by this (undone after the loop):
+# small probabilities stay out of f16's subnormals, and the product overflows only for a
+# value row whose absolute maximum is above 448 * 65504 / 512 = 57k (fp8) or
+# 127 * 65504 / 128 = 65k (int8).
+P_LIFT = {torch.float8_e4m3fn: 512.0, torch.int8: 128.0}
 
 
 @triton.jit
@@ -122,6 +132,7 @@ def _decode_kernel(
     DOT_PRECISION: tl.constexpr,
     KV_QUANT: tl.constexpr,
     KV_F16: tl.constexpr,
+    P_LIFT: tl.constexpr,
     KV_ASM: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
 ):
@@ -154,8 +165,12 @@ def _decode_kernel(
 
     q_offs = seq * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :]
     q = tl.load(q_ptr + q_offs, mask=mask_hd, other=0.0)
-    if KV_F16:
-        q = q.to(tl.float16)
+    row_scale = tl.full([BLOCK_H], scale_log2, tl.float32)
+    if KV_F16:  # rows beyond f16's range are shrunk first; the scores undo it
+        qf = q.to(tl.float32)
+        q_shrink = tl.minimum(32768.0 / tl.maximum(tl.max(tl.abs(qf), 1), 1e-30), 1.0)
+        q = (qf * q_shrink[:, None]).to(tl.float16)
+        row_scale = row_scale / q_shrink
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -173,7 +188,7 @@ def _decode_kernel(
             other=0.0,
         )  # [BLOCK_D, BLOCK_N]
         if KV_F16:
-            qk = tl.dot(q, _kv_to_f16(k, KV_ASM)) * scale_log2
+            qk = tl.dot(q, _kv_to_f16(k, KV_ASM)) * row_scale[:, None]
         else:
             qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
         if KV_QUANT:
@@ -193,7 +208,7 @@ def _decode_kernel(
             s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * NUM_KV_HEADS + kv_head
             v_scale = tl.load(v_scale_ptr + s_off, mask=mask_n, other=0.0)
             if KV_F16:  # p * scale in f16, lifted into its normal range (undone below)
-                p = p * (v_scale * P_SCALE)[None, :]
+                p = p * (v_scale * P_LIFT)[None, :]
             else:
                 p = p * v_scale[None, :]
         if KV_F16:
@@ -203,7 +218,7 @@ def _decode_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     if KV_F16:
-        acc = acc * (1.0 / P_SCALE)
+        acc = acc * (1.0 / P_LIFT)
 
     if num_active == 1:  # the whole KV in this program: no partials to merge
         tl.store(
@@ -315,6 +330,7 @@ def decode_attention(
         DOT_PRECISION=precision,
         KV_QUANT=quantized,
         KV_F16=quantized and q.dtype != torch.float32,
+        P_LIFT=P_LIFT.get(k_cache.dtype, 1.0),
         KV_ASM=quantized and kv_asm,
         HEADS_FIRST=heads_first,
         num_warps=num_warps,

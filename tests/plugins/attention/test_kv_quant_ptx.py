@@ -115,7 +115,8 @@ def decode_ptx(cache: str) -> str:
     pointers |= {"block_tables_ptr": "i32", "seq_lens_ptr": "i32", "counters_ptr": "i32"}
     constexprs = dict(
         NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16,
-        BLOCK_N=128, PAGE_SIZE=16, DOT_PRECISION="tf32", KV_QUANT=True, KV_F16=True, KV_ASM=True, HEADS_FIRST=False,
+        BLOCK_N=128, PAGE_SIZE=16, DOT_PRECISION="tf32", KV_QUANT=True, KV_F16=True, KV_ASM=True, HEADS_FIRST=True,
+        P_LIFT=128.0,
     )  # fmt: skip
     return compile_ptx(decode._decode_kernel, pointers, constexprs, float_args={"scale_log2"})
 
