@@ -51,6 +51,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="verify steps in CUDA graphs up to this many requests; 0: eager (speculation)",
     )
     parser.add_argument(
+        "--max-graph-batch",
+        type=int,
+        default=512,
+        help="decode steps of up to this many requests replay CUDA graphs",
+    )
+    parser.add_argument(
         "--plugin-option",
         action="append",
         default=[],
@@ -87,6 +93,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         num_speculative_tokens=args.num_speculative_tokens,
         draft_model=_shape_or_dir(args.draft_model),
         max_verify_graph_seqs=args.max_verify_graph_seqs,
+        max_graph_batch=args.max_graph_batch,
         plugin=plugin_options(args.plugin_option),
     )
     return options

@@ -15,6 +15,9 @@
 #   long   llama-3-8b shape, 600 prompts of 1000 in / 1000 out, all at once, --max-num-seqs 512:
 #          auto vs fp8 (512 x 2000 tokens need 1.02 M KV tokens: bf16 holds 0.89 M and
 #          preempts, fp8 holds 1.73 M)
+#   wide   issue 12's target workload, fp8 weights + fp8 KV, 600 x 1000/1000: --max-num-seqs 512
+#          (512-row graphs, then an 88-request tail) against 640 with --max-graph-batch 640
+#          (all 600 at once, every step in a graph; the fp8 pool holds 1.8 M tokens)
 # After bench/long: plan_vs_engine.json, `tokenloom plan` on this GPU against each run's own
 # start-up log ("KV cache: N blocks"), with the ratio (the issue asks for 5%).
 set -uo pipefail
@@ -32,7 +35,7 @@ run() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS
 # thr NAME KV MAX_NUM_SEQS [workload flags...]: one bench throughput run; its engine flags
 # are kept for the planner.
 thr() { local name=$1 kv=$2 seqs=$3; shift 3
-  echo "--kv-cache-dtype $kv --max-num-seqs $seqs" > "$OUT/$name.flags"
+  echo "--kv-cache-dtype $kv --max-num-seqs $seqs ${PLANQ:-}" > "$OUT/$name.flags"
   run "$name" timeout 500 python3 -m tokenloom bench throughput --model llama-3-8b \
     --kv-cache-dtype "$kv" --max-num-seqs "$seqs" --runs 1 --out "$OUT/$name.json" "$@"; }
 
@@ -43,6 +46,11 @@ if want bench; then thr thr-default-auto auto 256; thr thr-default-fp8 fp8 256; 
 if want long; then
   LONG=(--num-prompts 600 --min-len 1000 --max-len 1000)
   thr thr-1000-auto auto 512 "${LONG[@]}"; thr thr-1000-fp8 fp8 512 "${LONG[@]}"
+fi
+if want wide; then
+  WIDE=(--num-prompts 600 --min-len 1000 --max-len 1000 --quant fp8)
+  PLANQ="--quant fp8" thr thr-1000-fp8w-512 fp8 512 "${WIDE[@]}"
+  PLANQ="--quant fp8" thr thr-1000-fp8w-640 fp8 640 "${WIDE[@]}" --max-graph-batch 640
 fi
 
 python3 - "$OUT" <<'EOF'
