@@ -19,7 +19,9 @@ The decode presets compile the Triton decode attention over a 16-bit or 8-bit KV
 Read on 2026-12-02: bf16 2.0-2.4 instructions per KV byte; fp8 5.7 (each fp8 value read
 from shared memory by a 1-byte load, LDS.U8, then e4m3 -> f16 -> bf16 per element),
 4.2 with f16 dot operands (the byte loads stay: Triton converts the layout before the
-cast, at the narrow type).
+cast, at the narrow type). Since session 8 the kernel converts with opaque PTX helpers
+in the load layout: fp8 2.8 (``KV_ASM=0`` in the environment compiles Triton's cast).
+``MAXNREG=N`` caps the registers as the ``decode_maxnreg`` setting does.
 
 The presets compile the weight-only quantized kernels with Llama-3-8B-like
 specializations (every pointer and size divisible by 16, as Triton specializes them at
