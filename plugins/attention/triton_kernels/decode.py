@@ -22,7 +22,7 @@ unchanged) is dequantized on the fly with its per-token-head scales: the raw fp8
 int8 values enter both dots as f16 (exact; ``KV_F16``, for 16-bit queries; an fp32
 model keeps fp32 dots), the scores are scaled per key, and the probabilities per value
 before the second dot. On CUDA the tile is converted by PTX helpers in the layout it
-was loaded in (``KV_ASM``; see ``_fp8x4_to_f16``): Triton's own cast lets the layout
+was loaded in (``KV_ASM``; see ``_x4_to_f16``): Triton's own cast lets the layout
 change happen first, at one shared-memory load per byte, which doubled the kernel's
 instructions (docs/quantization.md).
 """
@@ -50,39 +50,30 @@ def _split_length(seq_len, num_splits, min_split, BLOCK_N: tl.constexpr):
     return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, min_split)
 
 
-# fp8 e4m3 -> f16, four values per call: two hardware conversions of two values each
-# (``cvt.rn.f16x2.e4m3x2``). Not marked pure on purpose: Triton moves a layout change
-# above a pure elementwise op to the narrower type, which for an 8-bit tile means one
-# 1-byte shared-memory load per value (``LDS.U8``). Opaque, the tile is converted in the
-# layout it was loaded in and reaches the dot as f16, through 16-byte stores and
-# ``ldmatrix`` like a 16-bit cache.
-@triton.jit
-def _fp8x4_to_f16(x):
-    return tl.inline_asm_elementwise(
-        asm="{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
-        "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-        constraints="=r,=r,r",
-        args=[x],
-        dtype=tl.float16,
-        is_pure=False,
-        pack=4,
-    )
+# fp8 e4m3 -> f16, four values: two hardware conversions of two values each.
+_FP8X4_TO_F16 = tl.constexpr(
+    "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+    "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }"
+)
+# int8 -> f16, four values: each byte, offset by 128, becomes the low byte of the f16
+# 1024 + (b + 128) (a byte permute with 0x64 as high byte), then 1,152 is subtracted
+# from both halves at once. Exact: f16 holds every integer below 2,048.
+_INT8X4_TO_F16 = tl.constexpr(
+    "{ .reg .b32 t, lo, hi, c; xor.b32 t, $2, 0x80808080; "
+    "prmt.b32 lo, t, 0x64646464, 0x4140; prmt.b32 hi, t, 0x64646464, 0x4342; "
+    "mov.b32 c, 0x64806480; sub.f16x2 $0, lo, c; sub.f16x2 $1, hi, c; }"
+)
 
 
-# int8 -> f16, four values per call: each byte, offset by 128, becomes the low byte of
-# the f16 1024 + (b + 128) (a byte permute with 0x64 as high byte), then 1,152 is
-# subtracted from both halves at once. Exact: f16 holds every integer below 2,048.
+# Four 8-bit values (one 32-bit register) to four f16 (two registers) through ``ASM``.
+# Not marked pure on purpose: Triton moves a layout change above a pure elementwise op
+# to the narrower type, which for an 8-bit tile means one 1-byte shared-memory load per
+# value (``LDS.U8``). Opaque, the tile is converted in the layout it was loaded in and
+# reaches the dot as f16, through 16-byte stores and ``ldmatrix`` like a 16-bit cache.
 @triton.jit
-def _int8x4_to_f16(x):
+def _x4_to_f16(x, ASM: tl.constexpr):
     return tl.inline_asm_elementwise(
-        asm="{ .reg .b32 t, lo, hi, c; xor.b32 t, $2, 0x80808080; "
-        "prmt.b32 lo, t, 0x64646464, 0x4140; prmt.b32 hi, t, 0x64646464, 0x4342; "
-        "mov.b32 c, 0x64806480; sub.f16x2 $0, lo, c; sub.f16x2 $1, hi, c; }",
-        constraints="=r,=r,r",
-        args=[x],
-        dtype=tl.float16,
-        is_pure=False,
-        pack=4,
+        asm=ASM, constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=False, pack=4
     )
 
 
@@ -91,8 +82,8 @@ def _kv_to_f16(x, KV_ASM: tl.constexpr):
     """An 8-bit KV tile as f16 dot operands (exact for e4m3 and int8 values)."""
     if KV_ASM:
         if x.dtype == tl.int8:
-            return _int8x4_to_f16(x)
-        return _fp8x4_to_f16(x.to(tl.uint8, bitcast=True))
+            return _x4_to_f16(x, _INT8X4_TO_F16)
+        return _x4_to_f16(x.to(tl.uint8, bitcast=True), _FP8X4_TO_F16)
     return x.to(tl.float16)
 
 
