@@ -258,6 +258,11 @@ class TritonAttention(AttentionBackend):
         scale: float,
         kv_written: bool = False,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        if k_cache.dtype == torch.float8_e4m3fn and not self._fp8_ok:
+            raise RuntimeError(
+                "an fp8 KV cache needs a GPU of compute capability 8.9 or later "
+                "(Ada, Hopper); use kv_cache_dtype = 'int8' here"
+            )
         if not kv_written:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -268,11 +273,6 @@ class TritonAttention(AttentionBackend):
             num_decodes = int(meta.extra.get("num_leading_decodes", 0))
         if num_decodes:
             quantized = kv_quant.is_quantized(k_cache.dtype)
-            if k_cache.dtype == torch.float8_e4m3fn and not self._fp8_ok:
-                raise RuntimeError(
-                    "an fp8 KV cache needs a GPU of compute capability 8.9 or later "
-                    "(Ada, Hopper); use kv_cache_dtype = 'int8' here"
-                )
             part_out, part_lse, counters = self._decode_scratch(num_decodes)
             decode_attention(
                 q[:num_decodes],

@@ -53,3 +53,18 @@ def test_bf16_query_beyond_the_f16_range_gives_a_finite_output():
 def test_interpreter_ignores_decode_kv_asm_for_an_int8_cache_as_for_fp8():
     out, ref = decode_over_int8(torch.float16, decode_kv_asm=1)
     assert relative_error(out, ref.double().cpu()) < 3e-3
+
+
+def test_an_fp8_cache_is_refused_before_any_kernel_on_a_gpu_below_sm89():
+    """Triton cannot read e4m3 below sm_89: the backend says so (and what to use) before
+    the KV write, instead of Triton's compile error. Stands in for such a GPU by the
+    flag the constructor sets from the device's capability."""
+    batch = make_batch([1, 3], [40, 17], dtype=torch.float16, device=DEVICE)
+    caches = quantized_copy(batch, torch.float8_e4m3fn)
+    attn = TritonAttention(EngineConfig(), model_info(4, 2, 32, torch.float16, DEVICE))
+    attn._fp8_ok = False
+    attn.prepare(batch.meta)
+    before = [c.view(torch.uint8).clone() for c in caches]
+    with pytest.raises(RuntimeError, match="kv_cache_dtype = 'int8'"):
+        attn.forward(batch.q, batch.k, batch.v, *caches, batch.meta, batch.scale)
+    assert all(torch.equal(c.view(torch.uint8), b) for c, b in zip(caches, before, strict=True))
