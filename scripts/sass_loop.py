@@ -73,6 +73,9 @@ def compile_sm90(
             **({"maxnreg": int(os.environ["MAXNREG"])} if os.environ.get("MAXNREG") else {}),
         },
     )
+    if os.environ.get("TTGIR"):  # the layouts Triton chose, for reading
+        with open(os.environ["TTGIR"], "w") as f:
+            f.write(compiled.asm["ttgir"])
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
@@ -149,6 +152,8 @@ def preset(name: str, values: list[int]) -> tuple[Any, dict, dict, list[str], in
         HAS_BIAS=False,
         PARTIAL=False,
         EXPAND=True,
+        KMAJOR=bool(int(os.environ.get("KMAJOR", "0"))),
+        DEQUANT_ASM=bool(int(os.environ.get("DEQUANT_ASM", "0"))),
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,

@@ -9,6 +9,9 @@ copy bandwidth. Runs against whatever tokenloom is installed, so the same script
 times the code before and after a kernel change.
 
     python scripts/gpu/gemv_bench.py [--rows 1,4] [--json out.json]
+
+Each row also prints the best time of each kernel kind (the GEMV, the dot kernel, the
+int4 dot kernel's K-major tile) and bf16 ``F.linear`` (cuBLAS) on the same shape.
 """
 
 from __future__ import annotations
@@ -73,6 +76,14 @@ def main() -> None:
                     results.append((t, cfg))
                 results.sort(key=lambda r: r[0])
                 t, cfg = results[0]
+                # the best of each kind, and cuBLAS in 16 bits on the same shape (what the
+                # quantized layer competes with at this batch)
+                kinds = {}
+                for tt, c in results:
+                    kinds.setdefault("kmajor" if c.kmajor else "gemv" if c.gemv else "dot", tt)
+                w16 = ref_w.to(torch.bfloat16)
+                kinds["bf16_cublas"] = time_graph(lambda x=x, w16=w16: F.linear(x, w16))
+                print(f"  {name} m={m}: " + " ".join(f"{k} {v:.1f}" for k, v in kinds.items()))
                 gbs = nbytes / t / 1e3
                 rows_out.append(
                     dict(
@@ -86,6 +97,7 @@ def main() -> None:
                         pct=100 * gbs / peak,
                         config=asdict(cfg),
                         top5=[(round(tt, 2), asdict(c)) for tt, c in results[:5]],
+                        best_by_kind=kinds,
                     )
                 )
                 c = cfg

@@ -30,7 +30,16 @@ from tokenloom.plugins.quant.kernels.weight_gemm import (
 log = logging.getLogger("tokenloom.quant")
 
 # (largest row count of the bucket, row counts measured for it)
-BUCKETS = ((1, (1,)), (SKINNY_ROWS, (2, SKINNY_ROWS)), (64, (64,)), (None, (512,)))
+# The decode batches of a busy server (65-256 rows) have their own bucket: the tiling
+# measured at 512 rows (one wave of 128x128 tiles) left most SMs idle at 128 rows on
+# the narrow layers.
+BUCKETS = (
+    (1, (1,)),
+    (SKINNY_ROWS, (2, SKINNY_ROWS)),
+    (64, (64,)),
+    (256, (128, 256)),
+    (None, (512,)),
+)
 
 SKINNY = [
     GemmConfig(16, 32, 256, 1, 4, 4),
@@ -72,12 +81,31 @@ LARGE = [
     GemmConfig(128, 128, 64, 1, 8, 3, expand=False),
 ]
 
-Configs = tuple[GemmConfig, GemmConfig, GemmConfig, GemmConfig]  # one per bucket
+# int4 in one group per tile: the tile dequantized [N, K] (16-byte shared-memory
+# stores, two values per instruction in PTX on sm_90; weight_gemm's KMAJOR)
+KMAJOR_MEDIUM = [
+    GemmConfig(64, 64, 128, 1, 4, 3, kmajor=True),
+    GemmConfig(32, 64, 128, 1, 4, 3, kmajor=True),
+    GemmConfig(64, 128, 64, 1, 4, 3, kmajor=True),
+    GemmConfig(64, 128, 128, 1, 4, 3, kmajor=True),
+]
+KMAJOR_LARGE = [
+    GemmConfig(128, 128, 64, 1, 8, 3, kmajor=True),
+    GemmConfig(128, 128, 128, 1, 8, 2, kmajor=True),
+    GemmConfig(128, 256, 64, 1, 8, 3, kmajor=True),
+    GemmConfig(64, 128, 128, 1, 4, 3, kmajor=True),
+    GemmConfig(64, 64, 128, 1, 4, 3, kmajor=True),
+]
+
+Configs = tuple[GemmConfig, ...]  # one per bucket
 _DECIDED: dict[str, Configs] = {}
 
 
 def bucket(m: int) -> int:
-    return 0 if m <= 1 else 1 if m <= SKINNY_ROWS else 2 if m <= 64 else 3
+    for index, (top, _) in enumerate(BUCKETS):
+        if top is None or m <= top:
+            return index
+    raise AssertionError("the last bucket is open")
 
 
 def _with_split(cfg: GemmConfig, n: int, k: int, num_sms: int) -> list[GemmConfig]:
@@ -95,7 +123,13 @@ def _with_split(cfg: GemmConfig, n: int, k: int, num_sms: int) -> list[GemmConfi
 
 
 def candidates(index: int, n: int, k: int, bits: int, group: int, num_sms: int):
-    pools = (GEMV + SKINNY, GEMV + GEMV_ROWS + SKINNY, MEDIUM, LARGE)
+    pools = (
+        GEMV + SKINNY,
+        GEMV + GEMV_ROWS + SKINNY,
+        MEDIUM + KMAJOR_MEDIUM,
+        LARGE + MEDIUM + KMAJOR_LARGE,
+        LARGE + KMAJOR_LARGE,
+    )
     result: list[GemmConfig] = []
     for cfg in pools[index]:
         if index <= 1:
@@ -112,7 +146,8 @@ CACHE_NAME = "weight-gemm.json"
 # v3: the GEMV's shift-free nibbles and register prefetch, one split-sum launch, more splits,
 # a GEMV over several rows per program.
 # v4: the int4 dot kernel converts nibbles through the mantissa of 2^23 (no I2F).
-KERNELS_VERSION = 4
+# v5: a bucket for 65-256 rows; the int4 dot kernel's K-major tile (PTX dequantization).
+KERNELS_VERSION = 5
 
 
 def _load() -> dict[str, Any]:

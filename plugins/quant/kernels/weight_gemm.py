@@ -44,15 +44,115 @@ class GemmConfig:
     expand: bool = True  # int4: unpack words and broadcast group scales by reshape
     gemv: bool = False  # weight_gemv's FMA kernel, one program row per row of x
     rows: int = 1  # the GEMV's rows of x per program: 1, 2 or 4
+    kmajor: bool = False  # int4 dot kernel: the tile built [N, K] (one group per tile)
+
+    def kmajor_fits(self, bits: int, group: int) -> bool:
+        return self.kmajor and bits == 4 and group > 0 and group % self.block_k == 0
 
     def fits(self, bits: int, group: int) -> bool:
         """Whether this tiling can serve the format (the reshape path needs the tile
         and the group to nest; the GEMV's tiles must lie in one group)."""
         if self.gemv:
             return gemv_fits(bits, group, self.block_k, bits == 4 and group > 0, self.rows)
+        if self.kmajor:
+            return self.kmajor_fits(bits, group)
         if not self.expand or bits == 8 or group == 0:
             return True
         return self.block_k % group == 0 or group % self.block_k == 0
+
+
+def _dequant8_asm(magic: str, kind: str) -> str:
+    """PTX: one int32 of 8 nibbles ($8), the pair ``(m + z, m + z)`` ($9) and the pair
+    ``(s, s)`` ($10) in 16-bit floats -> the 8 dequantized 16-bit values ``(q - z) s``
+    ($0..$7, nibble order). A masked nibble pair OR-ed under the exponent of ``m``
+    (128 for bf16, 1,024 for f16) reads as ``m + q`` exactly, two at a time; the
+    subtraction is exact and the product rounds once, as the reference's fp32
+    ``(q - z) * s`` rounded to 16 bits does."""
+    lines = ["{", ".reg .b32 t0, t1, t2, t3;", "shr.u32 t1, $8, 4;", "shr.u32 t2, $8, 8;"]
+    lines.append("shr.u32 t3, $8, 12;")
+    lines.append(f"lop3.b32 t0, $8, 0x000F000F, {magic}, 0xEA;")
+    for t in ("t1", "t2", "t3"):
+        lines.append(f"lop3.b32 {t}, {t}, 0x000F000F, {magic}, 0xEA;")
+    for t in ("t0", "t1", "t2", "t3"):
+        lines.append(f"sub.rn.{kind}x2 {t}, {t}, $9;")
+        lines.append(f"mul.rn.{kind}x2 {t}, {t}, $10;")
+    for j in range(4):  # t_j holds nibbles j (low half) and j + 4 (high half)
+        lines.append(f"mov.b32 {{${j}, ${j + 4}}}, t{j};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_DEQUANT8_BF16 = tl.constexpr(_dequant8_asm("0x43004300", "bf16"))
+_DEQUANT8_F16 = tl.constexpr(_dequant8_asm("0x64006400", "f16"))
+_DEQUANT8_CONSTRAINTS = tl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,r,r")
+
+
+@triton.jit
+def _join8(v0, v1, v2, v3, v4, v5, v6, v7):
+    """``[..., 8]`` of eight same-shaped tensors, in argument order, each thread holding
+    the 8 values of its elements (joins add their dimension inside the thread)."""
+    lo = tl.join(tl.join(v0, v4), tl.join(v2, v6))
+    hi = tl.join(tl.join(v1, v5), tl.join(v3, v7))
+    return tl.reshape(tl.join(lo, hi), v0.shape + (8,))
+
+
+@triton.jit
+def _nib(words, j: tl.constexpr):
+    """Nibble ``j`` of each word as the float ``2^23 + q`` (OR-ed into its mantissa)."""
+    return (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pair16(v):
+    """A 16-bit float as the int32 holding it twice."""
+    b = v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return b | (b << 16)
+
+
+@triton.jit
+def _dequant_kmajor(words, s, z, x, ASM: tl.constexpr):
+    """``[BLOCK_N, BLOCK_K]`` dequantized weights ``(q - z) s`` of a ``[BLOCK_N,
+    BLOCK_K // 8]`` tile of packed words, in ``x``'s dtype; ``s`` and ``z`` (fp32) are
+    ``[BLOCK_N, 1]``."""
+    dt: tl.constexpr = x.dtype
+    BN: tl.constexpr = words.shape[0]
+    BK: tl.constexpr = words.shape[1] * 8
+    if ASM:
+        words_z = tl.broadcast_to(
+            _pair16((z + (128.0 if dt == tl.bfloat16 else 1024.0)).to(dt)), words.shape
+        )
+        words_s = tl.broadcast_to(_pair16(s.to(dt)), words.shape)
+        if dt == tl.bfloat16:
+            v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+                asm=_DEQUANT8_BF16,
+                constraints=_DEQUANT8_CONSTRAINTS,
+                args=[words, words_z, words_s],
+                dtype=(tl.bfloat16,) * 8,
+                is_pure=True,
+                pack=1,
+            )
+        else:
+            v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+                asm=_DEQUANT8_F16,
+                constraints=_DEQUANT8_CONSTRAINTS,
+                args=[words, words_z, words_s],
+                dtype=(tl.float16,) * 8,
+                is_pure=True,
+                pack=1,
+            )
+        return tl.reshape(_join8(v0, v1, v2, v3, v4, v5, v6, v7), (BN, BK))
+    q = _join8(
+        _nib(words, 0),
+        _nib(words, 1),
+        _nib(words, 2),
+        _nib(words, 3),
+        _nib(words, 4),
+        _nib(words, 5),
+        _nib(words, 6),
+        _nib(words, 7),
+    )
+    q = tl.reshape(q, (BN, BK))
+    return ((q - (z + 8388608.0)) * s).to(dt)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -76,6 +176,8 @@ def _weight_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     PARTIAL: tl.constexpr,  # split K: write fp32 partial sums
     EXPAND: tl.constexpr,
+    KMAJOR: tl.constexpr,  # int4, one group per tile: the tile built [N, K] (see below)
+    DEQUANT_ASM: tl.constexpr,  # KMAJOR: dequantize two values per instruction (PTX)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -97,61 +199,80 @@ def _weight_gemm_kernel(
         mask_k = ks < K
         x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         mask_w = mask_k[:, None] & mask_n[None, :]
-        if BITS == 8:
-            q = tl.load(
-                qw_ptr + ks[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask_w, other=0
-            )
-        elif EXPAND:  # each word loaded once, its 8 nibbles laid out as 8 rows
+        if KMAJOR:
+            # The tile is built transposed, [BLOCK_N, BLOCK_K]: each thread unpacks a
+            # word into 8 consecutive K values, so the dequantized tile goes to shared
+            # memory (K-major, as the MMA reads a transposed operand) in 16-byte
+            # stores; built [K, N] it went out as one 2-byte store per value.
             kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            mask_kw = (kw < K // 8)[:, None] & mask_n[None, :]
+            mask_kw = mask_n[:, None] & (kw < K // 8)[None, :]
             words = tl.load(
-                qw_ptr + kw[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask_kw, other=0
+                qw_ptr + kw[None, :].to(tl.int64) * N + offs_n[:, None], mask=mask_kw, other=0
             )
-            nibbles = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
-            q = tl.reshape(nibbles, (BLOCK_K, BLOCK_N))
-            # a nibble OR-ed into the mantissa of 2^23 reads as the float 2^23 + q: no
-            # integer-to-float conversion (a quarter-rate instruction on the H200; the
-            # zero point below takes the 2^23 back, exactly: every int4 format here
-            # stores integer zero points)
-            q_magic = (q | 0x4B000000).to(tl.float32, bitcast=True)
-        else:  # each word gathered by the 8 rows it holds
-            words = tl.load(
-                qw_ptr + (ks // 8)[:, None].to(tl.int64) * N + offs_n[None, :],
-                mask=mask_w,
-                other=0,
-            )
-            q = (words >> ((ks % 8) * 4)[:, None]) & 0xF
-        if GROUP == 0:  # the channel's scale comes after the loop
-            w = q.to(x.dtype)
-        elif EXPAND and BLOCK_K <= GROUP:  # the tile lies in one group
             g = (k0 // GROUP) * N + offs_n
-            s = tl.load(s_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            s = tl.load(s_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[:, None]
             if HAS_ZEROS:
-                z = tl.load(z_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+                z = tl.load(z_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[:, None]
             else:
-                z = tl.zeros([1, BLOCK_N], tl.float32)
-            w = ((q_magic - (z + 8388608.0)) * s).to(x.dtype)
-        elif EXPAND:  # BLOCK_K // GROUP whole groups
-            gs = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-            g = gs[:, None] * N + offs_n[None, :]
-            mask_g = (gs * GROUP < K)[:, None] & mask_n[None, :]
-            s = tl.load(s_ptr + g, mask=mask_g, other=0.0).to(tl.float32)
-            q3 = tl.reshape(q_magic, (BLOCK_K // GROUP, GROUP, BLOCK_N))
-            if HAS_ZEROS:
-                z = tl.load(z_ptr + g, mask=mask_g, other=0.0).to(tl.float32)
-                q3 = q3 - (z[:, None, :] + 8388608.0)
-            else:
-                q3 = q3 - 8388608.0
-            w = tl.reshape(q3 * s[:, None, :], (BLOCK_K, BLOCK_N)).to(x.dtype)
-        else:  # any nesting: the group of every row
-            g = (ks // GROUP)[:, None] * N + offs_n[None, :]
-            s = tl.load(s_ptr + g, mask=mask_w, other=0.0).to(tl.float32)
-            if HAS_ZEROS:
-                z = tl.load(z_ptr + g, mask=mask_w, other=0.0).to(tl.float32)
-                w = ((q.to(tl.float32) - z) * s).to(x.dtype)
-            else:
-                w = (q.to(tl.float32) * s).to(x.dtype)
-        acc += tl.dot(x, w, input_precision=DOT_PRECISION)
+                z = tl.zeros([BLOCK_N, 1], tl.float32)
+            w_t = _dequant_kmajor(words, s, z, x, DEQUANT_ASM)
+            acc += tl.dot(x, tl.trans(w_t), input_precision=DOT_PRECISION)
+        else:
+            if BITS == 8:
+                q = tl.load(
+                    qw_ptr + ks[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask_w, other=0
+                )
+            elif EXPAND:  # each word loaded once, its 8 nibbles laid out as 8 rows
+                kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+                mask_kw = (kw < K // 8)[:, None] & mask_n[None, :]
+                words = tl.load(
+                    qw_ptr + kw[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask_kw, other=0
+                )
+                nibbles = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+                q = tl.reshape(nibbles, (BLOCK_K, BLOCK_N))
+                # a nibble OR-ed into the mantissa of 2^23 reads as the float 2^23 + q: no
+                # integer-to-float conversion (a quarter-rate instruction on the H200; the
+                # zero point below takes the 2^23 back, exactly: every int4 format here
+                # stores integer zero points)
+                q_magic = (q | 0x4B000000).to(tl.float32, bitcast=True)
+            else:  # each word gathered by the 8 rows it holds
+                words = tl.load(
+                    qw_ptr + (ks // 8)[:, None].to(tl.int64) * N + offs_n[None, :],
+                    mask=mask_w,
+                    other=0,
+                )
+                q = (words >> ((ks % 8) * 4)[:, None]) & 0xF
+            if GROUP == 0:  # the channel's scale comes after the loop
+                w = q.to(x.dtype)
+            elif EXPAND and BLOCK_K <= GROUP:  # the tile lies in one group
+                g = (k0 // GROUP) * N + offs_n
+                s = tl.load(s_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+                if HAS_ZEROS:
+                    z = tl.load(z_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+                else:
+                    z = tl.zeros([1, BLOCK_N], tl.float32)
+                w = ((q_magic - (z + 8388608.0)) * s).to(x.dtype)
+            elif EXPAND:  # BLOCK_K // GROUP whole groups
+                gs = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+                g = gs[:, None] * N + offs_n[None, :]
+                mask_g = (gs * GROUP < K)[:, None] & mask_n[None, :]
+                s = tl.load(s_ptr + g, mask=mask_g, other=0.0).to(tl.float32)
+                q3 = tl.reshape(q_magic, (BLOCK_K // GROUP, GROUP, BLOCK_N))
+                if HAS_ZEROS:
+                    z = tl.load(z_ptr + g, mask=mask_g, other=0.0).to(tl.float32)
+                    q3 = q3 - (z[:, None, :] + 8388608.0)
+                else:
+                    q3 = q3 - 8388608.0
+                w = tl.reshape(q3 * s[:, None, :], (BLOCK_K, BLOCK_N)).to(x.dtype)
+            else:  # any nesting: the group of every row
+                g = (ks // GROUP)[:, None] * N + offs_n[None, :]
+                s = tl.load(s_ptr + g, mask=mask_w, other=0.0).to(tl.float32)
+                if HAS_ZEROS:
+                    z = tl.load(z_ptr + g, mask=mask_w, other=0.0).to(tl.float32)
+                    w = ((q.to(tl.float32) - z) * s).to(x.dtype)
+                else:
+                    w = (q.to(tl.float32) * s).to(x.dtype)
+            acc += tl.dot(x, w, input_precision=DOT_PRECISION)
     if GROUP == 0:
         s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         acc = acc * s[None, :]
@@ -255,6 +376,15 @@ def _split_sum_kernel(
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _dequant_asm_ok(x: torch.Tensor) -> bool:
+    """The PTX dequantization: 16-bit activations on a CUDA GPU (``sub``/``mul`` on
+    bf16 pairs need sm_90; the interpreter runs no PTX)."""
+    if x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    major, _ = torch.cuda.get_device_capability(x.device)
+    return major >= 9 or x.dtype == torch.float16
+
+
 def _launch_gemm(x, qweight, scales, zeros, bits, group, bias, y, m, n, k, k_chunk, split, cfg):
     stride_split = y.stride(0) if split > 1 else 0
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
@@ -278,6 +408,8 @@ def _launch_gemm(x, qweight, scales, zeros, bits, group, bias, y, m, n, k, k_chu
         HAS_BIAS=bias is not None and split == 1,
         PARTIAL=split > 1,
         EXPAND=cfg.expand and bits == 4 and cfg.fits(bits, group),
+        KMAJOR=cfg.kmajor_fits(bits, group),
+        DEQUANT_ASM=cfg.kmajor_fits(bits, group) and _dequant_asm_ok(x),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,

@@ -8,11 +8,18 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from tokenloom.plugins.quant.int4 import dequantize_int4, quantize_int4
 from tokenloom.plugins.quant.int8 import dequantize_int8, quantize_int8
 from tokenloom.plugins.quant.kernels.dispatch import bucket, candidates
-from tokenloom.plugins.quant.kernels.weight_gemm import GemmConfig, choose_config, weight_gemm
+from tokenloom.plugins.quant.kernels.weight_gemm import (
+    GemmConfig,
+    _dequant_kmajor,
+    choose_config,
+    weight_gemm,
+)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -99,6 +106,73 @@ def test_weight_gemv_with_a_partial_last_group_and_float16():
     _check(4, 3, 32, 96, torch.float16, GemmConfig(1, 16, 32, gemv=True, rows=2), True, group=64)
 
 
+KMAJOR_CASES = [
+    (GemmConfig(16, 16, 32, kmajor=True), 1, 40, 96),  # N and K not multiples of the tile
+    (GemmConfig(16, 16, 32, split_k=2, kmajor=True), 5, 32, 256),  # K split
+    (GemmConfig(16, 32, 16, kmajor=True), 20, 48, 64),  # two row tiles; two tiles per group
+]
+
+
+@pytest.mark.parametrize(("config", "m", "n", "k"), KMAJOR_CASES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_kmajor_tile_equals_dequantized_linear(config, m, n, k, bias):
+    assert config.fits(4, 32) and not config.fits(8, 0)
+    _check(4, m, n, k, torch.float32, config, bias, group=32)
+
+
+def test_int4_kmajor_tile_in_float16_and_where_it_does_not_fit():
+    _check(4, 3, 32, 96, torch.float16, GemmConfig(16, 16, 32, kmajor=True), True, group=32)
+    # BLOCK_K 64 over groups of 32: not K-major; the kernel takes the gather path
+    config = GemmConfig(16, 16, 64, kmajor=True)
+    assert not config.fits(4, 32)
+    _check(4, 3, 32, 128, torch.float32, config, False, group=32)
+
+
+@triton.jit
+def _dequant_tile_kernel(qw_ptr, s_ptr, z_ptr, x_ptr, out_ptr, N, ASM: tl.constexpr):
+    """One ``[16, 32]`` tile of ``_dequant_kmajor`` (rows of N, K from 0) written out."""
+    BN: tl.constexpr = 16
+    BK: tl.constexpr = 32
+    offs_n = tl.arange(0, BN)
+    kw = tl.arange(0, BK // 8)
+    words = tl.load(qw_ptr + kw[None, :] * N + offs_n[:, None])
+    s = tl.load(s_ptr + offs_n).to(tl.float32)[:, None]
+    z = tl.load(z_ptr + offs_n).to(tl.float32)[:, None]
+    x = tl.load(x_ptr + tl.arange(0, 16)[:, None] * BK + tl.arange(0, BK)[None, :])
+    w = _dequant_kmajor(words, s, z, x, ASM)
+    tl.store(out_ptr + offs_n[:, None] * BK + tl.arange(0, BK)[None, :], w)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        torch.float16,
+        pytest.param(
+            torch.bfloat16, marks=pytest.mark.skipif(not CUDA, reason="interpreter: no bf16")
+        ),
+    ],
+)
+def test_the_kmajor_dequantization_is_the_reference_bit_for_bit(dtype):
+    """Every nibble position, zero point 0-15 and a spread of scales: the tile equals the
+    reference's ``((q - z) s)`` rounded to the dtype exactly (on the GPU with 16-bit
+    dtypes, through the PTX path)."""
+    torch.manual_seed(0)
+    n, k = 16, 32
+    q = torch.randint(0, 16, (k, n), device=DEVICE, dtype=torch.int32)
+    qweight = torch.zeros(k // 8, n, dtype=torch.int32, device=DEVICE)
+    for j in range(8):
+        qweight |= q[j::8] << (4 * j)
+    scales = (torch.rand(1, n, device=DEVICE) * 0.02 + 1e-3).to(dtype)
+    zeros = torch.arange(n, device=DEVICE, dtype=torch.float32).remainder(16)[None].to(dtype)
+    expected = dequantize_int4(qweight, scales, zeros, 32, dtype)
+    x = torch.zeros(16, k, device=DEVICE, dtype=dtype)
+    out = torch.empty(n, k, device=DEVICE, dtype=dtype)
+    asm = CUDA and dtype != torch.float32
+    _dequant_tile_kernel[(1,)](qweight, scales, zeros, x, out, n, ASM=asm)
+    assert torch.equal(out, expected)
+
+
 def test_a_gemv_tiling_that_does_not_fit_the_groups_falls_back_to_the_gemm():
     # BLOCK_K 64 over groups of 32: a tile would span two groups
     _check(4, 1, 32, 128, torch.float32, GemmConfig(1, 16, 64, gemv=True), False, group=32)
@@ -115,7 +189,7 @@ def test_a_gemv_row_count_the_kernel_lacks_is_neither_offered_nor_run(rows):
 
 
 def test_the_dispatcher_offers_the_gemv_where_it_fits():
-    assert [bucket(m) for m in (1, 2, 16, 17, 64, 65)] == [0, 1, 1, 2, 2, 3]
+    assert [bucket(m) for m in (1, 2, 16, 17, 64, 65, 256, 257)] == [0, 1, 1, 2, 2, 3, 3, 4]
     int4 = candidates(0, 4096, 4096, 4, 128, 132)
     gemv = [c for c in int4 if c.gemv]
     assert gemv and all(128 % c.block_k == 0 for c in gemv)
@@ -144,6 +218,19 @@ LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o,
 @pytest.mark.parametrize(("n", "k"), LLAMA_8B)
 def test_weight_gemm_on_llama_shapes_gpu(bits, m, n, k):
     _check(bits, m, n, k, torch.bfloat16, None, m == 7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [16, 100, 300])
+@pytest.mark.parametrize(("n", "k"), LLAMA_8B)
+def test_int4_kmajor_on_llama_shapes_gpu(dtype, m, n, k):
+    for config in (
+        GemmConfig(64, 64, 128, 1, 4, 3, kmajor=True),
+        GemmConfig(128, 128, 64, 1, 8, 3, kmajor=True),
+    ):
+        _check(4, m, n, k, dtype, config, m == 100)
 
 
 @pytest.mark.gpu
