@@ -154,6 +154,7 @@ def preset(name: str, values: list[int]) -> tuple[Any, dict, dict, list[str], in
         EXPAND=True,
         KMAJOR=bool(int(os.environ.get("KMAJOR", "0"))),
         DEQUANT_ASM=bool(int(os.environ.get("DEQUANT_ASM", "0"))),
+        SWAP=bool(int(os.environ.get("SWAP", "0"))),
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,

@@ -83,13 +83,27 @@ LARGE = [
 
 # int4 in one group per tile: the tile dequantized [N, K] (16-byte shared-memory
 # stores, two values per instruction in PTX on sm_90; weight_gemm's KMAJOR)
+# ... and with the product transposed (``swap``): the dequantized tile feeds the MMA from
+# registers and the batch is the MMA's N (16 rows and up), so it serves decode too
+KMAJOR_SKINNY = [
+    GemmConfig(16, 128, 128, 1, 4, 3, kmajor=True, swap=True),
+    GemmConfig(16, 64, 128, 1, 4, 3, kmajor=True, swap=True),
+    GemmConfig(16, 128, 64, 1, 4, 4, kmajor=True, swap=True),
+]
 KMAJOR_MEDIUM = [
+    GemmConfig(32, 128, 128, 1, 4, 3, kmajor=True, swap=True),
+    GemmConfig(64, 128, 64, 1, 4, 3, kmajor=True, swap=True),
+    GemmConfig(64, 64, 128, 1, 4, 3, kmajor=True, swap=True),
     GemmConfig(64, 64, 128, 1, 4, 3, kmajor=True),
     GemmConfig(32, 64, 128, 1, 4, 3, kmajor=True),
     GemmConfig(64, 128, 64, 1, 4, 3, kmajor=True),
     GemmConfig(64, 128, 128, 1, 4, 3, kmajor=True),
 ]
 KMAJOR_LARGE = [
+    GemmConfig(64, 128, 64, 1, 4, 3, kmajor=True, swap=True),
+    GemmConfig(128, 128, 64, 1, 8, 3, kmajor=True, swap=True),
+    GemmConfig(128, 128, 128, 1, 8, 2, kmajor=True, swap=True),
+    GemmConfig(64, 256, 64, 1, 8, 3, kmajor=True, swap=True),
     GemmConfig(128, 128, 64, 1, 8, 3, kmajor=True),
     GemmConfig(128, 128, 128, 1, 8, 2, kmajor=True),
     GemmConfig(128, 256, 64, 1, 8, 3, kmajor=True),
@@ -124,15 +138,18 @@ def _with_split(cfg: GemmConfig, n: int, k: int, num_sms: int) -> list[GemmConfi
 
 def candidates(index: int, n: int, k: int, bits: int, group: int, num_sms: int):
     pools = (
-        GEMV + SKINNY,
-        GEMV + GEMV_ROWS + SKINNY,
+        GEMV + SKINNY + KMAJOR_SKINNY,
+        GEMV + GEMV_ROWS + SKINNY + KMAJOR_SKINNY,
         MEDIUM + KMAJOR_MEDIUM,
         LARGE + MEDIUM + KMAJOR_LARGE,
         LARGE + KMAJOR_LARGE,
     )
     result: list[GemmConfig] = []
     for cfg in pools[index]:
-        if index <= 1:
+        # split K where a layer has few column tiles: for decode batches, and for the
+        # K-major tiles up to 256 rows (64 rows of Llama-3-8B's down projection ran 64
+        # programs on 132 SMs)
+        if index <= 1 or (index <= 3 and cfg.kmajor):
             result += _with_split(cfg, n, k, num_sms)
         else:
             result.append(cfg)
@@ -146,7 +163,8 @@ CACHE_NAME = "weight-gemm.json"
 # v3: the GEMV's shift-free nibbles and register prefetch, one split-sum launch, more splits,
 # a GEMV over several rows per program.
 # v4: the int4 dot kernel converts nibbles through the mantissa of 2^23 (no I2F).
-# v5: a bucket for 65-256 rows; the int4 dot kernel's K-major tile (PTX dequantization).
+# v5: a bucket for 65-256 rows; the int4 dot kernel's K-major tile (PTX dequantization),
+# also with the product transposed (swap).
 KERNELS_VERSION = 5
 
 

@@ -45,6 +45,7 @@ class GemmConfig:
     gemv: bool = False  # weight_gemv's FMA kernel, one program row per row of x
     rows: int = 1  # the GEMV's rows of x per program: 1, 2 or 4
     kmajor: bool = False  # int4 dot kernel: the tile built [N, K] (one group per tile)
+    swap: bool = False  # kmajor: out^T = W x^T, the weights the MMA's register operand
 
     def kmajor_fits(self, bits: int, group: int) -> bool:
         return self.kmajor and bits == 4 and group > 0 and group % self.block_k == 0
@@ -178,6 +179,7 @@ def _weight_gemm_kernel(
     EXPAND: tl.constexpr,
     KMAJOR: tl.constexpr,  # int4, one group per tile: the tile built [N, K] (see below)
     DEQUANT_ASM: tl.constexpr,  # KMAJOR: dequantize two values per instruction (PTX)
+    SWAP: tl.constexpr,  # KMAJOR: the weights as the MMA's first operand
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -191,7 +193,10 @@ def _weight_gemm_kernel(
     mask_m = offs_m < M
     mask_n = offs_n < N
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SWAP:  # out^T = W x^T: the weights are the MMA's A operand, from registers
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_begin = pid_k * K_CHUNK
     k_end = tl.minimum(K, k_begin + K_CHUNK)
     for k0 in range(k_begin, k_end, BLOCK_K):
@@ -216,7 +221,10 @@ def _weight_gemm_kernel(
             else:
                 z = tl.zeros([BLOCK_N, 1], tl.float32)
             w_t = _dequant_kmajor(words, s, z, x, DEQUANT_ASM)
-            acc += tl.dot(x, tl.trans(w_t), input_precision=DOT_PRECISION)
+            if SWAP:
+                acc += tl.dot(w_t, tl.trans(x), input_precision=DOT_PRECISION)
+            else:
+                acc += tl.dot(x, tl.trans(w_t), input_precision=DOT_PRECISION)
         else:
             if BITS == 8:
                 q = tl.load(
@@ -273,6 +281,8 @@ def _weight_gemm_kernel(
                 else:
                     w = (q.to(tl.float32) * s).to(x.dtype)
             acc += tl.dot(x, w, input_precision=DOT_PRECISION)
+    if SWAP:
+        acc = tl.trans(acc)
     if GROUP == 0:
         s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         acc = acc * s[None, :]
@@ -410,6 +420,7 @@ def _launch_gemm(x, qweight, scales, zeros, bits, group, bias, y, m, n, k, k_chu
         EXPAND=cfg.expand and bits == 4 and cfg.fits(bits, group),
         KMAJOR=cfg.kmajor_fits(bits, group),
         DEQUANT_ASM=cfg.kmajor_fits(bits, group) and _dequant_asm_ok(x),
+        SWAP=cfg.swap and cfg.kmajor_fits(bits, group),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,

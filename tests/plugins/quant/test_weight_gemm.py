@@ -110,6 +110,8 @@ KMAJOR_CASES = [
     (GemmConfig(16, 16, 32, kmajor=True), 1, 40, 96),  # N and K not multiples of the tile
     (GemmConfig(16, 16, 32, split_k=2, kmajor=True), 5, 32, 256),  # K split
     (GemmConfig(16, 32, 16, kmajor=True), 20, 48, 64),  # two row tiles; two tiles per group
+    (GemmConfig(16, 16, 32, kmajor=True, swap=True), 20, 40, 96),  # out^T = W x^T
+    (GemmConfig(16, 32, 16, split_k=2, kmajor=True, swap=True), 3, 48, 256),
 ]
 
 
@@ -223,12 +225,14 @@ def test_weight_gemm_on_llama_shapes_gpu(bits, m, n, k):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [16, 100, 300])
+@pytest.mark.parametrize("m", [1, 16, 100, 300])
 @pytest.mark.parametrize(("n", "k"), LLAMA_8B)
 def test_int4_kmajor_on_llama_shapes_gpu(dtype, m, n, k):
     for config in (
         GemmConfig(64, 64, 128, 1, 4, 3, kmajor=True),
         GemmConfig(128, 128, 64, 1, 8, 3, kmajor=True),
+        GemmConfig(16, 128, 128, 2, 4, 3, kmajor=True, swap=True),
+        GemmConfig(64, 128, 64, 1, 4, 3, kmajor=True, swap=True),
     ):
         _check(4, m, n, k, dtype, config, m == 100)
 
