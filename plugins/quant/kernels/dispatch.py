@@ -146,10 +146,11 @@ def candidates(index: int, n: int, k: int, bits: int, group: int, num_sms: int):
     )
     result: list[GemmConfig] = []
     for cfg in pools[index]:
-        # split K where a layer has few column tiles: for decode batches, and for the
-        # K-major tiles up to 256 rows (64 rows of Llama-3-8B's down projection ran 64
-        # programs on 132 SMs)
-        if index <= 1 or (index <= 3 and cfg.kmajor):
+        # split K where a layer has few column tiles: for decode batches, and up to 256
+        # rows (64 rows of Llama-3-8B's down projection ran 64 programs on 132 SMs);
+        # int4's N-major tiles never won there, so they are not offered split (each
+        # candidate costs start-up time once per shape)
+        if index <= 1 or (index <= 3 and (cfg.kmajor or bits == 8)):
             result += _with_split(cfg, n, k, num_sms)
         else:
             result.append(cfg)
