@@ -81,7 +81,9 @@ def main() -> None:
                 kinds = {}
                 for tt, c in results:
                     kinds.setdefault("kmajor" if c.kmajor else "gemv" if c.gemv else "dot", tt)
-                w16 = ref_w.to(torch.bfloat16)
+                # [N, K] row-major, as the engine stores it (the reference's strides are
+                # column-major: cuBLAS picks other kernels for that layout)
+                w16 = ref_w.to(torch.bfloat16).contiguous()
                 kinds["bf16_cublas"] = time_graph(lambda x=x, w16=w16: F.linear(x, w16))
                 print(f"  {name} m={m}: " + " ".join(f"{k} {v:.1f}" for k, v in kinds.items()))
                 gbs = nbytes / t / 1e3
