@@ -11,7 +11,9 @@ times the code before and after a kernel change.
     python scripts/gpu/gemv_bench.py [--rows 1,4] [--json out.json]
 
 Each row also prints the best time of each kernel kind (the GEMV, the dot kernel, the
-int4 dot kernel's K-major tile) and bf16 ``F.linear`` (cuBLAS) on the same shape.
+int4 dot kernel's K-major tile, and with ``TOKENLOOM_WEIGHT_DEQUANT=1`` the whole weight
+dequantized then cuBLAS, offered from 257 rows) and bf16 ``F.linear`` (cuBLAS) on the
+same shape.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ from tokenloom.plugins.quant.kernels.dispatch import bucket, candidates
 from tokenloom.plugins.quant.kernels.weight_gemm import weight_gemm
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def _kind(c) -> str:
+    return "dequant" if c.dequant else "kmajor" if c.kmajor else "gemv" if c.gemv else "dot"
 
 
 def main() -> None:
@@ -80,7 +86,7 @@ def main() -> None:
                 # quantized layer competes with at this batch)
                 kinds = {}
                 for tt, c in results:
-                    kinds.setdefault("kmajor" if c.kmajor else "gemv" if c.gemv else "dot", tt)
+                    kinds.setdefault(_kind(c), tt)
                 # [N, K] row-major, as the engine stores it (the reference's strides are
                 # column-major: cuBLAS picks other kernels for that layout)
                 w16 = ref_w.to(torch.bfloat16).contiguous()

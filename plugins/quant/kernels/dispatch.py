@@ -12,6 +12,7 @@ runs the same kernels. Off the GPU the fixed heuristic of ``choose_config`` serv
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -154,7 +155,20 @@ def candidates(index: int, n: int, k: int, bits: int, group: int, num_sms: int):
             result += _with_split(cfg, n, k, num_sms)
         else:
             result.append(cfg)
+    if index == len(BUCKETS) - 1 and dequant_offered():
+        result.append(DEQUANT)
     return [c for c in result if c.fits(bits, group) and (bits == 4 or c.expand)]
+
+
+# The whole weight dequantized into a 16-bit scratch buffer, then cuBLAS: for prefill
+# chunks, where cuBLAS at 16 bits ran the Llama-3-8B layers in about half the time of
+# the per-tile kernels at 1,024 rows. Offered to the largest bucket only where
+# TOKENLOOM_WEIGHT_DEQUANT=1 until it is measured on the GPU.
+DEQUANT = GemmConfig(0, 0, 0, dequant=True)
+
+
+def dequant_offered() -> bool:
+    return os.environ.get("TOKENLOOM_WEIGHT_DEQUANT", "0") == "1"
 
 
 CACHE_NAME = "weight-gemm.json"
@@ -196,7 +210,7 @@ def choose_configs(
     key = (
         f"{torch.cuda.get_device_name(device)}|torch {torch.__version__}|"
         f"triton {triton.__version__}|int{bits} g{group}|{n}x{k}|{dtype}|zeros {zeros is not None}"
-        f"|kernels v{KERNELS_VERSION}"
+        f"|kernels v{KERNELS_VERSION}{' dequant' if dequant_offered() else ''}"
     )
     if key not in _DECIDED:
         stored = _load().get(key)
@@ -205,6 +219,10 @@ def choose_configs(
         else:
             _DECIDED[key] = _measure(qweight, scales, zeros, bits, group, dtype, reference)
             _store(key, _DECIDED[key])
+    if any(c.dequant for c in _DECIDED[key]):  # its buffer now, never inside a graph capture
+        from tokenloom.plugins.quant.kernels.dequant import reserve
+
+        reserve(n * k, dtype, device)
     return _DECIDED[key]
 
 

@@ -46,6 +46,7 @@ class GemmConfig:
     rows: int = 1  # the GEMV's rows of x per program: 1, 2 or 4
     kmajor: bool = False  # int4 dot kernel: the tile built [N, K] (one group per tile)
     swap: bool = False  # kmajor: out^T = W x^T, the weights the MMA's register operand
+    dequant: bool = False  # dequantize the whole weight (kernels/dequant.py), then cuBLAS
 
     def kmajor_fits(self, bits: int, group: int) -> bool:
         return self.kmajor and bits == 4 and group > 0 and group % self.block_k == 0
@@ -53,6 +54,10 @@ class GemmConfig:
     def fits(self, bits: int, group: int) -> bool:
         """Whether this tiling can serve the format (the reshape path needs the tile
         and the group to nest; the GEMV's tiles must lie in one group)."""
+        if self.dequant:
+            from tokenloom.plugins.quant.kernels.dequant import fits as dequant_fits
+
+            return dequant_fits(bits, group)
         if self.gemv:
             return gemv_fits(bits, group, self.block_k, bits == 4 and group > 0, self.rows)
         if self.kmajor:
@@ -340,6 +345,13 @@ def weight_gemm(
     assert bits in (4, 8) and x.stride(1) == 1
     assert qweight.shape[0] * (8 if bits == 4 else 1) == k, (tuple(qweight.shape), k)
     cfg = config or choose_config(m, n, k, _num_sms(x.device))
+    if cfg.dequant and cfg.fits(bits, group):
+        from tokenloom.plugins.quant.kernels.dequant import dequantize_into
+
+        w = dequantize_into(qweight, scales, zeros, bits, group, x.dtype)
+        return torch.nn.functional.linear(x, w, bias)
+    if cfg.dequant:  # a format the whole-weight path cannot serve
+        cfg = choose_config(m, n, k, _num_sms(x.device))
     if cfg.gemv and not gemv_fits(bits, group, cfg.block_k, zeros is not None, cfg.rows):
         cfg = choose_config(m, n, k, _num_sms(x.device))  # a format the GEMV cannot serve
     k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k

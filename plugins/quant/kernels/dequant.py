@@ -1,0 +1,120 @@
+"""Dequantize a whole weight-only quantized matrix into a 16-bit ``[N, K]`` buffer, for
+the large batches where cuBLAS on 16-bit weights beats a kernel that dequantizes per
+tile (prefill chunks: the weights are read once per step, the tile kernel converts
+them once per row block).
+
+``dequantize_into(qweight, scales, zeros, bits, group, dtype)`` returns a view of a
+per-device scratch buffer (one buffer, grown to the largest layer and reused: every
+layer's ``F.linear`` has consumed it before the next layer writes it, since one
+stream runs them in order). ``reserve`` grows it ahead of time, at load, so that it is
+never allocated inside a CUDA graph capture and the memory planner's profile sees it.
+
+int4 tiles use the K-major dequantization of ``weight_gemm`` (8 consecutive K values
+per thread, 16-byte stores; PTX pairs on sm_90); int8 tiles are transposed from the
+``[K, N]`` storage by Triton's layout conversion.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenloom.plugins.quant.kernels.weight_gemm import _dequant_asm_ok, _dequant_kmajor
+
+_SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def reserve(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The scratch buffer for ``(device, dtype)``, at least ``numel`` elements."""
+    key = (torch.device(device), dtype)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < numel:
+        _SCRATCH.pop(key, None)  # free the smaller one first
+        buf = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf
+
+
+@triton.jit
+def _dequant_kernel(
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    out_ptr,
+    N,
+    K,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    ASM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    ks = k0 + tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    # the dtype of the output, for _dequant_kmajor (it reads only the dtype)
+    like = tl.zeros([1, 1], out_ptr.dtype.element_ty)
+    if BITS == 4:
+        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        mask_kw = mask_n[:, None] & (kw < K // 8)[None, :]
+        words = tl.load(
+            qw_ptr + kw[None, :].to(tl.int64) * N + offs_n[:, None], mask=mask_kw, other=0
+        )
+        g = (k0 // GROUP) * N + offs_n
+        s = tl.load(s_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        if HAS_ZEROS:
+            z = tl.load(z_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        else:
+            z = tl.zeros([BLOCK_N, 1], tl.float32)
+        w = _dequant_kmajor(words, s, z, like, ASM)
+    else:  # int8, one scale per output channel
+        q = tl.load(
+            qw_ptr + ks[None, :].to(tl.int64) * N + offs_n[:, None],
+            mask=mask_n[:, None] & (ks < K)[None, :],
+            other=0,
+        )
+        s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        w = (q.to(tl.float32) * s).to(out_ptr.dtype.element_ty)
+    out = out_ptr + offs_n[:, None].to(tl.int64) * K + ks[None, :]
+    tl.store(out, w, mask=mask_n[:, None] & (ks < K)[None, :])
+
+
+def fits(bits: int, group: int) -> bool:
+    """int4 in groups that hold whole 64-wide tiles, or int8 per channel."""
+    return (bits == 4 and group > 0 and group % 64 == 0) or (bits == 8 and group == 0)
+
+
+def dequantize_into(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bits: int,
+    group: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The dequantized weight ``[N, K]`` in ``dtype`` (a view of the scratch buffer: valid
+    until the next call on this device and dtype)."""
+    assert fits(bits, group), (bits, group)
+    n = qweight.shape[1]
+    k = qweight.shape[0] * (8 if bits == 4 else 1)
+    out = reserve(n * k, dtype, qweight.device)[: n * k].view(n, k)
+    block_n, block_k = 64, 64
+    like = torch.empty(0, dtype=dtype, device=qweight.device)
+    _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        qweight,
+        scales,
+        zeros if zeros is not None else scales,
+        out,
+        n,
+        k,
+        BITS=bits,
+        GROUP=group,
+        HAS_ZEROS=zeros is not None,
+        ASM=bits == 4 and _dequant_asm_ok(like),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=4,
+    )
+    return out
