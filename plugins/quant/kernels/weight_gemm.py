@@ -12,11 +12,17 @@ accumulator) or per group of ``group`` input rows (``scales [G, N]``, optional
 ``zeros [G, N]``; ``w = (q - z) * s``, applied per element before the dot; the last
 group may be partial when ``K`` is no multiple of ``group``).
 
-Shapes: small batches (``M <= 16``, decode) are a pure weight stream. There the grid
-also splits ``K`` (``split_k`` programs per output tile, fp32 partial sums added by
-one small reduction) so that narrow layers still put enough programs on the GPU.
-Larger batches use square tiles and no split. A config with ``gemv`` runs
-``weight_gemv``'s FMA kernel instead (one row, or a few: no ``tl.dot``).
+Shapes: small batches (``M <= 16``, decode) are a pure weight stream. There, and up
+to 256 rows, the grid may also split ``K`` (``split_k`` programs per output tile, fp32
+partial sums added by one small reduction) so that narrow layers still put enough
+programs on the GPU. A config with ``gemv`` runs ``weight_gemv``'s FMA kernel instead
+(one row, or a few: no ``tl.dot``); one with ``dequant`` dequantizes the whole weight
+(``dequant.py``) and calls cuBLAS.
+
+int4 with ``kmajor`` builds the tile ``[N, K]`` (``_dequant_kmajor``), and with
+``swap`` computes ``out^T = W x^T``. Its PTX path rounds ``m + z`` and ``s`` to the
+activations' 16-bit dtype: exact for what every loader here produces (integer zero
+points 0-15, scales in the model dtype), and only then bit-identical to the reference.
 """
 
 from __future__ import annotations

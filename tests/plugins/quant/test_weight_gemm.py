@@ -13,9 +13,10 @@ import triton.language as tl
 
 from tokenloom.plugins.quant.int4 import dequantize_int4, quantize_int4
 from tokenloom.plugins.quant.int8 import dequantize_int8, quantize_int8
-from tokenloom.plugins.quant.kernels.dispatch import bucket, candidates
+from tokenloom.plugins.quant.kernels.dispatch import BUCKETS, SPLIT_BYTES, bucket, candidates
 from tokenloom.plugins.quant.kernels.weight_gemm import (
     GemmConfig,
+    _dequant_asm_ok,
     _dequant_kmajor,
     choose_config,
     weight_gemm,
@@ -165,14 +166,19 @@ def test_the_kmajor_dequantization_is_the_reference_bit_for_bit(dtype):
     qweight = torch.zeros(k // 8, n, dtype=torch.int32, device=DEVICE)
     for j in range(8):
         qweight |= q[j::8] << (4 * j)
-    scales = (torch.rand(1, n, device=DEVICE) * 0.02 + 1e-3).to(dtype)
-    zeros = torch.arange(n, device=DEVICE, dtype=torch.float32).remainder(16)[None].to(dtype)
-    expected = dequantize_int4(qweight, scales, zeros, 32, dtype)
+    # scales from 16-bit subnormals (GPTQ's f16 scales reach 1e-6) to 2e-2
+    scales = torch.logspace(-7, -1.7, n, device=DEVICE)[torch.randperm(n, device=DEVICE)]
+    scales = scales[None].to(dtype)
     x = torch.zeros(16, k, device=DEVICE, dtype=dtype)
-    out = torch.empty(n, k, device=DEVICE, dtype=dtype)
-    asm = CUDA and dtype != torch.float32
-    _dequant_tile_kernel[(1,)](qweight, scales, zeros, x, out, n, ASM=asm)
-    assert torch.equal(out, expected)
+    asm = _dequant_asm_ok(x)  # the PTX path where the GPU has it (sm_90 for bf16)
+    for zeros in (
+        torch.arange(n, device=DEVICE, dtype=torch.float32).remainder(16)[None].to(dtype),
+        torch.zeros(1, n, device=DEVICE, dtype=dtype),  # symmetric formats: zero point 0
+    ):
+        expected = dequantize_int4(qweight, scales, zeros, 32, dtype)
+        out = torch.empty(n, k, device=DEVICE, dtype=dtype)
+        _dequant_tile_kernel[(1,)](qweight, scales, zeros, x, out, n, ASM=asm)
+        assert torch.equal(out, expected)
 
 
 def test_a_gemv_tiling_that_does_not_fit_the_groups_falls_back_to_the_gemm():
@@ -188,6 +194,17 @@ def test_a_gemv_row_count_the_kernel_lacks_is_neither_offered_nor_run(rows):
     assert not config.fits(8, 0) and not config.fits(4, 32)
     _check(8, rows, 16, 64, torch.float32, config, True)
     _check(4, rows, 16, 64, torch.float32, config, False, group=32)
+
+
+def test_the_kmajor_tiles_are_offered_to_int4_in_every_bucket_up_to_256_rows_only():
+    for index in range(4):
+        int4 = candidates(index, 4096, 14336, 4, 128, 132)
+        assert any(c.kmajor and c.swap for c in int4)
+        assert not any(c.kmajor for c in candidates(index, 4096, 14336, 8, 0, 132))
+        for c in int4:  # the split's partial sums stay bounded at the bucket's rows
+            rows = max(BUCKETS[index][1])
+            assert c.split_k * rows * 4096 * 4 <= SPLIT_BYTES
+    assert not any(c.swap for c in candidates(4, 4096, 14336, 4, 128, 132) if c.block_m < 64)
 
 
 def test_the_dispatcher_offers_the_gemv_where_it_fits():
