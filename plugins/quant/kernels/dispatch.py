@@ -134,7 +134,9 @@ def _with_split(cfg: GemmConfig, n: int, k: int, num_sms: int, rows: int) -> lis
     sums at ``rows``: at few rows a program holds a few KiB in flight, so more of them
     cover more memory latency."""
     configs = [cfg]
-    tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(rows, max(cfg.block_m, 1))
+    tiles = triton.cdiv(n, cfg.block_n)
+    if not cfg.gemv:  # the dot kernels' row tiles (the GEMV's splits as measured in session 7)
+        tiles *= triton.cdiv(rows, cfg.block_m)
     k_tiles = triton.cdiv(k, cfg.block_k)
     split = 2
     while (
