@@ -2,9 +2,13 @@
 # Issue 12 (weights) on one H200: the quant GPU tests (kernels against the reference
 # paths), then single-stream latency and offline throughput of the llama-3-8b shape
 # with --quant none / int8 / int4 / fp8. About 6 minutes of GPU time.
-# Usage on the GPU host, from the repo root:  bash scripts/gpu/quant.sh [tests] [bench] [gemv] [lmhead]
+# Usage on the GPU host, from the repo root:
+#   bash scripts/gpu/quant.sh [tests] [bench] [gemv] [gemm] [lmhead] [dequant]
 # (gemv: every GEMV/GEMM tiling per Llama-3-8B shape at 1, 4 and 16 rows, gemv.json;
-#  lmhead: bench latency and throughput of int8 and int4 with and without --quant-lm-head)
+#  gemm: the same at 64-1,024 rows, beside bf16 cuBLAS, gemm.json;
+#  lmhead: bench latency and throughput of int8 and int4 with and without --quant-lm-head;
+#  dequant: the opt-in whole-weight dequantization then cuBLAS (TOKENLOOM_WEIGHT_DEQUANT=1):
+#  its GPU tests, the tilings at 512-4,096 rows, and offline throughput with and without it)
 # Writes to $OUT (or ./gpu-out): quant.json (every figure and the speedups over none),
 # quant-tests.log, quant-bench.log, weight-gemm.json (the tilings measured per shape).
 set -uo pipefail
@@ -40,6 +44,28 @@ if [[ $STEPS == *" gemv "* ]]; then
   timeout 300 python3 scripts/gpu/gemv_bench.py --rows 1,4,16 --json "$OUT/gemv.json" \
     > "$OUT/gemv.log" 2>&1 || echo "gemv bench failed"
   grep -E "per layer" "$OUT/gemv.log"
+fi
+if [[ $STEPS == *" gemm "* ]]; then
+  echo "=== weight GEMM tilings at decode-batch and prefill rows"
+  timeout 400 python3 scripts/gpu/gemv_bench.py --rows 64,128,256,1024 --json "$OUT/gemm.json" \
+    > "$OUT/gemm.log" 2>&1 || echo "gemm bench failed"
+  grep -E "per layer" "$OUT/gemm.log"
+fi
+if [[ $STEPS == *" dequant "* ]]; then
+  echo "=== whole-weight dequantization, then cuBLAS"
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/plugins/quant/test_dequant.py \
+    2>&1 | tail -n 2
+  TOKENLOOM_WEIGHT_DEQUANT=1 timeout 400 python3 scripts/gpu/gemv_bench.py --rows 512,1024,4096 \
+    --json "$OUT/dequant-gemm.json" > "$OUT/dequant-gemm.log" 2>&1 || echo "dequant gemm failed"
+  grep -E "^  |per layer" "$OUT/dequant-gemm.log"
+  for q in int4 int8; do
+    for dq in 0 1; do
+      echo "=== llama-3-8b --quant $q, TOKENLOOM_WEIGHT_DEQUANT=$dq"
+      TOKENLOOM_WEIGHT_DEQUANT=$dq timeout 250 python3 -m tokenloom bench throughput \
+        --model llama-3-8b --quant "$q" --runs 1 --out "$OUT/dequant-throughput-$q-$dq.json" \
+        2>&1 | grep -E "^output tokens/s"
+    done
+  done
 fi
 if [[ $STEPS == *" lmhead "* ]]; then
   for q in int8 int4; do
