@@ -62,6 +62,13 @@ def _has_fp8_mma(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def _gemv_rows(x: torch.Tensor) -> bool:
+    """Whether ``x``'s rows go to the fp8 GEMV (opt-in until measured on the GPU)."""
+    from tokenloom.plugins.quant.kernels.fp8_gemv import GEMV_ROWS, gemv_offered
+
+    return x.shape[0] <= GEMV_ROWS and gemv_offered()
+
+
 class Fp8Kernel(LinearKernel):
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor) -> None:
         self.weight = weight  # [N, K] e4m3
@@ -71,7 +78,7 @@ class Fp8Kernel(LinearKernel):
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = flat(x)
         if self.mma_shape and x.dtype in (torch.float16, torch.bfloat16) and _has_fp8_mma(x.device):
-            y = self.scaled_mm(x2, bias)
+            y = self.gemv(x2, bias) if _gemv_rows(x2) else self.scaled_mm(x2, bias)
         else:
             y = self.reference(x2, bias)
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -91,6 +98,15 @@ class Fp8Kernel(LinearKernel):
         if bias is not None:
             y = y + bias
         return y.to(x.dtype)
+
+    def gemv(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """A few rows: ``x`` quantized per token as for ``scaled_mm``, then the fp8 GEMV
+        (``kernels/fp8_gemv.py``), which streams the weight instead of padding a GEMM."""
+        from tokenloom.plugins.quant.kernels.fp8_gemv import fp8_gemv
+        from tokenloom.plugins.quant.kernels.fp8_quant import per_token_fp8
+
+        xq, x_scales = per_token_fp8(x)
+        return fp8_gemv(xq, x_scales, self.weight, self.scales, bias, x.dtype)
 
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The same quantization of ``x``, then dequantized operands in float32."""

@@ -8,7 +8,9 @@
 #  gemm: the same at 64-1,024 rows, beside bf16 cuBLAS, gemm.json;
 #  lmhead: bench latency and throughput of int8 and int4 with and without --quant-lm-head;
 #  dequant: the opt-in whole-weight dequantization then cuBLAS (TOKENLOOM_WEIGHT_DEQUANT=1):
-#  its GPU tests, the tilings at 512-4,096 rows, and offline throughput with and without it)
+#  its GPU tests, the tilings at 512-4,096 rows, and offline throughput with and without it;
+#  fp8gemv: the opt-in fp8 GEMV for <= 4 rows (TOKENLOOM_FP8_GEMV=1): its GPU tests, then
+#  bench latency --quant fp8 with and without it)
 # Writes to $OUT (or ./gpu-out): quant.json (every figure and the speedups over none),
 # quant-tests.log, quant-bench.log, weight-gemm.json (the tilings measured per shape).
 set -uo pipefail
@@ -65,6 +67,16 @@ if [[ $STEPS == *" dequant "* ]]; then
         --model llama-3-8b --quant "$q" --runs 1 --out "$OUT/dequant-throughput-$q-$dq.json" \
         2>&1 | grep -E "^output tokens/s"
     done
+  done
+fi
+if [[ $STEPS == *" fp8gemv "* ]]; then
+  echo "=== fp8 GEMV for decode rows"
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/plugins/quant/test_fp8_gemv.py \
+    tests/plugins/quant/test_gpu_kernels.py 2>&1 | tail -n 2
+  for g in 0 1; do
+    echo "=== llama-3-8b --quant fp8, TOKENLOOM_FP8_GEMV=$g"
+    TOKENLOOM_FP8_GEMV=$g timeout 150 python3 -m tokenloom bench latency --model llama-3-8b \
+      --quant fp8 --runs 3 --out "$OUT/fp8gemv-latency-$g.json" 2>&1 | grep -E "ms per step|% of roofline"
   done
 fi
 if [[ $STEPS == *" lmhead "* ]]; then
