@@ -39,6 +39,7 @@ from tokenloom.plugins.quant.common import (
     quantization_config,
     release_weight,
 )
+from tokenloom.plugins.quant.kernels.fp8_gemv import GEMV_ROWS, fp8_gemv, gemv_offered
 from tokenloom.protocols.components.quant import LinearKernel
 from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
@@ -62,23 +63,22 @@ def _has_fp8_mma(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _gemv_rows(x: torch.Tensor) -> bool:
-    """Whether ``x``'s rows go to the fp8 GEMV (opt-in until measured on the GPU)."""
-    from tokenloom.plugins.quant.kernels.fp8_gemv import GEMV_ROWS, gemv_offered
-
-    return x.shape[0] <= GEMV_ROWS and gemv_offered()
-
-
 class Fp8Kernel(LinearKernel):
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor) -> None:
         self.weight = weight  # [N, K] e4m3
         self.scales = scales  # [N, 1] float32
         self.mma_shape = weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0  # _scaled_mm
+        # rows up to which the fp8 GEMV serves (opt-in until measured on the GPU; read
+        # once here, not per call: ~130 calls per decode step)
+        self.gemv_rows = GEMV_ROWS if gemv_offered() else 0
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = flat(x)
-        if self.mma_shape and x.dtype in (torch.float16, torch.bfloat16) and _has_fp8_mma(x.device):
-            y = self.gemv(x2, bias) if _gemv_rows(x2) else self.scaled_mm(x2, bias)
+        fp8_gpu = x.dtype in (torch.float16, torch.bfloat16) and _has_fp8_mma(x.device)
+        if fp8_gpu and x2.shape[0] <= self.gemv_rows:  # masked tiles: any N and K
+            y = self.gemv(x2, bias)
+        elif fp8_gpu and self.mma_shape:
+            y = self.scaled_mm(x2, bias)
         else:
             y = self.reference(x2, bias)
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -102,7 +102,6 @@ class Fp8Kernel(LinearKernel):
     def gemv(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """A few rows: ``x`` quantized per token as for ``scaled_mm``, then the fp8 GEMV
         (``kernels/fp8_gemv.py``), which streams the weight instead of padding a GEMM."""
-        from tokenloom.plugins.quant.kernels.fp8_gemv import fp8_gemv
         from tokenloom.plugins.quant.kernels.fp8_quant import per_token_fp8
 
         xq, x_scales = per_token_fp8(x)

@@ -30,9 +30,18 @@ def reserve(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     key = (torch.device(device), dtype)
     buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < numel:
+        if key[0].type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # a captured graph may hold the old buffer's address: growing it now would
+            # leave that graph writing freed memory
+            raise RuntimeError("the dequantization buffer must be reserved before capture")
         _SCRATCH.pop(key, None)  # free the smaller one first
         buf = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
     return buf
+
+
+def release(dtype: torch.dtype, device: torch.device) -> None:
+    """Drop the buffer (the tuner's measurement grew it; ``reserve`` again if chosen)."""
+    _SCRATCH.pop((torch.device(device), dtype), None)
 
 
 @triton.jit

@@ -167,7 +167,7 @@ def candidates(index: int, n: int, k: int, bits: int, group: int, num_sms: int):
             result += _with_split(cfg, n, k, num_sms, max(BUCKETS[index][1]))
         else:
             result.append(cfg)
-    if index == len(BUCKETS) - 1 and dequant_offered():
+    if index == len(BUCKETS) - 1 and dequant_offered() and n * k <= DEQUANT_MAX_ELEMENTS:
         result.append(DEQUANT)
     return [c for c in result if c.fits(bits, group) and (bits == 4 or c.expand)]
 
@@ -177,6 +177,9 @@ def candidates(index: int, n: int, k: int, bits: int, group: int, num_sms: int):
 # the per-tile kernels at 1,024 rows. Offered to the largest bucket only where
 # TOKENLOOM_WEIGHT_DEQUANT=1 until it is measured on the GPU.
 DEQUANT = GemmConfig(0, 0, 0, dequant=True)
+# not for layers far above a decoder layer's size (an LM head of 128k x 4,096 would hold
+# 1 GB of scratch for one eager GEMM per prefill)
+DEQUANT_MAX_ELEMENTS = 1 << 28
 
 
 def dequant_offered() -> bool:
@@ -272,4 +275,7 @@ def _measure(qweight, scales, zeros, bits, group, dtype, reference) -> Configs:
                 best, best_time = cfg, t
         log.info("int%d %dx%d rows %s: %s %.1f us", bits, n, k, rows, best, best_time)
         chosen.append(best)
+    from tokenloom.plugins.quant.kernels.dequant import release
+
+    release(dtype, qweight.device)  # measuring grew it; choose_configs reserves it if chosen
     return tuple(chosen)  # type: ignore[return-value]

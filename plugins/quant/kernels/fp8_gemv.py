@@ -78,6 +78,11 @@ def fp8_gemv(
     m, k = xq.shape
     n = weight.shape[0]
     assert weight.shape[1] == k and xq.stride(1) == 1 and weight.stride(1) == 1
+    # the kernel reads one fp32 scale per row and per channel, one bias value per channel
+    assert x_scales.numel() == m and x_scales.dtype == torch.float32
+    assert w_scales.numel() == n and w_scales.dtype == torch.float32
+    assert (m == 1 or x_scales.stride(0) == 1) and (n == 1 or w_scales.stride(0) == 1)
+    assert bias is None or (bias.numel() == n and bias.stride(-1) == 1)
     y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     block_k = min(block_k, triton.next_power_of_2(k))
     _fp8_gemv_kernel[(triton.cdiv(n, block_n), m)](

@@ -49,15 +49,23 @@ def test_int8_is_the_reference_bit_for_bit(dtype):
 
 def test_one_scratch_buffer_grows_and_is_reused():
     torch.manual_seed(0)
-    q, s, z = quantize_int4(torch.randn(64, 256, device=DEVICE), 64)
-    a = dequant.dequantize_into(q, s, z, 4, 64, torch.float32).clone()
-    buf = dequant.reserve(10, torch.float32, torch.device(DEVICE))
-    assert buf.numel() >= 64 * 256  # already grown by the call, not shrunk
+    device = torch.device(DEVICE)
+    dequant.release(torch.float32, device)
     q2, s2, z2 = quantize_int4(torch.randn(32, 128, device=DEVICE), 64)
-    b = dequant.dequantize_into(q2, s2, z2, 4, 64, torch.float32)
-    assert b.data_ptr() == buf.data_ptr()  # the same memory, overwritten
-    assert torch.equal(b, dequantize_int4(q2, s2, z2, 64, torch.float32))
-    assert torch.equal(a, dequantize_int4(q, s, z, 64, torch.float32))
+    small = dequant.dequantize_into(q2, s2, z2, 4, 64, torch.float32)
+    assert dequant.reserve(1, torch.float32, device).numel() == 32 * 128
+    q, s, z = quantize_int4(torch.randn(64, 256, device=DEVICE), 64)
+    big = dequant.dequantize_into(q, s, z, 4, 64, torch.float32)  # grows it
+    buf = dequant.reserve(10, torch.float32, device)
+    assert buf.numel() == 64 * 256 and big.data_ptr() == buf.data_ptr()
+    assert torch.equal(big, dequantize_int4(q, s, z, 64, torch.float32))
+    again = dequant.dequantize_into(q2, s2, z2, 4, 64, torch.float32)  # fits: reused
+    assert again.data_ptr() == buf.data_ptr()
+    assert torch.equal(again, dequantize_int4(q2, s2, z2, 64, torch.float32))
+    assert not torch.equal(big, dequantize_int4(q, s, z, 64, torch.float32))  # overwritten
+    assert small.data_ptr() != buf.data_ptr()
+    dequant.release(torch.float32, device)
+    assert dequant.reserve(1, torch.float32, device).numel() == 1  # released: a new one
 
 
 @pytest.mark.parametrize(("bits", "group"), [(4, 64), (8, 0), (4, 32)])
@@ -87,6 +95,8 @@ def test_offered_only_when_asked(monkeypatch):
     assert any(c.dequant for c in candidates(4, 4096, 4096, 8, 0, 132))
     assert not any(c.dequant for c in candidates(3, 4096, 4096, 4, 128, 132))
     assert not any(c.dequant for c in candidates(4, 4096, 4096, 4, 32, 132))
+    # not for an LM head's size (128k x 4,096: 1 GB of 16-bit scratch)
+    assert not any(c.dequant for c in candidates(4, 128256, 4096, 4, 128, 132))
 
 
 @pytest.mark.gpu

@@ -70,13 +70,20 @@ def test_fp8_gemv_equals_the_reference(m, n, k, block_n, block_k, bias):
 
 
 def test_offered_only_when_asked(monkeypatch):
-    from tokenloom.plugins.quant.fp8 import _gemv_rows
+    from tokenloom.plugins.quant.fp8 import Fp8Kernel
 
-    x = torch.zeros(1, 8)
+    weight = torch.zeros(32, 16).to(FP8)
+    scales = torch.ones(32, 1)
     monkeypatch.delenv("TOKENLOOM_FP8_GEMV", raising=False)
-    assert not _gemv_rows(x)
+    assert Fp8Kernel(weight, scales).gemv_rows == 0
     monkeypatch.setenv("TOKENLOOM_FP8_GEMV", "1")
-    assert _gemv_rows(x) and not _gemv_rows(torch.zeros(GEMV_ROWS + 1, 8))
+    assert Fp8Kernel(weight, scales).gemv_rows == GEMV_ROWS
+
+
+def test_scales_the_kernel_cannot_read_are_refused():
+    xq, x_scales, weight, w_scales, _ = _operands(2, 16, 64)
+    with pytest.raises(AssertionError):  # a strided view: the kernel reads element i at i
+        fp8_gemv(xq, x_scales, weight, torch.ones(16, 2)[:, :1], None, torch.float32)
 
 
 @pytest.mark.gpu
@@ -93,6 +100,11 @@ def test_fp8_gemv_through_the_kernel_on_llama_shapes_gpu(monkeypatch, m, n, k):
     layer = Linear(k, (n,), False, torch.bfloat16).cuda()
     torch.nn.init.normal_(layer.weight, std=k**-0.5)
     kernel = Fp8Quant(EngineConfig()).make_kernel(layer)
+
+    def not_this_path(*args):
+        raise AssertionError("rows this few must take the GEMV")
+
+    monkeypatch.setattr(kernel, "scaled_mm", not_this_path)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     got = kernel.apply(x, None).float()
     ref = kernel.reference(x, None).float()
