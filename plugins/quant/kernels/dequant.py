@@ -9,7 +9,7 @@ layer's ``F.linear`` has consumed it before the next layer writes it, since one
 stream runs them in order). ``reserve`` grows it ahead of time, at load, so that it is
 never allocated inside a CUDA graph capture and the memory planner's profile sees it.
 
-int4 tiles use the K-major dequantization of ``weight_gemm`` (8 consecutive K values
+int4 tiles use the K-major dequantization of ``int4_tiles`` (8 consecutive K values
 per thread, 16-byte stores; PTX pairs on sm_90); int8 tiles are transposed from the
 ``[K, N]`` storage by Triton's layout conversion.
 """
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenloom.plugins.quant.kernels.weight_gemm import _dequant_asm_ok, _dequant_kmajor
+from tokenloom.plugins.quant.kernels.int4_tiles import dequant_asm_ok, kmajor_tile
 
 _SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
@@ -63,21 +63,12 @@ def _dequant_kernel(
     k0 = tl.program_id(1) * BLOCK_K
     ks = k0 + tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
-    # the dtype of the output, for _dequant_kmajor (it reads only the dtype)
+    # the dtype of the output, for kmajor_tile (it reads only the dtype)
     like = tl.zeros([1, 1], out_ptr.dtype.element_ty)
     if BITS == 4:
-        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        mask_kw = mask_n[:, None] & (kw < K // 8)[None, :]
-        words = tl.load(
-            qw_ptr + kw[None, :].to(tl.int64) * N + offs_n[:, None], mask=mask_kw, other=0
+        w = kmajor_tile(
+            qw_ptr, s_ptr, z_ptr, k0, offs_n, mask_n, N, K, like, GROUP, HAS_ZEROS, ASM, BLOCK_K
         )
-        g = (k0 // GROUP) * N + offs_n
-        s = tl.load(s_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-        if HAS_ZEROS:
-            z = tl.load(z_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-        else:
-            z = tl.zeros([BLOCK_N, 1], tl.float32)
-        w = _dequant_kmajor(words, s, z, like, ASM)
     else:  # int8, one scale per output channel
         q = tl.load(
             qw_ptr + ks[None, :].to(tl.int64) * N + offs_n[:, None],
@@ -121,7 +112,7 @@ def dequantize_into(
         BITS=bits,
         GROUP=group,
         HAS_ZEROS=zeros is not None,
-        ASM=bits == 4 and _dequant_asm_ok(like),
+        ASM=bits == 4 and dequant_asm_ok(like),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=4,

@@ -19,7 +19,7 @@ programs on the GPU. A config with ``gemv`` runs ``weight_gemv``'s FMA kernel in
 (one row, or a few: no ``tl.dot``); one with ``dequant`` dequantizes the whole weight
 (``dequant.py``) and calls cuBLAS.
 
-int4 with ``kmajor`` builds the tile ``[N, K]`` (``_dequant_kmajor``), and with
+int4 with ``kmajor`` builds the tile ``[N, K]`` (``int4_tiles.kmajor_tile``), and with
 ``swap`` computes ``out^T = W x^T``. Its PTX path rounds ``m + z`` and ``s`` to the
 activations' 16-bit dtype: exact for what every loader here produces (integer zero
 points 0-15, scales in the model dtype), and only then bit-identical to the reference.
@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenloom.plugins.quant.kernels.int4_tiles import dequant_asm_ok, kmajor_tile
 from tokenloom.plugins.quant.kernels.weight_gemv import gemv_fits, launch_gemv
 
 SKINNY_ROWS = 16
@@ -71,100 +72,6 @@ class GemmConfig:
         if not self.expand or bits == 8 or group == 0:
             return True
         return self.block_k % group == 0 or group % self.block_k == 0
-
-
-def _dequant8_asm(magic: str, kind: str) -> str:
-    """PTX: one int32 of 8 nibbles ($8), the pair ``(m + z, m + z)`` ($9) and the pair
-    ``(s, s)`` ($10) in 16-bit floats -> the 8 dequantized 16-bit values ``(q - z) s``
-    ($0..$7, nibble order). A masked nibble pair OR-ed under the exponent of ``m``
-    (128 for bf16, 1,024 for f16) reads as ``m + q`` exactly, two at a time; the
-    subtraction is exact and the product rounds once, as the reference's fp32
-    ``(q - z) * s`` rounded to 16 bits does."""
-    lines = ["{", ".reg .b32 t0, t1, t2, t3;", "shr.u32 t1, $8, 4;", "shr.u32 t2, $8, 8;"]
-    lines.append("shr.u32 t3, $8, 12;")
-    lines.append(f"lop3.b32 t0, $8, 0x000F000F, {magic}, 0xEA;")
-    for t in ("t1", "t2", "t3"):
-        lines.append(f"lop3.b32 {t}, {t}, 0x000F000F, {magic}, 0xEA;")
-    for t in ("t0", "t1", "t2", "t3"):
-        lines.append(f"sub.rn.{kind}x2 {t}, {t}, $9;")
-        lines.append(f"mul.rn.{kind}x2 {t}, {t}, $10;")
-    for j in range(4):  # t_j holds nibbles j (low half) and j + 4 (high half)
-        lines.append(f"mov.b32 {{${j}, ${j + 4}}}, t{j};")
-    lines.append("}")
-    return "\n".join(lines)
-
-
-_DEQUANT8_BF16 = tl.constexpr(_dequant8_asm("0x43004300", "bf16"))
-_DEQUANT8_F16 = tl.constexpr(_dequant8_asm("0x64006400", "f16"))
-_DEQUANT8_CONSTRAINTS = tl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,r,r")
-
-
-@triton.jit
-def _join8(v0, v1, v2, v3, v4, v5, v6, v7):
-    """``[..., 8]`` of eight same-shaped tensors, in argument order, each thread holding
-    the 8 values of its elements (joins add their dimension inside the thread)."""
-    lo = tl.join(tl.join(v0, v4), tl.join(v2, v6))
-    hi = tl.join(tl.join(v1, v5), tl.join(v3, v7))
-    return tl.reshape(tl.join(lo, hi), v0.shape + (8,))
-
-
-@triton.jit
-def _nib(words, j: tl.constexpr):
-    """Nibble ``j`` of each word as the float ``2^23 + q`` (OR-ed into its mantissa)."""
-    return (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _pair16(v):
-    """A 16-bit float as the int32 holding it twice."""
-    b = v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    return b | (b << 16)
-
-
-@triton.jit
-def _dequant_kmajor(words, s, z, x, ASM: tl.constexpr):
-    """``[BLOCK_N, BLOCK_K]`` dequantized weights ``(q - z) s`` of a ``[BLOCK_N,
-    BLOCK_K // 8]`` tile of packed words, in ``x``'s dtype; ``s`` and ``z`` (fp32) are
-    ``[BLOCK_N, 1]``."""
-    dt: tl.constexpr = x.dtype
-    BN: tl.constexpr = words.shape[0]
-    BK: tl.constexpr = words.shape[1] * 8
-    if ASM:
-        words_z = tl.broadcast_to(
-            _pair16((z + (128.0 if dt == tl.bfloat16 else 1024.0)).to(dt)), words.shape
-        )
-        words_s = tl.broadcast_to(_pair16(s.to(dt)), words.shape)
-        if dt == tl.bfloat16:
-            v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
-                asm=_DEQUANT8_BF16,
-                constraints=_DEQUANT8_CONSTRAINTS,
-                args=[words, words_z, words_s],
-                dtype=(tl.bfloat16,) * 8,
-                is_pure=True,
-                pack=1,
-            )
-        else:
-            v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
-                asm=_DEQUANT8_F16,
-                constraints=_DEQUANT8_CONSTRAINTS,
-                args=[words, words_z, words_s],
-                dtype=(tl.float16,) * 8,
-                is_pure=True,
-                pack=1,
-            )
-        return tl.reshape(_join8(v0, v1, v2, v3, v4, v5, v6, v7), (BN, BK))
-    q = _join8(
-        _nib(words, 0),
-        _nib(words, 1),
-        _nib(words, 2),
-        _nib(words, 3),
-        _nib(words, 4),
-        _nib(words, 5),
-        _nib(words, 6),
-        _nib(words, 7),
-    )
-    q = tl.reshape(q, (BN, BK))
-    return ((q - (z + 8388608.0)) * s).to(dt)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -220,18 +127,21 @@ def _weight_gemm_kernel(
             # word into 8 consecutive K values, so the dequantized tile goes to shared
             # memory (K-major, as the MMA reads a transposed operand) in 16-byte
             # stores; built [K, N] it went out as one 2-byte store per value.
-            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            mask_kw = mask_n[:, None] & (kw < K // 8)[None, :]
-            words = tl.load(
-                qw_ptr + kw[None, :].to(tl.int64) * N + offs_n[:, None], mask=mask_kw, other=0
+            w_t = kmajor_tile(
+                qw_ptr,
+                s_ptr,
+                z_ptr,
+                k0,
+                offs_n,
+                mask_n,
+                N,
+                K,
+                x,
+                GROUP,
+                HAS_ZEROS,
+                DEQUANT_ASM,
+                BLOCK_K,
             )
-            g = (k0 // GROUP) * N + offs_n
-            s = tl.load(s_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-            if HAS_ZEROS:
-                z = tl.load(z_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-            else:
-                z = tl.zeros([BLOCK_N, 1], tl.float32)
-            w_t = _dequant_kmajor(words, s, z, x, DEQUANT_ASM)
             if SWAP:
                 acc += tl.dot(w_t, tl.trans(x), input_precision=DOT_PRECISION)
             else:
@@ -404,15 +314,6 @@ def _split_sum_kernel(
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _dequant_asm_ok(x: torch.Tensor) -> bool:
-    """The PTX dequantization: 16-bit activations on a CUDA GPU (``sub``/``mul`` on
-    bf16 pairs need sm_90; the interpreter runs no PTX)."""
-    if x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    major, _ = torch.cuda.get_device_capability(x.device)
-    return major >= 9 or x.dtype == torch.float16
-
-
 def _launch_gemm(x, qweight, scales, zeros, bits, group, bias, y, m, n, k, k_chunk, split, cfg):
     stride_split = y.stride(0) if split > 1 else 0
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
@@ -437,7 +338,7 @@ def _launch_gemm(x, qweight, scales, zeros, bits, group, bias, y, m, n, k, k_chu
         PARTIAL=split > 1,
         EXPAND=cfg.expand and bits == 4 and cfg.fits(bits, group),
         KMAJOR=cfg.kmajor_fits(bits, group),
-        DEQUANT_ASM=cfg.kmajor_fits(bits, group) and _dequant_asm_ok(x),
+        DEQUANT_ASM=cfg.kmajor_fits(bits, group) and dequant_asm_ok(x),
         SWAP=cfg.swap and cfg.kmajor_fits(bits, group),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,

@@ -14,13 +14,8 @@ import triton.language as tl
 from tokenloom.plugins.quant.int4 import dequantize_int4, quantize_int4
 from tokenloom.plugins.quant.int8 import dequantize_int8, quantize_int8
 from tokenloom.plugins.quant.kernels.dispatch import BUCKETS, SPLIT_BYTES, bucket, candidates
-from tokenloom.plugins.quant.kernels.weight_gemm import (
-    GemmConfig,
-    _dequant_asm_ok,
-    _dequant_kmajor,
-    choose_config,
-    weight_gemm,
-)
+from tokenloom.plugins.quant.kernels.int4_tiles import _dequant_kmajor, dequant_asm_ok
+from tokenloom.plugins.quant.kernels.weight_gemm import GemmConfig, choose_config, weight_gemm
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -170,7 +165,7 @@ def test_the_kmajor_dequantization_is_the_reference_bit_for_bit(dtype):
     scales = torch.logspace(-7, -1.7, n, device=DEVICE)[torch.randperm(n, device=DEVICE)]
     scales = scales[None].to(dtype)
     x = torch.zeros(16, k, device=DEVICE, dtype=dtype)
-    asm = _dequant_asm_ok(x)  # the PTX path where the GPU has it (sm_90 for bf16)
+    asm = dequant_asm_ok(x)  # the PTX path where the GPU has it (sm_90 for bf16)
     for zeros in (
         torch.arange(n, device=DEVICE, dtype=torch.float32).remainder(16)[None].to(dtype),
         torch.zeros(1, n, device=DEVICE, dtype=dtype),  # symmetric formats: zero point 0
