@@ -1,5 +1,6 @@
 """Per-kernel GPU time of single-stream decode steps (torch.profiler), eager and graphs.
-Usage: python scripts/profile_gpu.py [MODEL_SHAPE] [graphs]  (graphs: skip eager)
+Usage: python scripts/profile_gpu.py [MODEL_SHAPE] [graphs] [KEY=VALUE ...]  (graphs: skip
+eager; KEY=VALUE: engine settings, e.g. quant=int4)
 Prints the kernel table, the step's busy time and gaps, and the kernel classes against
 their floors (``kernel_classes.py``); with OUT set, writes profile-gpu-SHAPE.json there."""
 
@@ -20,9 +21,10 @@ from tokenloom.checkpoints.model_shapes import write_shape_dir
 from tokenloom.protocols.requests import GenerateRequest
 
 shape = sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b"
+settings = dict(a.split("=", 1) for a in sys.argv[2:] if "=" in a)
 model_dir = str(write_shape_dir(shape, tempfile.mkdtemp()))
 for eager in (False,) if "graphs" in sys.argv[2:] else (True, False):
-    llm = LLM(model_dir, load_format="random", max_num_seqs=8, enforce_eager=eager)
+    llm = LLM(model_dir, load_format="random", max_num_seqs=8, enforce_eager=eager, **settings)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     engine.add_request(GenerateRequest("r", list(range(10, 138)), params))
@@ -63,7 +65,8 @@ for eager in (False,) if "graphs" in sys.argv[2:] else (True, False):
     summary = print_class_table(per_step, floors(shape, 1, 148, peaks), span)
     summary.update(shape=shape, eager=eager, peaks=peaks, kernels_per_step=len(kernels) / 20)
     if os.environ.get("OUT"):
-        name = f"profile-gpu-{shape}{'-eager' if eager else ''}.json"
+        tag = "".join(f"-{k}{v}" for k, v in settings.items())
+        name = f"profile-gpu-{shape}{tag}{'-eager' if eager else ''}.json"
         with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(summary, f, indent=2)
     engine.abort(["r"])

@@ -141,12 +141,24 @@ def preset(name: str, values: list[int]) -> tuple[Any, dict, dict, list[str], in
             BLOCK_N=bn,
             BLOCK_K=bk,
         )
+        if os.environ.get("BIASED") == "1" and name == "gemv":
+            consts["BIASED"] = True
+        if os.environ.get("ASM") == "1":
+            consts["ASM"] = True
         if name == "rows":
             consts["ROWS"] = rows
             kernel = weight_gemv._weight_gemv_rows_kernel
         else:
             kernel = weight_gemv._weight_gemv_kernel
-        sig = _quant_sig(bits, name == "rows", ["nibble"])
+        sig = _quant_sig(
+            bits,
+            name == "rows",
+            ["nibble"] if name == "rows" else ["nibble", "N_WORDS", "mask8", "mask12", "mask16"],
+        )
+        if consts.get("ASM"):
+            sig["qw_ptr"] = "*i32"
+        if name == "gemv":
+            divisible = divisible + ["N_WORDS"]
         return kernel, sig, consts, divisible, warps, stages, bn * bk * rows / (warps * 32)
     bm, bn, bk, warps, stages, bits = values
     consts = dict(

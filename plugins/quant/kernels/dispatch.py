@@ -174,8 +174,9 @@ def candidates(index: int, n: int, k: int, bits: int, group: int, num_sms: int):
 
 # The whole weight dequantized into a 16-bit scratch buffer, then cuBLAS: for prefill
 # chunks, where cuBLAS at 16 bits ran the Llama-3-8B layers in about half the time of
-# the per-tile kernels at 1,024 rows. Offered to the largest bucket only where
-# TOKENLOOM_WEIGHT_DEQUANT=1 until it is measured on the GPU.
+# the per-tile kernels at 1,024 rows. Offered to the largest bucket only; on by default
+# since it was measured (session 10, one H200: llama-3-8b offline throughput int4
+# 7,236 -> 8,269, int8 7,308 -> 8,345 out tok/s); TOKENLOOM_WEIGHT_DEQUANT=0 turns it off.
 DEQUANT = GemmConfig(0, 0, 0, dequant=True)
 # not for layers far above a decoder layer's size (an LM head of 128k x 4,096 would hold
 # 1 GB of scratch for one eager GEMM per prefill)
@@ -183,7 +184,7 @@ DEQUANT_MAX_ELEMENTS = 1 << 28
 
 
 def dequant_offered() -> bool:
-    return os.environ.get("TOKENLOOM_WEIGHT_DEQUANT", "0") == "1"
+    return os.environ.get("TOKENLOOM_WEIGHT_DEQUANT", "1") != "0"
 
 
 CACHE_NAME = "weight-gemm.json"
@@ -196,7 +197,8 @@ CACHE_NAME = "weight-gemm.json"
 # v5: a bucket for 65-256 rows; the int4 dot kernel's K-major tile (PTX dequantization),
 # also with the product transposed (swap).
 # v6: the swapped tiles offered from 1 row, K split up to 256 rows (capped by its bytes).
-KERNELS_VERSION = 6
+# v7: the one-row GEMV's PTX conversions (int8 words of four weights, int4 biased nibbles).
+KERNELS_VERSION = 7
 
 
 def _load() -> dict[str, Any]:

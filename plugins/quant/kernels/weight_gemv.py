@@ -25,6 +25,7 @@ tiling (or ``weight_gemm``'s) a layer runs is measured per shape (``dispatch``).
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -62,6 +63,65 @@ def _int8_floats(q):
     return ((q.to(tl.int32) + (MAGIC + 128)).to(tl.float32, bitcast=True)) - (MAGIC_F + 128.0)
 
 
+# PTX for four int8 weights in one register ($4) -> the floats 2^23 + (q + 128) ($0..$3):
+# one xor per word turns two's complement into offset binary, then each byte is
+# permuted under the exponent bytes of 2^23 (0x4B000000) by one prmt, without the
+# sign-extension and integer add of ``_int8_floats``.
+_INT8_ASM = tl.constexpr(
+    "{ .reg .b32 t; xor.b32 t, $4, 0x80808080; "
+    "prmt.b32 $0, t, 0x4B000000, 0x7440; prmt.b32 $1, t, 0x4B000000, 0x7441; "
+    "prmt.b32 $2, t, 0x4B000000, 0x7442; prmt.b32 $3, t, 0x4B000000, 0x7443; }"
+)
+
+
+@triton.jit
+def _int8_words_gemv(
+    x_row,
+    qw_ptr,
+    k_begin,
+    k_end,
+    pid_n,
+    n_words,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The int8 GEMV's ``[BLOCK_N]`` dot products (before the per-channel scales) with
+    the weights read as int32 words of four output channels (``qweight.view(int32)``,
+    ``[K, n_words = N / 4]``) and turned into floats by ``_INT8_ASM``, four per word: one prmt, one
+    subtraction and one FMA per weight. The four channels of a word accumulate apart and
+    are interleaved back (``tl.join``) once, at the end."""
+    NW: tl.constexpr = BLOCK_N // 4
+    offs_w = pid_n * NW + tl.arange(0, NW)
+    mask_w = offs_w < n_words
+    a0 = tl.zeros([BLOCK_K, NW], tl.float32)
+    a1 = tl.zeros_like(a0)
+    a2 = tl.zeros_like(a0)
+    a3 = tl.zeros_like(a0)
+    tile = _weight_rows(qw_ptr, k_begin + tl.arange(0, BLOCK_K), k_end, offs_w, mask_w, n_words)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + ks, mask=ks < k_end, other=0.0).to(tl.float32)[:, None]
+        tile_next = _weight_rows(qw_ptr, ks + BLOCK_K, k_end, offs_w, mask_w, n_words)
+        w0, w1, w2, w3 = tl.inline_asm_elementwise(
+            asm=_INT8_ASM,
+            constraints="=r,=r,=r,=r,r",
+            args=[tile],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+            is_pure=True,
+            pack=1,
+        )
+        a0 += (w0 - (MAGIC_F + 128.0)) * x
+        a1 += (w1 - (MAGIC_F + 128.0)) * x
+        a2 += (w2 - (MAGIC_F + 128.0)) * x
+        a3 += (w3 - (MAGIC_F + 128.0)) * x
+        tile = tile_next
+    s0 = tl.sum(a0, axis=0)
+    s1 = tl.sum(a1, axis=0)
+    s2 = tl.sum(a2, axis=0)
+    s3 = tl.sum(a3, axis=0)
+    return tl.reshape(tl.join(tl.join(s0, s2), tl.join(s1, s3)), [BLOCK_N])
+
+
 @triton.jit
 def _nibble_floats(words, high, nibble, j: tl.constexpr):
     """Nibble ``j`` of each word as a float. It sits at bit p = 4j (j < 5) or, in
@@ -79,6 +139,167 @@ def _nibble_floats(words, high, nibble, j: tl.constexpr):
 
 
 @triton.jit
+def _nibble_biased(words, low, high, m8, m12, m16, j: tl.constexpr):
+    """Nibble ``j`` as the float ``A_j + q``, with no subtraction: the nibble sits at bit
+    p = 12, 16 or 8 (``j % 3`` = 0, 1, 2) of ``low = words << 12`` (nibbles 0-1),
+    ``words`` (2-4) or ``high = words >> 12`` (5-7), OR-ed under the exponent of
+    ``A_j = 2^(23 - p)`` (2,048, 128, 32,768). The FMA accumulates
+    ``sum_j (A_j + q_j) x_j`` and ``_biased_word_rows`` takes ``sum_j A_j x_j`` off:
+    one logic op and one FMA per weight, not three. For 16-bit activations only (fp32
+    activations keep ``_nibble_floats``, exact)."""
+    if j < 2:
+        v = low
+    elif j < 5:
+        v = words
+    else:
+        v = high
+    if j % 3 == 0:
+        bits = (v & m12) | 0x45000000  # 2^11 + q
+    elif j % 3 == 1:
+        bits = (v & m16) | 0x43000000  # 2^7 + q
+    else:
+        bits = (v & m8) | 0x47000000  # 2^15 + q
+    return bits.to(tl.float32, bitcast=True)
+
+
+# PTX for _nibble_biased on one word ($8) -> its 8 nibbles as floats A_j + q ($0..$7): two
+# shifts and eight lop3 (opaque to the compiler, which otherwise rewrites
+# (w << 12) & (0xF << 12) into ((w & 0xF) << 12) and splits the and-or in two).
+_BIASED_ASM = tl.constexpr(
+    "{ .reg .b32 lo, hi; shl.b32 lo, $8, 12; shr.s32 hi, $8, 12; "
+    "lop3.b32 $0, lo, 0x0000F000, 0x45000000, 0xEA; "
+    "lop3.b32 $1, lo, 0x000F0000, 0x43000000, 0xEA; "
+    "lop3.b32 $2, $8, 0x00000F00, 0x47000000, 0xEA; "
+    "lop3.b32 $3, $8, 0x0000F000, 0x45000000, 0xEA; "
+    "lop3.b32 $4, $8, 0x000F0000, 0x43000000, 0xEA; "
+    "lop3.b32 $5, hi, 0x00000F00, 0x47000000, 0xEA; "
+    "lop3.b32 $6, hi, 0x0000F000, 0x45000000, 0xEA; "
+    "lop3.b32 $7, hi, 0x000F0000, 0x43000000, 0xEA; }"
+)
+
+
+@triton.jit
+def _biased_word_rows(words, x_ptrs, mask, m8, m12, m16, ASM: tl.constexpr):
+    """``(sum_j q_j x_j, sum_j x_j)`` per word row of a ``[rows, BLOCK_N]`` tile of
+    words, with ``_nibble_biased`` (``_BIASED_ASM`` on a GPU): one logic op and one FMA
+    per weight. Two accumulators each begin with a 2^15-biased nibble (j = 2, j = 5),
+    seeded with ``-2^15 x_j`` (exact: a power of two times a 16-bit value), so no
+    partial sum ever holds a 2^15 bias; the 2^11 and 2^7 biases (``xa``) come off at
+    the end. A word row's sum keeps ~12 of fp32's 24 bits below its largest
+    ``A_j x_j`` (2^11)."""
+    if ASM:
+        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+            asm=_BIASED_ASM,
+            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
+            args=[words],
+            dtype=(tl.float32,) * 8,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        low = words << 12
+        high = words >> 12
+        v0 = _nibble_biased(words, low, high, m8, m12, m16, 0)
+        v1 = _nibble_biased(words, low, high, m8, m12, m16, 1)
+        v2 = _nibble_biased(words, low, high, m8, m12, m16, 2)
+        v3 = _nibble_biased(words, low, high, m8, m12, m16, 3)
+        v4 = _nibble_biased(words, low, high, m8, m12, m16, 4)
+        v5 = _nibble_biased(words, low, high, m8, m12, m16, 5)
+        v6 = _nibble_biased(words, low, high, m8, m12, m16, 6)
+        v7 = _nibble_biased(words, low, high, m8, m12, m16, 7)
+    x0 = tl.load(x_ptrs + 0, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(x_ptrs + 1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptrs + 2, mask=mask, other=0.0).to(tl.float32)
+    x3 = tl.load(x_ptrs + 3, mask=mask, other=0.0).to(tl.float32)
+    x4 = tl.load(x_ptrs + 4, mask=mask, other=0.0).to(tl.float32)
+    x5 = tl.load(x_ptrs + 5, mask=mask, other=0.0).to(tl.float32)
+    x6 = tl.load(x_ptrs + 6, mask=mask, other=0.0).to(tl.float32)
+    x7 = tl.load(x_ptrs + 7, mask=mask, other=0.0).to(tl.float32)
+    pa = v2 * x2[:, None] - (x2 * 32768.0)[:, None]
+    pa += v0 * x0[:, None]
+    pa += v1 * x1[:, None]
+    pa += v3 * x3[:, None]
+    pb = v5 * x5[:, None] - (x5 * 32768.0)[:, None]
+    pb += v4 * x4[:, None]
+    pb += v6 * x6[:, None]
+    pb += v7 * x7[:, None]
+    xa = 2048.0 * ((x0 + x3) + x6) + 128.0 * ((x1 + x4) + x7)
+    xs = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+    return (pa + pb) - xa[:, None], xs
+
+
+@triton.jit
+def _gemv_loop(
+    x_row,
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    k_begin,
+    k_end,
+    offs_n,
+    mask_n,
+    N,
+    nibble,
+    m8,
+    m12,
+    m16,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BIASED: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """The GEMV's K loop over one row of ``x``: ``[BLOCK_N]`` dot products (before
+    per-channel scales)."""
+    # Partial products stay 2-D across the whole K loop: one cross-thread reduction at
+    # the end instead of one per tile.
+    if BITS == 8:
+        acc2 = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)
+    else:
+        acc2 = tl.zeros([BLOCK_K // 8, BLOCK_N], tl.float32)
+    # The next tile's weights are loaded before this one's FMAs (a register double
+    # buffer): at one row a program holds too few bytes in flight to cover the memory
+    # latency otherwise.
+    tile = _first_tile(qw_ptr, k_begin, k_end, offs_n, mask_n, N, BITS, BLOCK_K)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        if BITS == 8:
+            ks = k0 + tl.arange(0, BLOCK_K)
+            mask_k = ks < k_end
+            x = tl.load(x_row + ks, mask=mask_k, other=0.0).to(tl.float32)
+            tile_next = _weight_rows(qw_ptr, ks + BLOCK_K, k_end, offs_n, mask_n, N)
+            w = _int8_floats(tile)
+            acc2 += w * x[:, None]
+        else:
+            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            mask_kw = kw < k_end // 8
+            tile_next = _weight_rows(qw_ptr, kw + BLOCK_K // 8, k_end // 8, offs_n, mask_n, N)
+            high = tile >> 12
+            part = tl.zeros([BLOCK_K // 8, BLOCK_N], tl.float32)
+            xs = tl.zeros([BLOCK_K // 8], tl.float32)
+            if BIASED:
+                part, xs = _biased_word_rows(tile, x_row + kw * 8, mask_kw, m8, m12, m16, ASM)
+            else:
+                for j in tl.static_range(8):
+                    xj = tl.load(x_row + kw * 8 + j, mask=mask_kw, other=0.0).to(tl.float32)
+                    part += _nibble_floats(tile, high, nibble, j) * xj[:, None]
+                    xs += xj
+            if GROUP == 0:
+                acc2 += part
+            else:  # per word row: s (sum_j q x - z sum_j x); the tile lies in one group
+                g = (k0 // GROUP) * N + offs_n
+                s = tl.load(s_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+                if HAS_ZEROS:
+                    z = tl.load(z_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+                    acc2 += s * (part - z * xs[:, None])
+                else:
+                    acc2 += s * part
+        tile = tile_next
+    return tl.sum(acc2, axis=0)
+
+
+@triton.jit
 def _weight_gemv_kernel(
     x_ptr,
     qw_ptr,
@@ -93,6 +314,12 @@ def _weight_gemv_kernel(
     stride_ym,
     stride_ysplit,
     nibble,  # 0xF, passed at run time: the masks stay in registers, not in per-use moves
+    N_WORDS,  # int8 with ASM: N / 4, the words per row of qw_ptr (else unused)
+    # int4 with BIASED: 0xF << 8, 12, 16, at run time (derived in the kernel, the
+    # compiler turns (w << 12) & (0xF << 12) into ((w & 0xF) << 12): two more ops)
+    mask8,
+    mask12,
+    mask16,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,  # 0: one scale per output channel (applied at the end)
     HAS_ZEROS: tl.constexpr,
@@ -100,6 +327,8 @@ def _weight_gemv_kernel(
     PARTIAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # int4 with groups: divides GROUP (a tile lies in one group)
+    BIASED: tl.constexpr = False,  # int4: _nibble_biased (16-bit activations)
+    ASM: tl.constexpr = False,  # PTX (a CUDA GPU): int8 _INT8_ASM, int4 _BIASED_ASM
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -107,51 +336,33 @@ def _weight_gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     x_row = x_ptr + row.to(tl.int64) * stride_xm
-    # Partial products stay 2-D across the whole K loop: one cross-thread reduction at
-    # the end instead of one per tile.
-    if BITS == 8:
-        acc2 = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)
-    else:
-        acc2 = tl.zeros([BLOCK_K // 8, BLOCK_N], tl.float32)
     k_begin = pid_k * K_CHUNK
     k_end = tl.minimum(K, k_begin + K_CHUNK)
-    # The next tile's weights are loaded before this one's FMAs (a register double
-    # buffer): at one row a program holds too few bytes in flight to cover the memory
-    # latency otherwise.
-    tile = _first_tile(qw_ptr, k_begin, k_end, offs_n, mask_n, N, BITS, BLOCK_K)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        if BITS == 8:
-            ks = k0 + tl.arange(0, BLOCK_K)
-            mask_k = ks < k_end
-            x = tl.load(x_row + ks, mask=mask_k, other=0.0).to(tl.float32)
-            tile_next = _weight_rows(qw_ptr, ks + BLOCK_K, k_end, offs_n, mask_n, N)
-            w = _int8_floats(tile)
-            acc2 += w * x[:, None]
-            tile = tile_next
-        else:
-            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            mask_kw = kw < k_end // 8
-            tile_next = _weight_rows(qw_ptr, kw + BLOCK_K // 8, k_end // 8, offs_n, mask_n, N)
-            high = tile >> 12
-            part = tl.zeros([BLOCK_K // 8, BLOCK_N], tl.float32)
-            xs = tl.zeros([BLOCK_K // 8], tl.float32)
-            for j in tl.static_range(8):
-                xj = tl.load(x_row + kw * 8 + j, mask=mask_kw, other=0.0).to(tl.float32)
-                qj = _nibble_floats(tile, high, nibble, j)
-                part += qj * xj[:, None]
-                xs += xj
-            if GROUP == 0:
-                acc2 += part
-            else:  # per word row: s (sum_j q x - z sum_j x); the tile lies in one group
-                g = (k0 // GROUP) * N + offs_n
-                s = tl.load(s_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-                if HAS_ZEROS:
-                    z = tl.load(z_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-                    acc2 += s * (part - z * xs[:, None])
-                else:
-                    acc2 += s * part
-            tile = tile_next
-    acc = tl.sum(acc2, axis=0)
+    if BITS == 8 and ASM:  # qw_ptr: the words of four int8 weights
+        acc = _int8_words_gemv(x_row, qw_ptr, k_begin, k_end, pid_n, N_WORDS, BLOCK_N, BLOCK_K)
+    else:
+        acc = _gemv_loop(
+            x_row,
+            qw_ptr,
+            s_ptr,
+            z_ptr,
+            k_begin,
+            k_end,
+            offs_n,
+            mask_n,
+            N,
+            nibble,
+            mask8,
+            mask12,
+            mask16,
+            BITS,
+            GROUP,
+            HAS_ZEROS,
+            BLOCK_N,
+            BLOCK_K,
+            BIASED,
+            ASM,
+        )
     if GROUP == 0:
         acc = acc * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     if not PARTIAL:
@@ -339,9 +550,14 @@ def gemv_fits(bits: int, group: int, block_k: int, has_zeros: bool, rows: int = 
     return group % block_k == 0 and block_k % 8 == 0
 
 
-def launch_gemv(x, qweight, scales, zeros, bits, group, bias, y, m, n, k, k_chunk, split, cfg):
+def launch_gemv(
+    x, qweight, scales, zeros, bits, group, bias, y, m, n, k, k_chunk, split, cfg, biased=None
+):
     """Run the kernel into ``y`` (``[m, n]``, or ``[split, m, n]`` fp32 when split);
-    ``cfg.rows > 1`` takes that many rows of ``x`` per program."""
+    ``cfg.rows > 1`` takes that many rows of ``x`` per program. One-row int4 takes
+    ``_nibble_biased`` for 16-bit activations unless ``biased`` says otherwise."""
+    if biased is None:
+        biased = x.dtype in (torch.bfloat16, torch.float16)
     rows = cfg.rows if m > 1 else 1
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, rows))
     common = (
@@ -365,6 +581,21 @@ def launch_gemv(x, qweight, scales, zeros, bits, group, bias, y, m, n, k, k_chun
         num_stages=cfg.num_stages,
     )
     if rows == 1:
-        _weight_gemv_kernel[grid](*common, n, *strides, **flags)
+        cuda = x.device.type == "cuda"
+        words = bits == 8 and cuda and n % 4 == 0 and qweight.is_contiguous()
+        if words:  # _INT8_ASM on words of four weights
+            common = (common[0], qweight.view(torch.int32), *common[2:])
+        _weight_gemv_kernel[grid](
+            *common,
+            n,
+            *strides,
+            n // 4,
+            0xF << 8,
+            0xF << 12,
+            0xF << 16,
+            **flags,
+            BIASED=bits == 4 and biased,
+            ASM=words or (bits == 4 and cuda),
+        )
     else:
         _weight_gemv_rows_kernel[grid](*common, m, n, *strides, ROWS=rows, **flags)

@@ -87,10 +87,10 @@ def test_weight_gemm_through_the_dequantized_weight(bits, group):
     assert float((got.double() - expected).norm() / expected.norm()) < 1e-5
 
 
-def test_offered_only_when_asked(monkeypatch):
-    monkeypatch.delenv("TOKENLOOM_WEIGHT_DEQUANT", raising=False)
+def test_offered_by_default_to_the_largest_bucket_and_off_when_asked(monkeypatch):
+    monkeypatch.setenv("TOKENLOOM_WEIGHT_DEQUANT", "0")
     assert not any(c.dequant for i in range(5) for c in candidates(i, 4096, 4096, 4, 128, 132))
-    monkeypatch.setenv("TOKENLOOM_WEIGHT_DEQUANT", "1")
+    monkeypatch.delenv("TOKENLOOM_WEIGHT_DEQUANT", raising=False)
     assert any(c.dequant for c in candidates(4, 4096, 4096, 4, 128, 132))
     assert any(c.dequant for c in candidates(4, 4096, 4096, 8, 0, 132))
     assert not any(c.dequant for c in candidates(3, 4096, 4096, 4, 128, 132))

@@ -69,15 +69,15 @@ def test_fp8_gemv_equals_the_reference(m, n, k, block_n, block_k, bias):
     assert float((got.double() - ref).norm() / ref.norm()) < 1e-6
 
 
-def test_offered_only_when_asked(monkeypatch):
+def test_offered_by_default_and_off_when_asked(monkeypatch):
     from tokenloom.plugins.quant.fp8 import Fp8Kernel
 
     weight = torch.zeros(32, 16).to(FP8)
     scales = torch.ones(32, 1)
     monkeypatch.delenv("TOKENLOOM_FP8_GEMV", raising=False)
-    assert Fp8Kernel(weight, scales).gemv_rows == 0
-    monkeypatch.setenv("TOKENLOOM_FP8_GEMV", "1")
     assert Fp8Kernel(weight, scales).gemv_rows == GEMV_ROWS
+    monkeypatch.setenv("TOKENLOOM_FP8_GEMV", "0")
+    assert Fp8Kernel(weight, scales).gemv_rows == 0
 
 
 def test_scales_the_kernel_cannot_read_are_refused():
