@@ -113,9 +113,13 @@ def hottest_loop(sass: str) -> list[tuple[int, str]]:
 QUANT_ARGS = ["x_ptr", "qw_ptr", "s_ptr", "z_ptr", "b_ptr", "y_ptr"]
 
 
-def _quant_sig(bits: int, with_m: bool, extra: list[str]) -> dict[str, str]:
+def _quant_sig(
+    bits: int, with_m: bool, extra: list[str], outputs: tuple[str, ...] = ()
+) -> dict[str, str]:
     sig = {n: "*bf16" for n in QUANT_ARGS}
     sig["qw_ptr"] = "*i32" if bits == 4 else "*i8"
+    for n in outputs:  # the one-row GEMV's o_ptr and cnt_ptr
+        sig[n] = "*i32" if n == "cnt_ptr" else "*bf16"
     if with_m:
         sig["M"] = "i32"
     for n in ["N", "K", "K_CHUNK", "stride_xm", "stride_ym", "stride_ysplit", *extra]:
@@ -154,7 +158,10 @@ def preset(name: str, values: list[int]) -> tuple[Any, dict, dict, list[str], in
             bits,
             name == "rows",
             ["nibble"] if name == "rows" else ["nibble", "N_WORDS", "mask8", "mask12", "mask16"],
+            () if name == "rows" else ("o_ptr", "cnt_ptr"),
         )
+        if os.environ.get("REDUCE") == "1" and name == "gemv":
+            consts.update(PARTIAL=True, REDUCE=True)
         if consts.get("ASM"):
             sig["qw_ptr"] = "*i32"
         if name == "gemv":

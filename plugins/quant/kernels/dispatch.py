@@ -198,7 +198,8 @@ CACHE_NAME = "weight-gemm.json"
 # also with the product transposed (swap).
 # v6: the swapped tiles offered from 1 row, K split up to 256 rows (capped by its bytes).
 # v7: the one-row GEMV's PTX conversions (int8 words of four weights, int4 biased nibbles).
-KERNELS_VERSION = 7
+# v8: the one-row GEMV sums its K splits in the kernel (the last split of a tile).
+KERNELS_VERSION = 8
 
 
 def _load() -> dict[str, Any]:

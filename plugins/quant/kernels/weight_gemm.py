@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from tokenloom.plugins.quant.kernels.int4_tiles import dequant_asm_ok, kmajor_tile
-from tokenloom.plugins.quant.kernels.weight_gemv import gemv_fits, launch_gemv
+from tokenloom.plugins.quant.kernels.weight_gemv import gemv_fits, launch_gemv, reduce_counters
 
 SKINNY_ROWS = 16
 
@@ -276,6 +276,30 @@ def weight_gemm(
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     else:
         y = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    if cfg.gemv and split > 1 and (cfg.rows == 1 or m == 1):
+        # the one-row GEMV sums its splits itself (no second launch)
+        counters = reduce_counters(x.device, triton.cdiv(n, cfg.block_n) * m)
+        if counters is not None:
+            out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+            launch_gemv(
+                x,
+                qweight,
+                scales,
+                zeros,
+                bits,
+                group,
+                bias,
+                y,
+                m,
+                n,
+                k,
+                k_chunk,
+                split,
+                cfg,
+                out=out,
+                counters=counters,
+            )
+            return out
     if cfg.gemv:
         launch_gemv(x, qweight, scales, zeros, bits, group, bias, y, m, n, k, k_chunk, split, cfg)
     else:

@@ -307,6 +307,8 @@ def _weight_gemv_kernel(
     z_ptr,
     b_ptr,
     y_ptr,
+    o_ptr,  # REDUCE: the [M, N] output (y_ptr holds the fp32 partial sums)
+    cnt_ptr,  # REDUCE: int32 arrival counters, one per (row, N tile), zero (and left zero)
     N,
     K,
     K_CHUNK,  # K range of one split, a multiple of BLOCK_K
@@ -329,6 +331,7 @@ def _weight_gemv_kernel(
     BLOCK_K: tl.constexpr,  # int4 with groups: divides GROUP (a tile lies in one group)
     BIASED: tl.constexpr = False,  # int4: _nibble_biased (16-bit activations)
     ASM: tl.constexpr = False,  # PTX (a CUDA GPU): int8 _INT8_ASM, int4 _BIASED_ASM
+    REDUCE: tl.constexpr = False,  # PARTIAL: the last split to finish a tile sums them
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -371,6 +374,64 @@ def _weight_gemv_kernel(
         tl.store(y_ptr + row * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
     else:
         tl.store(y_ptr + pid_k * stride_ysplit + row * stride_ym + offs_n, acc, mask=mask_n)
+        if REDUCE:
+            _reduce_splits(
+                y_ptr,
+                o_ptr,
+                b_ptr,
+                cnt_ptr,
+                acc,
+                row,
+                pid_n,
+                pid_k,
+                offs_n,
+                mask_n,
+                stride_ym,
+                stride_ysplit,
+                HAS_BIAS,
+            )
+
+
+@triton.jit
+def _reduce_splits(
+    y_ptr,
+    o_ptr,
+    b_ptr,
+    cnt_ptr,
+    acc,
+    row,
+    pid_n,
+    pid_k,
+    offs_n,
+    mask_n,
+    stride_ym,
+    stride_ysplit,
+    HAS_BIAS: tl.constexpr,
+):
+    """The split-K sum inside the GEMV (no second launch: at batch 1 the split-sum
+    kernel was 128 launches and ~0.2 ms of a 3.2 ms int4 step). Each program has stored
+    its partial; the barrier orders every thread's store before the one-thread release
+    of the counter, and the program that arrives last (acquire) adds the others'
+    partials (read from L2) to its own, adds the bias, writes the output and resets
+    the counter for the next launch."""
+    tl.debug_barrier()
+    counter = cnt_ptr + row * tl.num_programs(0) + pid_n
+    splits = tl.num_programs(1)
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    if arrived == splits - 1:
+        total = acc
+        for s in range(0, splits):
+            if s != pid_k:
+                total += tl.load(
+                    y_ptr + s * stride_ysplit + row * stride_ym + offs_n,
+                    mask=mask_n,
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+        if HAS_BIAS:
+            total += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        tl.store(o_ptr + row * stride_ym + offs_n, total.to(o_ptr.dtype.element_ty), mask=mask_n)
+        tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
 @triton.jit
@@ -550,15 +611,51 @@ def gemv_fits(bits: int, group: int, block_k: int, has_zeros: bool, rows: int = 
     return group % block_k == 0 and block_k % 8 == 0
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+COUNTERS = 1 << 16  # (row, N tile) pairs one split launch can reduce in the kernel
+
+
+def reduce_counters(device: torch.device, needed: int) -> torch.Tensor | None:
+    """The zeroed int32 arrival counters of ``_reduce_splits`` on ``device`` (allocated
+    once, never inside a CUDA graph capture), or None where ``needed`` exceeds them or
+    they do not exist yet during a capture (the caller then sums the splits itself)."""
+    device = torch.device(device)
+    buf = _COUNTERS.get(device)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _COUNTERS[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return buf if needed <= buf.numel() else None
+
+
 def launch_gemv(
-    x, qweight, scales, zeros, bits, group, bias, y, m, n, k, k_chunk, split, cfg, biased=None
+    x,
+    qweight,
+    scales,
+    zeros,
+    bits,
+    group,
+    bias,
+    y,
+    m,
+    n,
+    k,
+    k_chunk,
+    split,
+    cfg,
+    biased=None,
+    out=None,
+    counters=None,
 ):
     """Run the kernel into ``y`` (``[m, n]``, or ``[split, m, n]`` fp32 when split);
     ``cfg.rows > 1`` takes that many rows of ``x`` per program. One-row int4 takes
-    ``_nibble_biased`` for 16-bit activations unless ``biased`` says otherwise."""
+    ``_nibble_biased`` for 16-bit activations unless ``biased`` says otherwise. With
+    ``out`` and ``counters`` (one-row kernel, split), the last split of each tile sums
+    the partials into ``out`` (with the bias)."""
     if biased is None:
         biased = x.dtype in (torch.bfloat16, torch.float16)
     rows = cfg.rows if m > 1 else 1
+    reduce = split > 1 and rows == 1 and out is not None and counters is not None
     grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, rows))
     common = (
         x,
@@ -573,7 +670,7 @@ def launch_gemv(
         BITS=bits,
         GROUP=group,
         HAS_ZEROS=zeros is not None,
-        HAS_BIAS=bias is not None and split == 1,
+        HAS_BIAS=bias is not None and (split == 1 or reduce),
         PARTIAL=split > 1,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -587,6 +684,8 @@ def launch_gemv(
             common = (common[0], qweight.view(torch.int32), *common[2:])
         _weight_gemv_kernel[grid](
             *common,
+            out if reduce else y,
+            counters if reduce else y,
             n,
             *strides,
             n // 4,
@@ -596,6 +695,7 @@ def launch_gemv(
             **flags,
             BIASED=bits == 4 and biased,
             ASM=words or (bits == 4 and cuda),
+            REDUCE=reduce,
         )
     else:
         _weight_gemv_rows_kernel[grid](*common, m, n, *strides, ROWS=rows, **flags)

@@ -314,3 +314,30 @@ def test_the_biased_int4_nibbles_stay_within_a_tiny_fraction_of_the_exact_gemv(d
         errs[biased] = float((got - expected).norm() / expected.norm())
     assert errs[False] < 1e-6
     assert errs[True] < 1e-4
+
+
+def test_the_one_row_gemv_sums_its_splits_in_the_kernel_and_leaves_the_counters_zero(
+    monkeypatch,
+):
+    # the last split of each tile adds the others' partials (no split-sum launch); a
+    # second call reuses the counters, which every launch leaves at zero
+    from tokenloom.plugins.quant.kernels import weight_gemm as module
+    from tokenloom.plugins.quant.kernels.weight_gemv import reduce_counters
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("the split-sum kernel ran")
+
+    monkeypatch.setattr(module, "_split_sum_kernel", NoLaunch())
+    torch.manual_seed(0)
+    for bits in (4, 8):
+        (qweight, scales, zeros, group), w = _quantized(bits, 40, 256, torch.float32, 32)
+        x = torch.randn(2, 256, device=DEVICE)
+        b = torch.randn(40, device=DEVICE)
+        expected = F.linear(x.double(), w, b.double())
+        for _ in range(2):
+            got = weight_gemm(
+                x, qweight, scales, zeros, bits, group, b, GemmConfig(1, 16, 32, 3, gemv=True)
+            )
+            assert float((got.double() - expected).norm() / expected.norm()) < 1e-5
+        assert int(reduce_counters(x.device, 1).abs().sum()) == 0
