@@ -79,6 +79,7 @@ class Plan:
     kv_tokens: int
     max_concurrency_at_full_length: int
     fits: bool
+    scratch_bytes: int = 0  # int4/int8: the whole-weight dequantization buffer
     advice: list[str] = field(default_factory=list)
 
 
@@ -161,6 +162,25 @@ def weight_bytes(
     return shape.num_layers * per_layer + embeddings + h * element
 
 
+def dequant_scratch_bytes(shape: ModelShape, config: EngineConfig, element: int) -> int:
+    """int4/int8 on a GPU: the 16-bit buffer that the whole-weight dequantization
+    (``plugins/quant/kernels/dequant.py``, prefill chunks) reserves at load, sized to
+    the largest decoder linear it may serve (at most 2^28 weights). The engine reserves
+    it only for layers where the tuner chose that tiling, so this is an upper bound
+    (235 MB for llama-3-8b's gate_up)."""
+    from tokenloom.plugins.quant.kernels.dispatch import DEQUANT_MAX_ELEMENTS, dequant_offered
+
+    if config.quant not in ("int4", "int8") or not dequant_offered():
+        return 0
+    tp = config.tensor_parallel_size
+    h, d = shape.hidden_size, shape.head_dim
+    q = rank_heads(shape.num_heads, tp) * d
+    qkv = q + 2 * rank_heads(shape.num_kv_heads, tp) * d
+    inter = shape.intermediate_size // tp
+    sizes = [n * k for n, k in ((qkv, h), (h, q), (2 * inter, h), (h, inter))]
+    return max((s for s in sizes if s <= DEQUANT_MAX_ELEMENTS), default=0) * element
+
+
 def activation_bytes(shape: ModelShape, config: EngineConfig, element: int) -> int:
     """The peak above weights and KV while the engine profiles: a forward pass of
     ``max_num_batched_tokens`` tokens (the MLP's gate_up and product, the qkv rows and
@@ -199,9 +219,11 @@ def make_plan(config: EngineConfig, gpu_memory_gb: float | None, advice: bool = 
     per_block = 2 * shape.num_layers * per_layer
     weights = weight_bytes(shape, config.quant, element, tp, config.quant_lm_head)
     activations = activation_bytes(shape, config, element)
+    scratch = dequant_scratch_bytes(shape, config, element)
     other = int(OTHER_GIB * GiB)
     reserve = 0 if config.enforce_eager else GRAPH_RESERVE
     available = int(total * config.gpu_memory_utilization) - weights - activations - other
+    available -= scratch
     available -= reserve
     blocks_per_seq = -(-max_len // config.block_size)
     # The engine caps the pool at what every running sequence at full length can use
@@ -220,6 +242,7 @@ def make_plan(config: EngineConfig, gpu_memory_gb: float | None, advice: bool = 
         gpu_memory_utilization=config.gpu_memory_utilization,
         weights_bytes=weights,
         activations_bytes=activations,
+        scratch_bytes=scratch,
         other_bytes=other,
         graph_reserve_bytes=reserve,
         kv_cache_bytes=blocks * per_block,
@@ -304,6 +327,11 @@ def format_table(plan: Plan) -> str:
         ("GPU", f"{plan.gpu}: {plan.total_bytes / g:.2f} GiB x {plan.gpu_memory_utilization:.2f}"),
         ("weights", f"{plan.weights_bytes / g:.2f} GiB per GPU"),
         ("activations (peak)", f"{plan.activations_bytes / g:.2f} GiB (estimate)"),
+        *(
+            [("dequantization buffer", f"{plan.scratch_bytes / g:.2f} GiB (if the tuner picks it)")]
+            if plan.scratch_bytes
+            else []
+        ),
         ("outside torch", f"{plan.other_bytes / g:.2f} GiB (estimate)"),
         ("CUDA-graph reserve", f"{plan.graph_reserve_bytes / g:.2f} GiB"),
         ("KV cache", f"{plan.kv_cache_bytes / g:.2f} GiB ({plan.kv_cache_dtype})"),

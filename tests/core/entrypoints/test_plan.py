@@ -109,3 +109,24 @@ def test_a_quantized_lm_head_counts_at_the_method_s_bytes():
     tied_plain = plan_of("smollm2-135m", quant="int8").weights_bytes
     tied = plan_of("smollm2-135m", quant="int8", quant_lm_head=True).weights_bytes
     assert tied - tied_plain == 49152 * 576 + 4 * 49152
+
+
+@pytest.mark.parametrize(
+    ("quant", "dequant", "engine_kv_gib"),
+    [
+        # docs/results/session10-{int4,int8}-thr-{nodequant,dequant}.json, memory_gib.kv_gib
+        ("int4", "0", 118.30859375),
+        ("int4", "1", 117.83203125),
+        ("int8", "0", 115.271484375),
+        ("int8", "1", 114.794921875),
+    ],
+)
+def test_weight_quantization_and_its_dequantization_buffer_agree_with_the_engine(
+    monkeypatch, quant, dequant, engine_kv_gib
+):
+    # with the whole-weight dequantization (the default) the engine reserves a 16-bit
+    # buffer of its largest linear at load: the plan counts gate_up's 235 MB
+    monkeypatch.setenv("TOKENLOOM_WEIGHT_DEQUANT", dequant)
+    plan = plan_of("llama-3-8b", quant=quant)
+    assert plan.scratch_bytes == (28672 * 4096 * 2 if dequant == "1" else 0)
+    assert abs(plan.kv_cache_bytes / GiB - engine_kv_gib) / engine_kv_gib < 0.01
