@@ -276,32 +276,33 @@ def weight_gemm(
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     else:
         y = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    if cfg.gemv and split > 1 and (cfg.rows == 1 or m == 1):
-        # the one-row GEMV sums its splits itself (no second launch)
-        counters = reduce_counters(x.device, triton.cdiv(n, cfg.block_n) * m)
-        if counters is not None:
-            out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-            launch_gemv(
-                x,
-                qweight,
-                scales,
-                zeros,
-                bits,
-                group,
-                bias,
-                y,
-                m,
-                n,
-                k,
-                k_chunk,
-                split,
-                cfg,
-                out=out,
-                counters=counters,
-            )
-            return out
     if cfg.gemv:
-        launch_gemv(x, qweight, scales, zeros, bits, group, bias, y, m, n, k, k_chunk, split, cfg)
+        # the one-row GEMV sums its splits itself where it can (no second launch)
+        counters = reduce_counters(x.device, triton.cdiv(n, cfg.block_n) * m) if split > 1 else None
+        reduced_out = (
+            torch.empty(m, n, dtype=x.dtype, device=x.device) if counters is not None else None
+        )
+        reduced = launch_gemv(
+            x,
+            qweight,
+            scales,
+            zeros,
+            bits,
+            group,
+            bias,
+            y,
+            m,
+            n,
+            k,
+            k_chunk,
+            split,
+            cfg,
+            out=reduced_out,
+            counters=counters,
+        )
+        if reduced:
+            assert reduced_out is not None
+            return reduced_out
     else:
         _launch_gemm(x, qweight, scales, zeros, bits, group, bias, y, m, n, k, k_chunk, split, cfg)
     if split == 1:

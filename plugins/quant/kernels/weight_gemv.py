@@ -183,7 +183,7 @@ def _biased_word_rows(words, x_ptrs, mask, m8, m12, m16, ASM: tl.constexpr):
     """``(sum_j q_j x_j, sum_j x_j)`` per word row of a ``[rows, BLOCK_N]`` tile of
     words, with ``_nibble_biased`` (``_BIASED_ASM`` on a GPU): one logic op and one FMA
     per weight. Two accumulators each begin with a 2^15-biased nibble (j = 2, j = 5),
-    seeded with ``-2^15 x_j`` (exact: a power of two times a 16-bit value), so no
+    seeded with ``-2^15 x_j`` (exact in the FMA the GPU compiles it to), so no
     partial sum ever holds a 2^15 bias; the 2^11 and 2^7 biases (``xa``) come off at
     the end. A word row's sum keeps ~12 of fp32's 24 bits below its largest
     ``A_j x_j`` (2^11)."""
@@ -413,15 +413,21 @@ def _reduce_splits(
     its partial; the barrier orders every thread's store before the one-thread release
     of the counter, and the program that arrives last (acquire) adds the others'
     partials (read from L2) to its own, adds the bias, writes the output and resets
-    the counter for the next launch."""
+    the counter for the next launch. Every launch on a device shares the counters: they
+    assume one stream (as the engine runs), and a launch aborted midway would leave one
+    non-zero."""
     tl.debug_barrier()
     counter = cnt_ptr + row * tl.num_programs(0) + pid_n
     splits = tl.num_programs(1)
     arrived = tl.atomic_add(counter, 1, sem="acq_rel")
     if arrived == splits - 1:
-        total = acc
+        # in split order whichever split arrived last: the same sum, bit for bit, on
+        # every run (and as the split-sum kernel's)
+        total = tl.zeros_like(acc)
         for s in range(0, splits):
-            if s != pid_k:
+            if s == pid_k:
+                total += acc
+            else:
                 total += tl.load(
                     y_ptr + s * stride_ysplit + row * stride_ym + offs_n,
                     mask=mask_n,
@@ -622,8 +628,10 @@ def reduce_counters(device: torch.device, needed: int) -> torch.Tensor | None:
     device = torch.device(device)
     buf = _COUNTERS.get(device)
     if buf is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
+        if device.type == "cuda":
+            with torch.cuda.device(device):  # the capture state of that device's stream
+                if torch.cuda.is_current_stream_capturing():
+                    return None
         buf = _COUNTERS[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
     return buf if needed <= buf.numel() else None
 
@@ -651,7 +659,7 @@ def launch_gemv(
     ``cfg.rows > 1`` takes that many rows of ``x`` per program. One-row int4 takes
     ``_nibble_biased`` for 16-bit activations unless ``biased`` says otherwise. With
     ``out`` and ``counters`` (one-row kernel, split), the last split of each tile sums
-    the partials into ``out`` (with the bias)."""
+    the partials into ``out`` (with the bias). Returns whether it did."""
     if biased is None:
         biased = x.dtype in (torch.bfloat16, torch.float16)
     rows = cfg.rows if m > 1 else 1
@@ -699,3 +707,4 @@ def launch_gemv(
         )
     else:
         _weight_gemv_rows_kernel[grid](*common, m, n, *strides, ROWS=rows, **flags)
+    return reduce

@@ -341,3 +341,20 @@ def test_the_one_row_gemv_sums_its_splits_in_the_kernel_and_leaves_the_counters_
             )
             assert float((got.double() - expected).norm() / expected.norm()) < 1e-5
         assert int(reduce_counters(x.device, 1).abs().sum()) == 0
+
+
+def test_the_in_kernel_split_sum_adds_in_split_order_bit_for_bit_as_the_split_sum_kernel(
+    monkeypatch,
+):
+    # the last split to arrive sums the partials in split order, not its own first: the
+    # result does not depend on which split finished last, and equals the second launch's
+    from tokenloom.plugins.quant.kernels import weight_gemm as module
+
+    torch.manual_seed(3)
+    (qweight, scales, zeros, group), _ = _quantized(4, 24, 512, torch.float32, 32)
+    x = torch.randn(1, 512, device=DEVICE) * 1e3
+    cfg = GemmConfig(1, 8, 32, 4, gemv=True)
+    fused = weight_gemm(x, qweight, scales, zeros, 4, group, None, cfg)
+    monkeypatch.setattr(module, "reduce_counters", lambda device, needed: None)
+    launched = weight_gemm(x, qweight, scales, zeros, 4, group, None, cfg)
+    assert torch.equal(fused, launched)
