@@ -687,7 +687,13 @@ def launch_gemv(
     )
     if rows == 1:
         cuda = x.device.type == "cuda"
-        words = bits == 8 and cuda and n % 4 == 0 and qweight.is_contiguous()
+        words = (
+            bits == 8
+            and cuda
+            and n % 4 == 0
+            and qweight.is_contiguous()
+            and qweight.storage_offset() % 4 == 0  # view(int32) needs whole words
+        )
         if words:  # _INT8_ASM on words of four weights
             common = (common[0], qweight.view(torch.int32), *common[2:])
         _weight_gemv_kernel[grid](
