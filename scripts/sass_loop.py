@@ -29,7 +29,11 @@ run time). ``--sass FILE`` keeps the full listing; ``TTGIR=FILE`` in the environ
 writes Triton's layouts. The ``gemm`` preset takes ``KMAJOR=1`` (int4's K-major tile),
 ``DEQUANT_ASM=1`` (its PTX dequantization) and ``SWAP=1`` (the product transposed):
 read on 2026-12-02 (session 9), 128x128x64 int4 went 10.6 -> 9.7 (K-major) -> 7.2
-(PTX) instructions per weight, and 16x128x128 swapped 4.9.
+(PTX) instructions per weight, and 16x128x128 swapped 4.9. The ``gemv`` preset takes
+``ASM=1`` (the PTX conversions of ``gemv_weights``: int8 words, int4 nibbles),
+``BIASED=1`` (int4's biased nibbles, as for 16-bit activations) and ``REDUCE=1`` (the
+in-kernel split sum): read in session 10, 64x128 int8 5.02 -> 4.34 (``ASM=1``), int4
+5.47 -> 5.02 (``ASM=1 BIASED=1``), 5.08 with ``REDUCE=1``.
 """
 
 from __future__ import annotations

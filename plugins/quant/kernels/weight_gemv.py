@@ -6,21 +6,22 @@ at a quarter of the FMA rate), so a batch-1 decode of int4 Llama-3-8B ran slower
 than bf16 (issue 12). Here each program streams a ``[BLOCK_K, BLOCK_N]`` slice of
 the weight for ONE row of ``x`` and does the dot products with plain FMAs:
 
-- int4 nibbles become floats without a conversion instruction: OR-ing a value
-  ``q < 2^23`` into the mantissa of ``2^23`` (``0x4B000000``) gives the float
-  ``2^23 + q`` exactly, and one subtraction leaves ``q``;
-- int8 the same way after a sign-preserving offset (``q + 128``);
+- the weights become floats without conversion instructions (``gemv_weights``: OR-ed
+  into the mantissa of a power of two; PTX on a GPU for int8 words and int4 nibbles);
 - per group, ``sum_k (q - z) s x = s (sum_k q x - z sum_k x)``: the zero point and the
   scale are applied once per ``[group, BLOCK_N]`` tile, not per weight;
 - the FMAs accumulate ``[BLOCK_K / 8, BLOCK_N]`` (int8: ``[BLOCK_K, BLOCK_N]``)
   partial products over the whole K range and reduce across rows once, at the end
   (a reduction per tile, through shared memory, held the first version at 20-45% of
-  the bandwidth on the H200).
+  the bandwidth on the H200);
+- split K: the one-row kernel sums its splits itself (the last split of each tile to
+  finish, ``_reduce_splits``); the rows kernel writes fp32 partial sums that the
+  caller adds.
 
 Same layouts and arguments as ``weight_gemm`` (``qweight [K / 8, N]`` int32 for int4,
 ``[K, N]`` int8 for int8; scales per group or per channel). The grid is ``(N tiles,
-K splits, rows)``; split ``K`` writes fp32 partial sums that the caller adds. Which
-tiling (or ``weight_gemm``'s) a layer runs is measured per shape (``dispatch``).
+K splits, rows)``. Which tiling (or ``weight_gemm``'s) a layer runs is measured per
+shape (``dispatch``).
 """
 
 from __future__ import annotations
@@ -29,8 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
-MAGIC = tl.constexpr(0x4B000000)  # the bits of 2.0 ** 23 in fp32
-MAGIC_F = tl.constexpr(8388608.0)
+from tokenloom.plugins.quant.kernels.gemv_weights import (
+    biased_word_rows,
+    int8_floats,
+    int8_word_floats,
+    nibble_floats,
+)
 
 
 @triton.jit
@@ -58,23 +63,6 @@ def _first_tile(
 
 
 @triton.jit
-def _int8_floats(q):
-    """int8 weights as floats: offset by 128 into the mantissa of 2^23, then back."""
-    return ((q.to(tl.int32) + (MAGIC + 128)).to(tl.float32, bitcast=True)) - (MAGIC_F + 128.0)
-
-
-# PTX for four int8 weights in one register ($4) -> the floats 2^23 + (q + 128) ($0..$3):
-# one xor per word turns two's complement into offset binary, then each byte is
-# permuted under the exponent bytes of 2^23 (0x4B000000) by one prmt, without the
-# sign-extension and integer add of ``_int8_floats``.
-_INT8_ASM = tl.constexpr(
-    "{ .reg .b32 t; xor.b32 t, $4, 0x80808080; "
-    "prmt.b32 $0, t, 0x4B000000, 0x7440; prmt.b32 $1, t, 0x4B000000, 0x7441; "
-    "prmt.b32 $2, t, 0x4B000000, 0x7442; prmt.b32 $3, t, 0x4B000000, 0x7443; }"
-)
-
-
-@triton.jit
 def _int8_words_gemv(
     x_row,
     qw_ptr,
@@ -87,7 +75,7 @@ def _int8_words_gemv(
 ):
     """The int8 GEMV's ``[BLOCK_N]`` dot products (before the per-channel scales) with
     the weights read as int32 words of four output channels (``qweight.view(int32)``,
-    ``[K, n_words = N / 4]``) and turned into floats by ``_INT8_ASM``, four per word: one prmt, one
+    ``[K, n_words = N / 4]``) and turned into floats by ``int8_word_floats``: one prmt, one
     subtraction and one FMA per weight. The four channels of a word accumulate apart and
     are interleaved back (``tl.join``) once, at the end."""
     NW: tl.constexpr = BLOCK_N // 4
@@ -102,130 +90,17 @@ def _int8_words_gemv(
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + ks, mask=ks < k_end, other=0.0).to(tl.float32)[:, None]
         tile_next = _weight_rows(qw_ptr, ks + BLOCK_K, k_end, offs_w, mask_w, n_words)
-        w0, w1, w2, w3 = tl.inline_asm_elementwise(
-            asm=_INT8_ASM,
-            constraints="=r,=r,=r,=r,r",
-            args=[tile],
-            dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
-            is_pure=True,
-            pack=1,
-        )
-        a0 += (w0 - (MAGIC_F + 128.0)) * x
-        a1 += (w1 - (MAGIC_F + 128.0)) * x
-        a2 += (w2 - (MAGIC_F + 128.0)) * x
-        a3 += (w3 - (MAGIC_F + 128.0)) * x
+        w0, w1, w2, w3 = int8_word_floats(tile)
+        a0 += w0 * x
+        a1 += w1 * x
+        a2 += w2 * x
+        a3 += w3 * x
         tile = tile_next
     s0 = tl.sum(a0, axis=0)
     s1 = tl.sum(a1, axis=0)
     s2 = tl.sum(a2, axis=0)
     s3 = tl.sum(a3, axis=0)
     return tl.reshape(tl.join(tl.join(s0, s2), tl.join(s1, s3)), [BLOCK_N])
-
-
-@triton.jit
-def _nibble_floats(words, high, nibble, j: tl.constexpr):
-    """Nibble ``j`` of each word as a float. It sits at bit p = 4j (j < 5) or, in
-    ``high = words >> 12``, at 4j - 12 (j >= 5): p <= 16 either way. OR-ed under the
-    exponent of 2^(23 - p) it reads as the float 2^(23 - p) + q exactly, so a weight
-    costs one logic op (and + or), one subtraction and one FMA, without a shift.
-    ``nibble`` is 0xF passed at run time: a constant mask was re-materialised by a
-    move before every use."""
-    if j < 5:
-        bits = (words & (nibble << (4 * j))) | ((150 - 4 * j) << 23)
-        return bits.to(tl.float32, bitcast=True) - (2.0 ** (23 - 4 * j))
-    else:
-        bits = (high & (nibble << (4 * j - 12))) | ((162 - 4 * j) << 23)
-        return bits.to(tl.float32, bitcast=True) - (2.0 ** (35 - 4 * j))
-
-
-@triton.jit
-def _nibble_biased(words, low, high, m8, m12, m16, j: tl.constexpr):
-    """Nibble ``j`` as the float ``A_j + q``, with no subtraction: the nibble sits at bit
-    p = 12, 16 or 8 (``j % 3`` = 0, 1, 2) of ``low = words << 12`` (nibbles 0-1),
-    ``words`` (2-4) or ``high = words >> 12`` (5-7), OR-ed under the exponent of
-    ``A_j = 2^(23 - p)`` (2,048, 128, 32,768). The FMA accumulates
-    ``sum_j (A_j + q_j) x_j`` and ``_biased_word_rows`` takes ``sum_j A_j x_j`` off:
-    one logic op and one FMA per weight, not three. For 16-bit activations only (fp32
-    activations keep ``_nibble_floats``, exact)."""
-    if j < 2:
-        v = low
-    elif j < 5:
-        v = words
-    else:
-        v = high
-    if j % 3 == 0:
-        bits = (v & m12) | 0x45000000  # 2^11 + q
-    elif j % 3 == 1:
-        bits = (v & m16) | 0x43000000  # 2^7 + q
-    else:
-        bits = (v & m8) | 0x47000000  # 2^15 + q
-    return bits.to(tl.float32, bitcast=True)
-
-
-# PTX for _nibble_biased on one word ($8) -> its 8 nibbles as floats A_j + q ($0..$7): two
-# shifts and eight lop3 (opaque to the compiler, which otherwise rewrites
-# (w << 12) & (0xF << 12) into ((w & 0xF) << 12) and splits the and-or in two).
-_BIASED_ASM = tl.constexpr(
-    "{ .reg .b32 lo, hi; shl.b32 lo, $8, 12; shr.s32 hi, $8, 12; "
-    "lop3.b32 $0, lo, 0x0000F000, 0x45000000, 0xEA; "
-    "lop3.b32 $1, lo, 0x000F0000, 0x43000000, 0xEA; "
-    "lop3.b32 $2, $8, 0x00000F00, 0x47000000, 0xEA; "
-    "lop3.b32 $3, $8, 0x0000F000, 0x45000000, 0xEA; "
-    "lop3.b32 $4, $8, 0x000F0000, 0x43000000, 0xEA; "
-    "lop3.b32 $5, hi, 0x00000F00, 0x47000000, 0xEA; "
-    "lop3.b32 $6, hi, 0x0000F000, 0x45000000, 0xEA; "
-    "lop3.b32 $7, hi, 0x000F0000, 0x43000000, 0xEA; }"
-)
-
-
-@triton.jit
-def _biased_word_rows(words, x_ptrs, mask, m8, m12, m16, ASM: tl.constexpr):
-    """``(sum_j q_j x_j, sum_j x_j)`` per word row of a ``[rows, BLOCK_N]`` tile of
-    words, with ``_nibble_biased`` (``_BIASED_ASM`` on a GPU): one logic op and one FMA
-    per weight. Two accumulators each begin with a 2^15-biased nibble (j = 2, j = 5),
-    seeded with ``-2^15 x_j`` (exact in the FMA the GPU compiles it to), so no
-    partial sum ever holds a 2^15 bias; the 2^11 and 2^7 biases (``xa``) come off at
-    the end. A word row's sum keeps ~12 of fp32's 24 bits below its largest
-    ``A_j x_j`` (2^11)."""
-    if ASM:
-        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
-            asm=_BIASED_ASM,
-            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
-            args=[words],
-            dtype=(tl.float32,) * 8,
-            is_pure=True,
-            pack=1,
-        )
-    else:
-        low = words << 12
-        high = words >> 12
-        v0 = _nibble_biased(words, low, high, m8, m12, m16, 0)
-        v1 = _nibble_biased(words, low, high, m8, m12, m16, 1)
-        v2 = _nibble_biased(words, low, high, m8, m12, m16, 2)
-        v3 = _nibble_biased(words, low, high, m8, m12, m16, 3)
-        v4 = _nibble_biased(words, low, high, m8, m12, m16, 4)
-        v5 = _nibble_biased(words, low, high, m8, m12, m16, 5)
-        v6 = _nibble_biased(words, low, high, m8, m12, m16, 6)
-        v7 = _nibble_biased(words, low, high, m8, m12, m16, 7)
-    x0 = tl.load(x_ptrs + 0, mask=mask, other=0.0).to(tl.float32)
-    x1 = tl.load(x_ptrs + 1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptrs + 2, mask=mask, other=0.0).to(tl.float32)
-    x3 = tl.load(x_ptrs + 3, mask=mask, other=0.0).to(tl.float32)
-    x4 = tl.load(x_ptrs + 4, mask=mask, other=0.0).to(tl.float32)
-    x5 = tl.load(x_ptrs + 5, mask=mask, other=0.0).to(tl.float32)
-    x6 = tl.load(x_ptrs + 6, mask=mask, other=0.0).to(tl.float32)
-    x7 = tl.load(x_ptrs + 7, mask=mask, other=0.0).to(tl.float32)
-    pa = v2 * x2[:, None] - (x2 * 32768.0)[:, None]
-    pa += v0 * x0[:, None]
-    pa += v1 * x1[:, None]
-    pa += v3 * x3[:, None]
-    pb = v5 * x5[:, None] - (x5 * 32768.0)[:, None]
-    pb += v4 * x4[:, None]
-    pb += v6 * x6[:, None]
-    pb += v7 * x7[:, None]
-    xa = 2048.0 * ((x0 + x3) + x6) + 128.0 * ((x1 + x4) + x7)
-    xs = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
-    return (pa + pb) - xa[:, None], xs
 
 
 @triton.jit
@@ -269,7 +144,7 @@ def _gemv_loop(
             mask_k = ks < k_end
             x = tl.load(x_row + ks, mask=mask_k, other=0.0).to(tl.float32)
             tile_next = _weight_rows(qw_ptr, ks + BLOCK_K, k_end, offs_n, mask_n, N)
-            w = _int8_floats(tile)
+            w = int8_floats(tile)
             acc2 += w * x[:, None]
         else:
             kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
@@ -279,11 +154,11 @@ def _gemv_loop(
             part = tl.zeros([BLOCK_K // 8, BLOCK_N], tl.float32)
             xs = tl.zeros([BLOCK_K // 8], tl.float32)
             if BIASED:
-                part, xs = _biased_word_rows(tile, x_row + kw * 8, mask_kw, m8, m12, m16, ASM)
+                part, xs = biased_word_rows(tile, x_row + kw * 8, mask_kw, m8, m12, m16, ASM)
             else:
                 for j in tl.static_range(8):
                     xj = tl.load(x_row + kw * 8 + j, mask=mask_kw, other=0.0).to(tl.float32)
-                    part += _nibble_floats(tile, high, nibble, j) * xj[:, None]
+                    part += nibble_floats(tile, high, nibble, j) * xj[:, None]
                     xs += xj
             if GROUP == 0:
                 acc2 += part
@@ -329,8 +204,8 @@ def _weight_gemv_kernel(
     PARTIAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # int4 with groups: divides GROUP (a tile lies in one group)
-    BIASED: tl.constexpr = False,  # int4: _nibble_biased (16-bit activations)
-    ASM: tl.constexpr = False,  # PTX (a CUDA GPU): int8 _INT8_ASM, int4 _BIASED_ASM
+    BIASED: tl.constexpr = False,  # int4: nibble_biased (16-bit activations)
+    ASM: tl.constexpr = False,  # PTX (a CUDA GPU): int8 INT8_ASM, int4 BIASED_ASM
     REDUCE: tl.constexpr = False,  # PARTIAL: the last split to finish a tile sums them
 ):
     pid_n = tl.program_id(0)
@@ -525,7 +400,7 @@ def _weight_gemv_rows_kernel(
             ks = k0 + tl.arange(0, BLOCK_K)
             mask_k = ks < k_end
             tile_next = _weight_rows(qw_ptr, ks + BLOCK_K, k_end, offs_n, mask_n, N)
-            w = _int8_floats(tile)
+            w = int8_floats(tile)
             acc0 += w * _row_x(x_ptr, r0, stride_xm, ks, mask_k, M)[:, None]
             acc1 += w * _row_x(x_ptr, r0 + 1, stride_xm, ks, mask_k, M)[:, None]
             if ROWS == 4:
@@ -546,7 +421,7 @@ def _weight_gemv_rows_kernel(
             xs2 = tl.zeros_like(xs0)
             xs3 = tl.zeros_like(xs0)
             for j in tl.static_range(8):
-                qj = _nibble_floats(tile, high, nibble, j)
+                qj = nibble_floats(tile, high, nibble, j)
                 x0 = _row_x(x_ptr, r0, stride_xm, kw * 8 + j, mask_kw, M)
                 x1 = _row_x(x_ptr, r0 + 1, stride_xm, kw * 8 + j, mask_kw, M)
                 part0 += qj * x0[:, None]
@@ -657,7 +532,7 @@ def launch_gemv(
 ):
     """Run the kernel into ``y`` (``[m, n]``, or ``[split, m, n]`` fp32 when split);
     ``cfg.rows > 1`` takes that many rows of ``x`` per program. One-row int4 takes
-    ``_nibble_biased`` for 16-bit activations unless ``biased`` says otherwise. With
+    ``nibble_biased`` for 16-bit activations unless ``biased`` says otherwise. With
     ``out`` and ``counters`` (one-row kernel, split), the last split of each tile sums
     the partials into ``out`` (with the bias). Returns whether it did."""
     if biased is None:
@@ -694,7 +569,7 @@ def launch_gemv(
             and qweight.is_contiguous()
             and qweight.storage_offset() % 4 == 0  # view(int32) needs whole words
         )
-        if words:  # _INT8_ASM on words of four weights
+        if words:  # INT8_ASM on words of four weights
             common = (common[0], qweight.view(torch.int32), *common[2:])
         _weight_gemv_kernel[grid](
             *common,
