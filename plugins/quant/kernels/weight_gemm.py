@@ -278,7 +278,12 @@ def weight_gemm(
         y = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     if cfg.gemv:
         # the one-row GEMV sums its splits itself where it can (no second launch)
-        counters = reduce_counters(x.device, triton.cdiv(n, cfg.block_n) * m) if split > 1 else None
+        one_row = cfg.rows == 1 or m == 1  # the kernel that can
+        counters = (
+            reduce_counters(x.device, triton.cdiv(n, cfg.block_n) * m)
+            if split > 1 and one_row
+            else None
+        )
         reduced_out = (
             torch.empty(m, n, dtype=x.dtype, device=x.device) if counters is not None else None
         )
