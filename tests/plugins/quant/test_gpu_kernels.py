@@ -27,13 +27,15 @@ def _layer(n: int, k: int) -> Linear:
 
 
 @pytest.mark.parametrize("m", [1, 16, 300])
-def test_fused_per_token_fp8_equals_the_torch_reference(m):
+@pytest.mark.parametrize("k", [4096, 14336])
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_fused_per_token_fp8_equals_the_torch_reference(m, k, one_pass):
     from tokenloom.plugins.quant.fp8 import quantize_fp8_rows
     from tokenloom.plugins.quant.kernels.fp8_quant import per_token_fp8
 
-    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     x[:, 7] *= 50  # an outlier channel
-    q, s = per_token_fp8(x)
+    q, s = per_token_fp8(x, one_pass=one_pass)
     q_ref, s_ref = quantize_fp8_rows(x)
     assert torch.equal(s, s_ref)
     assert torch.equal(q.float(), q_ref.float())
