@@ -133,7 +133,7 @@ def _quant_sig(
 
 def preset(name: str, values: list[int]) -> tuple[Any, dict, dict, list[str], int, int, float]:
     """(kernel, signature, constexprs, divisible args, warps, stages, work per thread)."""
-    from tokenloom.plugins.quant.kernels import weight_gemm, weight_gemv
+    from tokenloom.plugins.quant.kernels import weight_gemm, weight_gemv, weight_gemv_rows
 
     divisible = QUANT_ARGS + ["N", "K", "K_CHUNK", "stride_xm", "stride_ym", "stride_ysplit"]
     if name in ("gemv", "rows"):
@@ -155,7 +155,7 @@ def preset(name: str, values: list[int]) -> tuple[Any, dict, dict, list[str], in
             consts["ASM"] = True
         if name == "rows":
             consts["ROWS"] = rows
-            kernel = weight_gemv._weight_gemv_rows_kernel
+            kernel = weight_gemv_rows._weight_gemv_rows_kernel
         else:
             kernel = weight_gemv._weight_gemv_kernel
         sig = _quant_sig(

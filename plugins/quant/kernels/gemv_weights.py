@@ -9,6 +9,8 @@ plus the integer, exactly.
   PTX ``prmt`` each (``INT8_ASM``): no sign extension or integer add.
 - ``nibble_floats``: int4 nibble ``j`` of a word under the exponent of 2^(23 - 4j),
   one logic op and one subtraction (exact for fp32 activations).
+- ``weight_rows`` / ``first_tile``: the loads of a tile of packed weights (int8 rows,
+  or int4 words of eight rows each).
 - ``nibble_biased`` / ``biased_word_rows``: for 16-bit activations, the nibbles under
   biased exponents (2^11, 2^7, 2^15) and no subtraction per weight; the biases come
   off once per word row (``BIASED_ASM`` on a GPU).
@@ -168,3 +170,27 @@ def int8_word_floats(words):
         w2 - (MAGIC_F + 128.0),
         w3 - (MAGIC_F + 128.0),
     )
+
+
+@triton.jit
+def weight_rows(qw_ptr, rows, limit, offs_n, mask_n, N):
+    """``qweight[rows, offs_n]`` (zeros from row ``limit`` on): int8 weights, or the
+    int4 words that pack eight rows each."""
+    return tl.load(
+        qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :],
+        mask=(rows < limit)[:, None] & mask_n[None, :],
+        other=0,
+    )
+
+
+@triton.jit
+def first_tile(
+    qw_ptr, k_begin, k_end, offs_n, mask_n, N, BITS: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """The weights of the split's first ``BLOCK_K`` rows (the register double buffer's
+    first fill)."""
+    if BITS == 8:
+        return weight_rows(qw_ptr, k_begin + tl.arange(0, BLOCK_K), k_end, offs_n, mask_n, N)
+    else:
+        kw = k_begin // 8 + tl.arange(0, BLOCK_K // 8)
+        return weight_rows(qw_ptr, kw, k_end // 8, offs_n, mask_n, N)
