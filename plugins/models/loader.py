@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenloom.plugins.models.gguf import find_gguf
+from tokenloom.plugins.models.gguf import SOURCE_KEY, find_gguf
 from tokenloom.plugins.models.layers import WeightSlot
 from tokenloom.protocols.components.model import Model, ModelInfo
 from tokenloom.text.tokenizer import model_eos_token_ids
@@ -51,7 +51,8 @@ def load_model(
     random values (benchmarks of real shapes: speed does not depend on the values).
     ``model_dir`` may also be a GGUF file or a directory holding one (see
     ``plugins.models.gguf``). ``prepare(model, hf_config)`` runs after the model is
-    built and before its weights load (a quant method's ``prepare_model``). The model
+    built and before its weights load (a quant method's ``prepare_model``; for a GGUF
+    file, ``hf_config[gguf.SOURCE_KEY]`` is its path). The model
     is built for the current ``plugins.models.parallel`` group: each rank reads only
     its shard of every tensor.
     """
@@ -66,6 +67,8 @@ def load_model(
             files_root, weights = converted_weights(gguf_file, dtype)
             weight_files = [weights]
     hf_config = read_hf_config(files_root)
+    if gguf_file is not None and not random_weights:
+        hf_config[SOURCE_KEY] = str(gguf_file)
     architecture = _architecture(hf_config, files_root)
     factory = _lookup_factory(architecture, registry)
     target = torch.device(device)

@@ -4,7 +4,8 @@ a scale and a zero point each.
 Weights come either from a 16/32-bit checkpoint, quantized at load by round-to-
 nearest (``quantize_int4``: per group an asymmetric grid of 16 steps over the group's
 range and 0, with an integer zero point), or from an AWQ or GPTQ checkpoint,
-whose ``quantization_config`` names the format (``int4_checkpoints``). Both end in
+whose ``quantization_config`` names the format (``int4_checkpoints``), or from a
+GGUF file's own Q4_0/Q4_1 blocks (groups of 32, ``gguf_int4``). All end in
 one layout, the GEMM's: ``qweight [K / 8, N]`` int32 (nibble ``j`` of word ``i`` is
 input row ``8 i + j``), ``scales`` and ``zeros`` ``[G, N]`` in the model's dtype, and
 ``w = (q - z) * s``. A layer whose ``K`` is no multiple of 128 has a shorter last group;
@@ -18,6 +19,7 @@ tiles above). Elsewhere, and as its oracle, the reference path dequantizes and c
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import msgspec
@@ -26,11 +28,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenloom.config import EngineConfig, plugin_settings
+from tokenloom.plugins.models.gguf import SOURCE_KEY
 from tokenloom.plugins.models.layers import Linear
 from tokenloom.plugins.quant.common import WeightQuantMethod, flat, keep, quantization_config
 from tokenloom.protocols.components.quant import LinearKernel
 from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
+
+log = logging.getLogger(__name__)
 
 GROUP_SIZE = 128
 PACK = 8  # 4-bit values per int32
@@ -143,9 +148,12 @@ def int4_kernel(
 
 
 class Int4Settings(msgspec.Struct, forbid_unknown_fields=True):
-    """``[plugin.int4]``: the group size of RTN at load (a checkpoint's own wins)."""
+    """``[plugin.int4]``: the group size of RTN at load (a checkpoint's own wins), and
+    whether a GGUF file's Q4_0/Q4_1 linears keep their own blocks (groups of 32, no
+    second rounding; ``gguf_blocks = false`` rounds them again by RTN)."""
 
     group_size: int = GROUP_SIZE
+    gguf_blocks: bool = True
 
     def __post_init__(self) -> None:
         if self.group_size < 8 or self.group_size % 8:
@@ -159,12 +167,26 @@ class Int4Quant(WeightQuantMethod):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        self.group = plugin_settings(config, "int4", Int4Settings).group_size
+        self.settings = plugin_settings(config, "int4", Int4Settings)
+        self.group = self.settings.group_size
         self.checkpoint: Any = None  # int4_checkpoints.Int4Checkpoint when pre-quantized
+        self.gguf: Any = None  # gguf_int4.GGUFBlocks of a GGUF file with 4-bit linears
 
     def prepare_model(self, model: nn.Module, hf_config: dict[str, Any]) -> None:
         qc = quantization_config(hf_config)
         if qc is None:
+            source = hf_config.get(SOURCE_KEY)
+            if source and self.settings.gguf_blocks:
+                from tokenloom.plugins.quant.gguf_int4 import BLOCK, GGUFBlocks
+
+                blocks = GGUFBlocks(source, hf_config, model)
+                if len(blocks):
+                    log.info(
+                        "int4: %d layers keep the GGUF file's Q4_0/Q4_1 blocks (groups of %d)",
+                        len(blocks),
+                        BLOCK,
+                    )
+                    self.gguf = blocks
             return
         from tokenloom.plugins.quant.int4_checkpoints import Int4Checkpoint
 
@@ -174,6 +196,10 @@ class Int4Quant(WeightQuantMethod):
         self.prepared = self.checkpoint.prepare(model)
 
     def make_kernel(self, layer: Linear) -> LinearKernel:
+        if self.gguf is not None and (blocks := self.gguf.convert(layer)) is not None:
+            from tokenloom.plugins.quant.gguf_int4 import BLOCK
+
+            return int4_kernel(layer, *blocks, BLOCK)
         qweight, scales, zeros = quantize_int4(layer.weight.data, self.group)
         return int4_kernel(layer, qweight, scales, zeros, self.group)
 
@@ -190,7 +216,8 @@ def tokenloom_register_components() -> list[ComponentSpec]:
             "quant",
             "int4",
             Int4Quant,
-            "4-bit weights (W4A16), groups of 128; RTN at load, AWQ and GPTQ checkpoints",
+            "4-bit weights (W4A16), groups of 128; RTN at load, AWQ and GPTQ checkpoints, "
+            "GGUF Q4_0/Q4_1 blocks",
             settings=Int4Settings,
         )
     ]

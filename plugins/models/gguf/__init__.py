@@ -17,6 +17,10 @@ from __future__ import annotations
 from pathlib import Path
 
 GGUF_SUFFIX = ".gguf"
+# The key under which ``loader.load_model`` hands a GGUF model's source file to the
+# ``prepare`` hook (in ``hf_config``, real weights only): a quant method may read the
+# file's own quantized blocks instead of the dequantized copy (``quant.gguf_int4``).
+SOURCE_KEY = "tokenloom_gguf_file"
 
 
 def find_gguf(path: str | Path) -> Path | None:
