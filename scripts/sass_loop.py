@@ -33,7 +33,9 @@ read on 2026-12-02 (session 9), 128x128x64 int4 went 10.6 -> 9.7 (K-major) -> 7.
 ``ASM=1`` (the PTX conversions of ``gemv_weights``: int8 words, int4 nibbles),
 ``BIASED=1`` (int4's biased nibbles, as for 16-bit activations) and ``REDUCE=1`` (the
 in-kernel split sum): read in session 10, 64x128 int8 5.02 -> 4.34 (``ASM=1``), int4
-5.47 -> 5.02 (``ASM=1 BIASED=1``), 5.08 with ``REDUCE=1``.
+5.47 -> 5.02 (``ASM=1 BIASED=1``), 5.08 with ``REDUCE=1``. ``GROUP=32`` (``gemv``,
+``rows``) compiles int4 groups smaller than the tile (a scale and a zero point per word
+row): 64x128 ``ASM=1 BIASED=1 REDUCE=1`` 4.42, rows 64x128x4 2.67 per weight-row.
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ def preset(name: str, values: list[int]) -> tuple[Any, dict, dict, list[str], in
         bits = rest[-1] if len(rest) > (1 if name == "rows" else 0) else 4
         consts: dict[str, Any] = dict(
             BITS=bits,
-            GROUP=128 if bits == 4 else 0,
+            GROUP=int(os.environ.get("GROUP", "128")) if bits == 4 else 0,
             HAS_ZEROS=bits == 4,
             HAS_BIAS=False,
             PARTIAL=False,

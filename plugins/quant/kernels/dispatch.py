@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -49,7 +49,7 @@ SKINNY = [
     GemmConfig(16, 16, 256, 1, 4, 4),
     GemmConfig(16, 32, 256, 1, 4, 4, expand=False),
 ]
-GEMV = [  # weight_gemv tilings (block_m unused); int4 groups of 128 take BLOCK_K 64 or 128
+GEMV = [  # weight_gemv tilings (block_m unused); int4 takes those that nest with its groups
     GemmConfig(1, 64, 128, 1, 4, 3, gemv=True),
     GemmConfig(1, 32, 128, 1, 4, 4, gemv=True),
     GemmConfig(1, 128, 128, 1, 4, 3, gemv=True),
@@ -149,7 +149,17 @@ def _with_split(cfg: GemmConfig, n: int, k: int, num_sms: int, rows: int) -> lis
     return configs
 
 
-def candidates(index: int, n: int, k: int, bits: int, group: int, num_sms: int):
+def exact_for_fractional_zeros(cfg: GemmConfig) -> bool:
+    """Whether a tiling computes ``(q - z) s`` exactly for a zero point that is no
+    integer (a GGUF Q4_1 file's ``-m / d``): the GEMVs and the gather tiles do; the
+    expanded, K-major and whole-weight dequantization tiles fold ``z`` into the 2^23
+    conversion constant, which rounds it to an integer."""
+    return cfg.gemv or not (cfg.expand or cfg.kmajor or cfg.dequant)
+
+
+def candidates(
+    index: int, n: int, k: int, bits: int, group: int, num_sms: int, fractional: bool = False
+):
     pools = (
         GEMV + SKINNY + KMAJOR_SKINNY,
         GEMV + GEMV_ROWS + SKINNY + KMAJOR_SKINNY,
@@ -169,7 +179,13 @@ def candidates(index: int, n: int, k: int, bits: int, group: int, num_sms: int):
             result.append(cfg)
     if index == len(BUCKETS) - 1 and dequant_offered() and n * k <= DEQUANT_MAX_ELEMENTS:
         result.append(DEQUANT)
-    return [c for c in result if c.fits(bits, group) and (bits == 4 or c.expand)]
+    return [
+        c
+        for c in result
+        if c.fits(bits, group)
+        and (bits == 4 or c.expand)
+        and (not fractional or exact_for_fractional_zeros(c))
+    ]
 
 
 # The whole weight dequantized into a 16-bit scratch buffer, then cuBLAS: for prefill
@@ -199,7 +215,8 @@ CACHE_NAME = "weight-gemm.json"
 # v6: the swapped tiles offered from 1 row, K split up to 256 rows (capped by its bytes).
 # v7: the one-row GEMV's PTX conversions (int8 words of four weights, int4 biased nibbles).
 # v8: the one-row GEMV sums its K splits in the kernel (the last split of a tile).
-KERNELS_VERSION = 8
+# v9: the GEMVs serve int4 groups smaller than the tile (a group per word row).
+KERNELS_VERSION = 9
 
 
 def _load() -> dict[str, Any]:
@@ -226,9 +243,11 @@ def choose_configs(
     device = qweight.device
     if device.type != "cuda":
         return tuple(choose_config(m[-1], n, k, 4) for _, m in BUCKETS)  # type: ignore[return-value]
+    fractional = zeros is not None and bool((zeros != zeros.round()).any())
     key = (
         f"{torch.cuda.get_device_name(device)}|torch {torch.__version__}|"
         f"triton {triton.__version__}|int{bits} g{group}|{n}x{k}|{dtype}|zeros {zeros is not None}"
+        f"{' fractional' if fractional else ''}"
         f"|kernels v{KERNELS_VERSION}{' dequant' if dequant_offered() else ''}"
     )
     if key not in _DECIDED:
@@ -236,7 +255,9 @@ def choose_configs(
         if stored and len(stored) == len(BUCKETS):
             _DECIDED[key] = tuple(GemmConfig(**c) for c in stored)  # type: ignore[assignment]
         else:
-            _DECIDED[key] = _measure(qweight, scales, zeros, bits, group, dtype, reference)
+            _DECIDED[key] = _measure(
+                qweight, scales, zeros, bits, group, dtype, reference, fractional
+            )
             _store(key, _DECIDED[key])
     if any(c.dequant for c in _DECIDED[key]):  # its buffer now, never inside a graph capture
         from tokenloom.plugins.quant.kernels.dequant import reserve
@@ -246,7 +267,7 @@ def choose_configs(
 
 
 @torch.inference_mode()
-def _measure(qweight, scales, zeros, bits, group, dtype, reference) -> Configs:
+def _measure(qweight, scales, zeros, bits, group, dtype, reference, fractional=False) -> Configs:
     from tokenloom.plugins.models.cuda_timing import time_graph
 
     n = qweight.shape[1]
@@ -257,7 +278,9 @@ def _measure(qweight, scales, zeros, bits, group, dtype, reference) -> Configs:
         xs = [torch.randn(m, k, dtype=dtype, device=qweight.device) for m in rows]
         expected = [reference(x).float() for x in xs]
         best, best_time = choose_config(rows[-1], n, k, num_sms), float("inf")
-        for cfg in candidates(index, n, k, bits, group, num_sms):
+        if fractional:  # the fallback, too, must take the zero points as they are
+            best = replace(best, expand=False)
+        for cfg in candidates(index, n, k, bits, group, num_sms, fractional):
             try:
                 for x, ref in zip(xs, expected, strict=True):
                     y = weight_gemm(x, qweight, scales, zeros, bits, group, None, cfg).float()

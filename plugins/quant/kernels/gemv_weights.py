@@ -10,7 +10,8 @@ plus the integer, exactly.
 - ``nibble_floats``: int4 nibble ``j`` of a word under the exponent of 2^(23 - 4j),
   one logic op and one subtraction (exact for fp32 activations).
 - ``weight_rows`` / ``first_tile``: the loads of a tile of packed weights (int8 rows,
-  or int4 words of eight rows each).
+  or int4 words of eight rows each); ``word_row_groups``: the scales or zeros of each
+  word row, where int4 groups are smaller than the tile.
 - ``nibble_biased`` / ``biased_word_rows``: for 16-bit activations, the nibbles under
   biased exponents (2^11, 2^7, 2^15) and no subtraction per weight; the biases come
   off once per word row (``BIASED_ASM`` on a GPU).
@@ -181,6 +182,15 @@ def weight_rows(qw_ptr, rows, limit, offs_n, mask_n, N):
         mask=(rows < limit)[:, None] & mask_n[None, :],
         other=0,
     )
+
+
+@triton.jit
+def word_row_groups(ptr, kw, mask_kw, offs_n, mask_n, N, GROUP: tl.constexpr):
+    """``ptr[8 kw // GROUP, offs_n]`` in fp32: the scales (or zeros) ``[G, N]`` of the
+    group of each word row ``kw``, for int4 groups smaller than the tile (``GROUP`` a
+    multiple of 8: a word's eight rows lie in one group)."""
+    g = (kw // (GROUP // 8))[:, None] * N + offs_n[None, :]
+    return tl.load(ptr + g, mask=mask_kw[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
 
 
 @triton.jit

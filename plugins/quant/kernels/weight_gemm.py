@@ -60,7 +60,7 @@ class GemmConfig:
 
     def fits(self, bits: int, group: int) -> bool:
         """Whether this tiling can serve the format (the reshape path needs the tile
-        and the group to nest; the GEMV's tiles must lie in one group)."""
+        and the group to nest, as must the GEMV's; K-major tiles lie in one group)."""
         if self.dequant:
             from tokenloom.plugins.quant.kernels.dequant import fits as dequant_fits
 

@@ -14,6 +14,7 @@ from tokenloom.plugins.quant.kernels.gemv_weights import (
     int8_floats,
     nibble_floats,
     weight_rows,
+    word_row_groups,
 )
 
 
@@ -143,10 +144,16 @@ def _weight_gemv_rows_kernel(
                 acc2 += part2
                 acc3 += part3
             else:
-                g = (k0 // GROUP) * N + offs_n
-                s = tl.load(s_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+                if GROUP >= BLOCK_K:  # the tile lies in one group
+                    g = (k0 // GROUP) * N + offs_n
+                    s = tl.load(s_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+                else:  # groups smaller than the tile: the scale of each word row
+                    s = word_row_groups(s_ptr, kw, mask_kw, offs_n, mask_n, N, GROUP)
                 if HAS_ZEROS:
-                    z = tl.load(z_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+                    if GROUP >= BLOCK_K:
+                        z = tl.load(z_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+                    else:
+                        z = word_row_groups(z_ptr, kw, mask_kw, offs_n, mask_n, N, GROUP)
                     acc0 += s * (part0 - z * xs0[:, None])
                     acc1 += s * (part1 - z * xs1[:, None])
                     if ROWS == 4:
