@@ -17,6 +17,7 @@ import triton.language as tl
 
 from tokenloom.plugins.attention import kv_quant
 from tokenloom.plugins.attention.triton_kernels.kv_write import quantize_with, scale_of
+from tokenloom.plugins.models.pdl import launch_options, release, wait
 
 
 @triton.jit
@@ -32,10 +33,14 @@ def _add_rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait
+    wait(USE_PDL)
+    release(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
@@ -44,7 +49,6 @@ def _add_rms_norm_kernel(
     xf = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
     normed = (xf * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * n_cols + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -73,12 +77,17 @@ def add_rms_norm(
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
             num_warps=min(16, max(1, block // 256)),
+            **launch_options(x.device),
         )
     return out, summed
 
 
 @triton.jit
-def _silu_and_mul_kernel(in_ptr, out_ptr, stride_in, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    in_ptr, out_ptr, stride_in, n_cols, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
+    wait(USE_PDL)
+    release(USE_PDL)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -99,7 +108,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     if rows:
         block = min(1024, triton.next_power_of_2(cols))
         _silu_and_mul_kernel[(rows, triton.cdiv(cols, block))](
-            gate_up, out, gate_up.stride(0), cols, BLOCK=block, num_warps=4
+            gate_up,
+            out,
+            gate_up.stride(0),
+            cols,
+            BLOCK=block,
+            num_warps=4,
+            **launch_options(gate_up.device),
         )
     return out
 
@@ -180,7 +195,10 @@ def _qk_norm_rope_kernel(
     PAGE_SIZE: tl.constexpr,
     QMAX: tl.constexpr,
     IS_INT8: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait(USE_PDL)
+    release(USE_PDL)
     token = tl.program_id(0)
     cols = tl.arange(0, HALF)[None, :]
     cos = tl.load(cos_ptr + token * stride_cos + cols).to(tl.float32)
@@ -323,4 +341,5 @@ def qk_norm_rope_(
         QMAX=kv_quant.QMAX[k_cache.dtype] if quantized else 1.0,
         IS_INT8=quantized and k_cache.dtype == torch.int8,
         num_warps=4,
+        **launch_options(q.device),
     )

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from tokenloom.plugins.attention import kv_quant
+from tokenloom.plugins.models.pdl import launch_options, release, wait
 
 # p * v_scale enters the second dot in f16, multiplied by this (undone after the loop):
 # small probabilities stay out of f16's subnormals, and the product overflows only for a
@@ -126,7 +127,10 @@ def _decode_kernel(
     P_LIFT: tl.constexpr,
     KV_ASM: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait(USE_PDL)  # the query, lengths and cache come from the kernels before
+    release(USE_PDL)
     if HEADS_FIRST:  # a request's KV heads run side by side: whole token rows from DRAM
         kv_head = tl.program_id(0)
         seq = tl.program_id(1)
@@ -327,4 +331,5 @@ def decode_attention(
         num_warps=num_warps,
         num_stages=num_stages,
         **({"maxnreg": maxnreg} if maxnreg else {}),
+        **launch_options(q.device),
     )

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenloom.plugins.models.pdl import launch_options, release, wait
+
 GEMV_ROWS = 4  # the most rows of x this kernel serves (each row re-reads the weight)
 
 
@@ -45,13 +47,21 @@ def _fp8_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.program_id(1).to(tl.int64)
     mask_n = offs_n < N
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # the first weight tile is read before the wait (PDL: while the kernel before runs)
+    ks = tl.arange(0, BLOCK_K)
+    mask_k = ks < K
+    w = tl.load(w_rows + ks[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+    wait(USE_PDL)
+    release(USE_PDL)
+    xq = tl.load(xq_ptr + row * stride_xq + ks, mask=mask_k, other=0.0).to(tl.float32)
+    acc = w.to(tl.float32) * xq[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         mask_k = ks < K
         xq = tl.load(xq_ptr + row * stride_xq + ks, mask=mask_k, other=0.0).to(tl.float32)
@@ -102,5 +112,6 @@ def fp8_gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=4,
+        **launch_options(xq.device),
     )
     return y

@@ -16,11 +16,17 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenloom.plugins.models.pdl import launch_options, release, wait
+
 FP8_MAX = 448.0
 
 
 @triton.jit
-def _per_token_fp8_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr):
+def _per_token_fp8_kernel(
+    x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
+    wait(USE_PDL)
+    release(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     amax = tl.zeros([BLOCK], tl.float32)
@@ -39,11 +45,15 @@ def _per_token_fp8_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.
 
 
 @triton.jit
-def _per_token_fp8_row_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr):
+def _per_token_fp8_row_kernel(
+    x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
     """``_per_token_fp8_kernel`` for rows of at most ``BLOCK`` elements: the row is
     loaded once and kept in registers, so a call is one load round, not two passes of
     up to 7 (K = 14,336 in 2,048-element blocks) one after another. The same
     arithmetic, so the same bits."""
+    wait(USE_PDL)
+    release(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     ks = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * stride_x + ks, mask=ks < K, other=0.0).to(tl.float32)
@@ -54,10 +64,12 @@ def _per_token_fp8_row_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK:
 
 
 ROW_BLOCK_MAX = 16384  # rows up to this length can take the one-pass kernel
-# Opt-in (TOKENLOOM_FP8_ONE_PASS=1, read once) until a GPU session measures it: written
-# after session 10's device time was spent. Predicted: fp8 batch 1 ~0.3 ms faster per
-# step (128 calls, down_proj's K = 14,336 took 14 dependent load rounds).
-ONE_PASS = os.environ.get("TOKENLOOM_FP8_ONE_PASS", "0") == "1"
+# On by default since it was measured (session 11, one H200, `bench latency --model
+# llama-3-8b --quant fp8`: 3.98 -> 3.89 ms per step, and 3.94 -> 3.84 in a second machine
+# start, both without PDL; predicted ~0.3 ms: 128 calls per
+# step, down_proj's K = 14,336 took 14 dependent load rounds); TOKENLOOM_FP8_ONE_PASS=0
+# turns it off (read once).
+ONE_PASS = os.environ.get("TOKENLOOM_FP8_ONE_PASS", "1") != "0"
 
 
 def per_token_fp8(
@@ -74,9 +86,13 @@ def per_token_fp8(
         block = triton.next_power_of_2(k)
         warps = max(4, min(16, block // 1024))  # about 32 elements a thread
         _per_token_fp8_row_kernel[(m,)](
-            x, q, scales, k, x.stride(0), q.stride(0), BLOCK=block, num_warps=warps
-        )
+            x, q, scales, k, x.stride(0), q.stride(0), BLOCK=block, num_warps=warps,
+            **launch_options(x.device),
+        )  # fmt: skip
         return q, scales
     block = min(2048, triton.next_power_of_2(k))
-    _per_token_fp8_kernel[(m,)](x, q, scales, k, x.stride(0), q.stride(0), BLOCK=block, num_warps=4)
+    _per_token_fp8_kernel[(m,)](
+        x, q, scales, k, x.stride(0), q.stride(0), BLOCK=block, num_warps=4,
+        **launch_options(x.device),
+    )  # fmt: skip
     return q, scales

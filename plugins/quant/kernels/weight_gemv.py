@@ -9,7 +9,9 @@ the weight for ONE row of ``x`` and does the dot products with plain FMAs:
 - the weights become floats without conversion instructions (``gemv_weights``: OR-ed
   into the mantissa of a power of two; PTX on a GPU for int8 words and int4 nibbles);
 - per group, ``sum_k (q - z) s x = s (sum_k q x - z sum_k x)``: the zero point and the
-  scale are applied once per ``[group, BLOCK_N]`` tile, not per weight;
+  scale are applied once per word row of eight weights, not per weight (one scale row
+  per tile where the tile lies in one group; groups smaller than the tile, such as
+  llama.cpp's 32, load the scales and zeros of each word row);
 - the FMAs accumulate ``[BLOCK_K / 8, BLOCK_N]`` (int8: ``[BLOCK_K, BLOCK_N]``)
   partial products over the whole K range and reduce across rows once, at the end
   (a reduction per tile, through shared memory, held the first version at 20-45% of
@@ -30,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenloom.plugins.models.pdl import launch_options, release, wait
 from tokenloom.plugins.quant.kernels.gemv_weights import (
     biased_word_rows,
     first_tile,
@@ -37,6 +40,7 @@ from tokenloom.plugins.quant.kernels.gemv_weights import (
     int8_word_floats,
     nibble_floats,
     weight_rows,
+    word_row_groups,
 )
 from tokenloom.plugins.quant.kernels.weight_gemv_rows import _weight_gemv_rows_kernel
 
@@ -51,6 +55,7 @@ def _int8_words_gemv(
     n_words,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """The int8 GEMV's ``[BLOCK_N]`` dot products (before the per-channel scales) with
     the weights read as int32 words of four output channels (``qweight.view(int32)``,
@@ -65,6 +70,7 @@ def _int8_words_gemv(
     a2 = tl.zeros_like(a0)
     a3 = tl.zeros_like(a0)
     tile = weight_rows(qw_ptr, k_begin + tl.arange(0, BLOCK_K), k_end, offs_w, mask_w, n_words)
+    wait(USE_PDL)  # the first weight tile is in flight; x comes from the kernel before
     for k0 in range(k_begin, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + ks, mask=ks < k_end, other=0.0).to(tl.float32)[:, None]
@@ -104,6 +110,7 @@ def _gemv_loop(
     BLOCK_K: tl.constexpr,
     BIASED: tl.constexpr,
     ASM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """The GEMV's K loop over one row of ``x``: ``[BLOCK_N]`` dot products (before
     per-channel scales)."""
@@ -117,6 +124,7 @@ def _gemv_loop(
     # buffer): at one row a program holds too few bytes in flight to cover the memory
     # latency otherwise.
     tile = first_tile(qw_ptr, k_begin, k_end, offs_n, mask_n, N, BITS, BLOCK_K)
+    wait(USE_PDL)  # the first weight tile is in flight; x comes from the kernel before
     for k0 in range(k_begin, k_end, BLOCK_K):
         if BITS == 8:
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -141,11 +149,18 @@ def _gemv_loop(
                     xs += xj
             if GROUP == 0:
                 acc2 += part
-            else:  # per word row: s (sum_j q x - z sum_j x); the tile lies in one group
+            elif GROUP >= BLOCK_K:  # per word row: s (sum_j q x - z sum_j x); one group
                 g = (k0 // GROUP) * N + offs_n
                 s = tl.load(s_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
                 if HAS_ZEROS:
                     z = tl.load(z_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+                    acc2 += s * (part - z * xs[:, None])
+                else:
+                    acc2 += s * part
+            else:  # groups smaller than the tile: the scale and zero of each word row
+                s = word_row_groups(s_ptr, kw, mask_kw, offs_n, mask_n, N, GROUP)
+                if HAS_ZEROS:
+                    z = word_row_groups(z_ptr, kw, mask_kw, offs_n, mask_n, N, GROUP)
                     acc2 += s * (part - z * xs[:, None])
                 else:
                     acc2 += s * part
@@ -182,11 +197,13 @@ def _weight_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     PARTIAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # int4 with groups: divides GROUP (a tile lies in one group)
+    BLOCK_K: tl.constexpr,  # int4 with groups: divides GROUP or is a multiple of it
     BIASED: tl.constexpr = False,  # int4: nibble_biased (16-bit activations)
     ASM: tl.constexpr = False,  # PTX (a CUDA GPU): int8 INT8_ASM, int4 BIASED_ASM
     REDUCE: tl.constexpr = False,  # PARTIAL: the last split to finish a tile sums them
+    USE_PDL: tl.constexpr = False,  # plugins/models/pdl.py: weights stream before the wait
 ):
+    release(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     row = tl.program_id(2)
@@ -196,7 +213,9 @@ def _weight_gemv_kernel(
     k_begin = pid_k * K_CHUNK
     k_end = tl.minimum(K, k_begin + K_CHUNK)
     if BITS == 8 and ASM:  # qw_ptr: the words of four int8 weights
-        acc = _int8_words_gemv(x_row, qw_ptr, k_begin, k_end, pid_n, N_WORDS, BLOCK_N, BLOCK_K)
+        acc = _int8_words_gemv(
+            x_row, qw_ptr, k_begin, k_end, pid_n, N_WORDS, BLOCK_N, BLOCK_K, USE_PDL
+        )
     else:
         acc = _gemv_loop(
             x_row,
@@ -219,6 +238,7 @@ def _weight_gemv_kernel(
             BLOCK_K,
             BIASED,
             ASM,
+            USE_PDL,
         )
     if GROUP == 0:
         acc = acc * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -299,15 +319,18 @@ ROWS_PER_PROGRAM = (1, 2, 4)  # the row counts the kernels spell out
 
 def gemv_fits(bits: int, group: int, block_k: int, has_zeros: bool, rows: int = 1) -> bool:
     """Whether the GEMV serves this format with this ``BLOCK_K`` and ``rows`` per
-    program: int4 groups must hold whole tiles; per-channel int4 with zero points is
-    not a format we store; other row counts would leave rows unwritten."""
+    program: int4 groups must hold whole tiles, or tiles whole groups of whole words
+    (a multiple of 8 rows); per-channel int4 with zero points is not a format we
+    store; other row counts would leave rows unwritten."""
     if rows not in ROWS_PER_PROGRAM:
         return False
     if bits == 8:
         return group == 0 and not has_zeros
     if group == 0:
         return not has_zeros and block_k % 8 == 0
-    return group % block_k == 0 and block_k % 8 == 0
+    if block_k % 8 != 0:
+        return False
+    return group % block_k == 0 or (group % 8 == 0 and block_k % group == 0)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -403,6 +426,7 @@ def launch_gemv(
             BIASED=bits == 4 and biased,
             ASM=words or (bits == 4 and cuda),
             REDUCE=reduce,
+            **launch_options(x.device),
         )
     else:
         _weight_gemv_rows_kernel[grid](*common, m, n, *strides, ROWS=rows, **flags)

@@ -1,10 +1,12 @@
-"""The per-token fp8 activation quantization: the opt-in one-pass kernel (rows up to
+"""The per-token fp8 activation quantization: the one-pass kernel (the default; rows up to
 16,384 elements held in registers) gives the two-pass kernel's bits, and the oracle's
 scales.
 In the interpreter on the CPU; the GPU test against torch's own e4m3 cast is
 ``test_gpu_kernels.py::test_fused_per_token_fp8_equals_the_torch_reference``."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -31,6 +33,9 @@ def test_the_one_pass_kernel_gives_the_two_pass_kernel_s_bits(dtype, m, k):
 
 
 def test_rows_up_to_the_limit_take_the_one_pass_kernel_when_it_is_on(monkeypatch):
+    from tokenloom.plugins.quant.kernels.fp8_quant import ONE_PASS
+
+    assert ONE_PASS or os.environ.get("TOKENLOOM_FP8_ONE_PASS") == "0"  # the default
     from tokenloom.plugins.quant.kernels import fp8_quant
 
     monkeypatch.setattr(fp8_quant, "ONE_PASS", True)
@@ -53,6 +58,6 @@ def test_rows_up_to_the_limit_take_the_one_pass_kernel_when_it_is_on(monkeypatch
     )
     per_token_fp8(torch.randn(1, 64, device=DEVICE))
     per_token_fp8(torch.randn(1, ROW_BLOCK_MAX + 8, device=DEVICE))
-    monkeypatch.setattr(fp8_quant, "ONE_PASS", False)  # off by default until measured
+    monkeypatch.setattr(fp8_quant, "ONE_PASS", False)  # TOKENLOOM_FP8_ONE_PASS=0
     per_token_fp8(torch.randn(1, 64, device=DEVICE))
     assert seen == ["one", "two", "two"]
