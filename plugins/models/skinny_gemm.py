@@ -23,6 +23,7 @@ import triton.language as tl
 
 from tokenloom.plugins.models import tuning_cache
 from tokenloom.plugins.models.cuda_timing import time_graph
+from tokenloom.plugins.models.pdl import launch_options, release, wait
 
 log = logging.getLogger("tokenloom.models")
 
@@ -49,6 +50,7 @@ def _skinny_gemm_kernel(
     EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks
     DOT_PRECISION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -56,8 +58,17 @@ def _skinny_gemm_kernel(
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     mask_m = offs_m[:, None] < M
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # the first tile of the weight before the wait (PDL: while the kernel before runs)
+    if EVEN:
+        w = tl.load(w_rows + offs_k[None, :])
+    else:
+        mask_w = (offs_n[:, None] < N) & (offs_k[None, :] < K)
+        w = tl.load(w_rows + offs_k[None, :], mask=mask_w, other=0.0)
+    wait(USE_PDL)
+    release(USE_PDL)
+    x = tl.load(x_rows + offs_k[None, :], mask=mask_m & (offs_k[None, :] < K), other=0.0)
+    acc = tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + offs_k[None, :]
         if EVEN:
             w = tl.load(w_rows + ks)
@@ -104,6 +115,7 @@ def skinny_gemm(
         HAS_BIAS=bias is not None,
         num_warps=warps,
         num_stages=stages,
+        **launch_options(x.device),
     )
     return y
 

@@ -1,7 +1,7 @@
 """Programmatic dependent launch (``plugins/models/pdl.py``): off on the CPU and when
 turned off; on an H200, a chain of the decode path's PDL kernels (norm, int4 GEMVs
-with their in-kernel split sums, SiLU, fp8 quantization and GEMV, decode attention's
-neighbours) replayed in a CUDA graph gives, replay after replay with new inputs, the
+with their in-kernel split sums, SiLU, fp8 quantization and GEMV, the bf16 skinny
+GEMM) replayed in a CUDA graph gives, replay after replay with new inputs, the
 bits of the same kernels launched without PDL: a kernel that read or wrote before its
 wait would race with the one before it and differ."""
 
@@ -20,8 +20,9 @@ def test_pdl_is_off_on_the_cpu_and_when_turned_off(monkeypatch):
     assert pdl.launch_options(torch.device("cuda", 0)) == {"USE_PDL": False}
 
 
-def _chain(x, res, norm_w, gate_up, down, w8, ws8):
+def _chain(x, res, norm_w, gate_up, down, w8, ws8, w16):
     from tokenloom.plugins.models.fused_ops import add_rms_norm, silu_and_mul
+    from tokenloom.plugins.models.skinny_gemm import skinny_gemm
     from tokenloom.plugins.quant.kernels.fp8_gemv import fp8_gemv
     from tokenloom.plugins.quant.kernels.fp8_quant import per_token_fp8
 
@@ -30,7 +31,8 @@ def _chain(x, res, norm_w, gate_up, down, w8, ws8):
     y = down.apply(a, None)
     h2, _ = add_rms_norm(y, norm_w, 1e-6, summed)
     q, s = per_token_fp8(h2)
-    return fp8_gemv(q, s, w8, ws8, None, torch.bfloat16)
+    z = fp8_gemv(q, s, w8, ws8, None, torch.bfloat16)
+    return skinny_gemm(z, w16, (32, 256, 4, 4))
 
 
 @pytest.mark.gpu
@@ -47,7 +49,8 @@ def test_pdl_chain_in_a_graph_gives_the_bits_of_the_plain_launches(monkeypatch):
     down = Int4Kernel(*quantize_int4(torch.randn(dim, inter, device=dev).bfloat16() / 8), 128)
     w8 = (torch.randn(1024, dim, device=dev) * 64).to(torch.float8_e4m3fn)
     ws8 = torch.rand(1024, 1, device=dev) / 1000
-    weights = (norm_w, gate_up, down, w8, ws8)
+    w16 = torch.randn(512, 1024, device=dev).bfloat16() / 32
+    weights = (norm_w, gate_up, down, w8, ws8, w16)
     inputs = [
         (torch.randn(1, dim, device=dev).bfloat16(), torch.randn(1, dim, device=dev).bfloat16())
         for _ in range(20)
