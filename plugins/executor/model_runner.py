@@ -122,7 +122,8 @@ class ModelRunner(Executor):
 
     def _choose_skinny_gemms(self) -> None:
         """Per linear shape, keep the skinny Triton GEMM for inputs of <= 16 rows where
-        it measured faster than cuBLAS on this GPU (small-batch decode)."""
+        it measured faster than cuBLAS on this GPU (small-batch decode), and the one-row
+        GEMV for single rows where it measured faster than either."""
         from tokenloom.plugins.models.layers import Linear
         from tokenloom.plugins.models.skinny_gemm import SkinnyDispatch
 
@@ -132,12 +133,15 @@ class ModelRunner(Executor):
         for module in self.model.modules():
             if isinstance(module, Linear) and module is not lm_head and module.kernel is None:
                 module.skinny = dispatch.choose(module.weight)
+                module.gemv = dispatch.choose_gemv(module.weight, module.skinny)
         chosen = sum(c is not None for c in dispatch.choices.values())
+        gemvs = sum(c is not None for c in dispatch.gemv_choices.values())
         self.timings["skinny_gemm_s"] = time.perf_counter() - started
         log.info(
-            "skinny GEMM chosen for %d of %d linear shapes in %.1fs",
+            "skinny GEMM chosen for %d of %d linear shapes, the one-row GEMV for %d, in %.1fs",
             chosen,
             len(dispatch.choices),
+            gemvs,
             self.timings["skinny_gemm_s"],
         )
 

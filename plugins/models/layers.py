@@ -73,6 +73,10 @@ class Linear(nn.Module):
     # A config of the skinny Triton GEMM, set where it measured faster than cuBLAS
     # (``SkinnyDispatch``); used for inputs of at most 16 rows (small-batch decode).
     skinny: tuple[int, int, int, int] | None = None
+    # A config of the one-row GEMV (``skinny_gemm.gemv``), set where it measured faster
+    # at one row than cuBLAS or the skinny GEMM; used for inputs of one row (decode at
+    # batch 1).
+    gemv: tuple[int, int, int] | None = None
     kernel: LinearKernel | None = None
     # Set by a quant method's prepare_model for a pre-quantized checkpoint: maps the
     # dense slots below to the slots of the checkpoint's quantized tensors.
@@ -116,6 +120,10 @@ class Linear(nn.Module):
         bias = None if self._reduce else self.bias
         if self.kernel is not None:
             y = self.kernel.apply(x, bias)
+        elif self.gemv is not None and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1:
+            from tokenloom.plugins.models.skinny_gemm import gemv
+
+            y = gemv(x, self.weight, self.gemv, bias)
         elif self.skinny is not None and x.dim() == 2 and x.shape[0] <= 16 and x.stride(1) == 1:
             from tokenloom.plugins.models.skinny_gemm import skinny_gemm
 

@@ -16,6 +16,7 @@ same tokens.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import triton
@@ -23,7 +24,7 @@ import triton.language as tl
 
 from tokenloom.plugins.models import tuning_cache
 from tokenloom.plugins.models.cuda_timing import time_graph
-from tokenloom.plugins.models.pdl import launch_options, release, wait
+from tokenloom.plugins.models.pdl import launch_options, pdl_on, release, wait
 
 log = logging.getLogger("tokenloom.models")
 
@@ -120,8 +121,89 @@ def skinny_gemm(
     return y
 
 
+# The one-row GEMV: (BLOCK_N, BLOCK_K, num_warps), measured per shape against the
+# faster of cuBLAS and the skinny GEMM at one row.
+GEMV_CONFIGS = [(8, 512, 4), (16, 512, 4), (8, 1024, 4), (16, 256, 4), (4, 1024, 4)]
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    N,
+    K,
+    stride_wn,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """``y = w @ x`` for one row ``x [K]``: each program streams ``[BLOCK_N, K]`` of the
+    weight with plain FMAs into ``[BLOCK_N, BLOCK_K]`` fp32 partial sums (reduced once,
+    at the end), the next tile loaded before this one's FMAs (a register double
+    buffer). No padding of the row to 16 for ``tl.dot``; with PDL the first tile
+    streams while the kernel before finishes."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n[:, None] < N
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    w = tl.load(w_rows + offs_k[None, :], mask=mask_n & (offs_k[None, :] < K), other=0.0)
+    wait(USE_PDL)
+    release(USE_PDL)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+        nxt = ks[None, :] + BLOCK_K
+        w_next = tl.load(w_rows + nxt, mask=mask_n & (nxt < K), other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+        w = w_next
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+def gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    config: tuple[int, int, int],
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` for one row ``x [1, K]`` and ``w [N, K]``, last dims
+    contiguous."""
+    n, k = w.shape
+    assert x.shape == (1, k) and x.stride(1) == 1 and w.stride(1) == 1
+    block_n, block_k, warps = config
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x,
+        w,
+        bias if bias is not None else w,
+        y,
+        n,
+        k,
+        w.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_N=block_n,
+        BLOCK_K=min(block_k, triton.next_power_of_2(k)),
+        num_warps=warps,
+        **launch_options(x.device),
+    )
+    return y
+
+
+def gemv_offered() -> bool:
+    """``TOKENLOOM_BF16_GEMV=0`` keeps the one-row GEMV out of the choice."""
+    return os.environ.get("TOKENLOOM_BF16_GEMV", "1") != "0"
+
+
 Choice = tuple[int, int, int, int] | None
+GemvChoice = tuple[int, int, int] | None
 _DECIDED: dict[str, Choice] = {}  # for the process, on top of the file
+_DECIDED_GEMV: dict[str, GemvChoice] = {}
 
 
 CACHE_NAME = "skinny-gemm.json"
@@ -134,6 +216,7 @@ class SkinnyDispatch:
 
     def __init__(self) -> None:
         self.choices: dict[str, Choice] = {}
+        self.gemv_choices: dict[str, GemvChoice] = {}
 
     def choose(self, w: torch.Tensor) -> Choice:
         if w.device.type != "cuda" or w.dim() != 2 or w.stride(1) != 1:
@@ -154,6 +237,58 @@ class SkinnyDispatch:
                 tuning_cache.store(CACHE_NAME, key, _DECIDED[key])
         self.choices[key] = _DECIDED[key]
         return _DECIDED[key]
+
+    def choose_gemv(self, w: torch.Tensor, skinny: Choice) -> GemvChoice:
+        """The one-row GEMV's config for ``w`` where it beats, at one row, what the
+        layer runs otherwise (cuBLAS, or ``skinny``) by 3%; else None."""
+        if w.device.type != "cuda" or w.dim() != 2 or w.stride(1) != 1:
+            return None
+        if w.dtype not in (torch.bfloat16, torch.float16) or not gemv_offered():
+            return None
+        key = (
+            f"gemv|{torch.cuda.get_device_name(w.device)}|torch {torch.__version__}|"
+            f"triton {triton.__version__}|{w.shape[0]}x{w.shape[1]}|{w.dtype}|{skinny}"
+            f"|pdl {pdl_on(w.device)}"
+        )
+        if key not in _DECIDED_GEMV:
+            stored = tuning_cache.load(CACHE_NAME)
+            if key in stored:
+                _DECIDED_GEMV[key] = tuple(stored[key]) if stored[key] else None  # type: ignore[assignment]
+            else:
+                _DECIDED_GEMV[key] = self._measure_gemv(w, skinny)
+                tuning_cache.store(CACHE_NAME, key, _DECIDED_GEMV[key])
+        self.gemv_choices[key] = _DECIDED_GEMV[key]
+        return _DECIDED_GEMV[key]
+
+    @torch.inference_mode()
+    def _measure_gemv(self, w: torch.Tensor, skinny: Choice) -> GemvChoice:
+        x = torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device)
+        expected = torch.nn.functional.linear(x.float(), w.float())
+        if skinny is None:
+            current = time_graph(lambda: torch.nn.functional.linear(x, w))
+        else:
+            current = time_graph(lambda: skinny_gemm(x, w, skinny))
+        best: GemvChoice = None
+        best_time = 0.97 * current
+        for config in GEMV_CONFIGS:
+            try:
+                y = gemv(x, w, config).float()
+                if float((y - expected).norm() / expected.norm()) > 1e-2:
+                    raise ValueError("disagrees with F.linear")
+                t = time_graph(lambda c=config: gemv(x, w, c))
+            except Exception as err:  # a tile this GPU or Triton cannot run
+                log.debug("GEMV config %s failed on %s: %s", config, tuple(w.shape), err)
+                continue
+            if t < best_time:
+                best, best_time = config, t
+        log.info(
+            "linear %s at one row: %s %.1f us, %s",
+            tuple(w.shape),
+            "skinny" if skinny else "cuBLAS",
+            current,
+            f"GEMV {best} {best_time:.1f} us" if best else "kept",
+        )
+        return best
 
     @torch.inference_mode()
     def _measure(self, w: torch.Tensor) -> Choice:

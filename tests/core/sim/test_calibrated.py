@@ -25,7 +25,10 @@ def test_shipped_calibrated_model_is_the_refit_of_the_shipped_samples(name):
     for term in TERMS:
         assert again.coefficients[term] == pytest.approx(shipped.coefficients[term], rel=1e-9)
     assert shipped.source.startswith("calibrated:")
-    assert shipped.fit_error == again.fit_error
+    # the same fit, up to the last bits of floating point (numpy and BLAS builds differ)
+    assert shipped.fit_error.keys() == again.fit_error.keys()
+    for cls, errors in shipped.fit_error.items():
+        assert errors == pytest.approx(again.fit_error[cls], rel=1e-9), cls
 
 
 def test_refit_error_per_class_is_within_the_stated_bounds():

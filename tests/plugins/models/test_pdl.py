@@ -1,7 +1,7 @@
 """Programmatic dependent launch (``plugins/models/pdl.py``): off on the CPU and when
 turned off; on an H200, a chain of the decode path's PDL kernels (norm, int4 GEMVs
 with their in-kernel split sums, SiLU, fp8 quantization and GEMV, the bf16 skinny
-GEMM) replayed in a CUDA graph gives, replay after replay with new inputs, the
+GEMM and one-row GEMV) replayed in a CUDA graph gives, replay after replay with new inputs, the
 bits of the same kernels launched without PDL: a kernel that read or wrote before its
 wait would race with the one before it and differ."""
 
@@ -22,7 +22,7 @@ def test_pdl_is_off_on_the_cpu_and_when_turned_off(monkeypatch):
 
 def _chain(x, res, norm_w, gate_up, down, w8, ws8, w16):
     from tokenloom.plugins.models.fused_ops import add_rms_norm, silu_and_mul
-    from tokenloom.plugins.models.skinny_gemm import skinny_gemm
+    from tokenloom.plugins.models.skinny_gemm import gemv, skinny_gemm
     from tokenloom.plugins.quant.kernels.fp8_gemv import fp8_gemv
     from tokenloom.plugins.quant.kernels.fp8_quant import per_token_fp8
 
@@ -32,7 +32,7 @@ def _chain(x, res, norm_w, gate_up, down, w8, ws8, w16):
     h2, _ = add_rms_norm(y, norm_w, 1e-6, summed)
     q, s = per_token_fp8(h2)
     z = fp8_gemv(q, s, w8, ws8, None, torch.bfloat16)
-    return skinny_gemm(z, w16, (32, 256, 4, 4))
+    return gemv(skinny_gemm(z, w16, (32, 256, 4, 4)), w16.t().contiguous(), (8, 512, 4))
 
 
 @pytest.mark.gpu

@@ -50,3 +50,52 @@ def test_linear_uses_the_skinny_kernel_only_for_few_rows(monkeypatch):
     layer.skinny = None
     layer(torch.randn(4, 32, device=DEVICE))
     assert calls == [4]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "k"), [(48, 64), (40, 100), (64, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_row_gemv_equals_linear(dtype, n, k, bias):
+    from tokenloom.plugins.models.skinny_gemm import GEMV_CONFIGS, gemv
+
+    torch.manual_seed(0)
+    x = torch.randn(1, k, dtype=dtype, device=DEVICE)
+    w = torch.randn(n, k, dtype=dtype, device=DEVICE) / k**0.5
+    b = torch.randn(n, dtype=dtype, device=DEVICE) if bias else None
+    expected = F.linear(x.double(), w.double(), None if b is None else b.double())
+    # N and K not multiples of the tile; K over several tiles (the prefetch's masks)
+    for config in [(16, 32, 4), (8, 512, 4)] + (GEMV_CONFIGS if DEVICE == "cuda" else []):
+        got = gemv(x, w, config, b)
+        assert got.shape == (1, n) and got.dtype == dtype
+        err = (got.double() - expected).norm() / expected.norm()
+        assert err < TOL[dtype], (config, float(err))
+
+
+def test_linear_uses_the_gemv_only_for_one_row(monkeypatch):
+    from tokenloom.plugins.models import skinny_gemm as module
+
+    layer = Linear(32, (16,), False, torch.float32).to(DEVICE)
+    torch.nn.init.normal_(layer.weight)
+    calls = []
+
+    def spy(name):
+        def run(x, w, config, bias=None):
+            calls.append((name, x.shape[0]))
+            return F.linear(x, w, bias)
+
+        return run
+
+    monkeypatch.setattr(module, "gemv", spy("gemv"))
+    monkeypatch.setattr(module, "skinny_gemm", spy("skinny"))
+    layer.skinny, layer.gemv = (16, 32, 4, 1), (16, 32, 4)
+    layer(torch.randn(1, 32, device=DEVICE))
+    layer(torch.randn(4, 32, device=DEVICE))
+    layer.gemv = None
+    layer(torch.randn(1, 32, device=DEVICE))
+    assert calls == [("gemv", 1), ("skinny", 4), ("skinny", 1)]
+
+
+def test_the_gemv_is_never_chosen_off_the_gpu():
+    from tokenloom.plugins.models.skinny_gemm import SkinnyDispatch
+
+    assert SkinnyDispatch().choose_gemv(torch.randn(16, 32), None) is None
