@@ -6,7 +6,8 @@ plus the integer, exactly.
 - ``int8_floats``: an int8 weight plus 128 in the mantissa of 2^23, then one
   subtraction (Triton code; any device and the interpreter).
 - ``int8_word_floats``: on a CUDA GPU, four int8 weights read as one int32 word, one
-  PTX ``prmt`` each (``INT8_ASM``): no sign extension or integer add.
+  PTX ``prmt`` each (``INT8_ASM``): no sign extension or integer add;
+  ``int8_words_gemv`` is the one-row GEMV's K loop over such words.
 - ``nibble_floats``: int4 nibble ``j`` of a word under the exponent of 2^(23 - 4j),
   one logic op and one subtraction (exact for fp32 activations).
 - ``weight_rows`` / ``first_tile``: the loads of a tile of packed weights (int8 rows,
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from tokenloom.plugins.models.pdl import wait
 
 MAGIC = tl.constexpr(0x4B000000)  # the bits of 2.0 ** 23 in fp32
 MAGIC_F = tl.constexpr(8388608.0)
@@ -204,3 +207,46 @@ def first_tile(
     else:
         kw = k_begin // 8 + tl.arange(0, BLOCK_K // 8)
         return weight_rows(qw_ptr, kw, k_end // 8, offs_n, mask_n, N)
+
+
+@triton.jit
+def int8_words_gemv(
+    x_row,
+    qw_ptr,
+    k_begin,
+    k_end,
+    pid_n,
+    n_words,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """The int8 GEMV's ``[BLOCK_N]`` dot products (before the per-channel scales) with
+    the weights read as int32 words of four output channels (``qweight.view(int32)``,
+    ``[K, n_words = N / 4]``) and turned into floats by ``int8_word_floats``: one prmt, one
+    subtraction and one FMA per weight. The four channels of a word accumulate apart and
+    are interleaved back (``tl.join``) once, at the end."""
+    NW: tl.constexpr = BLOCK_N // 4
+    offs_w = pid_n * NW + tl.arange(0, NW)
+    mask_w = offs_w < n_words
+    a0 = tl.zeros([BLOCK_K, NW], tl.float32)
+    a1 = tl.zeros_like(a0)
+    a2 = tl.zeros_like(a0)
+    a3 = tl.zeros_like(a0)
+    tile = weight_rows(qw_ptr, k_begin + tl.arange(0, BLOCK_K), k_end, offs_w, mask_w, n_words)
+    wait(USE_PDL)  # the first weight tile is in flight; x comes from the kernel before
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + ks, mask=ks < k_end, other=0.0).to(tl.float32)[:, None]
+        tile_next = weight_rows(qw_ptr, ks + BLOCK_K, k_end, offs_w, mask_w, n_words)
+        w0, w1, w2, w3 = int8_word_floats(tile)
+        a0 += w0 * x
+        a1 += w1 * x
+        a2 += w2 * x
+        a3 += w3 * x
+        tile = tile_next
+    s0 = tl.sum(a0, axis=0)
+    s1 = tl.sum(a1, axis=0)
+    s2 = tl.sum(a2, axis=0)
+    s3 = tl.sum(a3, axis=0)
+    return tl.reshape(tl.join(tl.join(s0, s2), tl.join(s1, s3)), [BLOCK_N])

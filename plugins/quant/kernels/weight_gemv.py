@@ -37,55 +37,12 @@ from tokenloom.plugins.quant.kernels.gemv_weights import (
     biased_word_rows,
     first_tile,
     int8_floats,
-    int8_word_floats,
+    int8_words_gemv,
     nibble_floats,
     weight_rows,
     word_row_groups,
 )
 from tokenloom.plugins.quant.kernels.weight_gemv_rows import _weight_gemv_rows_kernel
-
-
-@triton.jit
-def _int8_words_gemv(
-    x_row,
-    qw_ptr,
-    k_begin,
-    k_end,
-    pid_n,
-    n_words,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """The int8 GEMV's ``[BLOCK_N]`` dot products (before the per-channel scales) with
-    the weights read as int32 words of four output channels (``qweight.view(int32)``,
-    ``[K, n_words = N / 4]``) and turned into floats by ``int8_word_floats``: one prmt, one
-    subtraction and one FMA per weight. The four channels of a word accumulate apart and
-    are interleaved back (``tl.join``) once, at the end."""
-    NW: tl.constexpr = BLOCK_N // 4
-    offs_w = pid_n * NW + tl.arange(0, NW)
-    mask_w = offs_w < n_words
-    a0 = tl.zeros([BLOCK_K, NW], tl.float32)
-    a1 = tl.zeros_like(a0)
-    a2 = tl.zeros_like(a0)
-    a3 = tl.zeros_like(a0)
-    tile = weight_rows(qw_ptr, k_begin + tl.arange(0, BLOCK_K), k_end, offs_w, mask_w, n_words)
-    wait(USE_PDL)  # the first weight tile is in flight; x comes from the kernel before
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_row + ks, mask=ks < k_end, other=0.0).to(tl.float32)[:, None]
-        tile_next = weight_rows(qw_ptr, ks + BLOCK_K, k_end, offs_w, mask_w, n_words)
-        w0, w1, w2, w3 = int8_word_floats(tile)
-        a0 += w0 * x
-        a1 += w1 * x
-        a2 += w2 * x
-        a3 += w3 * x
-        tile = tile_next
-    s0 = tl.sum(a0, axis=0)
-    s1 = tl.sum(a1, axis=0)
-    s2 = tl.sum(a2, axis=0)
-    s3 = tl.sum(a3, axis=0)
-    return tl.reshape(tl.join(tl.join(s0, s2), tl.join(s1, s3)), [BLOCK_N])
 
 
 @triton.jit
@@ -213,7 +170,7 @@ def _weight_gemv_kernel(
     k_begin = pid_k * K_CHUNK
     k_end = tl.minimum(K, k_begin + K_CHUNK)
     if BITS == 8 and ASM:  # qw_ptr: the words of four int8 weights
-        acc = _int8_words_gemv(
+        acc = int8_words_gemv(
             x_row, qw_ptr, k_begin, k_end, pid_n, N_WORDS, BLOCK_N, BLOCK_K, USE_PDL
         )
     else:
