@@ -43,7 +43,8 @@ ENABLED = os.environ.get("TOKENLOOM_PDL", "1") != "0"
 
 @functools.cache
 def _supported(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    # NVIDIA only: ROCm reports its GPUs as "cuda" devices, with capabilities of 9 too
+    return torch.version.cuda is not None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def pdl_on(device: torch.device) -> bool:

@@ -123,6 +123,7 @@ def skinny_gemm(
 
 # The one-row GEMV: (BLOCK_N, BLOCK_K, num_warps), measured per shape against the
 # faster of cuBLAS and the skinny GEMM at one row.
+GEMV_VERSION = 1  # part of its tuning key: bump when the kernel or its configs change
 GEMV_CONFIGS = [(8, 512, 4), (16, 512, 4), (8, 1024, 4), (16, 256, 4), (4, 1024, 4)]
 
 
@@ -246,7 +247,7 @@ class SkinnyDispatch:
         if w.dtype not in (torch.bfloat16, torch.float16) or not gemv_offered():
             return None
         key = (
-            f"gemv|{torch.cuda.get_device_name(w.device)}|torch {torch.__version__}|"
+            f"gemv v{GEMV_VERSION}|{torch.cuda.get_device_name(w.device)}|torch {torch.__version__}|"
             f"triton {triton.__version__}|{w.shape[0]}x{w.shape[1]}|{w.dtype}|{skinny}"
             f"|pdl {pdl_on(w.device)}"
         )

@@ -14,11 +14,13 @@ A block with ``d = 0`` holds one value, ``m`` (``z = -1``, ``s = m``, ``q = 0``)
 of other types (Q8_0, K-quants, 16-bit) in the same file are quantized by RTN as usual.
 The rows follow the dense load exactly: llama's Q/K rope permutation is undone, merged
 layers (qkv, gate_up) take their parts at their slots' rows, and a rank reads its
-shard (a row-parallel shard must start and end on whole blocks).
+shard (a row-parallel shard that splits a block falls back to RTN). In fp16, a block
+whose zero point would overflow is kept as its middle value (``fit_zeros``).
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,8 @@ from torch import nn
 
 from tokenloom.plugins.models.layers import Linear, WeightSlot
 from tokenloom.plugins.quant.common import quantizable_linears
+
+log = logging.getLogger(__name__)
 
 BLOCK = 32  # inputs per block (the group size of the layers read from blocks)
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}  # fp16 d (and fp16 m), then 16 bytes of nibbles
@@ -53,6 +57,26 @@ def block_tensors(raw: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tenso
     q_t = torch.from_numpy(q).view(n, -1, BLOCK)
     q_t = torch.where(flat[..., None], 0, q_t).view(n, -1).to(torch.uint8)
     return q_t, scales, zeros
+
+
+def fit_zeros(
+    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Blocks whose zero point ``-m / d`` would overflow ``dtype`` (fp16: a nearly
+    constant block, ``d`` below ``|m| / 32,000``) become one value, their middle
+    ``m + 7.5 d`` (``s``, with ``z = -1`` and ``q = 0``): off by at most ``7.5 d``,
+    below fp16's own rounding of ``m``."""
+    limit = torch.finfo(dtype).max / 2
+    huge = zeros.abs() > limit
+    if not bool(huge.any()):
+        return q, scales, zeros
+    middle = torch.where(huge, zeros.neg() * scales + 7.5 * scales, scales)  # m + 7.5 d
+    groups = huge.repeat_interleave(BLOCK, dim=1)
+    return (
+        torch.where(groups, 0, q).to(torch.uint8),
+        middle,
+        torch.where(huge, -1.0, zeros),
+    )
 
 
 class GGUFBlocks:
@@ -112,7 +136,14 @@ class GGUFBlocks:
             if slot.source is not None:
                 dim, begin, end = slot.source
                 if dim == 1 and (begin % BLOCK or end % BLOCK):
-                    raise ValueError(f"{key}: a shard {begin}..{end} splits a {BLOCK}-input block")
+                    log.warning(
+                        "%s: this rank's inputs %d..%d split %d-input blocks: RTN instead",
+                        key,
+                        begin,
+                        end,
+                        BLOCK,
+                    )
+                    return None
                 div = (1, BLOCK, BLOCK) if dim == 1 else (1, 1, 1)
                 parts = tuple(
                     p.narrow(dim, begin // d, (end - begin) // d)
@@ -126,6 +157,7 @@ class GGUFBlocks:
             for target, part in zip((q, scales, zeros), parts, strict=True):
                 target[slot.start : slot.stop] = part
         dtype, device = layer.weight.dtype, layer.weight.device
+        q, scales, zeros = fit_zeros(q, scales, zeros, dtype)
         return (
             pack_int4(q.t().contiguous()).to(device),
             scales.t().contiguous().to(device, dtype),

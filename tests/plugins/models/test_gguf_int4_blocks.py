@@ -100,3 +100,24 @@ def test_int4_blocks_at_tp2_give_the_dense_models_tokens(tmp_path):
     # inputs (o_proj and down_proj: 32 of 64 and 64 of 128, whole blocks)
     path = _file(tmp_path, "llama", "Q4_1")
     assert _generate(path, quant="int4", tensor_parallel_size=2) == _generate(path)
+
+
+def test_a_zero_point_that_would_overflow_fp16_becomes_the_block_s_middle():
+    from tokenloom.plugins.quant.gguf_int4 import fit_zeros
+
+    values = np.full((2, 64), -0.25, dtype=np.float32)
+    values[0, :32] = 0.5 + np.linspace(0, 1e-4, 32)  # d ~ 7e-6: z = -m / d ~ -75,000
+    raw = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q4_1)
+    q, scales, zeros = block_tensors(raw, "Q4_1")
+    assert float(zeros.abs().max()) > torch.finfo(torch.float16).max
+    groups = torch.arange(64) // BLOCK
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        q2, s2, z2 = fit_zeros(q, scales, zeros, dtype)
+        # only fp16 needs it; bf16 and fp32 keep the exact zero point
+        assert torch.equal(z2, zeros) == (dtype != torch.float16)
+        s2, z2 = s2.to(dtype).float(), z2.to(dtype).float()
+        w = (q2.float() - z2[:, groups]) * s2[:, groups]
+        assert torch.isfinite(w).all()
+        expected = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1))
+        # fp16 and bf16 round m itself by ~1e-3 and ~4e-3 of it
+        torch.testing.assert_close(w, expected, rtol=5e-3, atol=0)
