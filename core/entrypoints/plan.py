@@ -243,7 +243,8 @@ def make_plan(config: EngineConfig, gpu_memory_gb: float | None, advice: bool = 
     if config.quant not in QUANTS:
         raise ValueError(f"quant: the planner knows {', '.join(QUANTS)}, got {config.quant!r}")
     shape = read_shape(config.model)
-    if config.quant == "int4" and config.plugin.get("int4", {}).get("gguf_blocks", True):
+    keeps_blocks = config.plugin.get("int4", {}).get("gguf_blocks", True)
+    if config.quant == "int4" and keeps_blocks and config.load_format != "random":
         shape = replace(shape, int4_group=gguf_int4_group(config.model))
     dtype = "bfloat16" if config.dtype == "auto" else config.dtype
     element = DTYPE_BYTES[dtype]

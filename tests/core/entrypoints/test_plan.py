@@ -157,3 +157,6 @@ def test_int4_weights_of_a_q4_gguf_count_its_groups_of_32_as_the_engine_stores_t
     linears = [(576 + 2 * 192, 576), (576, 576), (2 * 1536, 576), (576, 1536)]
     groups = sum(out * (-(-k // 32) - -(-k // 128)) for out, k in linears)
     assert blocks.weights_bytes - rtn.weights_bytes == 30 * groups * 2 * 2
+    # random weights never read the file's blocks: RTN's groups of 128
+    random = plan_of(str(path), 80.0, quant="int4", dtype="bfloat16", load_format="random")
+    assert random.weights_bytes == rtn.weights_bytes
