@@ -115,34 +115,6 @@ def read_shape(model: str) -> ModelShape:
     )
 
 
-def gguf_int4_group(model: str) -> int:
-    """32 when ``model`` is a GGUF file whose every decoder linear is Q4_0 or Q4_1
-    (``--quant int4`` keeps those blocks), else 128 (RTN; a file that mixes types is
-    counted as RTN, an estimate)."""
-    from tokenloom.plugins.models.gguf import find_gguf
-
-    path = find_gguf(Path(model)) if model not in _shape_names() else None
-    if path is None:
-        return INT4_GROUP
-    from gguf import GGUFReader
-
-    from tokenloom.plugins.quant.gguf_int4 import BLOCK, BLOCK_BYTES
-
-    linears = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-    kinds = {
-        t.tensor_type.name
-        for t in GGUFReader(path).tensors
-        if t.name.startswith("blk.") and t.name.split(".")[2] in linears
-    }
-    return BLOCK if kinds and kinds <= set(BLOCK_BYTES) else INT4_GROUP
-
-
-def _shape_names() -> set[str]:
-    from tokenloom.checkpoints.model_shapes import SHAPES
-
-    return set(SHAPES)
-
-
 def linear_bytes(
     out_features: int, in_features: int, quant: str, element: int, group: int = INT4_GROUP
 ) -> int:
@@ -245,7 +217,9 @@ def make_plan(config: EngineConfig, gpu_memory_gb: float | None, advice: bool = 
     shape = read_shape(config.model)
     keeps_blocks = config.plugin.get("int4", {}).get("gguf_blocks", True)
     if config.quant == "int4" and keeps_blocks and config.load_format != "random":
-        shape = replace(shape, int4_group=gguf_int4_group(config.model))
+        from tokenloom.plugins.quant.gguf_int4 import block_group
+
+        shape = replace(shape, int4_group=block_group(config.model) or INT4_GROUP)
     dtype = "bfloat16" if config.dtype == "auto" else config.dtype
     element = DTYPE_BYTES[dtype]
     gpu, total = _gpu(gpu_memory_gb)

@@ -79,6 +79,28 @@ def fit_zeros(
     )
 
 
+LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def block_group(model: str) -> int | None:
+    """``BLOCK`` when ``model`` is a GGUF file (or a directory holding one) whose
+    decoder linears are all Q4_0 or Q4_1, else None (``tokenloom plan`` counts a file
+    that mixes types as RTN's groups)."""
+    from gguf import GGUFReader
+
+    from tokenloom.plugins.models.gguf import find_gguf
+
+    path = find_gguf(model)
+    if path is None:
+        return None
+    kinds = {
+        t.tensor_type.name
+        for t in GGUFReader(path).tensors
+        if t.name.startswith("blk.") and t.name.split(".")[2] in LINEARS
+    }
+    return BLOCK if kinds and kinds <= set(BLOCK_BYTES) else None
+
+
 class GGUFBlocks:
     """The Q4_0/Q4_1 linears of one GGUF file, for the layers of one model."""
 
@@ -165,4 +187,4 @@ class GGUFBlocks:
         )
 
 
-__all__ = ["BLOCK", "BLOCK_BYTES", "GGUFBlocks", "block_tensors"]
+__all__ = ["BLOCK", "BLOCK_BYTES", "GGUFBlocks", "block_tensors", "block_group", "fit_zeros"]
