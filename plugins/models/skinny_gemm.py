@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import triton
@@ -203,11 +205,34 @@ def gemv_offered() -> bool:
 
 Choice = tuple[int, int, int, int] | None
 GemvChoice = tuple[int, int, int] | None
-_DECIDED: dict[str, Choice] = {}  # for the process, on top of the file
-_DECIDED_GEMV: dict[str, GemvChoice] = {}
+_DECIDED: dict[str, Any] = {}  # for the process, on top of the file
 
 
 CACHE_NAME = "skinny-gemm.json"
+
+
+def _decided(key: str, measure: Callable[[], Any]) -> Any:
+    """The choice stored under ``key`` (this process's, else the cache file's), else
+    ``measure()``'s, stored; configs come back as tuples, cuBLAS as None."""
+    if key not in _DECIDED:
+        stored = tuning_cache.load(CACHE_NAME)
+        if key in stored:
+            _DECIDED[key] = tuple(stored[key]) if stored[key] else None
+        else:
+            _DECIDED[key] = measure()
+            tuning_cache.store(CACHE_NAME, key, _DECIDED[key])
+    return _DECIDED[key]
+
+
+def _tunable(w: torch.Tensor) -> bool:
+    """A 16-bit weight on a GPU, rows contiguous (fp32 stays on cuBLAS: exact agreement
+    with reference runs)."""
+    return (
+        w.device.type == "cuda"
+        and w.dim() == 2
+        and w.stride(1) == 1
+        and w.dtype in (torch.bfloat16, torch.float16)
+    )
 
 
 class SkinnyDispatch:
@@ -220,46 +245,27 @@ class SkinnyDispatch:
         self.gemv_choices: dict[str, GemvChoice] = {}
 
     def choose(self, w: torch.Tensor) -> Choice:
-        if w.device.type != "cuda" or w.dim() != 2 or w.stride(1) != 1:
+        if not _tunable(w):
             return None
-        if w.dtype not in (torch.bfloat16, torch.float16):
-            return None  # fp32 stays on cuBLAS (exact agreement with reference runs)
-        name = torch.cuda.get_device_name(w.device)
         key = (
-            f"{name}|torch {torch.__version__}|triton {triton.__version__}|"
-            f"{w.shape[0]}x{w.shape[1]}|{w.dtype}"
+            f"{torch.cuda.get_device_name(w.device)}|torch {torch.__version__}|"
+            f"triton {triton.__version__}|{w.shape[0]}x{w.shape[1]}|{w.dtype}"
         )
-        if key not in _DECIDED:
-            stored = tuning_cache.load(CACHE_NAME)
-            if key in stored:
-                _DECIDED[key] = tuple(stored[key]) if stored[key] else None  # type: ignore[assignment]
-            else:
-                _DECIDED[key] = self._measure(w)
-                tuning_cache.store(CACHE_NAME, key, _DECIDED[key])
-        self.choices[key] = _DECIDED[key]
-        return _DECIDED[key]
+        self.choices[key] = _decided(key, lambda: self._measure(w))
+        return self.choices[key]
 
     def choose_gemv(self, w: torch.Tensor, skinny: Choice) -> GemvChoice:
         """The one-row GEMV's config for ``w`` where it beats, at one row, what the
         layer runs otherwise (cuBLAS, or ``skinny``) by 3%; else None."""
-        if w.device.type != "cuda" or w.dim() != 2 or w.stride(1) != 1:
-            return None
-        if w.dtype not in (torch.bfloat16, torch.float16) or not gemv_offered():
+        if not _tunable(w) or not gemv_offered():
             return None
         key = (
             f"gemv v{GEMV_VERSION}|{torch.cuda.get_device_name(w.device)}|torch {torch.__version__}|"
             f"triton {triton.__version__}|{w.shape[0]}x{w.shape[1]}|{w.dtype}|{skinny}"
             f"|pdl {pdl_on(w.device)}"
         )
-        if key not in _DECIDED_GEMV:
-            stored = tuning_cache.load(CACHE_NAME)
-            if key in stored:
-                _DECIDED_GEMV[key] = tuple(stored[key]) if stored[key] else None  # type: ignore[assignment]
-            else:
-                _DECIDED_GEMV[key] = self._measure_gemv(w, skinny)
-                tuning_cache.store(CACHE_NAME, key, _DECIDED_GEMV[key])
-        self.gemv_choices[key] = _DECIDED_GEMV[key]
-        return _DECIDED_GEMV[key]
+        self.gemv_choices[key] = _decided(key, lambda: self._measure_gemv(w, skinny))
+        return self.gemv_choices[key]
 
     @torch.inference_mode()
     def _measure_gemv(self, w: torch.Tensor, skinny: Choice) -> GemvChoice:

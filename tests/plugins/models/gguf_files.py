@@ -15,6 +15,8 @@ import gguf
 import numpy as np
 from safetensors.numpy import load_file
 
+from tokenloom import LLM, SamplingParams
+
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 # K-quant: (byte offsets of the fp16 scales in a block, scale magnitude)
@@ -166,3 +168,18 @@ def _add_random_blocks(writer, name: str, shape, qtype: str, rng) -> None:
         scales = rng.uniform(0.5, 1.0, size=blocks.shape[:2]) * magnitude
         blocks[:, :, offset : offset + 2] = scales.astype(np.float16)[..., None].view(np.uint8)
     writer.add_tensor(name, blocks.reshape(rows, -1), raw_dtype=kind)
+
+
+PROMPTS = [[5, 17, 33, 2, 99, 250, 7], [400, 12, 8, 8, 301, 77, 45, 9, 600, 3, 14, 111]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+ENGINE = {"device": "cpu", "dtype": "float32", "block_size": 4, "num_blocks": 64}
+
+
+def greedy_tokens(model: Path, **options: object) -> list[list[int]]:
+    """Six greedy tokens for each of two prompts from ``model`` on the CPU (fp32),
+    engine options on top; the engine is shut down after."""
+    llm = LLM(str(model), **ENGINE, **options)  # type: ignore[arg-type]
+    try:
+        return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    finally:
+        llm.shutdown()

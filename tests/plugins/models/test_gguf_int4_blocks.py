@@ -10,9 +10,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf_files import write_gguf
+from gguf_files import greedy_tokens, write_gguf
 
-from tokenloom import LLM, SamplingParams
 from tokenloom.checkpoints.tiny_models import write_tiny_model
 from tokenloom.config import EngineConfig
 from tokenloom.plugins.models.loader import load_model
@@ -81,25 +80,12 @@ def test_other_types_and_gguf_blocks_false_round_by_rtn(tmp_path):
     assert {layer.kernel.group for layer in _int4_layers(rtn).values()} == {GROUP_SIZE}
 
 
-PROMPTS = [[5, 17, 33, 2, 99, 250, 7], [400, 12, 8, 8, 301, 77, 45, 9, 600, 3, 14, 111]]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-ENGINE = {"device": "cpu", "dtype": "float32", "block_size": 4, "num_blocks": 64}
-
-
-def _generate(model, **options):
-    llm = LLM(str(model), **ENGINE, **options)
-    try:
-        return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    finally:
-        llm.shutdown()
-
-
 @pytest.mark.slow
 def test_int4_blocks_at_tp2_give_the_dense_models_tokens(tmp_path):
     # each rank reads its shard of the blocks: column-parallel rows, and row-parallel
     # inputs (o_proj and down_proj: 32 of 64 and 64 of 128, whole blocks)
     path = _file(tmp_path, "llama", "Q4_1")
-    assert _generate(path, quant="int4", tensor_parallel_size=2) == _generate(path)
+    assert greedy_tokens(path, quant="int4", tensor_parallel_size=2) == greedy_tokens(path)
 
 
 def test_a_zero_point_that_would_overflow_fp16_becomes_the_block_s_middle():

@@ -99,3 +99,23 @@ def test_the_gemv_is_never_chosen_off_the_gpu():
     from tokenloom.plugins.models.skinny_gemm import SkinnyDispatch
 
     assert SkinnyDispatch().choose_gemv(torch.randn(16, 32), None) is None
+
+
+def test_choices_are_measured_once_then_read_back_from_the_cache_file(tmp_path, monkeypatch):
+    from tokenloom.plugins.models import skinny_gemm as module
+
+    monkeypatch.setenv("TOKENLOOM_CACHE", str(tmp_path))
+    monkeypatch.setattr(module, "_DECIDED", {})
+    calls = []
+
+    def measure(choice):
+        calls.append(choice)
+        return choice
+
+    assert module._decided("gemv|a", lambda: measure((8, 512, 4))) == (8, 512, 4)
+    assert module._decided("b", lambda: measure(None)) is None  # cuBLAS kept
+    assert module._decided("gemv|a", lambda: measure((1, 1, 1))) == (8, 512, 4)
+    monkeypatch.setattr(module, "_DECIDED", {})  # a new process: the file answers
+    assert module._decided("gemv|a", lambda: measure((1, 1, 1))) == (8, 512, 4)
+    assert module._decided("b", lambda: measure((1, 1, 1))) is None
+    assert calls == [(8, 512, 4), None]
