@@ -15,6 +15,7 @@ and the engine never pipelines such a step (``engine_core``).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -124,16 +125,22 @@ class ModelRunner(Executor):
         """Per linear shape, keep the skinny Triton GEMM for inputs of <= 16 rows where
         it measured faster than cuBLAS on this GPU (small-batch decode), and the one-row
         GEMV for single rows where it measured faster than either."""
-        from tokenloom.plugins.models.layers import Linear
+        from tokenloom.plugins.models.layers import Embedding, Linear
         from tokenloom.plugins.models.skinny_gemm import SkinnyDispatch
 
         started = time.perf_counter()
         dispatch = SkinnyDispatch()
-        lm_head = getattr(self.model, "lm_head", None)  # compute_logits calls F.linear
         for module in self.model.modules():
-            if isinstance(module, Linear) and module is not lm_head and module.kernel is None:
+            if isinstance(module, Linear) and module.kernel is None:
                 module.skinny = dispatch.choose(module.weight)
                 module.gemv = dispatch.choose_gemv(module.weight, module.skinny)
+        lm_head = getattr(self.model, "lm_head", None)
+        if (
+            isinstance(lm_head, Embedding)
+            and lm_head.logits_kernel is None
+            and os.environ.get("TOKENLOOM_LM_HEAD_GEMV", "1") != "0"  # for A/B runs
+        ):
+            lm_head.gemv = dispatch.choose_gemv(lm_head.weight, None)  # else F.linear
         chosen = sum(c is not None for c in dispatch.choices.values())
         gemvs = sum(c is not None for c in dispatch.gemv_choices.values())
         self.timings["skinny_gemm_s"] = time.perf_counter() - started

@@ -136,6 +136,21 @@ class Linear(nn.Module):
                 y = y + self.bias
         return y
 
+    def fuses_norm(self, x: torch.Tensor) -> bool:
+        """Whether ``norm_and_project`` folds the norm before this layer (and SiLU after
+        it) into its one-row GEMV for ``x`` (``plugins.models.fused_gemv``)."""
+        from tokenloom.plugins.models.fused_gemv import fused_offered
+
+        return (
+            self.gemv is not None
+            and self.kernel is None
+            and not self._reduce
+            and x.dim() == 2
+            and x.shape[0] == 1
+            and x.stride(1) == 1
+            and fused_offered()
+        )
+
     def slots(self, names: Sequence[str]) -> Slots:
         """Checkpoint names (without ``.weight``) of each merged part, in row order."""
         result: Slots = {}
@@ -179,6 +194,9 @@ class Embedding(nn.Module):
     # from its own quantized copy of this rank's rows (the 16-bit weight then serves
     # only lookups, and is released when the head is not tied to the embedding).
     logits_kernel: LinearKernel | None = None
+    # The one-row GEMV's config for the LM head (``skinny_gemm.gemv``), where it measured
+    # faster than cuBLAS at one row: batch-1 decode's logits.
+    gemv: tuple[int, int, int] | None = None
 
     def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -206,6 +224,10 @@ class Embedding(nn.Module):
         quantized copy when ``logits_kernel`` is set: ``quant_lm_head``)."""
         if self.logits_kernel is not None:
             logits = self.logits_kernel.apply(hidden, None)
+        elif self.gemv is not None and hidden.shape[0] == 1 and hidden.stride(1) == 1:
+            from tokenloom.plugins.models.skinny_gemm import gemv
+
+            logits = gemv(hidden, self.weight, self.gemv)
         else:
             logits = F.linear(hidden, self.weight)
         if not self._sharded:
@@ -249,6 +271,33 @@ class RMSNorm(nn.Module):
             return fused_ops.add_rms_norm(x, self.weight, self.eps, residual)
         summed = x + residual
         return self.forward(summed), summed
+
+
+def norm_and_project(
+    norm: RMSNorm,
+    linear: Linear,
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    silu: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear(norm(hidden + residual)), hidden + residual)``: the residual stream's
+    next value and the projection of its norm (with ``silu``, SiLU-and-mul of the
+    merged gate/up projection). A None residual: the stream starts at ``hidden``.
+    One kernel where the layer's one-row GEMV takes the norm (``Linear.fuses_norm``),
+    else the norm, the projection and SiLU in turn."""
+    if linear.fuses_norm(hidden):
+        from tokenloom.plugins.models.fused_gemv import norm_gemv
+
+        assert linear.gemv is not None
+        return norm_gemv(
+            hidden, residual, norm.weight, norm.eps, linear.weight, linear.gemv, linear.bias, silu
+        )
+    if residual is None:
+        residual, hidden = hidden, norm(hidden)
+    else:
+        hidden, residual = norm.add_and_norm(hidden, residual)
+    y = linear(hidden)
+    return (silu_and_mul(y) if silu else y), residual
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from tokenloom.plugins.models.layers import (
     RotaryEmbedding,
     Slots,
     apply_rotary,
+    norm_and_project,
     rope_parameters,
     silu_and_mul,
     whole,
@@ -123,8 +124,11 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, rope: Rope, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
+        return self.attend(rope, self.qkv_proj(hidden), ctx)
+
+    def attend(self, rope: Rope, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """qkv [T, q_size + 2 * kv_size] (the projection's output) -> o_proj's output."""
+        tokens = qkv.shape[0]
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
@@ -196,15 +200,16 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (mlp output, residual stream); the caller adds them lazily."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        hidden = self.self_attn(rope, hidden, ctx)
-        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
-        return self.mlp(hidden), residual
+        """Returns (mlp output, residual stream); the caller adds them lazily. The
+        norms (and SiLU) run inside the projections' kernels where those take them
+        (``norm_and_project``: one-row decode)."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = norm_and_project(self.input_layernorm, attn.qkv_proj, hidden, residual)
+        hidden = attn.attend(rope, qkv, ctx)
+        act, residual = norm_and_project(
+            self.post_attention_layernorm, mlp.gate_up_proj, hidden, residual, silu=True
+        )
+        return mlp.down_proj(act), residual
 
     def slots(self, prefix: str) -> Slots:
         result = {

@@ -270,7 +270,8 @@ class SkinnyDispatch:
     @torch.inference_mode()
     def _measure_gemv(self, w: torch.Tensor, skinny: Choice) -> GemvChoice:
         x = torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device)
-        expected = torch.nn.functional.linear(x.float(), w.float())
+        # in the weight's dtype: no float32 copy of a large weight (an LM head: 2 GB)
+        expected = torch.nn.functional.linear(x, w).float()
         if skinny is None:
             current = time_graph(lambda: torch.nn.functional.linear(x, w))
         else:
