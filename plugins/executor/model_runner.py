@@ -134,6 +134,9 @@ class ModelRunner(Executor):
             if isinstance(module, Linear) and module.kernel is None:
                 module.skinny = dispatch.choose(module.weight)
                 module.gemv = dispatch.choose_gemv(module.weight, module.skinny)
+                if module.fusable is not None:
+                    silu = module.fusable == "norm+silu"
+                    module.fused = dispatch.choose_fused(module.weight, module.gemv, silu)
         lm_head = getattr(self.model, "lm_head", None)
         if (
             isinstance(lm_head, Embedding)
@@ -143,12 +146,15 @@ class ModelRunner(Executor):
             lm_head.gemv = dispatch.choose_gemv(lm_head.weight, None)  # else F.linear
         chosen = sum(c is not None for c in dispatch.choices.values())
         gemvs = sum(c is not None for c in dispatch.gemv_choices.values())
+        fused = sum(getattr(m, "fused", None) is not None for m in self.model.modules())
         self.timings["skinny_gemm_s"] = time.perf_counter() - started
         log.info(
-            "skinny GEMM chosen for %d of %d linear shapes, the one-row GEMV for %d, in %.1fs",
+            "skinny GEMM chosen for %d of %d linear shapes, the one-row GEMV for %d, the GEMV "
+            "with the norm folded in for %d layers, in %.1fs",
             chosen,
             len(dispatch.choices),
             gemvs,
+            fused,
             self.timings["skinny_gemm_s"],
         )
 

@@ -21,6 +21,11 @@ Numerics: the unfused path rounds the normed row to the model dtype before the G
 this one does not (it keeps fp32 up to the accumulator), so outputs differ from it in
 the last bits, as any change of summation order does.
 
+Where it pays is measured per shape (``measure_fused``, through
+``SkinnyDispatch.choose_fused``): the folded norm costs loads of the row, the residual
+and the norm weight in every program, which a narrow tile (few weight rows per program)
+does not amortize.
+
 ``TOKENLOOM_FUSED_NORM_GEMV=0`` keeps the unfused kernels (read at each call, for A/B
 runs in one process).
 """
@@ -28,12 +33,17 @@ runs in one process).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
 from tokenloom.plugins.models.pdl import launch_options, release, wait
+
+FUSED_VERSION = 1  # part of its tuning key: bump when the kernel or its configs change
+# (BLOCK_N, BLOCK_K, num_warps): wider tiles than the plain GEMV's, to amortize the row
+FUSED_CONFIGS = [(8, 512, 4), (16, 512, 4), (16, 256, 4), (32, 256, 4), (32, 512, 8), (64, 256, 8)]
 
 
 def fused_offered() -> bool:
@@ -154,3 +164,42 @@ def norm_gemv(
         **launch_options(hidden.device),
     )
     return y, summed
+
+
+def measure_fused(
+    w: torch.Tensor,
+    gemv_config: tuple[int, int, int],
+    silu: bool,
+    time_graph: Callable[[Callable[[], object]], float],
+) -> tuple[tuple[int, int, int] | None, float, float]:
+    """(best fused config or None, unfused us, best fused us): the add+norm kernel and
+    the plain GEMV (then SiLU) against each fused config, at one row, on ``w``'s GPU; a
+    config must agree with the unfused result and be 3% faster."""
+    from tokenloom.plugins.models import fused_ops
+    from tokenloom.plugins.models.skinny_gemm import gemv
+
+    k = w.shape[1]
+    hidden, residual = (torch.randn(1, k, dtype=w.dtype, device=w.device) for _ in range(2))
+    norm_w = torch.ones(k, dtype=w.dtype, device=w.device)
+
+    def unfused() -> torch.Tensor:
+        x, _ = fused_ops.add_rms_norm(hidden, norm_w, 1e-6, residual)
+        y = gemv(x, w, gemv_config)
+        return fused_ops.silu_and_mul(y) if silu else y
+
+    expected = unfused().float()
+    baseline = time_graph(unfused)
+    best, best_time = None, 0.97 * baseline
+    for config in FUSED_CONFIGS:
+        try:
+            got = norm_gemv(hidden, residual, norm_w, 1e-6, w, config, silu=silu)[0].float()
+            if float((got - expected).norm() / expected.norm()) > 1e-2:
+                raise ValueError("disagrees with the unfused kernels")
+            t = time_graph(
+                lambda c=config: norm_gemv(hidden, residual, norm_w, 1e-6, w, c, silu=silu)
+            )
+        except Exception:  # a tile this GPU or Triton cannot run
+            continue
+        if t < best_time:
+            best, best_time = config, t
+    return best, baseline, best_time

@@ -77,6 +77,12 @@ class Linear(nn.Module):
     # at one row than cuBLAS or the skinny GEMM; used for inputs of one row (decode at
     # batch 1).
     gemv: tuple[int, int, int] | None = None
+    # Declared by the model: the norm before this layer ("norm"), and SiLU-and-mul after
+    # it ("norm+silu"), may run inside its one-row GEMV (``norm_and_project``).
+    fusable: Literal["norm", "norm+silu"] | None = None
+    # The config of that fused GEMV (``fused_gemv.norm_gemv``), set where it measured
+    # faster than the norm kernel and ``gemv`` apart.
+    fused: tuple[int, int, int] | None = None
     kernel: LinearKernel | None = None
     # Set by a quant method's prepare_model for a pre-quantized checkpoint: maps the
     # dense slots below to the slots of the checkpoint's quantized tensors.
@@ -142,7 +148,7 @@ class Linear(nn.Module):
         from tokenloom.plugins.models.fused_gemv import fused_offered
 
         return (
-            self.gemv is not None
+            self.fused is not None
             and self.kernel is None
             and not self._reduce
             and x.dim() == 2
@@ -288,9 +294,9 @@ def norm_and_project(
     if linear.fuses_norm(hidden):
         from tokenloom.plugins.models.fused_gemv import norm_gemv
 
-        assert linear.gemv is not None
+        assert linear.fused is not None
         return norm_gemv(
-            hidden, residual, norm.weight, norm.eps, linear.weight, linear.gemv, linear.bias, silu
+            hidden, residual, norm.weight, norm.eps, linear.weight, linear.fused, linear.bias, silu
         )
     if residual is None:
         residual, hidden = hidden, norm(hidden)

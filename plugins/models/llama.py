@@ -115,6 +115,7 @@ class LlamaAttention(nn.Module):
             "column",
             (q_rows, kv_rows, kv_rows),
         )
+        self.qkv_proj.fusable = "norm"  # the input norm may run inside its one-row GEMV
         self.o_proj = Linear(full_q, (shape.hidden_size,), features.o_bias, dtype, "row")
         self.q_norm = (
             RMSNorm(shape.head_dim, shape.rms_norm_eps, dtype) if features.qk_norm else None
@@ -168,6 +169,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         inter = shape.intermediate_size
         self.gate_up_proj = Linear(shape.hidden_size, (inter, inter), False, dtype, "column")
+        self.gate_up_proj.fusable = "norm+silu"
         self.down_proj = Linear(inter, (shape.hidden_size,), False, dtype, "row")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -267,6 +267,37 @@ class SkinnyDispatch:
         self.gemv_choices[key] = _decided(key, lambda: self._measure_gemv(w, skinny))
         return self.gemv_choices[key]
 
+    def choose_fused(self, w: torch.Tensor, gemv_config: GemvChoice, silu: bool) -> GemvChoice:
+        """The config of the GEMV with the norm (and SiLU) folded in
+        (``fused_gemv.norm_gemv``) where it beats, at one row, the add+norm kernel and
+        the plain GEMV ``gemv_config`` (then SiLU) by 3%; else None."""
+        if gemv_config is None or not _tunable(w):
+            return None
+        from tokenloom.plugins.models.fused_gemv import FUSED_VERSION, fused_offered
+
+        if not fused_offered():
+            return None
+        key = (
+            f"fused v{FUSED_VERSION}|{torch.cuda.get_device_name(w.device)}|torch "
+            f"{torch.__version__}|triton {triton.__version__}|{w.shape[0]}x{w.shape[1]}|"
+            f"{w.dtype}|{gemv_config}|silu {silu}|pdl {pdl_on(w.device)}"
+        )
+        return _decided(key, lambda: self._measure_fused(w, gemv_config, silu))
+
+    @torch.inference_mode()
+    def _measure_fused(self, w: torch.Tensor, gemv_config: GemvChoice, silu: bool) -> GemvChoice:
+        from tokenloom.plugins.models.fused_gemv import measure_fused
+
+        best, unfused, fused = measure_fused(w, gemv_config, silu, time_graph)
+        log.info(
+            "linear %s at one row, norm%s folded in: unfused %.1f us, %s",
+            tuple(w.shape),
+            " and SiLU" if silu else "",
+            unfused,
+            f"fused {best} {fused:.1f} us" if best else "kept unfused",
+        )
+        return best
+
     @torch.inference_mode()
     def _measure_gemv(self, w: torch.Tensor, skinny: Choice) -> GemvChoice:
         x = torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device)

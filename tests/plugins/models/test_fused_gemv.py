@@ -69,13 +69,13 @@ def test_norm_and_project_takes_the_fused_kernel_only_for_one_row_with_a_gemv(mo
     monkeypatch.setattr(fused_gemv, "norm_gemv", lambda *a: calls.append(1) or real(*a))
     one, res = torch.randn(1, 32, device=DEVICE), torch.randn(1, 32, device=DEVICE)
 
-    linear.gemv = (8, 32, 4)
+    linear.fused = (8, 32, 4)
     fused = norm_and_project(norm, linear, one, res, silu=True)
     norm_and_project(norm, linear, torch.randn(3, 32, device=DEVICE), None)  # 3 rows
     monkeypatch.setenv("TOKENLOOM_FUSED_NORM_GEMV", "0")
     norm_and_project(norm, linear, one, res, silu=True)
     monkeypatch.delenv("TOKENLOOM_FUSED_NORM_GEMV")
-    linear.gemv = None
+    linear.fused = None
     plain = norm_and_project(norm, linear, one, res, silu=True)
 
     assert calls == [1]
@@ -99,7 +99,7 @@ def test_a_model_decodes_the_same_logits_with_the_fused_norms(
     model, info = load_model(tiny_model_factory(arch), dtype, DEVICE)
     for module in model.modules():
         if isinstance(module, Linear):
-            module.gemv = (8, 64, 4)
+            module.gemv = module.fused = (8, 64, 4)
     from tokenloom.plugins.models import fused_gemv
 
     calls = []
@@ -112,3 +112,24 @@ def test_a_model_decodes_the_same_logits_with_the_fused_norms(
     tol = 1e-4 if dtype == torch.float32 else 0.03
     assert (fused - plain).abs().max().item() < tol * plain.abs().max().item()
     assert torch.equal(fused.argmax(-1), plain.argmax(-1))
+
+
+def test_the_fused_gemv_is_never_chosen_off_the_gpu():
+    from tokenloom.plugins.models.skinny_gemm import SkinnyDispatch
+
+    assert SkinnyDispatch().choose_fused(torch.randn(16, 32), (8, 512, 4), False) is None
+
+
+@pytest.mark.parametrize("silu", [False, True])
+def test_the_fused_config_must_beat_the_unfused_kernels_by_three_percent(silu):
+    from tokenloom.plugins.models import fused_gemv
+
+    torch.manual_seed(0)
+    w = torch.randn(32, 64, device=DEVICE) / 8
+    configs = fused_gemv.FUSED_CONFIGS
+    # the unfused pair first, then each config: the third is fastest, the fifth next
+    times = iter([10.0, 9.9, 9.8, 9.0, 10.5, 9.5] + [11.0] * (len(configs) - 5))
+    best, unfused, fused = fused_gemv.measure_fused(w, (8, 32, 4), silu, lambda fn: next(times))
+    assert (best, unfused, fused) == (configs[2], 10.0, 9.0)
+    times = iter([10.0] + [9.8] * len(configs))  # 2% faster: not enough
+    assert fused_gemv.measure_fused(w, (8, 32, 4), silu, lambda fn: next(times))[0] is None
