@@ -1,7 +1,9 @@
 """Attention plugin ``triton``: paged attention in Triton kernels (default on CUDA).
 
 Each forward writes the new keys/values with one kernel (unless the model's rope
-kernel already did: ``accepts_written_kv``), then runs the split-KV
+kernel already did: ``accepts_written_kv``; or, given ``rope`` (``accepts_rope``), the
+decode kernel rotates q and k and stores them itself, ``decode_rope_max_batch``; on
+other batches one rope kernel does it first), then runs the split-KV
 decode kernel on the batch's leading one-token requests and the paged prefill kernel
 on the rest (the executor should order decodes first in mixed batches; any order is
 correct, but only leading decodes get the decode kernel). No launch reads tensor values on
@@ -12,7 +14,8 @@ quantized by the write and dequantized inside both attention kernels.
 Settings (``[plugin.triton]`` in the config, or keyword arguments), defaults in
 ``__init__``: ``max_num_splits``, ``decode_block_n``, ``decode_num_stages``,
 ``decode_programs_per_sm``, ``decode_min_split_tokens``, ``decode_num_warps``,
-``decode_kv_asm`` (an 8-bit cache converted by PTX helpers), ``decode_heads_first``
+``decode_kv_asm`` (an 8-bit cache converted by PTX helpers), ``decode_rope_max_batch``
+(rope inside the decode kernel up to this batch; 0: never), ``decode_heads_first``
 (grid order), ``decode_maxnreg`` (register cap), ``prefill_block_m``,
 ``prefill_block_n``, ``prefill_num_warps``, ``prefill_num_stages``. An 8-bit cache's
 decode takes ``QUANT_DECODE`` for the stages and register cap unless they are set.
@@ -29,10 +32,15 @@ import torch
 
 from tokenloom.config import EngineConfig, plugin_settings
 from tokenloom.plugins.attention import kv_quant
-from tokenloom.plugins.attention.triton_kernels.decode import decode_attention
+from tokenloom.plugins.attention.triton_kernels.decode import DecodeRope, decode_attention
 from tokenloom.plugins.attention.triton_kernels.kv_write import write_kv
 from tokenloom.plugins.attention.triton_kernels.prefill import prefill_attention
-from tokenloom.protocols.components.attention import AttentionBackend, AttentionMetadata
+from tokenloom.plugins.models import fused_ops
+from tokenloom.protocols.components.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    RopeInputs,
+)
 from tokenloom.protocols.components.model import ModelInfo
 from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
@@ -47,6 +55,7 @@ SETTINGS = (
     "decode_kv_asm",
     "decode_heads_first",
     "decode_maxnreg",
+    "decode_rope_max_batch",
     "prefill_block_m",
     "prefill_block_n",
     "prefill_num_warps",
@@ -67,6 +76,7 @@ class TritonSettings(msgspec.Struct, forbid_unknown_fields=True):
     decode_kv_asm: int | None = None
     decode_heads_first: int | None = None
     decode_maxnreg: int | None = None
+    decode_rope_max_batch: int | None = None
     prefill_block_m: int | None = None
     prefill_block_n: int | None = None
     prefill_num_warps: int | None = None
@@ -84,6 +94,7 @@ INTERPRETER_DEFAULTS = {
     "decode_kv_asm": 0,  # the interpreter runs no PTX
     "decode_heads_first": 0,
     "decode_maxnreg": 0,
+    "decode_rope_max_batch": 1 << 30,
     "prefill_block_m": 16,
     "prefill_block_n": 16,
     "prefill_num_warps": 4,
@@ -105,6 +116,7 @@ def cuda_defaults(head_dim: int) -> dict[str, int]:
         "decode_kv_asm": 1,
         "decode_heads_first": 1,
         "decode_maxnreg": 0,  # 0: as many registers as ptxas wants
+        "decode_rope_max_batch": 1 << 30,  # rope inside the decode kernel at any batch
         "prefill_block_m": 64,
         "prefill_block_n": 32 if big_head else 64,
         "prefill_num_warps": 4,
@@ -129,6 +141,7 @@ class TritonAttention(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
     accepts_written_kv = True
+    accepts_rope = True
     supports_quantized_kv = True
 
     def __init__(self, config: EngineConfig, model_info: ModelInfo, **overrides: int) -> None:
@@ -173,6 +186,7 @@ class TritonAttention(AttentionBackend):
         self.decode_kv_asm = bool(defaults["decode_kv_asm"]) and not interpreted  # no PTX there
         self.decode_heads_first = bool(defaults["decode_heads_first"])
         self.decode_maxnreg = int(defaults["decode_maxnreg"])
+        self.decode_rope_max_batch = int(defaults["decode_rope_max_batch"])
         # QUANT_DECODE where it was measured (CUDA, head_dim <= 128, 16-bit queries) and
         # the user set neither of its keys: a cap on its own, with two stages, only spills
         measured = not interpreted and self.head_dim <= 128 and model_info.dtype != torch.float32
@@ -231,6 +245,20 @@ class TritonAttention(AttentionBackend):
         assert self._part_lse is not None
         return self._part_out, self._part_lse, self._counters
 
+    def _rope_in_decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> bool:
+        """Whether the decode kernel rotates q and k and stores the new KV itself (one
+        kernel less per layer): a decode-only batch of at most ``decode_rope_max_batch``
+        requests, a 16-bit or fp32 contiguous cache, a head size that is a power of two."""
+        return (
+            meta.decode_only
+            and q.shape[0] <= self.decode_rope_max_batch
+            and not kv_quant.is_quantized(k_cache.dtype)
+            and k_cache.is_contiguous()
+            and self.head_dim & (self.head_dim - 1) == 0
+        )
+
     def prepare(self, meta: AttentionMetadata) -> None:
         """Count the leading decodes of a mixed batch (host lists only) into
         ``meta.extra["num_leading_decodes"]``, and allocate the decode scratch outside
@@ -257,12 +285,21 @@ class TritonAttention(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         kv_written: bool = False,
+        rope: RopeInputs | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         if k_cache.dtype == torch.float8_e4m3fn and not self._fp8_ok:
             raise RuntimeError(
                 "an fp8 KV cache needs a GPU of compute capability 8.9 or later "
                 "(Ada, Hopper); use kv_cache_dtype = 'int8' here"
             )
+        decode_rope = None
+        if rope is not None:  # q and k un-rotated: in the decode kernel, else one kernel here
+            if self._rope_in_decode(q, k_cache, meta):
+                decode_rope = DecodeRope(k, v, *rope.as_tuple(), meta.slot_mapping)
+            else:
+                kv_write = (v, k_cache, v_cache, meta.slot_mapping)
+                fused_ops.qk_norm_rope_(q, k, *rope.as_tuple(), kv_write)
+            kv_written = True
         if not kv_written:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -293,6 +330,7 @@ class TritonAttention(AttentionBackend):
                 kv_asm=self.decode_kv_asm,
                 heads_first=self.decode_heads_first,
                 maxnreg=self.quant_decode_maxnreg if quantized else self.decode_maxnreg,
+                rope=decode_rope,
             )
         if num_decodes < num_seqs:
             prefill_attention(

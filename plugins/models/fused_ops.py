@@ -140,6 +140,19 @@ def _norm_rope_heads(
     base = ptr + token * stride_t + heads * stride_h + cols
     x1 = tl.load(base, mask=mask, other=0.0)
     x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    x1, x2 = norm_rope(x1, x2, w_ptr, cos, sin, eps, HALF, HAS_NORM)
+    tl.store(base, x1, mask=mask)
+    tl.store(base + HALF, x2, mask=mask)
+    return x1, x2
+
+
+@triton.jit
+def norm_rope(x1, x2, w_ptr, cos, sin, eps, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Heads ``[H, D]`` as their halves ``x1, x2`` (each ``[H, HALF]``, model dtype):
+    per-head RMSNorm with weight ``w_ptr`` (``HAS_NORM``), then the rotate-half rotary
+    embedding by ``cos``/``sin`` (``[1, HALF]`` fp32), rounded to the model dtype where
+    transformers rounds. Also used inside the decode attention kernel."""
+    cols = tl.arange(0, HALF)[None, :]
     dtype = x1.dtype
     if HAS_NORM:
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
@@ -153,11 +166,7 @@ def _norm_rope_heads(
     b = (f2 * sin).to(dtype).to(tl.float32)
     c = (f2 * cos).to(dtype).to(tl.float32)
     d = (f1 * sin).to(dtype).to(tl.float32)
-    x1 = (a - b).to(dtype)
-    x2 = (c + d).to(dtype)
-    tl.store(base, x1, mask=mask)
-    tl.store(base + HALF, x2, mask=mask)
-    return x1, x2
+    return (a - b).to(dtype), (c + d).to(dtype)
 
 
 @triton.jit

@@ -28,7 +28,7 @@ from tokenloom.plugins.models.layers import (
     silu_and_mul,
     whole,
 )
-from tokenloom.protocols.components.attention import ForwardContext
+from tokenloom.protocols.components.attention import ForwardContext, RopeInputs
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) at the batch's positions, [T, 1, D/2]
 
@@ -135,13 +135,16 @@ class LlamaAttention(nn.Module):
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = ctx.kv_caches[self.layer_index]
-        written: dict[str, bool] = {}
-        if q.is_cuda:
+        written: dict[str, Any] = {}
+        norms = (self.q_norm, self.k_norm)
+        q_w, k_w = (n.weight if n is not None else None for n in norms)
+        eps = self.q_norm.eps if self.q_norm is not None else 0.0
+        if q.is_cuda and ctx.attn.accepts_rope:
+            # the backend norms, rotates and stores k/v (in its decode kernel: none here)
+            written["rope"] = RopeInputs(*rope, q_w, k_w, eps)
+        elif q.is_cuda:
             from tokenloom.plugins.models import fused_ops
 
-            norms = (self.q_norm, self.k_norm)
-            q_w, k_w = (n.weight if n is not None else None for n in norms)
-            eps = self.q_norm.eps if self.q_norm is not None else 0.0
             # The backend may let the rope kernel write the KV cache (one kernel less).
             kv_write = None
             if ctx.attn.accepts_written_kv:

@@ -50,6 +50,12 @@ class AttentionBackend(ABC):
     # v at ``meta.slot_mapping`` in the cache layout below (fused into its rope
     # kernel), so the backend only attends. The model passes the keyword only then.
     accepts_written_kv: bool = False
+    # True when ``forward`` accepts ``rope=RopeInputs(...)``: q and k arrive as the
+    # projection left them (no per-head norm, no rotary embedding), and the backend
+    # applies both to q and k and stores k and v at ``meta.slot_mapping`` itself (a
+    # decode kernel can do it on the way, one kernel less per layer). The model passes
+    # the keyword only then, and then never ``kv_written``.
+    accepts_rope: bool = False
     # True when ``forward`` reads and writes a quantized cache (``kv_cache_dtype`` fp8 /
     # int8): fp8 / int8 strided views whose blocks also hold per-token-head scales
     # (``plugins.attention.kv_quant``). The executor refuses such a cache otherwise.
@@ -71,6 +77,23 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Store k and v at ``meta.slot_mapping``, then causal attention of each
         request's queries over its whole KV (cached prefix plus new tokens)."""
+
+
+@dataclass(frozen=True)
+class RopeInputs:
+    """The rotary embedding a model hands an ``accepts_rope`` backend: cos/sin at each
+    token's position (``[T, 1, D/2]`` or ``[T, D/2]``, rotate-half layout), and the
+    per-head RMSNorm weights ``[D]`` applied before it (Qwen3) or None, with its eps.
+    Results are rounded to the model dtype where transformers rounds them."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_weight: torch.Tensor | None = None
+    k_weight: torch.Tensor | None = None
+    eps: float = 1e-6
+
+    def as_tuple(self) -> tuple[Any, ...]:
+        return (self.cos, self.sin, self.q_weight, self.k_weight, self.eps)
 
 
 @dataclass

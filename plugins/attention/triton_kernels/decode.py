@@ -29,11 +29,14 @@ instructions (docs/quantization.md).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from tokenloom.plugins.attention import kv_quant
+from tokenloom.plugins.models.fused_ops import norm_rope
 from tokenloom.plugins.models.pdl import launch_options, release, wait
 
 # p * v_scale enters the second dot in f16, multiplied by this (undone after the loop):
@@ -101,6 +104,19 @@ def _decode_kernel(
     counters_ptr,  # [B, num_kv_heads] int32, zero between launches
     k_scale_ptr,  # [num_blocks, PAGE_SIZE, NUM_KV_HEADS] fp32 view (KV_QUANT only)
     v_scale_ptr,
+    k_new_ptr,  # ROPE: this step's keys and values [B, NUM_KV_HEADS, HEAD_DIM] (views)
+    v_new_ptr,
+    cos_ptr,  # ROPE: [B, HEAD_DIM / 2] at each request's position
+    sin_ptr,
+    q_norm_ptr,  # ROPE and HAS_NORM: per-head RMSNorm weights [HEAD_DIM]
+    k_norm_ptr,
+    slot_ptr,  # ROPE: [B] the new token's cache slot
+    stride_kn_tok,
+    stride_kn_head,
+    stride_vn_tok,
+    stride_vn_head,
+    stride_cos,
+    eps,
     stride_q_tok,
     stride_q_head,
     stride_o_tok,
@@ -127,6 +143,9 @@ def _decode_kernel(
     P_LIFT: tl.constexpr,
     KV_ASM: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
+    ROPE: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    HALF: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait(USE_PDL)  # the query, lengths and cache come from the kernels before
@@ -158,8 +177,36 @@ def _decode_kernel(
             tl.store(out_ptr + out_offs, zeros.to(out_ptr.dtype.element_ty), mask=mask_hd)
         return
 
-    q_offs = seq * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :]
-    q = tl.load(q_ptr + q_offs, mask=mask_hd, other=0.0)
+    table = block_tables_ptr + seq * stride_bt
+    head_off = kv_head * stride_cache_head
+    if ROPE:  # the query's halves rotated here; the last split stores the new key/value
+        offs_half = tl.arange(0, HALF)
+        cols = offs_half[None, :]
+        cos = tl.load(cos_ptr + seq * stride_cos + cols).to(tl.float32)
+        sin = tl.load(sin_ptr + seq * stride_cos + cols).to(tl.float32)
+        q_base = q_ptr + seq * stride_q_tok + heads[:, None] * stride_q_head + cols
+        q1 = tl.load(q_base, mask=mask_h[:, None], other=0.0)
+        q2 = tl.load(q_base + HALF, mask=mask_h[:, None], other=0.0)
+        q1, q2 = norm_rope(q1, q2, q_norm_ptr, cos, sin, eps, HALF, HAS_NORM)
+        if split == num_active - 1:  # this slice ends at the new token
+            slot = tl.load(slot_ptr + seq)
+            if slot >= 0:
+                k_base = k_new_ptr + seq * stride_kn_tok + kv_head * stride_kn_head + cols
+                k1 = tl.load(k_base)
+                k2 = tl.load(k_base + HALF)
+                k1, k2 = norm_rope(k1, k2, k_norm_ptr, cos, sin, eps, HALF, HAS_NORM)
+                v_base = v_new_ptr + seq * stride_vn_tok + kv_head * stride_vn_head + cols
+                page = (slot // PAGE_SIZE).to(tl.int64)
+                dst = page * stride_cache_block + (slot % PAGE_SIZE) * stride_cache_tok + head_off
+                cache_dtype = k_cache_ptr.dtype.element_ty
+                tl.store(k_cache_ptr + dst + cols, k1.to(cache_dtype))
+                tl.store(k_cache_ptr + dst + HALF + cols, k2.to(cache_dtype))
+                tl.store(v_cache_ptr + dst + cols, tl.load(v_base).to(cache_dtype))
+                tl.store(v_cache_ptr + dst + HALF + cols, tl.load(v_base + HALF).to(cache_dtype))
+                tl.debug_barrier()  # the stores before this program's own loads of them
+    else:
+        q_offs = seq * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :]
+        q = tl.load(q_ptr + q_offs, mask=mask_hd, other=0.0)
     row_scale = tl.full([BLOCK_H], scale_log2, tl.float32)
     if KV_F16:  # rows beyond f16's range are shrunk first; the scores undo it
         qf = q.to(tl.float32)
@@ -170,22 +217,27 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    table = block_tables_ptr + seq * stride_bt
-    head_off = kv_head * stride_cache_head
     for n0 in range(kv_start, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < kv_end
         block = tl.load(table + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
         tok = block * stride_cache_block + (offs_n % PAGE_SIZE) * stride_cache_tok + head_off
-        k = tl.load(
-            k_cache_ptr + tok[None, :] + offs_d[:, None],
-            mask=mask_n[None, :] & mask_d[:, None],
-            other=0.0,
-        )  # [BLOCK_D, BLOCK_N]
-        if KV_F16:
-            qk = tl.dot(q, _kv_to_f16(k, KV_ASM)) * row_scale[:, None]
+        if ROPE:  # the two halves of the head, each against its half of the keys
+            k_half = k_cache_ptr + tok[None, :] + offs_half[:, None]
+            k1 = tl.load(k_half, mask=mask_n[None, :], other=0.0)  # [HALF, BLOCK_N]
+            k2 = tl.load(k_half + HALF, mask=mask_n[None, :], other=0.0)
+            qk = tl.dot(q1, k1.to(q1.dtype), input_precision=DOT_PRECISION)
+            qk = (qk + tl.dot(q2, k2.to(q2.dtype), input_precision=DOT_PRECISION)) * scale_log2
         else:
-            qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
+            k = tl.load(
+                k_cache_ptr + tok[None, :] + offs_d[:, None],
+                mask=mask_n[None, :] & mask_d[:, None],
+                other=0.0,
+            )  # [BLOCK_D, BLOCK_N]
+            if KV_F16:
+                qk = tl.dot(q, _kv_to_f16(k, KV_ASM)) * row_scale[:, None]
+            else:
+                qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
         if KV_QUANT:
             s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * NUM_KV_HEADS + kv_head
             qk = qk * tl.load(k_scale_ptr + s_off, mask=mask_n, other=0.0)[None, :]
@@ -209,7 +261,8 @@ def _decode_kernel(
         if KV_F16:
             pv = tl.dot(p.to(tl.float16), _kv_to_f16(v, KV_ASM))
         else:
-            pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+            dtype = q_ptr.dtype.element_ty
+            pv = tl.dot(p.to(dtype), v.to(dtype), input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     if KV_F16:
@@ -255,6 +308,24 @@ def _decode_kernel(
     tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
+@dataclass(frozen=True)
+class DecodeRope:
+    """What the decode kernel needs to rotate the query and store the new key/value
+    itself (``decode_attention(rope=...)``): this step's keys and values ``[B, Hkv, D]``
+    (views of the projection are fine), cos/sin ``[B, D/2]`` (or ``[B, 1, D/2]``) at
+    each request's position, the per-head RMSNorm weights (Qwen3) or None, and each
+    request's cache slot (``< 0``: none)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_weight: torch.Tensor | None
+    k_weight: torch.Tensor | None
+    eps: float
+    slot_mapping: torch.Tensor
+
+
 def decode_attention(
     q: torch.Tensor,  # [B, num_heads, head_dim], last dim contiguous
     k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
@@ -274,6 +345,7 @@ def decode_attention(
     kv_asm: bool = False,
     heads_first: bool = False,
     maxnreg: int = 0,
+    rope: DecodeRope | None = None,
 ) -> None:
     """Launch the kernel. No host sync; the grid depends only on shapes and
     ``num_splits``, so a captured graph replays with new values in the same tensors.
@@ -281,7 +353,10 @@ def decode_attention(
     ``kv_asm``: convert an 8-bit cache with the PTX helpers (CUDA only).
     ``heads_first``: grid ``(num_kv_heads, batch, num_splits)``, so that programs
     launched together read every head of the same tokens. ``maxnreg``: a register cap
-    per thread (more programs per SM, at the price of spills; 0: none)."""
+    per thread (more programs per SM, at the price of spills; 0: none). ``rope``: the
+    query and this step's keys arrive un-rotated; the kernel applies the per-head norm
+    and rotary embedding and stores the new keys and values in the cache (a 16-bit or
+    fp32 cache, head size a power of two: ``DecodeRope``)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -290,6 +365,18 @@ def decode_attention(
     k_scales = kv_quant.scales_of(k_cache) if quantized else k_cache
     v_scales = kv_quant.scales_of(v_cache) if quantized else v_cache
     grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
+    if rope is not None:
+        assert not quantized and head_dim == triton.next_power_of_2(head_dim)
+        assert k_cache.is_contiguous() and v_cache.is_contiguous()
+        k_new, v_new = rope.k, rope.v
+        cos = rope.cos.reshape(rope.cos.shape[0], head_dim // 2)
+        sin = rope.sin.reshape(rope.sin.shape[0], head_dim // 2)
+        has_norm = rope.q_weight is not None and rope.k_weight is not None
+        q_norm, k_norm = (rope.q_weight, rope.k_weight) if has_norm else (q, q)
+        slots, eps = rope.slot_mapping, rope.eps
+    else:
+        k_new = v_new = cos = sin = q_norm = k_norm = slots = q
+        eps, has_norm = 0.0, False
     _decode_kernel[grid](
         q,
         k_cache,
@@ -302,6 +389,19 @@ def decode_attention(
         counters,
         k_scales,
         v_scales,
+        k_new,
+        v_new,
+        cos,
+        sin,
+        q_norm,
+        k_norm,
+        slots,
+        k_new.stride(0),
+        k_new.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
+        cos.stride(0),
+        eps,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -328,6 +428,9 @@ def decode_attention(
         P_LIFT=P_LIFT.get(k_cache.dtype, 1.0),
         KV_ASM=quantized and kv_asm,
         HEADS_FIRST=heads_first,
+        ROPE=rope is not None,
+        HAS_NORM=has_norm,
+        HALF=head_dim // 2,
         num_warps=num_warps,
         num_stages=num_stages,
         **({"maxnreg": maxnreg} if maxnreg else {}),
