@@ -59,9 +59,9 @@ def test_rope_in_the_decode_kernel_equals_the_rope_kernel_then_attention(
     real = fused_ops.qk_norm_rope_
     monkeypatch.setattr(fused_ops, "qk_norm_rope_", lambda *a: calls.append(1) or real(*a))
 
-    out, k_cache, v_cache = run(batch, rope)  # in the decode kernel
+    out, k_cache, v_cache = run(batch, rope, decode_rope_min_batch=1)  # in the decode kernel
     assert not calls
-    expected, k_ref, v_ref = run(batch, rope, decode_rope_max_batch=0)  # a rope kernel first
+    expected, k_ref, v_ref = run(batch, rope, decode_rope_min_batch=1000)  # a rope kernel first
     assert calls == [1]
 
     real_rows = len(seq_lens)
@@ -81,5 +81,16 @@ def test_mixed_batches_fall_back_to_the_rope_kernel(monkeypatch):
     calls = []
     real = fused_ops.qk_norm_rope_
     monkeypatch.setattr(fused_ops, "qk_norm_rope_", lambda *a: calls.append(1) or real(*a))
-    out, k_cache, _ = run(batch, rope_inputs(batch, True))
+    out, k_cache, _ = run(batch, rope_inputs(batch, True), decode_rope_min_batch=1)
     assert calls == [1] and torch.isfinite(out).all()
+
+
+def test_decode_batches_below_the_minimum_take_the_rope_kernel(monkeypatch):
+    batch = make_batch([1, 1], [9, 20], num_heads=4, num_kv_heads=2, head_dim=32, device=DEVICE)
+    calls = []
+    real = fused_ops.qk_norm_rope_
+    monkeypatch.setattr(fused_ops, "qk_norm_rope_", lambda *a: calls.append(1) or real(*a))
+    run(batch, rope_inputs(batch, False), decode_rope_min_batch=3)
+    assert calls == [1]
+    run(batch, rope_inputs(batch, False), decode_rope_min_batch=2)
+    assert calls == [1]

@@ -116,9 +116,11 @@ def decode_ptx(cache: str) -> str:
     constexprs = dict(
         NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16,
         BLOCK_N=128, PAGE_SIZE=16, DOT_PRECISION="tf32", KV_QUANT=True, KV_F16=True, KV_ASM=True, HEADS_FIRST=True,
-        P_LIFT=128.0,
+        P_LIFT=128.0, ROPE=False, HAS_NORM=False, HALF=64,
     )  # fmt: skip
-    return compile_ptx(decode._decode_kernel, pointers, constexprs, float_args={"scale_log2"})
+    return compile_ptx(
+        decode._decode_kernel, pointers, constexprs, float_args={"scale_log2", "eps"}
+    )
 
 
 VARIANTS = {
