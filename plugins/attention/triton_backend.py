@@ -32,7 +32,8 @@ import torch
 
 from tokenloom.config import EngineConfig, plugin_settings
 from tokenloom.plugins.attention import kv_quant
-from tokenloom.plugins.attention.triton_kernels.decode import DecodeRope, decode_attention
+from tokenloom.plugins.attention.triton_kernels.decode import decode_attention
+from tokenloom.plugins.attention.triton_kernels.decode_rope import DecodeRope
 from tokenloom.plugins.attention.triton_kernels.kv_write import write_kv
 from tokenloom.plugins.attention.triton_kernels.prefill import prefill_attention
 from tokenloom.plugins.models import fused_ops

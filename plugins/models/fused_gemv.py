@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenloom.plugins.models.layers import Linear, RMSNorm, silu_and_mul
 from tokenloom.plugins.models.pdl import launch_options, release, wait
 
 FUSED_VERSION = 1  # part of its tuning key: bump when the kernel or its configs change
@@ -164,6 +165,31 @@ def norm_gemv(
         **launch_options(hidden.device),
     )
     return y, summed
+
+
+def norm_and_project(
+    norm: RMSNorm,
+    linear: Linear,
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    silu: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear(norm(hidden + residual)), hidden + residual)``: the residual stream's
+    next value and the projection of its norm (with ``silu``, SiLU-and-mul of the
+    merged gate/up projection). A None residual: the stream starts at ``hidden``.
+    One kernel where the layer's one-row GEMV takes the norm (``Linear.fuses_norm``),
+    else the norm, the projection and SiLU in turn."""
+    if linear.fuses_norm(hidden):
+        assert linear.fused is not None
+        return norm_gemv(
+            hidden, residual, norm.weight, norm.eps, linear.weight, linear.fused, linear.bias, silu
+        )
+    if residual is None:
+        residual, hidden = hidden, norm(hidden)
+    else:
+        hidden, residual = norm.add_and_norm(hidden, residual)
+    y = linear(hidden)
+    return (silu_and_mul(y) if silu else y), residual
 
 
 def measure_fused(

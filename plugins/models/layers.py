@@ -78,7 +78,7 @@ class Linear(nn.Module):
     # batch 1).
     gemv: tuple[int, int, int] | None = None
     # Declared by the model: the norm before this layer ("norm"), and SiLU-and-mul after
-    # it ("norm+silu"), may run inside its one-row GEMV (``norm_and_project``).
+    # it ("norm+silu"), may run inside its one-row GEMV (``fused_gemv.norm_and_project``).
     fusable: Literal["norm", "norm+silu"] | None = None
     # The config of that fused GEMV (``fused_gemv.norm_gemv``), set where it measured
     # faster than the norm kernel and ``gemv`` apart.
@@ -143,7 +143,7 @@ class Linear(nn.Module):
         return y
 
     def fuses_norm(self, x: torch.Tensor) -> bool:
-        """Whether ``norm_and_project`` folds the norm before this layer (and SiLU after
+        """Whether ``fused_gemv.norm_and_project`` folds the norm before this layer (and SiLU after
         it) into its one-row GEMV for ``x`` (``plugins.models.fused_gemv``)."""
         from tokenloom.plugins.models.fused_gemv import fused_offered
 
@@ -277,33 +277,6 @@ class RMSNorm(nn.Module):
             return fused_ops.add_rms_norm(x, self.weight, self.eps, residual)
         summed = x + residual
         return self.forward(summed), summed
-
-
-def norm_and_project(
-    norm: RMSNorm,
-    linear: Linear,
-    hidden: torch.Tensor,
-    residual: torch.Tensor | None,
-    silu: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(linear(norm(hidden + residual)), hidden + residual)``: the residual stream's
-    next value and the projection of its norm (with ``silu``, SiLU-and-mul of the
-    merged gate/up projection). A None residual: the stream starts at ``hidden``.
-    One kernel where the layer's one-row GEMV takes the norm (``Linear.fuses_norm``),
-    else the norm, the projection and SiLU in turn."""
-    if linear.fuses_norm(hidden):
-        from tokenloom.plugins.models.fused_gemv import norm_gemv
-
-        assert linear.fused is not None
-        return norm_gemv(
-            hidden, residual, norm.weight, norm.eps, linear.weight, linear.fused, linear.bias, silu
-        )
-    if residual is None:
-        residual, hidden = hidden, norm(hidden)
-    else:
-        hidden, residual = norm.add_and_norm(hidden, residual)
-    y = linear(hidden)
-    return (silu_and_mul(y) if silu else y), residual
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tokenloom.plugins.models import parallel
+from tokenloom.plugins.models.fused_gemv import norm_and_project
 from tokenloom.plugins.models.layers import (
     Embedding,
     Linear,
@@ -23,7 +24,6 @@ from tokenloom.plugins.models.layers import (
     RotaryEmbedding,
     Slots,
     apply_rotary,
-    norm_and_project,
     rope_parameters,
     silu_and_mul,
     whole,

@@ -29,14 +29,16 @@ instructions (docs/quantization.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from tokenloom.plugins.attention import kv_quant
-from tokenloom.plugins.models.fused_ops import norm_rope
+from tokenloom.plugins.attention.triton_kernels.decode_rope import (
+    DecodeRope,
+    check_supported,
+    rope_query_store_kv,
+)
 from tokenloom.plugins.models.pdl import launch_options, release, wait
 
 # p * v_scale enters the second dot in f16, multiplied by this (undone after the loop):
@@ -181,29 +183,13 @@ def _decode_kernel(
     head_off = kv_head * stride_cache_head
     if ROPE:  # the query's halves rotated here; the last split stores the new key/value
         offs_half = tl.arange(0, HALF)
-        cols = offs_half[None, :]
-        cos = tl.load(cos_ptr + seq * stride_cos + cols).to(tl.float32)
-        sin = tl.load(sin_ptr + seq * stride_cos + cols).to(tl.float32)
-        q_base = q_ptr + seq * stride_q_tok + heads[:, None] * stride_q_head + cols
-        q1 = tl.load(q_base, mask=mask_h[:, None], other=0.0)
-        q2 = tl.load(q_base + HALF, mask=mask_h[:, None], other=0.0)
-        q1, q2 = norm_rope(q1, q2, q_norm_ptr, cos, sin, eps, HALF, HAS_NORM)
-        if split == num_active - 1:  # this slice ends at the new token
-            slot = tl.load(slot_ptr + seq)
-            if slot >= 0:
-                k_base = k_new_ptr + seq * stride_kn_tok + kv_head * stride_kn_head + cols
-                k1 = tl.load(k_base)
-                k2 = tl.load(k_base + HALF)
-                k1, k2 = norm_rope(k1, k2, k_norm_ptr, cos, sin, eps, HALF, HAS_NORM)
-                v_base = v_new_ptr + seq * stride_vn_tok + kv_head * stride_vn_head + cols
-                page = (slot // PAGE_SIZE).to(tl.int64)
-                dst = page * stride_cache_block + (slot % PAGE_SIZE) * stride_cache_tok + head_off
-                cache_dtype = k_cache_ptr.dtype.element_ty
-                tl.store(k_cache_ptr + dst + cols, k1.to(cache_dtype))
-                tl.store(k_cache_ptr + dst + HALF + cols, k2.to(cache_dtype))
-                tl.store(v_cache_ptr + dst + cols, tl.load(v_base).to(cache_dtype))
-                tl.store(v_cache_ptr + dst + HALF + cols, tl.load(v_base + HALF).to(cache_dtype))
-                tl.debug_barrier()  # the stores before this program's own loads of them
+        q1, q2 = rope_query_store_kv(
+            q_ptr, k_new_ptr, v_new_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, slot_ptr,
+            k_cache_ptr, v_cache_ptr, seq, kv_head, heads, mask_h, split == num_active - 1,
+            stride_q_tok, stride_q_head, stride_kn_tok, stride_kn_head, stride_vn_tok,
+            stride_vn_head, stride_cos, stride_cache_block, stride_cache_tok, head_off, eps,
+            HALF, PAGE_SIZE, HAS_NORM,
+        )  # fmt: skip
     else:
         q_offs = seq * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :]
         q = tl.load(q_ptr + q_offs, mask=mask_hd, other=0.0)
@@ -308,24 +294,6 @@ def _decode_kernel(
     tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
-@dataclass(frozen=True)
-class DecodeRope:
-    """What the decode kernel needs to rotate the query and store the new key/value
-    itself (``decode_attention(rope=...)``): this step's keys and values ``[B, Hkv, D]``
-    (views of the projection are fine), cos/sin ``[B, D/2]`` (or ``[B, 1, D/2]``) at
-    each request's position, the per-head RMSNorm weights (Qwen3) or None, and each
-    request's cache slot (``< 0``: none)."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    q_weight: torch.Tensor | None
-    k_weight: torch.Tensor | None
-    eps: float
-    slot_mapping: torch.Tensor
-
-
 def decode_attention(
     q: torch.Tensor,  # [B, num_heads, head_dim], last dim contiguous
     k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
@@ -366,17 +334,10 @@ def decode_attention(
     v_scales = kv_quant.scales_of(v_cache) if quantized else v_cache
     grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
     if rope is not None:
-        assert not quantized and head_dim == triton.next_power_of_2(head_dim)
-        assert k_cache.is_contiguous() and v_cache.is_contiguous()
-        k_new, v_new = rope.k, rope.v
-        cos = rope.cos.reshape(rope.cos.shape[0], head_dim // 2)
-        sin = rope.sin.reshape(rope.sin.shape[0], head_dim // 2)
-        has_norm = rope.q_weight is not None and rope.k_weight is not None
-        q_norm, k_norm = (rope.q_weight, rope.k_weight) if has_norm else (q, q)
-        slots, eps = rope.slot_mapping, rope.eps
+        check_supported(head_dim, quantized, (k_cache, v_cache))
+        rope_args = rope.kernel_args(head_dim)
     else:
-        k_new = v_new = cos = sin = q_norm = k_norm = slots = q
-        eps, has_norm = 0.0, False
+        rope_args = DecodeRope.unused_args(q)
     _decode_kernel[grid](
         q,
         k_cache,
@@ -389,19 +350,7 @@ def decode_attention(
         counters,
         k_scales,
         v_scales,
-        k_new,
-        v_new,
-        cos,
-        sin,
-        q_norm,
-        k_norm,
-        slots,
-        k_new.stride(0),
-        k_new.stride(1),
-        v_new.stride(0),
-        v_new.stride(1),
-        cos.stride(0),
-        eps,
+        *rope_args,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -429,7 +378,7 @@ def decode_attention(
         KV_ASM=quantized and kv_asm,
         HEADS_FIRST=heads_first,
         ROPE=rope is not None,
-        HAS_NORM=has_norm,
+        HAS_NORM=rope is not None and rope.has_norm,
         HALF=head_dim // 2,
         num_warps=num_warps,
         num_stages=num_stages,

@@ -105,18 +105,22 @@ def fused_rope_ptx(cache: str) -> str:
     )
 
 
-def decode_ptx(cache: str) -> str:
+def decode_ptx(cache: str, rope: bool = False) -> str:
     from tokenloom.plugins.attention.triton_kernels import decode
 
     pointers = {"q_ptr": "bf16", "out_ptr": "bf16", "k_cache_ptr": cache, "v_cache_ptr": cache}
+    quantized = cache != "bf16"
+    if rope:
+        pointers |= dict.fromkeys(["k_new_ptr", "v_new_ptr", "cos_ptr", "sin_ptr"], "bf16")
+        pointers |= {"q_norm_ptr": "bf16", "k_norm_ptr": "bf16", "slot_ptr": "i64"}
     pointers |= dict.fromkeys(
         ["part_out_ptr", "part_lse_ptr", "k_scale_ptr", "v_scale_ptr"], "fp32"
     )
     pointers |= {"block_tables_ptr": "i32", "seq_lens_ptr": "i32", "counters_ptr": "i32"}
     constexprs = dict(
         NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16,
-        BLOCK_N=128, PAGE_SIZE=16, DOT_PRECISION="tf32", KV_QUANT=True, KV_F16=True, KV_ASM=True, HEADS_FIRST=True,
-        P_LIFT=128.0, ROPE=False, HAS_NORM=False, HALF=64,
+        BLOCK_N=128, PAGE_SIZE=16, DOT_PRECISION="tf32", KV_QUANT=quantized, KV_F16=quantized,
+        KV_ASM=quantized, HEADS_FIRST=True, P_LIFT=128.0, ROPE=rope, HAS_NORM=rope, HALF=64,
     )  # fmt: skip
     return compile_ptx(
         decode._decode_kernel, pointers, constexprs, float_args={"scale_log2", "eps"}
@@ -161,6 +165,13 @@ def test_decode_converts_an_8_bit_tile_before_its_layout_change(compiled, cache)
     assert compiled[f"decode-{cache}"]["conversions"] >= 128
 
 
+def test_decode_with_rope_compiles_for_sm90_with_its_barrier(compiled):
+    """The rope variant (bf16 cache, Qwen3's q/k norm) compiles for the H200, and the
+    last split's store of the new key and value is followed by a block barrier."""
+    assert compiled["decode-rope"]["barriers"] > compiled["decode-bf16"]["barriers"]
+    assert any(op.startswith("ldmatrix") for op in compiled["decode-rope"]["shared_loads"])
+
+
 if __name__ == "__main__":
     build = {"kv_write": kv_write_ptx, "fused_rope": fused_rope_ptx}
     summary = {}
@@ -175,5 +186,11 @@ if __name__ == "__main__":
         summary[f"decode-{cache}"] = {
             "shared_loads": sorted(set(re.findall(r"\b(?:ld\.shared|ldmatrix)[\w.]*", ptx))),
             "conversions": len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2|sub\.f16x2", ptx)),
+        }
+    for name, rope in (("decode-rope", True), ("decode-bf16", False)):
+        ptx = decode_ptx("bf16", rope=rope)
+        summary[name] = {
+            "barriers": len(re.findall(r"\bbar\.sync\b|\bbarrier\.sync\b", ptx)),
+            "shared_loads": sorted(set(re.findall(r"\b(?:ld\.shared|ldmatrix)[\w.]*", ptx))),
         }
     print(json.dumps(summary))

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenloom.plugins.models.fused_gemv import norm_gemv
-from tokenloom.plugins.models.layers import Linear, RMSNorm, norm_and_project
+from tokenloom.plugins.models.fused_gemv import norm_and_project, norm_gemv
+from tokenloom.plugins.models.layers import Linear, RMSNorm
 from tokenloom.plugins.models.loader import load_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
