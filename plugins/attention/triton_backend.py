@@ -251,16 +251,17 @@ class TritonAttention(AttentionBackend):
         return self._part_out, self._part_lse, self._counters
 
     def _rope_in_decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
     ) -> bool:
         """Whether the decode kernel rotates q and k and stores the new KV itself (one
         kernel less per layer): a decode-only batch of at least ``decode_rope_min_batch``
-        requests, a 16-bit or fp32 contiguous cache, a head size that is a power of two."""
+        requests, 16-bit or fp32 contiguous caches, a head size that is a power of two."""
         return (
             meta.decode_only
             and q.shape[0] >= self.decode_rope_min_batch
             and not kv_quant.is_quantized(k_cache.dtype)
             and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
             and self.head_dim & (self.head_dim - 1) == 0
         )
 
@@ -299,7 +300,7 @@ class TritonAttention(AttentionBackend):
             )
         decode_rope = None
         if rope is not None:  # q and k un-rotated: in the decode kernel, else one kernel here
-            if self._rope_in_decode(q, k_cache, meta):
+            if self._rope_in_decode(q, k_cache, v_cache, meta):
                 decode_rope = DecodeRope(k, v, *rope.as_tuple(), meta.slot_mapping)
             else:
                 kv_write = (v, k_cache, v_cache, meta.slot_mapping)

@@ -123,8 +123,10 @@ class ModelRunner(Executor):
 
     def _choose_skinny_gemms(self) -> None:
         """Per linear shape, keep the skinny Triton GEMM for inputs of <= 16 rows where
-        it measured faster than cuBLAS on this GPU (small-batch decode), and the one-row
-        GEMV for single rows where it measured faster than either."""
+        it measured faster than cuBLAS on this GPU (small-batch decode), the one-row
+        GEMV for single rows where it measured faster than either (the LM head too), and
+        the GEMV with the norm (and SiLU) folded in where the model allows it
+        (``Linear.fusable``) and it measured faster than the kernels apart."""
         from tokenloom.plugins.models.layers import Embedding, Linear
         from tokenloom.plugins.models.skinny_gemm import SkinnyDispatch
 
@@ -136,7 +138,9 @@ class ModelRunner(Executor):
                 module.gemv = dispatch.choose_gemv(module.weight, module.skinny)
                 if module.fusable is not None:
                     silu = module.fusable == "norm+silu"
-                    module.fused = dispatch.choose_fused(module.weight, module.gemv, silu)
+                    module.fused = dispatch.choose_fused(
+                        module.weight, module.gemv, silu, module.bias
+                    )
         lm_head = getattr(self.model, "lm_head", None)
         if (
             isinstance(lm_head, Embedding)

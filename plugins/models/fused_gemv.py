@@ -197,6 +197,7 @@ def measure_fused(
     gemv_config: tuple[int, int, int],
     silu: bool,
     time_graph: Callable[[Callable[[], object]], float],
+    bias: torch.Tensor | None = None,
 ) -> tuple[tuple[int, int, int] | None, float, float]:
     """(best fused config or None, unfused us, best fused us): the add+norm kernel and
     the plain GEMV (then SiLU) against each fused config, at one row, on ``w``'s GPU; a
@@ -210,7 +211,7 @@ def measure_fused(
 
     def unfused() -> torch.Tensor:
         x, _ = fused_ops.add_rms_norm(hidden, norm_w, 1e-6, residual)
-        y = gemv(x, w, gemv_config)
+        y = gemv(x, w, gemv_config, bias)
         return fused_ops.silu_and_mul(y) if silu else y
 
     expected = unfused().float()
@@ -218,11 +219,11 @@ def measure_fused(
     best, best_time = None, 0.97 * baseline
     for config in FUSED_CONFIGS:
         try:
-            got = norm_gemv(hidden, residual, norm_w, 1e-6, w, config, silu=silu)[0].float()
+            got = norm_gemv(hidden, residual, norm_w, 1e-6, w, config, bias, silu)[0].float()
             if float((got - expected).norm() / expected.norm()) > 1e-2:
                 raise ValueError("disagrees with the unfused kernels")
             t = time_graph(
-                lambda c=config: norm_gemv(hidden, residual, norm_w, 1e-6, w, c, silu=silu)
+                lambda c=config: norm_gemv(hidden, residual, norm_w, 1e-6, w, c, bias, silu)
             )
         except Exception:  # a tile this GPU or Triton cannot run
             continue

@@ -267,7 +267,13 @@ class SkinnyDispatch:
         self.gemv_choices[key] = _decided(key, lambda: self._measure_gemv(w, skinny))
         return self.gemv_choices[key]
 
-    def choose_fused(self, w: torch.Tensor, gemv_config: GemvChoice, silu: bool) -> GemvChoice:
+    def choose_fused(
+        self,
+        w: torch.Tensor,
+        gemv_config: GemvChoice,
+        silu: bool,
+        bias: torch.Tensor | None = None,
+    ) -> GemvChoice:
         """The config of the GEMV with the norm (and SiLU) folded in
         (``fused_gemv.norm_gemv``) where it beats, at one row, the add+norm kernel and
         the plain GEMV ``gemv_config`` (then SiLU) by 3%; else None."""
@@ -280,15 +286,18 @@ class SkinnyDispatch:
         key = (
             f"fused v{FUSED_VERSION}|{torch.cuda.get_device_name(w.device)}|torch "
             f"{torch.__version__}|triton {triton.__version__}|{w.shape[0]}x{w.shape[1]}|"
-            f"{w.dtype}|{gemv_config}|silu {silu}|pdl {pdl_on(w.device)}"
+            f"{w.dtype}|{gemv_config}|silu {silu}|bias {bias is not None}|pdl {pdl_on(w.device)}"
         )
-        return _decided(key, lambda: self._measure_fused(w, gemv_config, silu))
+        return _decided(key, lambda: self._measure_fused(w, gemv_config, silu, bias))
 
     @torch.inference_mode()
-    def _measure_fused(self, w: torch.Tensor, gemv_config: GemvChoice, silu: bool) -> GemvChoice:
+    def _measure_fused(
+        self, w: torch.Tensor, gemv_config: GemvChoice, silu: bool, bias: torch.Tensor | None
+    ) -> GemvChoice:
         from tokenloom.plugins.models.fused_gemv import measure_fused
 
-        best, unfused, fused = measure_fused(w, gemv_config, silu, time_graph)
+        assert gemv_config is not None
+        best, unfused, fused = measure_fused(w, gemv_config, silu, time_graph, bias)
         log.info(
             "linear %s at one row, norm%s folded in: unfused %.1f us, %s",
             tuple(w.shape),

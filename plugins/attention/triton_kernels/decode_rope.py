@@ -4,8 +4,8 @@ Each program rotates its query heads (with Qwen3's per-head RMSNorm first); the
 program whose KV slice ends at the new token also norms and rotates the new key and
 stores it and the value in the cache, then waits at a barrier so that its own loop
 reads them back. The other splits of the request never read that slot. The
-arithmetic is the rope kernel's (``fused_ops.norm_rope``), so the cache holds the same
-bits either way. 16-bit or fp32 contiguous caches, head sizes that are powers of two.
+arithmetic is the rope kernel's (``fused_ops.norm_rope``): bit-equal in the interpreter;
+on the GPU the q/k norm's sum may reduce in another order. 16-bit or fp32 contiguous caches, head sizes that are powers of two.
 """
 
 from __future__ import annotations
@@ -92,5 +92,7 @@ def rope_query_store_kv(
 
 
 def check_supported(head_dim: int, quantized: bool, caches: tuple[torch.Tensor, ...]) -> None:
-    assert not quantized and head_dim == triton.next_power_of_2(head_dim)
-    assert all(c.is_contiguous() for c in caches)
+    if quantized or head_dim != triton.next_power_of_2(head_dim):
+        raise ValueError("rope in the decode kernel: a 16-bit or fp32 cache, head size 2^n")
+    if not all(c.is_contiguous() for c in caches):
+        raise ValueError("rope in the decode kernel: contiguous caches only")

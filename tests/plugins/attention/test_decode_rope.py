@@ -81,8 +81,18 @@ def test_mixed_batches_fall_back_to_the_rope_kernel(monkeypatch):
     calls = []
     real = fused_ops.qk_norm_rope_
     monkeypatch.setattr(fused_ops, "qk_norm_rope_", lambda *a: calls.append(1) or real(*a))
-    out, k_cache, _ = run(batch, rope_inputs(batch, True), decode_rope_min_batch=1)
-    assert calls == [1] and torch.isfinite(out).all()
+    rope = rope_inputs(batch, True)
+    out, k_cache, v_cache = run(batch, rope, decode_rope_min_batch=1)
+    assert calls == [1]
+    # the same as a model that rotates q and k itself and hands them over
+    attn = TritonAttention(EngineConfig(), model_info(4, 2, 32, batch.q.dtype, DEVICE))
+    q, k = batch.q.clone(), batch.k.clone()
+    real(q, k, *rope.as_tuple())
+    k_ref, v_ref = batch.clone_caches()
+    attn.prepare(batch.meta)
+    expected = attn.forward(q, k, batch.v, k_ref, v_ref, batch.meta, batch.scale)
+    assert torch.equal(out, expected)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 
 
 def test_decode_batches_below_the_minimum_take_the_rope_kernel(monkeypatch):

@@ -105,7 +105,7 @@ def fused_rope_ptx(cache: str) -> str:
     )
 
 
-def decode_ptx(cache: str, rope: bool = False) -> str:
+def decode_ptx(cache: str, rope: bool = False, norm: bool = False) -> str:
     from tokenloom.plugins.attention.triton_kernels import decode
 
     pointers = {"q_ptr": "bf16", "out_ptr": "bf16", "k_cache_ptr": cache, "v_cache_ptr": cache}
@@ -120,7 +120,7 @@ def decode_ptx(cache: str, rope: bool = False) -> str:
     constexprs = dict(
         NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16,
         BLOCK_N=128, PAGE_SIZE=16, DOT_PRECISION="tf32", KV_QUANT=quantized, KV_F16=quantized,
-        KV_ASM=quantized, HEADS_FIRST=True, P_LIFT=128.0, ROPE=rope, HAS_NORM=rope, HALF=64,
+        KV_ASM=quantized, HEADS_FIRST=True, P_LIFT=128.0, ROPE=rope, HAS_NORM=norm, HALF=64,
     )  # fmt: skip
     return compile_ptx(
         decode._decode_kernel, pointers, constexprs, float_args={"scale_log2", "eps"}
@@ -166,10 +166,13 @@ def test_decode_converts_an_8_bit_tile_before_its_layout_change(compiled, cache)
 
 
 def test_decode_with_rope_compiles_for_sm90_with_its_barrier(compiled):
-    """The rope variant (bf16 cache, Qwen3's q/k norm) compiles for the H200, and the
-    last split's store of the new key and value is followed by a block barrier."""
-    assert compiled["decode-rope"]["barriers"] > compiled["decode-bf16"]["barriers"]
-    assert any(op.startswith("ldmatrix") for op in compiled["decode-rope"]["shared_loads"])
+    """The rope variants (bf16 cache; with and without Qwen3's q/k norm) compile for the
+    H200, and the last split's store of the new key and value is followed by a block
+    barrier: without the norm (whose reductions bring barriers of their own) the rope
+    variant has exactly one more than the plain kernel."""
+    assert compiled["decode-rope-nonorm"]["barriers"] == compiled["decode-bf16"]["barriers"] + 1
+    for name in ("decode-rope", "decode-rope-nonorm"):
+        assert any(op.startswith("ldmatrix") for op in compiled[name]["shared_loads"])
 
 
 if __name__ == "__main__":
@@ -187,8 +190,10 @@ if __name__ == "__main__":
             "shared_loads": sorted(set(re.findall(r"\b(?:ld\.shared|ldmatrix)[\w.]*", ptx))),
             "conversions": len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2|sub\.f16x2", ptx)),
         }
-    for name, rope in (("decode-rope", True), ("decode-bf16", False)):
-        ptx = decode_ptx("bf16", rope=rope)
+    for name, rope, norm in (
+        ("decode-rope", True, True), ("decode-rope-nonorm", True, False), ("decode-bf16", False, False),
+    ):  # fmt: skip
+        ptx = decode_ptx("bf16", rope=rope, norm=norm)
         summary[name] = {
             "barriers": len(re.findall(r"\bbar\.sync\b|\bbarrier\.sync\b", ptx)),
             "shared_loads": sorted(set(re.findall(r"\b(?:ld\.shared|ldmatrix)[\w.]*", ptx))),

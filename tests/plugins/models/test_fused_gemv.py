@@ -117,11 +117,12 @@ def test_a_model_decodes_the_same_logits_with_the_fused_norms(
 def test_the_fused_gemv_is_never_chosen_off_the_gpu():
     from tokenloom.plugins.models.skinny_gemm import SkinnyDispatch
 
-    assert SkinnyDispatch().choose_fused(torch.randn(16, 32), (8, 512, 4), False) is None
+    w = torch.randn(16, 32, dtype=torch.bfloat16)  # a tunable dtype: only the device rules it out
+    assert SkinnyDispatch().choose_fused(w, (8, 512, 4), False) is None
 
 
-@pytest.mark.parametrize("silu", [False, True])
-def test_the_fused_config_must_beat_the_unfused_kernels_by_three_percent(silu):
+@pytest.mark.parametrize(("silu", "bias"), [(False, False), (True, False), (False, True)])
+def test_the_fused_config_must_beat_the_unfused_kernels_by_three_percent(silu, bias):
     from tokenloom.plugins.models import fused_gemv
 
     torch.manual_seed(0)
@@ -129,7 +130,9 @@ def test_the_fused_config_must_beat_the_unfused_kernels_by_three_percent(silu):
     configs = fused_gemv.FUSED_CONFIGS
     # the unfused pair first, then each config: the third is fastest, the fifth next
     times = iter([10.0, 9.9, 9.8, 9.0, 10.5, 9.5] + [11.0] * (len(configs) - 5))
-    best, unfused, fused = fused_gemv.measure_fused(w, (8, 32, 4), silu, lambda fn: next(times))
+    b = torch.randn(32, device=DEVICE) if bias else None  # wrong unless both sides add it
+    timer = lambda fn: next(times)  # noqa: E731
+    best, unfused, fused = fused_gemv.measure_fused(w, (8, 32, 4), silu, timer, b)
     assert (best, unfused, fused) == (configs[2], 10.0, 9.0)
     times = iter([10.0] + [9.8] * len(configs))  # 2% faster: not enough
-    assert fused_gemv.measure_fused(w, (8, 32, 4), silu, lambda fn: next(times))[0] is None
+    assert fused_gemv.measure_fused(w, (8, 32, 4), silu, timer, b)[0] is None
