@@ -15,7 +15,6 @@ and the engine never pipelines such a step (``engine_core``).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -122,45 +121,14 @@ class ModelRunner(Executor):
         return self.info
 
     def _choose_skinny_gemms(self) -> None:
-        """Per linear shape, keep the skinny Triton GEMM for inputs of <= 16 rows where
-        it measured faster than cuBLAS on this GPU (small-batch decode), the one-row
-        GEMV for single rows where it measured faster than either (the LM head too), and
-        the GEMV with the norm (and SiLU) folded in where the model allows it
-        (``Linear.fusable``) and it measured faster than the kernels apart."""
-        from tokenloom.plugins.models.layers import Embedding, Linear
+        """The small-batch kernels per linear layer, measured on this GPU
+        (``SkinnyDispatch.tune``)."""
         from tokenloom.plugins.models.skinny_gemm import SkinnyDispatch
 
         started = time.perf_counter()
-        dispatch = SkinnyDispatch()
-        for module in self.model.modules():
-            if isinstance(module, Linear) and module.kernel is None:
-                module.skinny = dispatch.choose(module.weight)
-                module.gemv = dispatch.choose_gemv(module.weight, module.skinny)
-                if module.fusable is not None:
-                    silu = module.fusable == "norm+silu"
-                    module.fused = dispatch.choose_fused(
-                        module.weight, module.gemv, silu, module.bias
-                    )
-        lm_head = getattr(self.model, "lm_head", None)
-        if (
-            isinstance(lm_head, Embedding)
-            and lm_head.logits_kernel is None
-            and os.environ.get("TOKENLOOM_LM_HEAD_GEMV", "1") != "0"  # for A/B runs
-        ):
-            lm_head.gemv = dispatch.choose_gemv(lm_head.weight, None)  # else F.linear
-        chosen = sum(c is not None for c in dispatch.choices.values())
-        gemvs = sum(c is not None for c in dispatch.gemv_choices.values())
-        fused = sum(getattr(m, "fused", None) is not None for m in self.model.modules())
+        summary = SkinnyDispatch().tune(self.model)
         self.timings["skinny_gemm_s"] = time.perf_counter() - started
-        log.info(
-            "skinny GEMM chosen for %d of %d linear shapes, the one-row GEMV for %d, the GEMV "
-            "with the norm folded in for %d layers, in %.1fs",
-            chosen,
-            len(dispatch.choices),
-            gemvs,
-            fused,
-            self.timings["skinny_gemm_s"],
-        )
+        log.info("%s, in %.1fs", summary, self.timings["skinny_gemm_s"])
 
     def _model_factory(self, architecture: str) -> Any:
         from tokenloom.plugin_manager import PluginError

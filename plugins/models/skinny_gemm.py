@@ -267,6 +267,37 @@ class SkinnyDispatch:
         self.gemv_choices[key] = _decided(key, lambda: self._measure_gemv(w, skinny))
         return self.gemv_choices[key]
 
+    def tune(self, model: torch.nn.Module) -> str:
+        """Per linear shape of ``model``: the skinny Triton GEMM for inputs of <= 16 rows
+        where it measured faster than cuBLAS (small-batch decode), the one-row GEMV for
+        single rows where it measured faster than either (the LM head too), and the GEMV
+        with the norm (and SiLU) folded in where the model allows it (``Linear.fusable``)
+        and it measured faster than the kernels apart. Returns a line for the log."""
+        from tokenloom.plugins.models.layers import Embedding, Linear
+
+        fused = 0
+        for module in model.modules():
+            if isinstance(module, Linear) and module.kernel is None:
+                module.skinny = self.choose(module.weight)
+                module.gemv = self.choose_gemv(module.weight, module.skinny)
+                if module.fusable is not None:
+                    silu = module.fusable == "norm+silu"
+                    module.fused = self.choose_fused(module.weight, module.gemv, silu, module.bias)
+                    fused += module.fused is not None
+        lm_head = getattr(model, "lm_head", None)
+        if (
+            isinstance(lm_head, Embedding)
+            and lm_head.logits_kernel is None
+            and os.environ.get("TOKENLOOM_LM_HEAD_GEMV", "1") != "0"  # for A/B runs
+        ):
+            lm_head.gemv = self.choose_gemv(lm_head.weight, None)  # else F.linear
+        chosen = sum(c is not None for c in self.choices.values())
+        gemvs = sum(c is not None for c in self.gemv_choices.values())
+        return (
+            f"skinny GEMM chosen for {chosen} of {len(self.choices)} linear shapes, the one-row "
+            f"GEMV for {gemvs}, the GEMV with the norm folded in for {fused} layers"
+        )
+
     def choose_fused(
         self,
         w: torch.Tensor,

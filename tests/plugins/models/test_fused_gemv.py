@@ -136,3 +136,32 @@ def test_the_fused_config_must_beat_the_unfused_kernels_by_three_percent(silu, b
     assert (best, unfused, fused) == (configs[2], 10.0, 9.0)
     times = iter([10.0] + [9.8] * len(configs))  # 2% faster: not enough
     assert fused_gemv.measure_fused(w, (8, 32, 4), silu, timer, b)[0] is None
+
+
+def test_tune_sets_each_layers_kernels_from_the_dispatch(tiny_model_factory, monkeypatch):
+    """``SkinnyDispatch.tune`` asks, per linear layer, for the skinny GEMM, the one-row
+    GEMV and (where the model declared it) the folded norm, and for the LM head's GEMV."""
+    from tokenloom.plugins.models.layers import Embedding
+    from tokenloom.plugins.models.skinny_gemm import SkinnyDispatch
+
+    model, _ = load_model(tiny_model_factory("qwen3"), torch.float32, "cpu")
+    dispatch = SkinnyDispatch()
+    monkeypatch.setattr(dispatch, "choose", lambda w: (16, 32, 4, 1))
+    monkeypatch.setattr(dispatch, "choose_gemv", lambda w, skinny: (8, 64, 4))
+    asked = []
+    monkeypatch.setattr(
+        dispatch, "choose_fused", lambda w, g, silu, bias: asked.append((silu, bias)) or (16, 64, 4)
+    )
+    summary = dispatch.tune(model)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m.skinny == (16, 32, 4, 1) and m.gemv == (8, 64, 4) for m in linears)
+    fusable = [m for m in linears if m.fusable]
+    assert (
+        [m.fused for m in fusable]
+        == [(16, 64, 4)] * len(fusable)
+        == [(16, 64, 4)] * 2 * len(model.model.layers)
+    )
+    assert [silu for silu, _ in asked].count(True) == len(model.model.layers)
+    assert all(m.fused is None for m in linears if not m.fusable)  # o_proj, down_proj
+    assert isinstance(model.lm_head, Embedding) and model.lm_head.gemv == (8, 64, 4)
+    assert f"folded in for {len(fusable)} layers" in summary
