@@ -156,11 +156,8 @@ def test_tune_sets_each_layers_kernels_from_the_dispatch(tiny_model_factory, mon
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert all(m.skinny == (16, 32, 4, 1) and m.gemv == (8, 64, 4) for m in linears)
     fusable = [m for m in linears if m.fusable]
-    assert (
-        [m.fused for m in fusable]
-        == [(16, 64, 4)] * len(fusable)
-        == [(16, 64, 4)] * 2 * len(model.model.layers)
-    )
+    assert len(fusable) == 2 * len(model.model.layers)  # q/k/v and gate/up of each layer
+    assert all(m.fused == (16, 64, 4) for m in fusable)
     assert [silu for silu, _ in asked].count(True) == len(model.model.layers)
     assert all(m.fused is None for m in linears if not m.fusable)  # o_proj, down_proj
     assert isinstance(model.lm_head, Embedding) and model.lm_head.gemv == (8, 64, 4)
