@@ -48,7 +48,10 @@ for step in ${*:-profiles bench serve}; do case $step in
   serve)
     work=$(mktemp -d); model=${MODEL_SERVE:-llama-3-8b}
     python3 -c "from tokenloom.checkpoints.model_shapes import write_shape_dir as w; w('$model', '$work/model')"
-    $TL serve "$work/model" --load-format random --port 8011 > "$OUT/server.log" 2>&1 &
+    # SERVER_PYTHONPATH: serve another install of tokenloom (scripts/gpu/serve_ab.sh);
+    # the client below always runs from this tree
+    env PYTHONPATH="${SERVER_PYTHONPATH:+$SERVER_PYTHONPATH:}${PYTHONPATH:-}" \
+      $TL serve "$work/model" --load-format random --port 8011 > "$OUT/server.log" 2>&1 &
     server=$!
     python3 - <<'PY' || { tail -20 "$OUT/server.log"; kill $server; exit 1; }
 import sys, time, urllib.request

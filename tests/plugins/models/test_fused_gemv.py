@@ -82,18 +82,16 @@ def test_norm_and_project_takes_the_fused_kernel_only_for_one_row_with_a_gemv(mo
     assert torch.allclose(fused[0], plain[0], atol=1e-5) and torch.equal(fused[1], plain[1])
 
 
-def _decode_logits(model, info, fused: bool, monkeypatch) -> torch.Tensor:
-    from tests.plugins.models.conftest import PagedRunner
-
+def _decode_logits(model, info, fused: bool, monkeypatch, paged_runner) -> torch.Tensor:
     monkeypatch.setenv("TOKENLOOM_FUSED_NORM_GEMV", "1" if fused else "0")
-    runner = PagedRunner(model, info, "dense", 1)
+    runner = paged_runner(model, info, 1)
     runner.step([(0, [5, 17, 33, 2])])  # prefill: several rows, never fused
     return torch.cat([runner.step([(0, [t])]) for t in (99, 250, 7)])  # one-row decode
 
 
 @pytest.mark.parametrize("arch", ["llama3", "qwen3"])
 def test_a_model_decodes_the_same_logits_with_the_fused_norms(
-    arch, tiny_model_factory, monkeypatch
+    arch, tiny_model_factory, monkeypatch, paged_runner
 ):
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     model, info = load_model(tiny_model_factory(arch), dtype, DEVICE)
@@ -105,9 +103,9 @@ def test_a_model_decodes_the_same_logits_with_the_fused_norms(
     calls = []
     real = fused_gemv.norm_gemv
     monkeypatch.setattr(fused_gemv, "norm_gemv", lambda *a: calls.append(1) or real(*a))
-    plain = _decode_logits(model, info, False, monkeypatch)
+    plain = _decode_logits(model, info, False, monkeypatch, paged_runner)
     assert not calls
-    fused = _decode_logits(model, info, True, monkeypatch)
+    fused = _decode_logits(model, info, True, monkeypatch, paged_runner)
     assert len(calls) == 3 * 2 * info.num_layers  # both norms of every layer, each decode step
     tol = 1e-4 if dtype == torch.float32 else 0.03
     assert (fused - plain).abs().max().item() < tol * plain.abs().max().item()
