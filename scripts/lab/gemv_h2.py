@@ -68,6 +68,30 @@ X_ASM = tl.constexpr(
 
 
 @triton.jit
+def _h2_dot(wa, wb, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3):
+    """``H2_ASM`` on one column half: the words of two row blocks against their x pairs."""
+    return tl.inline_asm_elementwise(
+        asm=H2_ASM,
+        constraints="=f,r,r,r,r,r,r,r,r,r,r",
+        args=[
+            wa,
+            wb,
+            xa0[:, None],
+            xa1[:, None],
+            xa2[:, None],
+            xa3[:, None],
+            xb0[:, None],
+            xb1[:, None],
+            xb2[:, None],
+            xb3[:, None],
+        ],  # fmt: skip
+        dtype=tl.float32,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
 def _x_pairs(x32_row, kw, mask_kw, xs_bits, XSHIFT: tl.constexpr, ASM: tl.constexpr):
     """Word rows ``kw`` of x: four f16x2 (as int32) pairs and the scaled sum."""
     if ASM:
@@ -181,44 +205,8 @@ def _weight_gemv_h2_kernel(
         if ASM:
             xa0, xa1, xa2, xa3, xsa = _x_pairs(x32, ka, mka, xs_bits, XSHIFT, ASM)
             xb0, xb1, xb2, xb3, xsb = _x_pairs(x32, kb, mkb, xs_bits, XSHIFT, ASM)
-            p0 = tl.inline_asm_elementwise(
-                asm=H2_ASM,
-                constraints="=f,r,r,r,r,r,r,r,r,r,r",
-                args=[
-                    wa0,
-                    wb0,
-                    xa0[:, None],
-                    xa1[:, None],
-                    xa2[:, None],
-                    xa3[:, None],
-                    xb0[:, None],
-                    xb1[:, None],
-                    xb2[:, None],
-                    xb3[:, None],
-                ],
-                dtype=tl.float32,
-                is_pure=True,
-                pack=1,
-            )
-            p1 = tl.inline_asm_elementwise(
-                asm=H2_ASM,
-                constraints="=f,r,r,r,r,r,r,r,r,r,r",
-                args=[
-                    wa1,
-                    wb1,
-                    xa0[:, None],
-                    xa1[:, None],
-                    xa2[:, None],
-                    xa3[:, None],
-                    xb0[:, None],
-                    xb1[:, None],
-                    xb2[:, None],
-                    xb3[:, None],
-                ],
-                dtype=tl.float32,
-                is_pure=True,
-                pack=1,
-            )
+            p0 = _h2_dot(wa0, wb0, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3)
+            p1 = _h2_dot(wa1, wb1, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3)
         else:
             xsa = _xsum_emu(x_row=x_ptr, kw=ka, mask_kw=mka, XSHIFT=XSHIFT)
             xsb = _xsum_emu(x_row=x_ptr, kw=kb, mask_kw=mkb, XSHIFT=XSHIFT)
