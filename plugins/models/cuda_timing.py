@@ -1,15 +1,18 @@
 """The two ways kernels are timed on the GPU, in one place: the tuners (the skinny GEMM,
 the quantized GEMM/GEMV, the all-reduce choice), the benches and the profiling scripts
 all use these, so every figure they report is taken the same way (warm-up first, CUDA
-events, the median)."""
+events, the median); and ``fastest_config``, the tuners' search over kernel configs."""
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+log = logging.getLogger("tokenloom.models")
 
 
 def median_cuda_us(fn: Callable[[], Any], iters: int = 30) -> float:
@@ -68,3 +71,28 @@ def time_graph(fn: Callable[[], Any], repeats: int = 20, rounds: int = 5) -> flo
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / repeats)
     return sorted(times)[len(times) // 2]
+
+
+def fastest_config(
+    configs: list[tuple[int, int, int]],
+    run: Callable[[tuple[int, int, int]], torch.Tensor],
+    expected: torch.Tensor,
+    baseline_us: float,
+    timer: Callable[[Callable[[], object]], float],
+) -> tuple[tuple[int, int, int] | None, float]:
+    """Of ``configs``, the one whose ``run(config)`` agrees with ``expected`` (1e-2
+    relative) and times fastest (``timer``), if it beats 0.97 x ``baseline_us``; with
+    its time (else None and the 0.97 x baseline bar)."""
+    best, best_time = None, 0.97 * baseline_us
+    for config in configs:
+        try:
+            got = run(config).float()
+            if float((got - expected).norm() / expected.norm()) > 1e-2:
+                raise ValueError("disagrees with the reference")
+            t = timer(lambda c=config: run(c))
+        except Exception as err:  # a tile this GPU or Triton cannot run
+            log.debug("config %s failed on %s: %s", config, tuple(expected.shape), err)
+            continue
+        if t < best_time:
+            best, best_time = config, t
+    return best, best_time

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from tokenloom.plugins.models import tuning_cache
-from tokenloom.plugins.models.cuda_timing import time_graph
+from tokenloom.plugins.models.cuda_timing import fastest_config, time_graph
 from tokenloom.plugins.models.pdl import launch_options, pdl_on, release, wait
 
 log = logging.getLogger("tokenloom.models")
@@ -347,19 +347,9 @@ class SkinnyDispatch:
             current = time_graph(lambda: torch.nn.functional.linear(x, w))
         else:
             current = time_graph(lambda: skinny_gemm(x, w, skinny))
-        best: GemvChoice = None
-        best_time = 0.97 * current
-        for config in GEMV_CONFIGS:
-            try:
-                y = gemv(x, w, config).float()
-                if float((y - expected).norm() / expected.norm()) > 1e-2:
-                    raise ValueError("disagrees with F.linear")
-                t = time_graph(lambda c=config: gemv(x, w, c))
-            except Exception as err:  # a tile this GPU or Triton cannot run
-                log.debug("GEMV config %s failed on %s: %s", config, tuple(w.shape), err)
-                continue
-            if t < best_time:
-                best, best_time = config, t
+        best, best_time = fastest_config(
+            GEMV_CONFIGS, lambda c: gemv(x, w, c), expected, current, time_graph
+        )
         log.info(
             "linear %s at one row: %s %.1f us, %s",
             tuple(w.shape),
