@@ -7,7 +7,8 @@
 #
 # Here:   mkdir -p .snap && git archive -o .snap/before.tar REV && git archive -o .snap/after.tar HEAD
 # There:  OUT=$OUT bash scripts/gpu/serve_ab.sh .snap/before.tar .snap/after.tar   (carry .snap, .whl)
-# Writes $OUT/<i>-<before|after>/serve-r{8,16}.json and a table of TTFT p99 / TPOT p50.
+# Writes a table of TTFT p99 / TPOT p50, $OUT/serve-ab.json (every run's summary, without the
+# per-request lists) and $OUT/serve-ab-logs.tgz (the device returns only a few files).
 set -uo pipefail
 [[ $# -eq 2 ]] || { echo "usage: $0 BEFORE.tar AFTER.tar"; exit 2; }
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
@@ -47,4 +48,11 @@ for run in sorted(p for p in out.iterdir() if p.is_dir()):
         d = json.loads(f.read_text())
         cells.append(f"{d['ttft_ms']['p99']:.1f}, {d['tpot_ms']['p50']:.2f}")
     print(f"| {run.name} | {cells[0]} | {cells[1]} |")
+summary = {}
+for f in sorted(out.glob("*/serve-r*.json")):
+    d = json.loads(f.read_text())
+    d.pop("requests", None)
+    summary.setdefault(f.parent.name, {})[f.stem] = d
+(out / "serve-ab.json").write_text(json.dumps(summary, indent=1))
 PY
+(cd "$OUT" && tar czf serve-ab-logs.tgz [0-9]*-* && rm -rf [0-9]*-*)

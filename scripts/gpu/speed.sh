@@ -9,6 +9,8 @@
 #   bench     bench latency and bench throughput, llama-3-8b and qwen3-0.6b
 #   serve     tokenloom serve llama-3-8b, bench serve at 8 and 16 req/s (256 in / 128 out,
 #             240 prompts, --logprobs: every token streams, random weights' empty texts too)
+#   serve1k   tokenloom serve llama-3-8b (default settings), bench serve with issue 16's
+#             1,000 in / 1,000 out x 600 prompts sent at once (output tokens from usage)
 # Writes to $OUT (or ./gpu-out): one log and JSON per step. MODEL_SERVE (default llama-3-8b)
 # lets a CPU dry run serve a small shape: MODEL_SERVE=smollm2-135m bash scripts/gpu/speed.sh serve
 set -uo pipefail
@@ -45,7 +47,7 @@ for step in ${*:-profiles bench serve}; do case $step in
       run "throughput-$model" 200 $TL bench throughput --model "$model" \
         --out "$OUT/throughput-$model.json"
     done ;;
-  serve)
+  serve|serve1k)
     work=$(mktemp -d); model=${MODEL_SERVE:-llama-3-8b}
     python3 -c "from tokenloom.checkpoints.model_shapes import write_shape_dir as w; w('$model', '$work/model')"
     # SERVER_PYTHONPATH: serve another install of tokenloom (scripts/gpu/serve_ab.sh);
@@ -63,6 +65,12 @@ for _ in range(600):
         time.sleep(0.5)
 sys.exit(1)
 PY
+    if [[ $step == serve1k ]]; then
+      run serve-1000x1000 400 $TL bench serve --base-url http://127.0.0.1:8011 --request-rate inf \
+        --num-prompts "${NUM_PROMPTS:-600}" --input-len 1000 --output-len 1000 --range-ratio 0 \
+        --seed 7 --timeout-s 380 --out "$OUT/serve-1000x1000.json"
+      kill -INT $server; wait $server; continue
+    fi
     seed=1
     for rate in 8 16; do
       seed=$((seed + 1))  # fresh prompt ids per run: no prefix-cache hits across runs
