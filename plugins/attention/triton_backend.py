@@ -255,7 +255,9 @@ class TritonAttention(AttentionBackend):
     ) -> bool:
         """Whether the decode kernel rotates q and k and stores the new KV itself (one
         kernel less per layer): a decode-only batch of at least ``decode_rope_min_batch``
-        requests, 16-bit or fp32 contiguous caches, a head size that is a power of two."""
+        requests, 16-bit or fp32 contiguous caches, a head size that is a power of two
+        and at least 32 (the kernel's ``tl.dot`` over a half head needs K >= 16 on a GPU;
+        the interpreter does not check it)."""
         return (
             meta.decode_only
             and q.shape[0] >= self.decode_rope_min_batch
@@ -263,6 +265,7 @@ class TritonAttention(AttentionBackend):
             and k_cache.is_contiguous()
             and v_cache.is_contiguous()
             and self.head_dim & (self.head_dim - 1) == 0
+            and self.head_dim >= 32
         )
 
     def prepare(self, meta: AttentionMetadata) -> None:

@@ -33,7 +33,10 @@ def rope_inputs(batch, qk_norm: bool, seed: int = 1) -> RopeInputs:
 
 
 def run(batch, rope: RopeInputs, **settings):
-    attn = TritonAttention(EngineConfig(), model_info(4, 2, 32, batch.q.dtype, DEVICE), **settings)
+    head_dim = batch.q.shape[-1]
+    attn = TritonAttention(
+        EngineConfig(), model_info(4, 2, head_dim, batch.q.dtype, DEVICE), **settings
+    )
     k_cache, v_cache = batch.clone_caches()
     q, k = batch.q.clone(), batch.k.clone()
     attn.prepare(batch.meta)
@@ -104,3 +107,16 @@ def test_decode_batches_below_the_minimum_take_the_rope_kernel(monkeypatch):
     assert calls == [1]
     run(batch, rope_inputs(batch, False), decode_rope_min_batch=2)
     assert calls == [1]
+
+
+def test_heads_below_32_take_the_rope_kernel(monkeypatch):
+    """A 16-wide head would give the kernel's half-head ``tl.dot`` K = 8, which the GPU
+    compiler refuses (K >= 16; the interpreter accepts it): a 16-wide model's decode
+    graphs from 64 rows up failed to compile on the H200 (the quant engine test)."""
+    batch = make_batch([1, 1], [9, 20], num_heads=4, num_kv_heads=2, head_dim=16, device=DEVICE)
+    calls = []
+    real = fused_ops.qk_norm_rope_
+    monkeypatch.setattr(fused_ops, "qk_norm_rope_", lambda *a: calls.append(1) or real(*a))
+    out, _, _ = run(batch, rope_inputs(batch, False), decode_rope_min_batch=1)
+    assert calls == [1]
+    assert torch.isfinite(out[:2]).all()
