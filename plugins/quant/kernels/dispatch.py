@@ -21,6 +21,7 @@ import torch
 import triton
 
 from tokenloom.plugins.models import tuning_cache
+from tokenloom.plugins.quant.kernels.int4_gemv_h2 import h2_offered
 from tokenloom.plugins.quant.kernels.weight_gemm import (
     SKINNY_ROWS,
     GemmConfig,
@@ -68,6 +69,31 @@ GEMV_ROWS = [  # two or four rows per program (bucket 2-16): the weights are rea
     GemmConfig(1, 64, 128, 1, 4, 3, gemv=True, rows=2),
     GemmConfig(1, 128, 128, 1, 8, 3, gemv=True, rows=2),
 ]
+# int4_gemv_h2 (opt-in): the tilings that measured best per Llama-3-8B layer (session
+# 13, one H200: 64 x 128 with 2 warps on qkv and gate_up, 128 x 128 with 8 on o and down)
+H2 = [
+    GemmConfig(1, 64, 128, 1, 2, 3, h2=True),
+    GemmConfig(1, 128, 128, 1, 4, 3, h2=True),
+    GemmConfig(1, 128, 128, 1, 8, 3, h2=True),
+    GemmConfig(1, 64, 128, 1, 4, 3, h2=True),
+]
+
+
+def h2_candidates(n: int, k: int, bits: int, group: int, has_zeros: bool, dtype) -> list:
+    """``H2`` with K split 1-8 (each split two tiles at least), where the kernel serves
+    the format and the tuner may offer it (``h2_offered``)."""
+    if not (h2_offered() and bits == 4 and has_zeros and dtype == torch.bfloat16):
+        return []
+    k_tiles = k // 128
+    return [
+        replace(cfg, split_k=split)
+        for cfg in H2
+        if cfg.fits(bits, group)
+        for split in (1, 2, 4, 8)
+        if split == 1 or (split * 2 <= k_tiles and k_tiles % split == 0)
+    ]
+
+
 MEDIUM = [
     GemmConfig(64, 64, 128, 1, 4, 3),
     GemmConfig(32, 64, 128, 1, 4, 3),
@@ -249,6 +275,7 @@ def choose_configs(
         f"triton {triton.__version__}|int{bits} g{group}|{n}x{k}|{dtype}|zeros {zeros is not None}"
         f"{' fractional' if fractional else ''}"
         f"|kernels v{KERNELS_VERSION}{' dequant' if dequant_offered() else ''}"
+        f"{' h2' if h2_candidates(n, k, bits, group, zeros is not None, dtype) else ''}"
     )
     if key not in _DECIDED:
         stored = _load().get(key)
@@ -280,7 +307,10 @@ def _measure(qweight, scales, zeros, bits, group, dtype, reference, fractional=F
         best, best_time = choose_config(rows[-1], n, k, num_sms), float("inf")
         if fractional:  # the fallback, too, must take the zero points as they are
             best = replace(best, expand=False)
-        for cfg in candidates(index, n, k, bits, group, num_sms, fractional):
+        offered = candidates(index, n, k, bits, group, num_sms, fractional)
+        if index == 0:
+            offered += h2_candidates(n, k, bits, group, zeros is not None, dtype)
+        for cfg in offered:
             try:
                 for x, ref in zip(xs, expected, strict=True):
                     y = weight_gemm(x, qweight, scales, zeros, bits, group, None, cfg).float()

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenloom.plugins.quant.kernels.int4_gemv_h2 import h2_fits, launch_h2
 from tokenloom.plugins.quant.kernels.int4_tiles import dequant_asm_ok, kmajor_tile
 from tokenloom.plugins.quant.kernels.weight_gemv import gemv_fits, launch_gemv, reduce_counters
 
@@ -54,6 +55,7 @@ class GemmConfig:
     kmajor: bool = False  # int4 dot kernel: the tile built [N, K] (one group per tile)
     swap: bool = False  # kmajor: out^T = W x^T, the weights the MMA's register operand
     dequant: bool = False  # dequantize the whole weight (kernels/dequant.py), then cuBLAS
+    h2: bool = False  # one-row int4 in packed f16x2 arithmetic (int4_gemv_h2, opt-in)
 
     def kmajor_fits(self, bits: int, group: int) -> bool:
         return self.kmajor and bits == 4 and group > 0 and group % self.block_k == 0
@@ -65,6 +67,8 @@ class GemmConfig:
             from tokenloom.plugins.quant.kernels.dequant import fits as dequant_fits
 
             return dequant_fits(bits, group)
+        if self.h2:
+            return bits == 4 and group > 0 and group % self.block_k == 0
         if self.gemv:
             return gemv_fits(bits, group, self.block_k, bits == 4 and group > 0, self.rows)
         if self.kmajor:
@@ -270,13 +274,15 @@ def weight_gemm(
         cfg = choose_config(m, n, k, _num_sms(x.device))
     if cfg.gemv and not gemv_fits(bits, group, cfg.block_k, zeros is not None, cfg.rows):
         cfg = choose_config(m, n, k, _num_sms(x.device))  # a format the GEMV cannot serve
+    if cfg.h2 and not h2_fits(x, bits, group, cfg.block_k, zeros is not None):
+        cfg = choose_config(m, n, k, _num_sms(x.device))
     k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_chunk)
     if split == 1:
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     else:
         y = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    if cfg.gemv:
+    if cfg.gemv or cfg.h2:
         # the one-row GEMV sums its splits itself where it can (no second launch)
         one_row = cfg.rows == 1 or m == 1  # the kernel that can
         counters = (
@@ -287,7 +293,7 @@ def weight_gemm(
         reduced_out = (
             torch.empty(m, n, dtype=x.dtype, device=x.device) if counters is not None else None
         )
-        reduced = launch_gemv(
+        reduced = (launch_h2 if cfg.h2 else launch_gemv)(
             x,
             qweight,
             scales,
