@@ -3,14 +3,17 @@
 # paths), then single-stream latency and offline throughput of the llama-3-8b shape
 # with --quant none / int8 / int4 / fp8. About 6 minutes of GPU time.
 # Usage on the GPU host, from the repo root:
-#   bash scripts/gpu/quant.sh [tests] [bench] [gemv] [gemm] [lmhead] [dequant]
+#   bash scripts/gpu/quant.sh [tests] [bench] [gemv] [gemm] [lmhead] [dequant] [fp8gemv] [h2]
 # (gemv: every GEMV/GEMM tiling per Llama-3-8B shape at 1, 4 and 16 rows, gemv.json;
 #  gemm: the same at 64-1,024 rows, beside bf16 cuBLAS, gemm.json;
 #  lmhead: bench latency and throughput of int8 and int4 with and without --quant-lm-head;
 #  dequant: the opt-in whole-weight dequantization then cuBLAS (TOKENLOOM_WEIGHT_DEQUANT=1):
 #  its GPU tests, the tilings at 512-4,096 rows, and offline throughput with and without it;
 #  fp8gemv: the opt-in fp8 GEMV for <= 4 rows (TOKENLOOM_FP8_GEMV=1): its GPU tests, then
-#  bench latency --quant fp8 with and without it)
+#  bench latency --quant fp8 with and without it;
+#  h2: the opt-in f16x2 int4 GEMV (TOKENLOOM_INT4_H2=1): its GPU tests, its per-layer table
+#  (scripts/lab/gemv_h2_check.py gpu), then bench latency --quant int4 without, with, without
+#  it, and offline throughput with it)
 # Writes to $OUT (or ./gpu-out): quant.json (every figure and the speedups over none),
 # quant-tests.log, quant-bench.log, weight-gemm.json (the tilings measured per shape).
 set -uo pipefail
@@ -89,5 +92,20 @@ if [[ $STEPS == *" lmhead "* ]]; then
         --runs 1 --out "$OUT/lmhead-throughput-$q$head.json" 2>&1 | grep -E "^output tokens/s"
     done
   done
+fi
+if [[ $STEPS == *" h2 "* ]]; then
+  echo "=== f16x2 int4 GEMV"
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/plugins/quant/test_int4_gemv_h2.py \
+    2>&1 | tail -n 2
+  timeout 200 python3 scripts/lab/gemv_h2_check.py gpu "$OUT/h2-layers.json" 2>&1 | grep -E "^[|]|per layer"
+  i=0
+  for g in 0 1 0; do
+    i=$((i + 1))
+    echo "=== llama-3-8b --quant int4, TOKENLOOM_INT4_H2=$g"
+    TOKENLOOM_INT4_H2=$g timeout 150 python3 -m tokenloom bench latency --model llama-3-8b \
+      --quant int4 --runs 3 --out "$OUT/h2-latency-$i-$g.json" 2>&1 | grep -E "ms per step|% of roofline"
+  done
+  TOKENLOOM_INT4_H2=1 timeout 200 python3 -m tokenloom bench throughput --model llama-3-8b \
+    --quant int4 --runs 1 --out "$OUT/h2-throughput-1.json" 2>&1 | grep -E "output tokens/s"
 fi
 cp "$TOKENLOOM_CACHE/weight-gemm.json" "$OUT/" 2>/dev/null || true

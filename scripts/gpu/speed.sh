@@ -10,7 +10,8 @@
 #   serve     tokenloom serve llama-3-8b, bench serve at 8 and 16 req/s (256 in / 128 out,
 #             240 prompts, --logprobs: every token streams, random weights' empty texts too)
 #   serve1k   tokenloom serve llama-3-8b (default settings), bench serve with issue 16's
-#             1,000 in / 1,000 out x 600 prompts sent at once (output tokens from usage)
+#             1,000 in / 1,000 out x 600 prompts sent at once (output tokens from usage),
+#             SERVE1K_RUNS passes (default 1; ~70 s each) and their median
 # Writes to $OUT (or ./gpu-out): one log and JSON per step. MODEL_SERVE (default llama-3-8b)
 # lets a CPU dry run serve a small shape: MODEL_SERVE=smollm2-135m bash scripts/gpu/speed.sh serve
 set -uo pipefail
@@ -65,10 +66,13 @@ for _ in range(600):
         time.sleep(0.5)
 sys.exit(1)
 PY
-    if [[ $step == serve1k ]]; then
-      run serve-1000x1000 400 $TL bench serve --base-url http://127.0.0.1:8011 --request-rate inf \
-        --num-prompts "${NUM_PROMPTS:-600}" --input-len 1000 --output-len 1000 --range-ratio 0 \
-        --seed 7 --timeout-s 380 --out "$OUT/serve-1000x1000.json"
+    if [[ $step == serve1k ]]; then  # SERVE1K_RUNS passes (fresh prompts each), then the median
+      for i in $(seq "${SERVE1K_RUNS:-1}"); do
+        run "serve-1000x1000-$i" 400 $TL bench serve --base-url http://127.0.0.1:8011 \
+          --request-rate inf --num-prompts "${NUM_PROMPTS:-600}" --input-len 1000 --output-len 1000 \
+          --range-ratio 0 --seed $((6 + i)) --timeout-s 380 --out "$OUT/serve-1000x1000-$i.json"
+      done
+      python3 -c "import json, glob, statistics as st; v = [json.load(open(f))['output_token_throughput'] for f in glob.glob('$OUT/serve-1000x1000-*.json')]; print('serve1k output tok/s median', round(st.median(v), 1), 'of', [round(x) for x in v])" || true
       kill -INT $server; wait $server; continue
     fi
     seed=1
