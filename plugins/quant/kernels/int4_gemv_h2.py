@@ -196,13 +196,15 @@ def _words(qw_ptr, kw, limit, cols, mask_c, N):
 
 @triton.jit
 def _range_shift(x_ptr, k_begin, k_end, AMAX_BLOCK: tl.constexpr):
-    """``max(4, e - 7)`` for ``2^e <= max |x[k_begin:k_end]| < 2^(e + 1)`` (4 for zeros)."""
-    amax = 0.0
+    """``max(4, e - 7)`` for ``2^e <= max |x[k_begin:k_end]| < 2^(e + 1)`` (4 for zeros).
+    Elementwise maxima per block, one reduction across the program at the end."""
+    amax = tl.zeros([AMAX_BLOCK], tl.float32)
     for a0 in range(k_begin, k_end, AMAX_BLOCK):
         offs = a0 + tl.arange(0, AMAX_BLOCK)
         xa = tl.load(x_ptr + offs, mask=offs < k_end, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(xa), axis=0))
-    exponent = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        amax = tl.maximum(amax, tl.abs(xa))
+    largest = tl.max(amax, axis=0)
+    exponent = ((largest.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     return tl.maximum(exponent - 7, 4)
 
 
