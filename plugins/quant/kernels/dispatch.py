@@ -84,13 +84,12 @@ def h2_candidates(n: int, k: int, bits: int, group: int, has_zeros: bool, dtype)
     the format and the tuner may offer it (``h2_offered``)."""
     if not (h2_offered() and bits == 4 and has_zeros and dtype == torch.bfloat16):
         return []
-    k_tiles = k // 128
     return [
         replace(cfg, split_k=split)
         for cfg in H2
         if cfg.fits(bits, group)
         for split in (1, 2, 4, 8)
-        if split == 1 or (split * 2 <= k_tiles and k_tiles % split == 0)
+        if split == 1 or (split * 2 <= k // cfg.block_k and (k // cfg.block_k) % split == 0)
     ]
 
 

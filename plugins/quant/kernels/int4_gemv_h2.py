@@ -19,15 +19,16 @@ rows, so one elementwise step takes two words (16 weights) of one column:
   fractional zero points stay exact.
 
 **The range guard.** A chain sums 8 products ``(q - 8) x 2^-shift`` in f16 (largest
-finite 65,504). Each program first reads its split of x and takes
-``shift = max(4, e - 7)`` for ``2^e <= max |x| < 2^(e+1)``: then ``|x| 2^-shift < 256``
-and a chain stays below 2^14, whatever the activations' range (Llama's massive
-activations reach thousands). Floating point is scale-free, so the shift costs no
-precision; values below ``2^(shift - 24)`` flush to zero in f16, under 2^-20 of the
-split's largest.
+finite 65,504, smallest normal 2^-14). Each program first reads its split of x and
+takes ``shift = e - 7`` (clamped to [-100, 121]) for ``2^e <= max |x| < 2^(e+1)``: the
+scaled largest lies in [128, 256), so a chain stays below 2^14 whatever the
+activations' range (Llama's massive activations reach thousands), and small
+activations are scaled up rather than lost in f16's subnormals (a fixed 2^-4 gave 25%
+error at |x| ~ 1e-5). Values under 2^-21 of the split's largest lose precision. An
+infinite x gives NaN where the reference may give inf (``P - (z - 8) sum x``).
 
-PDL: the first weight tiles, scales and zeros stream before ``wait``. Split K: the
-last split of each tile sums the partials in the kernel (``weight_gemv._reduce_splits``).
+PDL: the first weight tiles stream before ``wait``. Split K: the last split of each
+tile sums the partials in the kernel (``weight_gemv._reduce_splits``).
 
 On the CPU (the interpreter) ``ASM=False`` emulates the arithmetic (f16 rounding after
 every product, where the GPU's fused ``fma.rn.f16x2`` rounds once), so the guard and the
@@ -54,15 +55,24 @@ def h2_offered() -> bool:
     return os.environ.get("TOKENLOOM_INT4_H2", "0") == "1"
 
 
+def _ptx(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
 def h2_fits(x: torch.Tensor, bits: int, group: int, block_k: int, has_zeros: bool) -> bool:
-    """One row of 16-bit activations (bf16 on a GPU: its PTX scales bf16x2), int4 with
-    zero points in groups that hold whole tiles."""
+    """One row of activations, int4 with zero points in groups that hold whole tiles; on
+    a GPU bf16 on sm_90 or later (its PTX scales bf16x2 pairs), 4-byte aligned (read as
+    int32 words); in the interpreter fp16 or fp32 (the emulation)."""
     if x.shape[0] != 1 or bits != 4 or not has_zeros or group <= 0 or block_k % 16:
         return False
     if group % block_k:
         return False
-    if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16
+    if _ptx(x):
+        return (
+            x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device)[0] >= 9
+            and x.data_ptr() % 4 == 0
+        )
     return x.dtype in (torch.float16, torch.float32)
 
 
@@ -196,8 +206,9 @@ def _words(qw_ptr, kw, limit, cols, mask_c, N):
 
 @triton.jit
 def _range_shift(x_ptr, k_begin, k_end, AMAX_BLOCK: tl.constexpr):
-    """``max(4, e - 7)`` for ``2^e <= max |x[k_begin:k_end]| < 2^(e + 1)`` (4 for zeros).
-    Elementwise maxima per block, one reduction across the program at the end."""
+    """``e - 7`` in [-100, 121] for ``2^e <= max |x[k_begin:k_end]| < 2^(e + 1)``: every
+    bit pattern built from it stays valid (zeros: -100). Elementwise maxima per block,
+    one reduction across the program at the end."""
     amax = tl.zeros([AMAX_BLOCK], tl.float32)
     for a0 in range(k_begin, k_end, AMAX_BLOCK):
         offs = a0 + tl.arange(0, AMAX_BLOCK)
@@ -205,7 +216,7 @@ def _range_shift(x_ptr, k_begin, k_end, AMAX_BLOCK: tl.constexpr):
         amax = tl.maximum(amax, tl.abs(xa))
     largest = tl.max(amax, axis=0)
     exponent = ((largest.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    return tl.maximum(exponent - 7, 4)
+    return tl.minimum(tl.maximum(exponent - 7, -100), 121)
 
 
 @triton.jit
@@ -319,7 +330,6 @@ def launch_h2(
     assert m == 1 and bits == 4 and zeros is not None and group % cfg.block_k == 0
     reduce = split > 1 and out is not None and counters is not None
     grid = (triton.cdiv(n, cfg.block_n), split)
-    cuda = x.device.type == "cuda"
     _int4_gemv_h2_kernel[grid](
         x,
         qweight,
@@ -339,7 +349,7 @@ def launch_h2(
         HAS_BIAS=bias is not None and (split == 1 or reduce),
         PARTIAL=split > 1,
         REDUCE=reduce,
-        ASM=cuda,
+        ASM=_ptx(x),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **launch_options(x.device),

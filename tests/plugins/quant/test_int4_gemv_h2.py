@@ -81,6 +81,27 @@ def test_the_range_guard_keeps_huge_activations_finite():
     assert _rel_err(y, x, ref) < TOL
 
 
+@pytest.mark.parametrize("magnitude", [1e-6, 1e-20, 1e30])
+def test_tiny_and_huge_activations_keep_their_precision(magnitude):
+    """The shift scales small activations up (a fixed 2^-4 lost them in f16's subnormals:
+    25% error at 1e-5) and large ones down, so the error stays that of unit ones."""
+    qweight, scales, zeros, ref = _layer(128, 512)
+    x = (_x(512, torch.float32, 0.0) * magnitude).to(DTYPES[0])
+    y = weight_gemm(
+        x, qweight, scales, zeros, 4, 128, None, GemmConfig(1, 64, 128, 2, 2, 3, h2=True)
+    )
+    assert _rel_err(y, x, ref) < TOL
+
+
+def test_zero_activations_give_zero():
+    qweight, scales, zeros, _ = _layer(128, 256)
+    x = torch.zeros(1, 256).to(DEVICE, DTYPES[0])
+    y = weight_gemm(
+        x, qweight, scales, zeros, 4, 128, None, GemmConfig(1, 64, 128, 1, 2, 3, h2=True)
+    )
+    assert torch.equal(y, torch.zeros_like(y))
+
+
 def test_inputs_it_cannot_serve_fall_back():
     qweight, scales, zeros, ref = _layer(64, 256)
     x = torch.randn(2, 256).to(DEVICE, DTYPES[0])  # two rows: the one-row kernel cannot
