@@ -54,6 +54,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--sync", action="store_true", help="no async scheduling (pipelining)")
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA-graph buckets")
+    e.add_argument("--max-graph-batch", type=int, default=512, help="largest CUDA-graph batch")
+    e.add_argument("--quant", default="none", help="none | fp8 (tokenloom.sim.quantized)")
+    e.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8")
     e.add_argument("--config", help="TOML engine config to start from")
     e.add_argument("--plugin", action="append", default=[], help="plugin .py file or module")
     m = p.add_argument_group("cost model and report")
@@ -142,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(list(argv or []))
     started = time.perf_counter()
-    cost = load_cost_model(args.cost_model)
+    from tokenloom.sim import quantized
+
+    cost = quantized.apply(load_cost_model(args.cost_model), args.quant, args.kv_cache_dtype)
     trace = build_workload(args)
     pm = load_plugins(args.plugin)
     from tokenloom.checkpoints.model_shapes import SHAPES
@@ -150,7 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     shape_cfg = SHAPES.get(cost.shape.name, {})
     base = load_config(args.config)
     max_len = args.max_model_len or shape_cfg.get("max_position_embeddings") or 8192
-    default_blocks = num_blocks(cost.shape, _kv_gib(cost.shape.name), args.block_size)
+    if args.quant == "none" and args.kv_cache_dtype == "auto":
+        default_blocks = num_blocks(cost.shape, _kv_gib(cost.shape.name), args.block_size)
+    else:  # the planner's pool for the setting (fewer weight bytes, smaller KV)
+        seqs = max(_ints(args.max_num_seqs))
+        default_blocks = quantized.default_blocks(
+            cost.shape.name, args.quant, args.kv_cache_dtype, seqs, args.block_size
+        )
     grid = list(
         itertools.product(
             [s.strip() for s in args.scheduler.split(",") if s.strip()],
@@ -174,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             max_waiting_requests=args.max_waiting_requests,
             enable_prefix_caching=not args.no_prefix_caching,
             enforce_eager=args.enforce_eager,
+            max_graph_batch=args.max_graph_batch,
         )
         parts = [sched] + [
             f"{names[i]}={v}"

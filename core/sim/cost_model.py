@@ -119,10 +119,10 @@ def graph_batch(num_seqs: int, sizes: Sequence[int]) -> int:
     return 0
 
 
-def graph_sizes(max_num_seqs: int) -> list[int]:
+def graph_sizes(max_num_seqs: int, max_graph_batch: int = 512) -> list[int]:
     """The executor's CUDA-graph batch sizes (``plugins.executor.cuda_graphs``),
     restated so the simulator does not import torch."""
-    top = min(max_num_seqs, 512)
+    top = min(max_num_seqs, max_graph_batch)
     sizes = [s for s in (1, 2, 4, 8) if s <= top] + list(range(16, top + 1, 16))
     if sizes[-1] != top:
         sizes.append(top)

@@ -22,9 +22,15 @@ TOKEN = 1  # the sampled id; never a stop id (requests ignore EOS)
 class SimExecutor(Executor):
     """Built by the simulator, not by the plugin manager: it needs the cost model."""
 
-    def __init__(self, cost: CostModel, max_num_seqs: int, enforce_eager: bool = False) -> None:
+    def __init__(
+        self,
+        cost: CostModel,
+        max_num_seqs: int,
+        enforce_eager: bool = False,
+        max_graph_batch: int = 512,
+    ) -> None:
         self.cost = cost
-        self.sizes = [] if enforce_eager else graph_sizes(max_num_seqs)
+        self.sizes = [] if enforce_eager else graph_sizes(max_num_seqs, max_graph_batch)
         self.reached: dict[str, int] = {}  # request -> end of its last chunk
         self.high: dict[str, int] = {}  # request -> furthest position it ever computed
         self.num_recomputed_tokens = 0

@@ -94,7 +94,7 @@ def simulate(
         raise ValueError("num_blocks and max_model_len must be set for a simulation")
     now = 0.0
     kv, scheduler = build_components(config, plugins, lambda: now)
-    executor = SimExecutor(cost, config.max_num_seqs, config.enforce_eager)
+    executor = SimExecutor(cost, config.max_num_seqs, config.enforce_eager, config.max_graph_batch)
     records = [
         RequestRecord(r.arrival_s, r.prompt_len, r.output_len, r.priority, r.tenant) for r in trace
     ]

@@ -1,0 +1,88 @@
+"""The simulator's quantized settings: fp8 weights (W8A8) and an fp8 KV cache.
+
+The shipped cost models are fitted on bf16 steps. With fp8 three things change, each
+taken from an H200 measurement, none fitted to the throughput it is then checked
+against:
+
+- **bytes**: the decoder's linears at one byte a weight (the LM head stays 16-bit, as
+  the engine keeps it without ``--quant-lm-head``); the KV cache at one byte an element;
+- **GEMM rate**: dense fp8 GEMMs at 1,385 TFLOP/s against 784 in bf16 (the peaks
+  ``scripts/kernel_classes.py`` measures, ``docs/performance.md``): the linears' FLOPs
+  count ``1 / FP8_GEMM_SPEEDUP`` of their bf16 time;
+- **efficiency**: decode attention over an fp8 cache ran at 1.77x its KV floor (session 8
+  profile, 512 sequences x 1,500 tokens: 21.9 ms against 12.4) where bf16's ran at 0.96x
+  (session 13, 256 x 1,500: 11.68 ms against 12.20), so the ``kv`` coefficient grows by
+  ``FP8_KV_FACTOR``; the fp8 GEMMs plus the activations' quantization took 7.0 ms at 512
+  rows (6.3 + 0.72) where the bf16 coefficients predict 6.39 at the fp8 rate, so ``gemm``
+  and ``flops`` grow by ``FP8_GEMM_FACTOR``.
+
+Checked against the engine (``tests/core/sim/test_quantized.py``): issue 12's workload
+(600 x 1,000 in / 1,000 out at once, fp8 weights and KV, 114,348 blocks), measured
+12,023 out tok/s at ``max_num_seqs`` 512 and 12,756 at 640 with 640-row graphs
+(session 9); simulated 11,792 and 12,409 (-1.9%, -2.7%).
+
+int8 and int4 weights and an int8 cache are refused: their kernels' efficiency at decode
+batches has no measurement in a form this model can take.
+"""
+
+from __future__ import annotations
+
+from msgspec import structs
+
+from tokenloom.sim.cost_model import CostModel
+
+QUANTS = ("none", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8")
+FP8_GEMM_SPEEDUP = 1385 / 784
+FP8_KV_FACTOR = (21.9 / 12.4) / (11.68 / 12.20)
+FP8_GEMM_FACTOR = (6.3 + 0.72) / 6.39
+H200_GIB = 139.80  # total memory the engine's start-up log reports on the H200
+
+
+def apply(cost: CostModel, quant: str = "none", kv_cache_dtype: str = "auto") -> CostModel:
+    """``cost`` for fp8 weights and/or an fp8 KV cache (see the module docstring)."""
+    if quant not in QUANTS:
+        raise ValueError(f"the simulator models --quant {' | '.join(QUANTS)}, not {quant!r}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"the simulator models --kv-cache-dtype {' | '.join(KV_CACHE_DTYPES)}, "
+            f"not {kv_cache_dtype!r}"
+        )
+    shape, coefficients = cost.shape, dict(cost.coefficients)
+    notes = []
+    if quant == "fp8":
+        linear_params = shape.flops_per_token / 2  # two FLOPs per weight per token
+        shape = structs.replace(
+            shape,
+            weight_bytes=shape.weight_bytes - linear_params,  # 2 -> 1 byte a weight
+            flops_per_token=shape.flops_per_token / FP8_GEMM_SPEEDUP,
+        )
+        coefficients["gemm"] = coefficients.get("gemm", 0.0) * FP8_GEMM_FACTOR
+        coefficients["flops"] = coefficients.get("flops", 0.0) * FP8_GEMM_FACTOR
+        notes.append("fp8 weights")
+    if kv_cache_dtype == "fp8":
+        shape = structs.replace(shape, kv_bytes_per_token=shape.kv_bytes_per_token / 2)
+        coefficients["kv"] = coefficients.get("kv", 0.0) * FP8_KV_FACTOR
+        notes.append("fp8 KV cache")
+    if not notes:
+        return cost
+    source = f"{cost.source}; {', '.join(notes)} per tokenloom.sim.quantized"
+    return structs.replace(cost, shape=shape, coefficients=coefficients, source=source)
+
+
+def default_blocks(
+    shape: str, quant: str, kv_cache_dtype: str, max_num_seqs: int, block_size: int
+) -> int:
+    """The KV blocks the engine would allocate on an H200 for this setting, from the
+    memory planner (``tokenloom plan``, within 0.1% of the engine's start-up logs)."""
+    from tokenloom.config import EngineConfig
+    from tokenloom.entrypoints.plan import make_plan
+
+    config = EngineConfig(
+        model=shape,
+        quant=quant,
+        kv_cache_dtype=kv_cache_dtype,
+        max_num_seqs=max_num_seqs,
+        block_size=block_size,
+    )
+    return make_plan(config, H200_GIB, advice=False).num_kv_blocks

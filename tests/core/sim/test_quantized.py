@@ -1,0 +1,68 @@
+"""The simulator's fp8 settings (``tokenloom.sim.quantized``): what they change in the
+cost model, the planner's pool, and the H200 throughput they reproduce without being
+fitted to it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenloom.entrypoints.cli import main as tokenloom
+from tokenloom.sim import quantized
+from tokenloom.sim.cost_model import CostModel, graph_sizes
+
+
+def test_fp8_changes_bytes_rates_and_efficiencies_only():
+    bf16 = CostModel.shipped("llama-3-8b-calibrated")
+    assert quantized.apply(bf16) is bf16
+    fp8 = quantized.apply(bf16, "fp8", "fp8")
+    linear_params = bf16.shape.flops_per_token / 2
+    assert fp8.shape.weight_bytes == pytest.approx(bf16.shape.weight_bytes - linear_params)
+    assert fp8.shape.head_flops == bf16.shape.head_flops  # the head stays 16-bit
+    assert fp8.shape.kv_bytes_per_token == bf16.shape.kv_bytes_per_token / 2
+    assert fp8.shape.flops_per_token == pytest.approx(
+        bf16.shape.flops_per_token / quantized.FP8_GEMM_SPEEDUP
+    )
+    c, c16 = fp8.coefficients, bf16.coefficients
+    assert c["kv"] == pytest.approx(c16["kv"] * quantized.FP8_KV_FACTOR)
+    assert c["gemm"] == pytest.approx(c16["gemm"] * quantized.FP8_GEMM_FACTOR)
+    assert c["const"] == c16["const"] and c["attn"] == c16["attn"]
+    assert "fp8 weights, fp8 KV cache" in fp8.source
+    only_kv = quantized.apply(bf16, "none", "fp8")
+    assert only_kv.shape.weight_bytes == bf16.shape.weight_bytes
+    assert only_kv.coefficients["gemm"] == c16["gemm"]
+
+
+@pytest.mark.parametrize(("quant", "kv"), [("int4", "auto"), ("int8", "auto"), ("none", "int8")])
+def test_unmeasured_settings_are_refused(quant, kv):
+    with pytest.raises(ValueError, match="the simulator models"):
+        quantized.apply(CostModel.shipped("llama-3-8b-calibrated"), quant, kv)
+
+
+def test_the_pool_is_the_planners():
+    # the engine's H200 start-up log: 114,429 blocks (docs/quantization.md)
+    blocks = quantized.default_blocks("llama-3-8b", "fp8", "fp8", 512, 16)
+    assert abs(blocks / 114_429 - 1) < 0.002
+
+
+def test_graph_sizes_follow_max_graph_batch():
+    assert graph_sizes(640)[-1] == 512
+    assert graph_sizes(640, 640)[-1] == 640 and 576 in graph_sizes(640, 640)
+
+
+@pytest.mark.parametrize(
+    ("seqs", "measured"),
+    [(512, 12_023), (640, 12_756)],  # session 9, one H200 (docs/quantization.md)
+)
+def test_issue_12_workload_within_five_percent_of_the_h200(tmp_path, seqs, measured):
+    code = tokenloom([
+        "sim", "--num-requests", "600", "--request-rate", "inf", "--prompt-len", "1000",
+        "--output-len", "1000", "--length-dist", "fixed", "--quant", "fp8",
+        "--kv-cache-dtype", "fp8", "--max-num-seqs", str(seqs), "--max-graph-batch", str(seqs),
+        "--no-plots", "--out", str(tmp_path),
+    ])  # fmt: skip
+    assert code == 0
+    run = json.loads((tmp_path / "sim.json").read_text())["runs"][0]
+    assert run["completed"] == 600
+    assert abs(run["output_token_throughput"] / measured - 1) < 0.05
