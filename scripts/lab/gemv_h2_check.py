@@ -3,16 +3,18 @@
 
     python scripts/lab/gemv_h2_check.py numerics   # exact emulation of its f16 FMAs vs fp32
     python scripts/lab/gemv_h2_check.py interp     # the kernel in the interpreter (fp16)
-    python scripts/lab/gemv_h2_check.py sass [BLOCK_N BLOCK_K WARPS STAGES]
+    GUARD=1|2 python scripts/lab/gemv_h2_check.py sass [BLOCK_N BLOCK_K WARPS STAGES]
         # sm_90 SASS of its loop (Triton 3.6 with its CUDA backend, as scripts/sass_loop.py)
     python scripts/lab/gemv_h2_check.py gpu [OUT.json]
         # on a GPU: every tiling against the reference and timed (cold) per Llama-3-8B
         # layer beside the engine's best one-row candidate
+    python scripts/lab/gemv_h2_check.py ablate [OUT.json]
+        # on a GPU: what the engine wiring (range guard, PDL, split sum) costs against
+        # session 13's lab kernel, one ablation at a time, per layer
 
-What the next GPU session must do: ``gpu`` (now with the range guard, PDL and the split
-sum in the kernel), ``pytest -m gpu tests/plugins/quant/test_int4_gemv_h2.py``, then
-``bench latency --model llama-3-8b --quant int4`` with and without ``TOKENLOOM_INT4_H2=1``
-(the tuner then measures it per layer) before it may become the default.
+Session 14 (one H200): ``gpu`` put the kernel as wired into the engine at 71.3 us per
+layer against the engine GEMV's 62.6 (the lab kernel alone, session 13: 49.5), faster
+only on gate_up; ``ablate`` says which part of the wiring costs what.
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ def sass(args: list[str]) -> None:
     constexprs = {
         "GROUP": 128, "BLOCK_N": bn, "BLOCK_K": bk, "HAS_BIAS": False, "PARTIAL": False,
         "REDUCE": False, "ASM": True, "USE_PDL": False, "AMAX_BLOCK": 1024,
+        "GUARD": int(os.environ.get("GUARD", "1")), "SPLIT": 1,
     }  # fmt: skip
     divisible = ["x_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr", "N", "K", "K_CHUNK"]
     code, resources, _ = sass_loop.compile_sm90(
@@ -138,29 +141,17 @@ def sass(args: list[str]) -> None:
     print("  " + " ".join(f"{op}:{count}" for op, count in ops.most_common(16)))
 
 
-def gpu(args: list[str]) -> None:
-    """Per Llama-3-8B layer at one row: every tiling of the kernel (``H2`` x splits 1-8,
-    through ``weight_gemm``: the split sum in the kernel) checked against the dequantized
-    reference (x with outliers) and timed cold (weights cycled through 150 MB, as
-    ``gemv_bench.py --cold``), beside the engine's best one-row GEMV timed the same way."""
-    import json
-    from dataclasses import replace
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
-    from tokenloom.plugins.models.cuda_timing import time_graph
+
+def _layers():
+    """Per Llama-3-8B layer: int4 g128 weights, one bf16 row with outliers (1,000 and
+    -300), the dequantized reference, and copies of the weights filling 150 MB (timed
+    cold, as ``gemv_bench.py --cold``)."""
     from tokenloom.plugins.quant.int4 import dequantize_int4, quantize_int4
-    from tokenloom.plugins.quant.kernels.dispatch import H2, bucket, candidates
-    from tokenloom.plugins.quant.kernels.weight_gemm import weight_gemm
 
     torch.manual_seed(0)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    shapes = {
-        "qkv": (6144, 4096),
-        "o": (4096, 4096),
-        "gate_up": (28672, 4096),
-        "down": (4096, 14336),
-    }
-    table = []
-    for name, (n, k) in shapes.items():
+    for name, (n, k) in SHAPES.items():
         w = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
         qw, sc, zr = quantize_int4(w, 128)
         ref_w = dequantize_int4(qw, sc, zr, 128, torch.float32)
@@ -168,27 +159,53 @@ def gpu(args: list[str]) -> None:
         x[0, 7], x[0, 100] = 1000.0, -300.0
         x = x.to(torch.bfloat16)
         ref = x.float() @ ref_w.t()
-        rounding = float((ref.to(torch.bfloat16).float() - ref).norm() / ref.norm())
         nbytes = qw.numel() * 4 + sc.numel() * 2 + zr.numel() * 2
         copies = [(qw, sc, zr)] + [
             (qw.clone(), sc.clone(), zr.clone()) for _ in range((150 << 20) // nbytes)
         ]
+        yield name, n, k, x, ref, nbytes, copies
 
-        def timed(cfg, x=x, copies=copies, ref=ref, qw=qw, sc=sc, zr=zr):
-            err = float((weight_gemm(x, qw, sc, zr, 4, 128, None, cfg).float() - ref).norm())
 
-            def calls():
-                for q_, s_, z_ in copies:
-                    weight_gemm(x, q_, s_, z_, 4, 128, None, cfg)
+def _timed(call, x, ref, copies):
+    """(microseconds per call over the copies in one CUDA graph, relative error)."""
+    from tokenloom.plugins.models.cuda_timing import time_graph
 
-            return time_graph(calls) / len(copies), err / float(ref.norm())
+    qw, sc, zr = copies[0]
+    y = call(x, qw, sc, zr).float()
+    y = y.sum(0) if y.dim() == 3 else y  # partials alone: summed here, outside the timing
+    err = float((y - ref).norm() / ref.norm())
+
+    def calls():
+        for q_, s_, z_ in copies:
+            call(x, q_, s_, z_)
+
+    return time_graph(calls) / len(copies), err
+
+
+def gpu(args: list[str]) -> None:
+    """Per Llama-3-8B layer at one row: every tiling of the kernel (``H2`` x splits 1-16,
+    through ``weight_gemm``: the split sum in the kernel) checked against the dequantized
+    reference and timed cold, beside the engine's best one-row GEMV timed the same way."""
+    import json
+    from dataclasses import replace
+
+    from tokenloom.plugins.quant.kernels.dispatch import H2, bucket, candidates
+    from tokenloom.plugins.quant.kernels.weight_gemm import weight_gemm
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    table = []
+    for name, n, k, x, ref, nbytes, copies in _layers():
+        rounding = float((ref.to(torch.bfloat16).float() - ref).norm() / ref.norm())
+
+        def timed(cfg, x=x, ref=ref, copies=copies):
+            return _timed(lambda *a: weight_gemm(*a, 4, 128, None, cfg), x, ref, copies)
 
         engine, h2 = [], []
         for cfg in candidates(bucket(1), n, k, 4, 128, sms):
             if cfg.gemv:
                 engine.append((*timed(cfg), str(cfg)))
         for cfg in H2:
-            for split in (1, 2, 4, 8):
+            for split in (1, 2, 4, 8, 16):
                 if split * 2 <= k // 128:
                     c = replace(cfg, split_k=split)
                     h2.append((*timed(c), f"{c.block_n}x{c.block_k} w{c.num_warps} split{split}"))
@@ -217,9 +234,75 @@ def gpu(args: list[str]) -> None:
             json.dump(table, f, indent=1)
 
 
+# what the engine wiring added to session 13's lab kernel, one thing at a time
+ABLATIONS = {
+    "split guard (GUARD 1)": {"GUARD": 1},
+    "row-pair guard (GUARD 2)": {"GUARD": 2},
+    "no guard": {"GUARD": 0},
+    "split guard, no PDL": {"GUARD": 1, "USE_PDL": False, "launch_pdl": False},
+    "split guard, partials (no sum)": {"GUARD": 1, "partials": True},
+    "row-pair guard, partials": {"GUARD": 2, "partials": True},
+    "no guard, partials": {"GUARD": 0, "partials": True},
+}  # fmt: skip
+
+
+def ablate(args: list[str]) -> None:
+    """Per layer, per ablation: the best of ``H2`` x splits 4-16, launched directly
+    (``launch_h2`` with the ablation's overrides), timed cold."""
+    import json
+    from dataclasses import replace
+
+    import triton
+
+    from tokenloom.plugins.quant.kernels.dispatch import H2
+    from tokenloom.plugins.quant.kernels.int4_gemv_h2 import launch_h2
+    from tokenloom.plugins.quant.kernels.weight_gemv import reduce_counters
+
+    def call_for(cfg, n, k, overrides):
+        lab = {key: v for key, v in overrides.items() if key != "partials"}
+        k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+        split = triton.cdiv(k, k_chunk)
+
+        def call(x, qw, sc, zr):
+            shape = (split, 1, n) if split > 1 else (1, n)
+            y = torch.empty(shape, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
+            reduce = split > 1 and not overrides.get("partials")
+            out = torch.empty(1, n, dtype=x.dtype, device=x.device) if reduce else None
+            counters = reduce_counters(x.device, triton.cdiv(n, cfg.block_n)) if reduce else None
+            launch_h2(x, qw, sc, zr, 4, 128, None, y, 1, n, k, k_chunk, split, cfg, out, counters,
+                      **lab)  # fmt: skip
+            return out if reduce else y
+
+        return call
+
+    results = {}
+    for name, n, k, x, ref, nbytes, copies in _layers():
+        for label, overrides in ABLATIONS.items():
+            runs = []
+            for cfg in H2:
+                for split in (4, 8, 16):
+                    if split * 2 <= k // 128:
+                        c = replace(cfg, split_k=split)
+                        t, err = _timed(call_for(c, n, k, overrides), x, ref, copies)
+                        runs.append((t, err, f"{c.block_n} w{c.num_warps} s{split}"))
+            runs.sort()
+            results.setdefault(label, {})[name] = dict(
+                us=runs[0][0], cfg=runs[0][2], err=runs[0][1], gb_s=nbytes / runs[0][0] / 1e3,
+                top3=[(round(t, 2), c) for t, _, c in runs[:3]],
+            )  # fmt: skip
+            print(label, name, json.dumps(results[label][name]), flush=True)
+    print("| variant | " + " | ".join(SHAPES) + " | per layer |")
+    for label, row in results.items():
+        cells = " | ".join(f"{row[s]['us']:.1f} ({row[s]['cfg']})" for s in SHAPES)
+        print(f"| {label} | {cells} | {sum(row[s]['us'] for s in SHAPES):.1f} |")
+    if args:
+        with open(args[0], "w") as f:
+            json.dump(results, f, indent=1)
+
+
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "numerics"
-    if mode == "gpu":
-        gpu(sys.argv[2:])
+    if mode in ("gpu", "ablate"):
+        {"gpu": gpu, "ablate": ablate}[mode](sys.argv[2:])
     else:
         {"numerics": numerics, "interp": interp}.get(mode, lambda: sass(sys.argv[2:]))()

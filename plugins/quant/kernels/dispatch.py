@@ -21,6 +21,7 @@ import torch
 import triton
 
 from tokenloom.plugins.models import tuning_cache
+from tokenloom.plugins.quant.kernels import int4_gemv_h2
 from tokenloom.plugins.quant.kernels.int4_gemv_h2 import h2_offered
 from tokenloom.plugins.quant.kernels.weight_gemm import (
     SKINNY_ROWS,
@@ -69,7 +70,7 @@ GEMV_ROWS = [  # two or four rows per program (bucket 2-16): the weights are rea
     GemmConfig(1, 64, 128, 1, 4, 3, gemv=True, rows=2),
     GemmConfig(1, 128, 128, 1, 8, 3, gemv=True, rows=2),
 ]
-# int4_gemv_h2 (opt-in): the tilings that measured best per Llama-3-8B layer (session
+# int4_gemv_h2: the tilings that measured best per Llama-3-8B layer (session
 # 13, one H200: 64 x 128 with 2 warps on qkv and gate_up, 128 x 128 with 8 on o and down)
 H2 = [
     GemmConfig(1, 64, 128, 1, 2, 3, h2=True),
@@ -80,7 +81,7 @@ H2 = [
 
 
 def h2_candidates(n: int, k: int, bits: int, group: int, has_zeros: bool, dtype) -> list:
-    """``H2`` with K split 1-8 (each split two tiles at least), where the kernel serves
+    """``H2`` with K split 1-16 (each split two tiles at least), where the kernel serves
     the format and the tuner may offer it (``h2_offered``)."""
     if not (h2_offered() and bits == 4 and has_zeros and dtype == torch.bfloat16):
         return []
@@ -88,7 +89,7 @@ def h2_candidates(n: int, k: int, bits: int, group: int, has_zeros: bool, dtype)
         replace(cfg, split_k=split)
         for cfg in H2
         if cfg.fits(bits, group)
-        for split in (1, 2, 4, 8)
+        for split in (1, 2, 4, 8, 16)
         if split == 1 or (split * 2 <= k // cfg.block_k and (k // cfg.block_k) % split == 0)
     ]
 
@@ -241,7 +242,9 @@ CACHE_NAME = "weight-gemm.json"
 # v7: the one-row GEMV's PTX conversions (int8 words of four weights, int4 biased nibbles).
 # v8: the one-row GEMV sums its K splits in the kernel (the last split of a tile).
 # v9: the GEMVs serve int4 groups smaller than the tile (a group per word row).
-KERNELS_VERSION = 9
+# v10: int4_gemv_h2 offered by default, with K split up to 16 (session 13's table: its
+# best tiling was the largest split offered, 8, on every layer).
+KERNELS_VERSION = 10
 
 
 def _load() -> dict[str, Any]:
@@ -269,12 +272,13 @@ def choose_configs(
     if device.type != "cuda":
         return tuple(choose_config(m[-1], n, k, 4) for _, m in BUCKETS)  # type: ignore[return-value]
     fractional = zeros is not None and bool((zeros != zeros.round()).any())
+    h2 = h2_candidates(n, k, bits, group, zeros is not None, dtype)
     key = (
         f"{torch.cuda.get_device_name(device)}|torch {torch.__version__}|"
         f"triton {triton.__version__}|int{bits} g{group}|{n}x{k}|{dtype}|zeros {zeros is not None}"
         f"{' fractional' if fractional else ''}"
         f"|kernels v{KERNELS_VERSION}{' dequant' if dequant_offered() else ''}"
-        f"{' h2' if h2_candidates(n, k, bits, group, zeros is not None, dtype) else ''}"
+        f"{f' h2 guard {int4_gemv_h2.GUARD_MODE}' if h2 else ''}"
     )
     if key not in _DECIDED:
         stored = _load().get(key)

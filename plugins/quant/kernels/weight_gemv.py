@@ -159,6 +159,7 @@ def _weight_gemv_kernel(
     ASM: tl.constexpr = False,  # PTX (a CUDA GPU): int8 INT8_ASM, int4 BIASED_ASM
     REDUCE: tl.constexpr = False,  # PARTIAL: the last split to finish a tile sums them
     USE_PDL: tl.constexpr = False,  # plugins/models/pdl.py: weights stream before the wait
+    SPLIT: tl.constexpr = 1,  # REDUCE: the number of splits (the grid's second axis)
 ):
     release(USE_PDL)
     pid_n = tl.program_id(0)
@@ -220,6 +221,7 @@ def _weight_gemv_kernel(
                 stride_ym,
                 stride_ysplit,
                 HAS_BIAS,
+                SPLIT,
             )
 
 
@@ -238,6 +240,7 @@ def _reduce_splits(
     stride_ym,
     stride_ysplit,
     HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """The split-K sum inside the GEMV (no second launch: at batch 1 the split-sum
     kernel was 128 launches and ~0.2 ms of a 3.2 ms int4 step). Each program has stored
@@ -249,22 +252,21 @@ def _reduce_splits(
     non-zero."""
     tl.debug_barrier()
     counter = cnt_ptr + row * tl.num_programs(0) + pid_n
-    splits = tl.num_programs(1)
     arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-    if arrived == splits - 1:
-        # in split order whichever split arrived last: the same sum, bit for bit, on
-        # every run (and as the split-sum kernel's)
+    if arrived == SPLIT - 1:
+        # every split's partial from memory (this one's too), in split order: the same
+        # sum, bit for bit, whichever split arrived last (and as the split-sum
+        # kernel's). Unrolled, so the loads are in flight together: a loop over the
+        # splits waited on one L2 round trip per split (session 14, one H200: the sum
+        # cost ~4 us of a 12 us qkv GEMV at split 8)
         total = tl.zeros_like(acc)
-        for s in range(0, splits):
-            if s == pid_k:
-                total += acc
-            else:
-                total += tl.load(
-                    y_ptr + s * stride_ysplit + row * stride_ym + offs_n,
-                    mask=mask_n,
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
+        for s in tl.static_range(SPLIT):
+            total += tl.load(
+                y_ptr + s * stride_ysplit + row * stride_ym + offs_n,
+                mask=mask_n,
+                other=0.0,
+                cache_modifier=".cg",
+            )
         if HAS_BIAS:
             total += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         tl.store(o_ptr + row * stride_ym + offs_n, total.to(o_ptr.dtype.element_ty), mask=mask_n)
@@ -383,6 +385,7 @@ def launch_gemv(
             BIASED=bits == 4 and biased,
             ASM=words or (bits == 4 and cuda),
             REDUCE=reduce,
+            SPLIT=split if reduce else 1,
             **launch_options(x.device),
         )
     else:

@@ -1,7 +1,8 @@
-"""The one-row int4 GEMV in f16x2 arithmetic (``int4_gemv_h2``, opt-in) equals the
-dequantized reference: its arithmetic emulated in the interpreter on the CPU (fp32 and
-fp16 activations), its PTX on the GPU (bf16) at the Llama-3-8B shapes; the range guard
-keeps the f16 chains finite under any activation; the tuner offers it only when asked."""
+"""The one-row int4 GEMV in f16x2 arithmetic (``int4_gemv_h2``) equals the dequantized
+reference: its arithmetic emulated in the interpreter on the CPU (fp32 and fp16
+activations), its PTX on the GPU (bf16) at the Llama-3-8B shapes; either range guard (a
+shift per K split, or per row pair of a tile) keeps the f16 chains finite and precise
+under any activation; the tuner offers it unless withheld."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from tokenloom.plugins.quant.int4 import dequantize_int4, quantize_int4
+from tokenloom.plugins.quant.kernels import int4_gemv_h2
 from tokenloom.plugins.quant.kernels.dispatch import h2_candidates
 from tokenloom.plugins.quant.kernels.weight_gemm import GemmConfig, weight_gemm
 
@@ -18,6 +20,12 @@ DTYPES = [torch.bfloat16] if CUDA else [torch.float32, torch.float16]
 # the kernel's own error is ~5e-4 of |y| (f16 chains of 8 products); bf16 output
 # rounding adds ~1.7e-3 on the GPU
 TOL = 4e-3 if CUDA else 2e-3
+
+
+@pytest.fixture(autouse=True, params=[1, 2], ids=["split-guard", "row-pair-guard"])
+def guard(request, monkeypatch):
+    monkeypatch.setattr(int4_gemv_h2, "GUARD_MODE", request.param)
+    return request.param
 
 
 def _layer(n, k, fractional=False, seed=0):
@@ -112,13 +120,17 @@ def test_inputs_it_cannot_serve_fall_back():
     assert float((y.double() - expected).norm() / expected.norm()) < TOL
 
 
-def test_offered_to_the_tuner_only_when_asked(monkeypatch):
-    monkeypatch.delenv("TOKENLOOM_INT4_H2", raising=False)
+def test_offered_to_the_tuner_unless_withheld(monkeypatch):
+    monkeypatch.setenv("TOKENLOOM_INT4_H2", "0")
     assert h2_candidates(4096, 4096, 4, 128, True, torch.bfloat16) == []
-    monkeypatch.setenv("TOKENLOOM_INT4_H2", "1")
+    monkeypatch.delenv("TOKENLOOM_INT4_H2", raising=False)
     offered = h2_candidates(4096, 4096, 4, 128, True, torch.bfloat16)
     assert offered and all(c.h2 for c in offered)
-    assert {c.split_k for c in offered} == {1, 2, 4, 8}
+    assert {c.split_k for c in offered} == {1, 2, 4, 8, 16}
+    # down's K: 112 tiles of 128, split 16 leaves 7 each
+    assert {c.split_k for c in h2_candidates(4096, 14336, 4, 128, True, torch.bfloat16)} == {
+        1, 2, 4, 8, 16,
+    }  # fmt: skip
     assert h2_candidates(4096, 256, 4, 128, True, torch.bfloat16)  # split 1 only
     assert {c.split_k for c in h2_candidates(4096, 256, 4, 128, True, torch.bfloat16)} == {1}
     # formats it does not serve
