@@ -21,7 +21,6 @@ import torch
 import triton
 
 from tokenloom.plugins.models import tuning_cache
-from tokenloom.plugins.quant.kernels import int4_gemv_h2
 from tokenloom.plugins.quant.kernels.int4_gemv_h2 import h2_offered
 from tokenloom.plugins.quant.kernels.weight_gemm import (
     SKINNY_ROWS,
@@ -278,7 +277,7 @@ def choose_configs(
         f"triton {triton.__version__}|int{bits} g{group}|{n}x{k}|{dtype}|zeros {zeros is not None}"
         f"{' fractional' if fractional else ''}"
         f"|kernels v{KERNELS_VERSION}{' dequant' if dequant_offered() else ''}"
-        f"{f' h2 guard {int4_gemv_h2.GUARD_MODE}' if h2 else ''}"
+        f"{' h2' if h2 else ''}"
     )
     if key not in _DECIDED:
         stored = _load().get(key)

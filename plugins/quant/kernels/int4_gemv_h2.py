@@ -5,11 +5,13 @@ The engine's one-row GEMV (``weight_gemv``) spends ~5 SASS instructions per int4
 weight on sm_90. This kernel spends ~3.3 (``scripts/lab/gemv_h2_check.py sass``): on
 the H200 the kernel alone took 49.5 us per Llama-3-8B layer against the GEMV's 62.4
 (session 13, ``docs/quantization.md``). Wired into the engine (below: the range guard,
-PDL, the split sum in the kernel) it measured slower than that on three of the four
-Llama-3-8B layers and faster on gate_up; the one-row tuner measures it beside the other
-GEMVs per layer and keeps whichever is faster. Engine A/B (session 14, one H200,
-``bench latency --model llama-3-8b --quant int4``, without / with / without): 2.73 /
-2.64 / 2.72 ms per step.
+PDL, the split sum in the kernel) it first measured 66.8 us per layer; the split sum
+cost 16.6 of them, a loop waiting on one L2 round trip per split, until the sum's loads
+were unrolled (``weight_gemv._reduce_splits``): 54.3 us (session 14, one H200,
+``scripts/lab/gemv_h2_check.py ablate``). The one-row tuner measures it beside the
+other GEMVs per layer and keeps the faster; ``TOKENLOOM_INT4_H2=0`` withholds it. With
+both changes ``bench latency --model llama-3-8b --quant int4`` went 2.72 -> 2.39 ms per
+step (same machine start, before/after/before/after).
 
 Per program: ``BLOCK_N`` columns as two halves (``CW = BLOCK_N / 2``) that share the x
 registers, and ``BLOCK_K`` rows of K as two row halves of ``RW = BLOCK_K / 16`` word
@@ -53,10 +55,6 @@ import triton.language as tl
 
 from tokenloom.plugins.models.pdl import launch_options, release, wait
 from tokenloom.plugins.quant.kernels.weight_gemv import _reduce_splits
-
-# the range guard (``GUARD``): 1 = one shift per K split, read before the loop; 2 = one
-# per row pair of each tile, from the x words the loop loads anyway
-GUARD_MODE = int(os.environ.get("TOKENLOOM_INT4_H2_GUARD", "1"))
 
 
 def h2_offered() -> bool:
@@ -166,7 +164,7 @@ def _x_words(x32_row, kw, mask_kw):
 @triton.jit
 def _x_pairs(p0, p1, p2, p3, xs_bits):
     """Four bf16x2 words of x -> four f16x2 (as int32) pairs scaled by ``xs_bits`` (a
-    bf16x2 power of two, one or one per row) and their scaled sum (PTX)."""
+    bf16x2 power of two) and their scaled sum (PTX)."""
     return tl.inline_asm_elementwise(
         asm=X_ASM,
         constraints="=r,=r,=r,=r,=f,r,r,r,r,r",
@@ -175,29 +173,6 @@ def _x_pairs(p0, p1, p2, p3, xs_bits):
         is_pure=True,
         pack=1,
     )
-
-
-@triton.jit
-def _word_exponent(p):
-    """The larger biased exponent of a bf16x2 word's two values, still shifted by 7."""
-    return tl.maximum(p & 0x7F80, (p >> 16) & 0x7F80)
-
-
-@triton.jit
-def _shift_of(biased):
-    """``e - 7`` in [-100, 121] for a biased fp32/bf16 exponent ``e + 127``."""
-    return tl.minimum(tl.maximum(biased - 127 - 7, -100), 121)
-
-
-@triton.jit
-def _emu_row_exponent(x_row, ka, kb, mka, mkb):
-    """The biased exponent of the largest |x| of word rows ``ka`` and ``kb`` (emulation)."""
-    amax = tl.zeros([ka.shape[0]], tl.float32)
-    for j in tl.static_range(8):
-        xa = tl.load(x_row + ka * 8 + j, mask=mka, other=0.0).to(tl.float32)
-        xb = tl.load(x_row + kb * 8 + j, mask=mkb, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.maximum(tl.abs(xa), tl.abs(xb)))
-    return (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
 
 
 @triton.jit
@@ -281,8 +256,7 @@ def _int4_gemv_h2_kernel(
     ASM: tl.constexpr,
     USE_PDL: tl.constexpr = False,
     AMAX_BLOCK: tl.constexpr = 1024,
-    GUARD: tl.constexpr = 1,  # 1: a shift per split; 2: per tile row pair; 0: a fixed 2^-4
-    # (unsafe; gemv_h2_check.py ablate only)
+    GUARD: tl.constexpr = True,  # False: a fixed 2^-4 (unsafe; gemv_h2_check.py ablate only)
     SPLIT: tl.constexpr = 1,  # REDUCE: the number of splits
 ):
     release(USE_PDL)
@@ -305,10 +279,8 @@ def _int4_gemv_h2_kernel(
     wb0 = _words(qw_ptr, kb, lim, c0, m0, N)
     wb1 = _words(qw_ptr, kb, lim, c1, m1, N)
     wait(USE_PDL)
-    if GUARD == 1:
+    if GUARD:
         shift = _range_shift(x_ptr, k_begin, k_end, AMAX_BLOCK)
-    elif GUARD == 2:  # a shift per row pair in the loop, scaled back there
-        shift = tl.program_id(0) * 0
     else:
         shift = tl.program_id(0) * 0 + 4
     down = ((127 - shift) << 23).to(tl.float32, bitcast=True)  # 2^-shift
@@ -333,41 +305,16 @@ def _int4_gemv_h2_kernel(
         z0 = tl.load(z_ptr + g * N + c0, mask=m0, other=0.0).to(tl.float32) - 8.0
         z1 = tl.load(z_ptr + g * N + c1, mask=m1, other=0.0).to(tl.float32) - 8.0
         if ASM:
-            pa0, pa1, pa2, pa3 = _x_words(x32, ka, mka)
-            pb0, pb1, pb2, pb3 = _x_words(x32, kb, mkb)
-            bits = xs_bits
-            if GUARD == 2:  # the largest exponent of the row pair's 16 values
-                e = tl.maximum(
-                    tl.maximum(
-                        tl.maximum(_word_exponent(pa0), _word_exponent(pa1)),
-                        tl.maximum(_word_exponent(pa2), _word_exponent(pa3)),
-                    ),
-                    tl.maximum(
-                        tl.maximum(_word_exponent(pb0), _word_exponent(pb1)),
-                        tl.maximum(_word_exponent(pb2), _word_exponent(pb3)),
-                    ),
-                )
-                row_shift = _shift_of(e >> 7)
-                bits = ((127 - row_shift) << 7) * 65537  # the bf16 pair (2^-s, 2^-s)
-            xa0, xa1, xa2, xa3, xsa = _x_pairs(pa0, pa1, pa2, pa3, bits)
-            xb0, xb1, xb2, xb3, xsb = _x_pairs(pb0, pb1, pb2, pb3, bits)
+            xa0, xa1, xa2, xa3, xsa = _x_pairs(*_x_words(x32, ka, mka), xs_bits)
+            xb0, xb1, xb2, xb3, xsb = _x_pairs(*_x_words(x32, kb, mkb), xs_bits)
             p0 = _h2_dot(wa0, wb0, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3)
             p1 = _h2_dot(wa1, wb1, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3)
         else:
-            row_down = down
-            if GUARD == 2:
-                row_shift = _shift_of(_emu_row_exponent(x_ptr, ka, kb, mka, mkb))
-                row_down = ((127 - row_shift) << 23).to(tl.float32, bitcast=True)
-            xsa = _emu_xsum(x_ptr, ka, mka, row_down)
-            xsb = _emu_xsum(x_ptr, kb, mkb, row_down)
-            p0 = _emu_dot(wa0, wb0, x_ptr, ka, kb, mka, mkb, row_down, RW, CW)
-            p1 = _emu_dot(wa1, wb1, x_ptr, ka, kb, mka, mkb, row_down, RW, CW)
+            xsa = _emu_xsum(x_ptr, ka, mka, down)
+            xsb = _emu_xsum(x_ptr, kb, mkb, down)
+            p0 = _emu_dot(wa0, wb0, x_ptr, ka, kb, mka, mkb, down, RW, CW)
+            p1 = _emu_dot(wa1, wb1, x_ptr, ka, kb, mka, mkb, down, RW, CW)
         xs = (xsa + xsb)[:, None]
-        if GUARD == 2:  # each row pair back to its scale (exact: a power of two)
-            row_up = ((127 + row_shift) << 23).to(tl.float32, bitcast=True)[:, None]
-            p0 = p0 * row_up
-            p1 = p1 * row_up
-            xs = xs * row_up
         acc0 += s0[None, :] * (p0 - z0[None, :] * xs)
         acc1 += s1[None, :] * (p1 - z1[None, :] * xs)
         wa0 = na0
@@ -426,6 +373,6 @@ def launch_h2(
         ASM=_ptx(x),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **{**launch_options(x.device), "GUARD": GUARD_MODE, **lab},
+        **{**launch_options(x.device), **lab},
     )
     return reduce
