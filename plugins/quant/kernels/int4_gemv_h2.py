@@ -219,6 +219,16 @@ def _words(qw_ptr, kw, limit, cols, mask_c, N):
 
 
 @triton.jit
+def _group_params(s_ptr, z_ptr, g, c0, c1, m0, m1, N):
+    """Group ``g``'s scales and zero points (less 8) of both column halves, in fp32."""
+    s0 = tl.load(s_ptr + g * N + c0, mask=m0, other=0.0).to(tl.float32)
+    s1 = tl.load(s_ptr + g * N + c1, mask=m1, other=0.0).to(tl.float32)
+    z0 = tl.load(z_ptr + g * N + c0, mask=m0, other=0.0).to(tl.float32) - 8.0
+    z1 = tl.load(z_ptr + g * N + c1, mask=m1, other=0.0).to(tl.float32) - 8.0
+    return s0, s1, z0, z1
+
+
+@triton.jit
 def _range_shift(x_ptr, k_begin, k_end, AMAX_BLOCK: tl.constexpr):
     """``e - 7`` in [-100, 121] for ``2^e <= max |x[k_begin:k_end]| < 2^(e + 1)``: every
     bit pattern built from it stays valid (zeros: -100). Elementwise maxima per block,
@@ -273,12 +283,19 @@ def _int4_gemv_h2_kernel(
     lim = k_end // 8
     ka = k_begin // 8 + tl.arange(0, RW)
     kb = ka + RW
-    # weights only before the wait (no kernel of a step writes them)
+    # weights, their scales and zero points before the wait (no kernel of a step writes
+    # them); then one tile ahead: the scales and zero points too, not only the words
+    # (a tile's compute waited on their DRAM round trip otherwise), and x's words
     wa0 = _words(qw_ptr, ka, lim, c0, m0, N)
     wa1 = _words(qw_ptr, ka, lim, c1, m1, N)
     wb0 = _words(qw_ptr, kb, lim, c0, m0, N)
     wb1 = _words(qw_ptr, kb, lim, c1, m1, N)
+    s0, s1, z0, z1 = _group_params(s_ptr, z_ptr, k_begin // GROUP, c0, c1, m0, m1, N)
     wait(USE_PDL)
+    x32 = x_ptr.to(tl.pointer_type(tl.int32))
+    if ASM:  # in flight while the guard reads its split
+        pa0, pa1, pa2, pa3 = _x_words(x32, ka, ka < lim)
+        pb0, pb1, pb2, pb3 = _x_words(x32, kb, kb < lim)
     if GUARD:
         shift = _range_shift(x_ptr, k_begin, k_end, AMAX_BLOCK)
     else:
@@ -287,7 +304,6 @@ def _int4_gemv_h2_kernel(
     up = ((127 + shift) << 23).to(tl.float32, bitcast=True)
     half = (127 - shift) << 7  # bf16 bits of 2^-shift
     xs_bits = (half << 16) | half
-    x32 = x_ptr.to(tl.pointer_type(tl.int32))
     acc0 = tl.zeros([RW, CW], tl.float32)
     acc1 = tl.zeros([RW, CW], tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
@@ -299,16 +315,19 @@ def _int4_gemv_h2_kernel(
         na1 = _words(qw_ptr, ka + 2 * RW, lim, c1, m1, N)
         nb0 = _words(qw_ptr, kb + 2 * RW, lim, c0, m0, N)
         nb1 = _words(qw_ptr, kb + 2 * RW, lim, c1, m1, N)
-        g = k0 // GROUP
-        s0 = tl.load(s_ptr + g * N + c0, mask=m0, other=0.0).to(tl.float32)
-        s1 = tl.load(s_ptr + g * N + c1, mask=m1, other=0.0).to(tl.float32)
-        z0 = tl.load(z_ptr + g * N + c0, mask=m0, other=0.0).to(tl.float32) - 8.0
-        z1 = tl.load(z_ptr + g * N + c1, mask=m1, other=0.0).to(tl.float32) - 8.0
+        more = c0 * 0 + k0 + BLOCK_K < k_end  # a next tile (per column, for the masks)
+        ns0, ns1, nz0, nz1 = _group_params(
+            s_ptr, z_ptr, (k0 + BLOCK_K) // GROUP, c0, c1, m0 & more, m1 & more, N
+        )
         if ASM:
-            xa0, xa1, xa2, xa3, xsa = _x_pairs(*_x_words(x32, ka, mka), xs_bits)
-            xb0, xb1, xb2, xb3, xsb = _x_pairs(*_x_words(x32, kb, mkb), xs_bits)
+            na_x = _x_words(x32, ka + 2 * RW, ka + 2 * RW < lim)
+            nb_x = _x_words(x32, kb + 2 * RW, kb + 2 * RW < lim)
+            xa0, xa1, xa2, xa3, xsa = _x_pairs(pa0, pa1, pa2, pa3, xs_bits)
+            xb0, xb1, xb2, xb3, xsb = _x_pairs(pb0, pb1, pb2, pb3, xs_bits)
             p0 = _h2_dot(wa0, wb0, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3)
             p1 = _h2_dot(wa1, wb1, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3)
+            pa0, pa1, pa2, pa3 = na_x
+            pb0, pb1, pb2, pb3 = nb_x
         else:
             xsa = _emu_xsum(x_ptr, ka, mka, down)
             xsb = _emu_xsum(x_ptr, kb, mkb, down)
@@ -317,6 +336,7 @@ def _int4_gemv_h2_kernel(
         xs = (xsa + xsb)[:, None]
         acc0 += s0[None, :] * (p0 - z0[None, :] * xs)
         acc1 += s1[None, :] * (p1 - z1[None, :] * xs)
+        s0, s1, z0, z1 = ns0, ns1, nz0, nz1
         wa0 = na0
         wa1 = na1
         wb0 = nb0
