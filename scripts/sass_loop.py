@@ -167,7 +167,12 @@ def preset(name: str, values: list[int]) -> tuple[Any, dict, dict, list[str], in
             () if name == "rows" else ("o_ptr", "cnt_ptr"),
         )
         if os.environ.get("REDUCE") == "1" and name == "gemv":
-            consts.update(PARTIAL=True, REDUCE=True)
+            consts.update(PARTIAL=True, REDUCE=True, SPLIT=4)
+        if name == "gemv":  # every constexpr spelled out (Triton 3.9 needs the defaulted too)
+            for flag, default in (("BIASED", False), ("ASM", False), ("REDUCE", False)):
+                consts.setdefault(flag, default)
+            consts.setdefault("USE_PDL", False)
+            consts.setdefault("SPLIT", 1)
         if consts.get("ASM"):
             sig["qw_ptr"] = "*i32"
         if name == "gemv":

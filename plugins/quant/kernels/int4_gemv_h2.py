@@ -283,14 +283,16 @@ def _int4_gemv_h2_kernel(
     lim = k_end // 8
     ka = k_begin // 8 + tl.arange(0, RW)
     kb = ka + RW
-    # weights, their scales and zero points before the wait (no kernel of a step writes
-    # them); then one tile ahead: the scales and zero points too, not only the words
-    # (a tile's compute waited on their DRAM round trip otherwise), and x's words
+    # weights, scales and zero points before the wait (no kernel of a step writes them),
+    # then all one tile ahead, and x's words too (a tile waited on a DRAM trip otherwise)
     wa0 = _words(qw_ptr, ka, lim, c0, m0, N)
     wa1 = _words(qw_ptr, ka, lim, c1, m1, N)
     wb0 = _words(qw_ptr, kb, lim, c0, m0, N)
     wb1 = _words(qw_ptr, kb, lim, c1, m1, N)
-    s0, s1, z0, z1 = _group_params(s_ptr, z_ptr, k_begin // GROUP, c0, c1, m0, m1, N)
+    first = c0 * 0 + k_begin < k_end  # never false from weight_gemm (no empty split)
+    s0, s1, z0, z1 = _group_params(
+        s_ptr, z_ptr, k_begin // GROUP, c0, c1, m0 & first, m1 & first, N
+    )
     wait(USE_PDL)
     x32 = x_ptr.to(tl.pointer_type(tl.int32))
     if ASM:  # in flight while the guard reads its split

@@ -245,11 +245,12 @@ def _reduce_splits(
     """The split-K sum inside the GEMV (no second launch: at batch 1 the split-sum
     kernel was 128 launches and ~0.2 ms of a 3.2 ms int4 step). Each program has stored
     its partial; the barrier orders every thread's store before the one-thread release
-    of the counter, and the program that arrives last (acquire) adds the others'
-    partials (read from L2) to its own, adds the bias, writes the output and resets
-    the counter for the next launch. Every launch on a device shares the counters: they
-    assume one stream (as the engine runs), and a launch aborted midway would leave one
-    non-zero."""
+    of the counter, and the program that arrives last (acquire) sums every split's
+    partial (read from L2, its own too), adds the bias, writes the output and resets
+    the counter for the next launch. ``SPLIT`` must be the grid's second axis. Every
+    launch on a device shares the counters: they assume one stream (as the engine
+    runs), and a launch aborted midway would leave one non-zero."""
+    tl.static_assert(SPLIT > 1, "REDUCE needs SPLIT, the number of K splits")
     tl.debug_barrier()
     counter = cnt_ptr + row * tl.num_programs(0) + pid_n
     arrived = tl.atomic_add(counter, 1, sem="acq_rel")

@@ -138,7 +138,7 @@ def test_offered_to_the_tuner_unless_withheld(monkeypatch):
 @pytest.mark.parametrize(
     ("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 )  # fmt: skip
-@pytest.mark.parametrize("cfg", [(64, 2, 4), (128, 8, 8), (128, 4, 1)])
+@pytest.mark.parametrize("cfg", [(64, 2, 4), (128, 8, 8), (128, 4, 1), (64, 2, 16)])
 def test_gpu_llama_shapes(n, k, cfg):
     block_n, warps, split = cfg
     qweight, scales, zeros, ref = _layer(n, k)
