@@ -11,9 +11,10 @@
 #  its GPU tests, the tilings at 512-4,096 rows, and offline throughput with and without it;
 #  fp8gemv: the opt-in fp8 GEMV for <= 4 rows (TOKENLOOM_FP8_GEMV=1): its GPU tests, then
 #  bench latency --quant fp8 with and without it;
-#  h2: the opt-in f16x2 int4 GEMV (TOKENLOOM_INT4_H2=1): its GPU tests, its per-layer table
-#  (scripts/lab/gemv_h2_check.py gpu), then bench latency --quant int4 without, with, without
-#  it, and offline throughput with it)
+#  h2: the f16x2 int4 GEMV (on by default since session 14; TOKENLOOM_INT4_H2=0 withholds it):
+#  its GPU tests, its per-layer table (scripts/lab/gemv_h2_check.py gpu) and ablation (what the
+#  range guard, PDL and the split sum cost: gemv_h2_check.py ablate), then bench latency
+#  --quant int4 without, with, without it, and offline throughput with it)
 # Writes to $OUT (or ./gpu-out): quant.json (every figure and the speedups over none),
 # quant-tests.log, quant-bench.log, weight-gemm.json (the tilings measured per shape).
 set -uo pipefail
@@ -98,10 +99,11 @@ if [[ $STEPS == *" h2 "* ]]; then
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/plugins/quant/test_int4_gemv_h2.py \
     2>&1 | tail -n 2
   timeout 200 python3 scripts/lab/gemv_h2_check.py gpu "$OUT/h2-layers.json" 2>&1 | grep -E "^[|]|per layer"
+  timeout 200 python3 scripts/lab/gemv_h2_check.py ablate "$OUT/h2-ablate.json" 2>&1 | grep -E "^[|]"
   i=0
   for g in 0 1 0; do
     i=$((i + 1))
-    echo "=== llama-3-8b --quant int4, TOKENLOOM_INT4_H2=$g"
+    echo "=== llama-3-8b --quant int4, TOKENLOOM_INT4_H2=$g"  # the first run compiles and tunes
     TOKENLOOM_INT4_H2=$g timeout 150 python3 -m tokenloom bench latency --model llama-3-8b \
       --quant int4 --runs 3 --out "$OUT/h2-latency-$i-$g.json" 2>&1 | grep -E "ms per step|% of roofline"
   done
