@@ -356,7 +356,7 @@ def _int4_gemv_h2_kernel(
         tl.store(y_ptr + pid_k * stride_ysplit + offs_n, acc, mask=mask_n)
         if REDUCE:
             _reduce_splits(
-                y_ptr, o_ptr, b_ptr, cnt_ptr, acc, 0, pid_n, pid_k, offs_n, mask_n, N,
+                y_ptr, o_ptr, b_ptr, cnt_ptr, acc, 0, pid_n, offs_n, mask_n, N,
                 stride_ysplit, HAS_BIAS, SPLIT,
             )  # fmt: skip
 
