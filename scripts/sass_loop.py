@@ -155,6 +155,8 @@ def preset(name: str, values: list[int]) -> tuple[Any, dict, dict, list[str], in
             consts["BIASED"] = True
         if os.environ.get("ASM") == "1":
             consts["ASM"] = True
+            if bits == 8 and name == "gemv":
+                consts["WORDS"] = True  # the int8 words of four weights (INT8_ASM)
         if name == "rows":
             consts["ROWS"] = rows
             kernel = weight_gemv_rows._weight_gemv_rows_kernel
@@ -169,7 +171,12 @@ def preset(name: str, values: list[int]) -> tuple[Any, dict, dict, list[str], in
         if os.environ.get("REDUCE") == "1" and name == "gemv":
             consts.update(PARTIAL=True, REDUCE=True, SPLIT=4)
         if name == "gemv":  # every constexpr spelled out (Triton 3.9 needs the defaulted too)
-            for flag, default in (("BIASED", False), ("ASM", False), ("REDUCE", False)):
+            for flag, default in (
+                ("BIASED", False),
+                ("ASM", False),
+                ("REDUCE", False),
+                ("WORDS", False),
+            ):
                 consts.setdefault(flag, default)
             consts.setdefault("USE_PDL", False)
             consts.setdefault("SPLIT", 1)

@@ -61,6 +61,7 @@ GEMV = [  # weight_gemv tilings (block_m unused); int4 takes those that nest wit
     GemmConfig(1, 256, 128, 1, 8, 3, gemv=True),
     GemmConfig(1, 128, 128, 1, 8, 3, gemv=True),
     GemmConfig(1, 256, 64, 1, 4, 3, gemv=True),
+    GemmConfig(1, 128, 256, 1, 8, 3, gemv=True),  # int8: 128 registers since session 15
 ]
 GEMV_ROWS = [  # two or four rows per program (bucket 2-16): the weights are read once for all
     GemmConfig(1, 64, 128, 1, 4, 3, gemv=True, rows=4),
@@ -243,7 +244,9 @@ CACHE_NAME = "weight-gemm.json"
 # v9: the GEMVs serve int4 groups smaller than the tile (a group per word row).
 # v10: int4_gemv_h2 offered by default, with K split up to 16 (session 13's table: its
 # best tiling was the largest split offered, 8, on every layer).
-KERNELS_VERSION = 10
+# v11: the int8 one-row GEMV's four sub-tiles share their accumulators (96 -> 64 registers
+# at 64 x 128), x one tile ahead; a 128 x 256 GEMV tiling with 8 warps.
+KERNELS_VERSION = 11
 
 
 def _load() -> dict[str, Any]:

@@ -157,17 +157,25 @@ def biased_word_rows(words, x_ptrs, mask, m8, m12, m16, ASM: tl.constexpr):
 
 
 @triton.jit
-def int8_word_floats(words):
+def int8_word_floats(words, ASM: tl.constexpr = True):
     """The four int8 weights of each int32 word (byte i = output channel ``4 w + i``) as
-    floats, exactly: ``INT8_ASM``, then the offset 2^23 + 128 taken off."""
-    w0, w1, w2, w3 = tl.inline_asm_elementwise(
-        asm=INT8_ASM,
-        constraints="=r,=r,=r,=r,r",
-        args=[words],
-        dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
-        is_pure=True,
-        pack=1,
-    )
+    floats, exactly: ``INT8_ASM`` (or, in the interpreter, the same bits by shifts and
+    masks), then the offset 2^23 + 128 taken off."""
+    if ASM:
+        w0, w1, w2, w3 = tl.inline_asm_elementwise(
+            asm=INT8_ASM,
+            constraints="=r,=r,=r,=r,r",
+            args=[words],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        t = words ^ -0x7F7F7F80  # 0x80808080 as an int32
+        w0 = ((t & 0xFF) | MAGIC).to(tl.float32, bitcast=True)
+        w1 = (((t >> 8) & 0xFF) | MAGIC).to(tl.float32, bitcast=True)
+        w2 = (((t >> 16) & 0xFF) | MAGIC).to(tl.float32, bitcast=True)
+        w3 = (((t >> 24) & 0xFF) | MAGIC).to(tl.float32, bitcast=True)
     return (
         w0 - (MAGIC_F + 128.0),
         w1 - (MAGIC_F + 128.0),
@@ -210,6 +218,34 @@ def first_tile(
 
 
 @triton.jit
+def _int8_rows_fma(words, x, a0, a1, a2, a3, ASM: tl.constexpr):
+    """``a_i + w_i x`` for the four channels ``w_i`` of each word (``int8_word_floats``)."""
+    w0, w1, w2, w3 = int8_word_floats(words, ASM)
+    x = x[:, None]
+    return a0 + w0 * x, a1 + w1 * x, a2 + w2 * x, a3 + w3 * x
+
+
+@triton.jit
+def _int8_sub_tiles(qw_ptr, r, RB: tl.constexpr, k_end, offs_w, mask_w, n_words):
+    """The four sub-tiles of ``RB`` rows from row ``r[0]`` on."""
+    t0 = weight_rows(qw_ptr, r, k_end, offs_w, mask_w, n_words)
+    t1 = weight_rows(qw_ptr, r + RB, k_end, offs_w, mask_w, n_words)
+    t2 = weight_rows(qw_ptr, r + 2 * RB, k_end, offs_w, mask_w, n_words)
+    t3 = weight_rows(qw_ptr, r + 3 * RB, k_end, offs_w, mask_w, n_words)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def _x_rows(x_row, r, RB: tl.constexpr, k_end):
+    """x at the rows of the four sub-tiles, in fp32."""
+    x0 = tl.load(x_row + r, mask=r < k_end, other=0.0).to(tl.float32)
+    x1 = tl.load(x_row + r + RB, mask=r + RB < k_end, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + r + 2 * RB, mask=r + 2 * RB < k_end, other=0.0).to(tl.float32)
+    x3 = tl.load(x_row + r + 3 * RB, mask=r + 3 * RB < k_end, other=0.0).to(tl.float32)
+    return x0, x1, x2, x3
+
+
+@triton.jit
 def int8_words_gemv(
     x_row,
     qw_ptr,
@@ -220,31 +256,40 @@ def int8_words_gemv(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
+    ASM: tl.constexpr = True,
 ):
     """The int8 GEMV's ``[BLOCK_N]`` dot products (before the per-channel scales) with
     the weights read as int32 words of four output channels (``qweight.view(int32)``,
     ``[K, n_words = N / 4]``) and turned into floats by ``int8_word_floats``: one prmt, one
     subtraction and one FMA per weight. The four channels of a word accumulate apart and
-    are interleaved back (``tl.join``) once, at the end."""
+    are interleaved back (``tl.join``) once, at the end.
+
+    A tile is four sub-tiles of ``BLOCK_K / 4`` rows that share one set of accumulators
+    (``[BLOCK_K / 4, BLOCK_N / 4]`` per channel: each thread's FMAs chain over the rows
+    it holds in the four), a quarter of the registers of one accumulator per weight; x
+    is loaded one tile ahead, with the weights (the tile waited on its x otherwise)."""
     NW: tl.constexpr = BLOCK_N // 4
+    RB: tl.constexpr = BLOCK_K // 4
     offs_w = pid_n * NW + tl.arange(0, NW)
     mask_w = offs_w < n_words
-    a0 = tl.zeros([BLOCK_K, NW], tl.float32)
+    r = k_begin + tl.arange(0, RB)
+    a0 = tl.zeros([RB, NW], tl.float32)
     a1 = tl.zeros_like(a0)
     a2 = tl.zeros_like(a0)
     a3 = tl.zeros_like(a0)
-    tile = weight_rows(qw_ptr, k_begin + tl.arange(0, BLOCK_K), k_end, offs_w, mask_w, n_words)
+    t0, t1, t2, t3 = _int8_sub_tiles(qw_ptr, r, RB, k_end, offs_w, mask_w, n_words)
     wait(USE_PDL)  # the first weight tile is in flight; x comes from the kernel before
+    x0, x1, x2, x3 = _x_rows(x_row, r, RB, k_end)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_row + ks, mask=ks < k_end, other=0.0).to(tl.float32)[:, None]
-        tile_next = weight_rows(qw_ptr, ks + BLOCK_K, k_end, offs_w, mask_w, n_words)
-        w0, w1, w2, w3 = int8_word_floats(tile)
-        a0 += w0 * x
-        a1 += w1 * x
-        a2 += w2 * x
-        a3 += w3 * x
-        tile = tile_next
+        r = k0 + BLOCK_K + tl.arange(0, RB)  # the next tile, in flight during this one
+        n0, n1, n2, n3 = _int8_sub_tiles(qw_ptr, r, RB, k_end, offs_w, mask_w, n_words)
+        y0, y1, y2, y3 = _x_rows(x_row, r, RB, k_end)
+        a0, a1, a2, a3 = _int8_rows_fma(t0, x0, a0, a1, a2, a3, ASM)
+        a0, a1, a2, a3 = _int8_rows_fma(t1, x1, a0, a1, a2, a3, ASM)
+        a0, a1, a2, a3 = _int8_rows_fma(t2, x2, a0, a1, a2, a3, ASM)
+        a0, a1, a2, a3 = _int8_rows_fma(t3, x3, a0, a1, a2, a3, ASM)
+        t0, t1, t2, t3 = n0, n1, n2, n3
+        x0, x1, x2, x3 = y0, y1, y2, y3
     s0 = tl.sum(a0, axis=0)
     s1 = tl.sum(a1, axis=0)
     s2 = tl.sum(a2, axis=0)

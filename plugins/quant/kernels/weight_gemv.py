@@ -142,7 +142,7 @@ def _weight_gemv_kernel(
     stride_ym,
     stride_ysplit,
     nibble,  # 0xF, passed at run time: the masks stay in registers, not in per-use moves
-    N_WORDS,  # int8 with ASM: N / 4, the words per row of qw_ptr (else unused)
+    N_WORDS,  # int8 with WORDS: N / 4, the words per row of qw_ptr (else unused)
     # int4 with BIASED: 0xF << 8, 12, 16, at run time (derived in the kernel, the
     # compiler turns (w << 12) & (0xF << 12) into ((w & 0xF) << 12): two more ops)
     mask8,
@@ -160,6 +160,7 @@ def _weight_gemv_kernel(
     REDUCE: tl.constexpr = False,  # PARTIAL: the last split to finish a tile sums them
     USE_PDL: tl.constexpr = False,  # plugins/models/pdl.py: weights stream before the wait
     SPLIT: tl.constexpr = 1,  # REDUCE: the number of splits (the grid's second axis)
+    WORDS: tl.constexpr = False,  # int8: qw_ptr holds int32 words of four weights
 ):
     release(USE_PDL)
     pid_n = tl.program_id(0)
@@ -170,9 +171,9 @@ def _weight_gemv_kernel(
     x_row = x_ptr + row.to(tl.int64) * stride_xm
     k_begin = pid_k * K_CHUNK
     k_end = tl.minimum(K, k_begin + K_CHUNK)
-    if BITS == 8 and ASM:  # qw_ptr: the words of four int8 weights
+    if BITS == 8 and WORDS:  # qw_ptr: the words of four int8 weights
         acc = int8_words_gemv(
-            x_row, qw_ptr, k_begin, k_end, pid_n, N_WORDS, BLOCK_N, BLOCK_K, USE_PDL
+            x_row, qw_ptr, k_begin, k_end, pid_n, N_WORDS, BLOCK_N, BLOCK_K, USE_PDL, ASM
         )
     else:
         acc = _gemv_loop(
@@ -363,12 +364,11 @@ def launch_gemv(
         cuda = x.device.type == "cuda"
         words = (
             bits == 8
-            and cuda
             and n % 4 == 0
             and qweight.is_contiguous()
             and qweight.storage_offset() % 4 == 0  # view(int32) needs whole words
         )
-        if words:  # INT8_ASM on words of four weights
+        if words:  # words of four weights (INT8_ASM on a GPU)
             common = (common[0], qweight.view(torch.int32), *common[2:])
         _weight_gemv_kernel[grid](
             *common,
@@ -382,9 +382,10 @@ def launch_gemv(
             0xF << 16,
             **flags,
             BIASED=bits == 4 and biased,
-            ASM=words or (bits == 4 and cuda),
+            ASM=cuda and (words or bits == 4),
             REDUCE=reduce,
             SPLIT=split if reduce else 1,
+            WORDS=words,
             **launch_options(x.device),
         )
     else:
