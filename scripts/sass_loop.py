@@ -138,6 +138,24 @@ def preset(name: str, values: list[int]) -> tuple[Any, dict, dict, list[str], in
     from tokenloom.plugins.quant.kernels import weight_gemm, weight_gemv, weight_gemv_rows
 
     divisible = QUANT_ARGS + ["N", "K", "K_CHUNK", "stride_xm", "stride_ym", "stride_ysplit"]
+    if name == "h2int8":  # int8_gemv_h2 (REDUCE=1: split 4, summed in the kernel)
+        from tokenloom.plugins.quant.kernels import int8_gemv_h2
+
+        bn, bk, warps, stages = values
+        reduce = os.environ.get("REDUCE") == "1"
+        sig = {n: "*bf16" for n in ["x_ptr", "s_ptr", "b_ptr", "y_ptr", "o_ptr"]}
+        sig.update(qw_ptr="*i32", cnt_ptr="*i32", s_ptr="*fp32")
+        sig = {n: sig[n] for n in ["x_ptr", "qw_ptr", "s_ptr", "b_ptr", "y_ptr", "o_ptr"]} | {
+            "cnt_ptr": "*i32", **dict.fromkeys(["N", "K", "K_CHUNK", "stride_ysplit", "N_WORDS"], "i32")
+        }
+        consts = dict(
+            BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=False, PARTIAL=reduce, REDUCE=reduce, ASM=True,
+            USE_PDL=False, AMAX_BLOCK=1024, SPLIT=4 if reduce else 1,
+        )  # fmt: skip
+        divisible = ["x_ptr", "qw_ptr", "s_ptr", "y_ptr", "N", "K", "K_CHUNK", "N_WORDS"]
+        return int8_gemv_h2._int8_gemv_h2_kernel, sig, consts, divisible, warps, stages, (
+            bn * bk / (warps * 32)
+        )
     if name in ("gemv", "rows"):
         bn, bk, warps, stages, *rest = values
         rows = rest[0] if name == "rows" else 1
@@ -253,6 +271,7 @@ DEFAULTS = {
     "gemv": [64, 128, 4, 3, 4],
     "rows": [64, 128, 4, 3, 4, 4],
     "gemm": [128, 128, 64, 8, 3, 4],
+    "h2int8": [64, 128, 4, 3],
     "decode-bf16": [32, 4, 2],
     "decode-fp8": [128, 4, 2],
     "decode-int8": [128, 4, 2],

@@ -15,7 +15,8 @@ of an H200, cycled in the graph) that every call reads it from HBM, as the engin
 decode step does: without it, the small layers (qkv, o: 8-13 MB in int4) stay in L2
 across the timed replays and measure faster than they run in the engine.
 
-Each row also prints the best time of each kernel kind (the GEMV, the dot kernel, the
+Each row also prints the best time of each kernel kind (the GEMV, the f16x2 GEMV at one
+row, the dot kernel, the
 int4 dot kernel's K-major tile, and with ``TOKENLOOM_WEIGHT_DEQUANT=1`` the whole weight
 dequantized then cuBLAS, offered from 257 rows) and bf16 ``F.linear`` (cuBLAS) on the
 same shape.
@@ -34,7 +35,7 @@ from tokenloom.bench.latency import copy_bandwidth
 from tokenloom.plugins.models.cuda_timing import time_graph
 from tokenloom.plugins.quant.int4 import dequantize_int4, quantize_int4
 from tokenloom.plugins.quant.int8 import dequantize_int8, quantize_int8
-from tokenloom.plugins.quant.kernels.dispatch import bucket, candidates
+from tokenloom.plugins.quant.kernels.dispatch import bucket, candidates, h2_candidates
 from tokenloom.plugins.quant.kernels.weight_gemm import weight_gemm
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -42,6 +43,8 @@ COLD_BYTES = 150 << 20  # --cold: 3x an H200's L2
 
 
 def _kind(c) -> str:
+    if c.h2:
+        return "h2"
     return "dequant" if c.dequant else "kmajor" if c.kmajor else "gemv" if c.gemv else "dot"
 
 
@@ -78,7 +81,10 @@ def main() -> None:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 ref = F.linear(x.float(), ref_w.float())
                 results = []
-                for cfg in candidates(bucket(m), n, k, bits, group, sms):
+                offered = candidates(bucket(m), n, k, bits, group, sms)
+                if m == 1:  # the one-row f16x2 kernels, as the tuner offers them
+                    offered += h2_candidates(n, k, bits, group, z is not None, x.dtype)
+                for cfg in offered:
                     try:
                         y = weight_gemm(x, qw, s, z, bits, group, None, cfg).float()
                         err = float((y - ref).norm() / ref.norm())

@@ -22,6 +22,7 @@ import triton
 
 from tokenloom.plugins.models import tuning_cache
 from tokenloom.plugins.quant.kernels.int4_gemv_h2 import h2_offered
+from tokenloom.plugins.quant.kernels.int8_gemv_h2 import int8_h2_offered
 from tokenloom.plugins.quant.kernels.weight_gemm import (
     SKINNY_ROWS,
     GemmConfig,
@@ -80,14 +81,28 @@ H2 = [
 ]
 
 
+# int8_gemv_h2 (session 15): the int8 GEMV's tilings that fit its registers
+H2_INT8 = [
+    GemmConfig(1, 64, 128, 1, 4, 3, h2=True),
+    GemmConfig(1, 128, 128, 1, 4, 3, h2=True),
+    GemmConfig(1, 128, 256, 1, 8, 3, h2=True),
+    GemmConfig(1, 256, 128, 1, 8, 3, h2=True),
+]
+
+
 def h2_candidates(n: int, k: int, bits: int, group: int, has_zeros: bool, dtype) -> list:
-    """``H2`` with K split 1-16 (each split two tiles at least), where the kernel serves
-    the format and the tuner may offer it (``h2_offered``)."""
-    if not (h2_offered() and bits == 4 and has_zeros and dtype == torch.bfloat16):
+    """``H2`` (int4) or ``H2_INT8`` with K split 1-16 (each split two tiles at least),
+    where the kernel serves the format and the tuner may offer it (``h2_offered``,
+    ``int8_h2_offered``)."""
+    if bits == 8 and not has_zeros and group == 0 and int8_h2_offered():
+        pool = H2_INT8 if dtype in (torch.bfloat16, torch.float16) else []
+    elif bits == 4 and has_zeros and h2_offered():
+        pool = H2 if dtype == torch.bfloat16 else []
+    else:
         return []
     return [
         replace(cfg, split_k=split)
-        for cfg in H2
+        for cfg in pool
         if cfg.fits(bits, group)
         for split in (1, 2, 4, 8, 16)
         if split == 1 or (split * 2 <= k // cfg.block_k and (k // cfg.block_k) % split == 0)
@@ -245,7 +260,7 @@ CACHE_NAME = "weight-gemm.json"
 # v10: int4_gemv_h2 offered by default, with K split up to 16 (session 13's table: its
 # best tiling was the largest split offered, 8, on every layer).
 # v11: the int8 one-row GEMV's four sub-tiles share their accumulators (96 -> 64 registers
-# at 64 x 128), x one tile ahead; a 128 x 256 GEMV tiling with 8 warps.
+# at 64 x 128), x one tile ahead; a 128 x 256 GEMV tiling with 8 warps; int8_gemv_h2.
 KERNELS_VERSION = 11
 
 

@@ -229,10 +229,10 @@ def _group_params(s_ptr, z_ptr, g, c0, c1, m0, m1, N):
 
 
 @triton.jit
-def _range_shift(x_ptr, k_begin, k_end, AMAX_BLOCK: tl.constexpr):
-    """``e - 7`` in [-100, 121] for ``2^e <= max |x[k_begin:k_end]| < 2^(e + 1)``: every
-    bit pattern built from it stays valid (zeros: -100). Elementwise maxima per block,
-    one reduction across the program at the end."""
+def _range_shift(x_ptr, k_begin, k_end, AMAX_BLOCK: tl.constexpr, HEADROOM: tl.constexpr = 7):
+    """``e - HEADROOM`` in [-100, 121] for ``2^e <= max |x[k_begin:k_end]| < 2^(e + 1)``:
+    every bit pattern built from it stays valid (zeros: -100). Elementwise maxima per
+    block, one reduction across the program at the end."""
     amax = tl.zeros([AMAX_BLOCK], tl.float32)
     for a0 in range(k_begin, k_end, AMAX_BLOCK):
         offs = a0 + tl.arange(0, AMAX_BLOCK)
@@ -240,7 +240,7 @@ def _range_shift(x_ptr, k_begin, k_end, AMAX_BLOCK: tl.constexpr):
         amax = tl.maximum(amax, tl.abs(xa))
     largest = tl.max(amax, axis=0)
     exponent = ((largest.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    return tl.minimum(tl.maximum(exponent - 7, -100), 121)
+    return tl.minimum(tl.maximum(exponent - HEADROOM, -100), 121)
 
 
 @triton.jit

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from tokenloom.plugins.quant.kernels.int4_gemv_h2 import h2_fits, launch_h2
+from tokenloom.plugins.quant.kernels.int8_gemv_h2 import int8_h2_fits, launch_int8_h2
 from tokenloom.plugins.quant.kernels.int4_tiles import dequant_asm_ok, kmajor_tile
 from tokenloom.plugins.quant.kernels.weight_gemv import gemv_fits, launch_gemv, reduce_counters
 
@@ -55,7 +56,7 @@ class GemmConfig:
     kmajor: bool = False  # int4 dot kernel: the tile built [N, K] (one group per tile)
     swap: bool = False  # kmajor: out^T = W x^T, the weights the MMA's register operand
     dequant: bool = False  # dequantize the whole weight (kernels/dequant.py), then cuBLAS
-    h2: bool = False  # one-row int4 in packed f16x2 arithmetic (int4_gemv_h2, opt-in)
+    h2: bool = False  # one row in packed f16x2 arithmetic (int4_gemv_h2, int8_gemv_h2)
 
     def kmajor_fits(self, bits: int, group: int) -> bool:
         return self.kmajor and bits == 4 and group > 0 and group % self.block_k == 0
@@ -68,6 +69,8 @@ class GemmConfig:
 
             return dequant_fits(bits, group)
         if self.h2:
+            if bits == 8:
+                return group == 0 and self.block_k % 4 == 0
             return bits == 4 and group > 0 and group % self.block_k == 0
         if self.gemv:
             return gemv_fits(bits, group, self.block_k, bits == 4 and group > 0, self.rows)
@@ -274,7 +277,11 @@ def weight_gemm(
         cfg = choose_config(m, n, k, _num_sms(x.device))
     if cfg.gemv and not gemv_fits(bits, group, cfg.block_k, zeros is not None, cfg.rows):
         cfg = choose_config(m, n, k, _num_sms(x.device))  # a format the GEMV cannot serve
-    if cfg.h2 and not h2_fits(x, bits, group, cfg.block_k, zeros is not None):
+    if cfg.h2 and not (
+        int8_h2_fits(x, qweight, group, cfg.block_k)
+        if bits == 8
+        else h2_fits(x, bits, group, cfg.block_k, zeros is not None)
+    ):
         cfg = choose_config(m, n, k, _num_sms(x.device))
     k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_chunk)
@@ -293,7 +300,8 @@ def weight_gemm(
         reduced_out = (
             torch.empty(m, n, dtype=x.dtype, device=x.device) if counters is not None else None
         )
-        reduced = (launch_h2 if cfg.h2 else launch_gemv)(
+        launch = launch_gemv if not cfg.h2 else launch_int8_h2 if bits == 8 else launch_h2
+        reduced = launch(
             x,
             qweight,
             scales,

@@ -127,7 +127,6 @@ def test_offered_to_the_tuner_unless_withheld(monkeypatch):
     assert h2_candidates(4096, 256, 4, 128, True, torch.bfloat16)  # split 1 only
     assert {c.split_k for c in h2_candidates(4096, 256, 4, 128, True, torch.bfloat16)} == {1}
     # formats it does not serve
-    assert h2_candidates(4096, 4096, 8, 0, False, torch.bfloat16) == []
     assert h2_candidates(4096, 4096, 4, 128, False, torch.bfloat16) == []
     assert h2_candidates(4096, 4096, 4, 64, True, torch.bfloat16) == []  # groups < tile
     assert h2_candidates(4096, 4096, 4, 128, True, torch.float16) == []
