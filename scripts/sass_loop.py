@@ -146,15 +146,22 @@ def preset(name: str, values: list[int]) -> tuple[Any, dict, dict, list[str], in
         sig = {n: "*bf16" for n in ["x_ptr", "s_ptr", "b_ptr", "y_ptr", "o_ptr"]}
         sig.update(qw_ptr="*i32", cnt_ptr="*i32", s_ptr="*fp32")
         sig = {n: sig[n] for n in ["x_ptr", "qw_ptr", "s_ptr", "b_ptr", "y_ptr", "o_ptr"]} | {
-            "cnt_ptr": "*i32", **dict.fromkeys(["N", "K", "K_CHUNK", "stride_ysplit", "N_WORDS"], "i32")
+            "cnt_ptr": "*i32",
+            **dict.fromkeys(["N", "K", "K_CHUNK", "stride_ysplit", "N_WORDS"], "i32"),
         }
         consts = dict(
             BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=False, PARTIAL=reduce, REDUCE=reduce, ASM=True,
             USE_PDL=False, AMAX_BLOCK=1024, SPLIT=4 if reduce else 1,
         )  # fmt: skip
         divisible = ["x_ptr", "qw_ptr", "s_ptr", "y_ptr", "N", "K", "K_CHUNK", "N_WORDS"]
-        return int8_gemv_h2._int8_gemv_h2_kernel, sig, consts, divisible, warps, stages, (
-            bn * bk / (warps * 32)
+        return (
+            int8_gemv_h2._int8_gemv_h2_kernel,
+            sig,
+            consts,
+            divisible,
+            warps,
+            stages,
+            (bn * bk / (warps * 32)),
         )
     if name in ("gemv", "rows"):
         bn, bk, warps, stages, *rest = values

@@ -18,6 +18,11 @@ scales it by ``2^-shift`` so that the largest lies in [32, 64). A chain of four 
 and activations down to 2^-19 of the split's largest keep f16's 11 bits. The output
 is ``s * 2^shift * sum``, in fp32 from the chains on.
 
+Measured (session 15, one H200, ``docs/quantization.md``): alone, no faster than the fp32
+GEMV (68.7 against 67.1 us per Llama-3-8B layer, cold): at one row the int8 GEMV is
+bound by memory latency, not by issue. In the engine, offered beside it, the int8 step
+went 3.00 -> 2.95 ms (twice, same machine start), so the tuner keeps both.
+
 On the CPU (the interpreter) ``ASM=False`` emulates the arithmetic (f16 rounding after
 every product and every sum, where the GPU's ``fma.rn.f16x2`` rounds once).
 """
@@ -109,8 +114,14 @@ def _chains(t0, t1, t2, t3, x0, x1, x2, x3, ASM: tl.constexpr):
             asm=I8H2_ASM,
             constraints="=f,=f,=f,=f,r,r,r,r,r,r,r,r",
             args=[
-                t0, t1, t2, t3,
-                _pair(x0)[:, None], _pair(x1)[:, None], _pair(x2)[:, None], _pair(x3)[:, None],
+                t0,
+                t1,
+                t2,
+                t3,
+                _pair(x0)[:, None],
+                _pair(x1)[:, None],
+                _pair(x2)[:, None],
+                _pair(x3)[:, None],
             ],  # fmt: skip
             dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
             is_pure=True,

@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 
 from tokenloom.plugins.quant.kernels.int4_gemv_h2 import h2_fits, launch_h2
-from tokenloom.plugins.quant.kernels.int8_gemv_h2 import int8_h2_fits, launch_int8_h2
 from tokenloom.plugins.quant.kernels.int4_tiles import dequant_asm_ok, kmajor_tile
+from tokenloom.plugins.quant.kernels.int8_gemv_h2 import int8_h2_fits, launch_int8_h2
 from tokenloom.plugins.quant.kernels.weight_gemv import gemv_fits, launch_gemv, reduce_counters
 
 SKINNY_ROWS = 16

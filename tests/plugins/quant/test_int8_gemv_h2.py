@@ -131,7 +131,9 @@ def test_offered_to_the_tuner_unless_withheld(monkeypatch):
 @pytest.mark.parametrize(
     ("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 )  # fmt: skip
-@pytest.mark.parametrize("cfg", [(64, 128, 4, 4), (128, 256, 8, 8), (128, 128, 4, 1), (64, 128, 4, 16)])
+@pytest.mark.parametrize(
+    "cfg", [(64, 128, 4, 4), (128, 256, 8, 8), (128, 128, 4, 1), (64, 128, 4, 16)]
+)
 def test_gpu_llama_shapes(n, k, cfg):
     block_n, block_k, warps, split = cfg
     qweight, scales, ref = _layer(n, k)
