@@ -27,7 +27,7 @@ rows, so one elementwise step takes two words (16 weights) of one column:
 
 **The range guard.** A chain sums 8 products ``(q - 8) x 2^-shift`` in f16 (largest
 finite 65,504, smallest normal 2^-14). Each program first reads its split of x and
-takes ``shift = e - 7`` (clamped to [-100, 121]) for ``2^e <= max |x| < 2^(e+1)``: the
+takes ``shift = e - 7`` (clamped to [-100, 126]) for ``2^e <= max |x| < 2^(e+1)``: the
 scaled largest lies in [128, 256), so a chain stays below 2^14 whatever the
 activations' range (Llama's massive activations reach thousands), and small
 activations are scaled up rather than lost in f16's subnormals (a fixed 2^-4 gave 25%
@@ -230,9 +230,9 @@ def _group_params(s_ptr, z_ptr, g, c0, c1, m0, m1, N):
 
 @triton.jit
 def _range_shift(x_ptr, k_begin, k_end, AMAX_BLOCK: tl.constexpr, HEADROOM: tl.constexpr = 7):
-    """``e - HEADROOM`` in [-100, 121] for ``2^e <= max |x[k_begin:k_end]| < 2^(e + 1)``:
-    every bit pattern built from it stays valid (zeros: -100). Elementwise maxima per
-    block, one reduction across the program at the end."""
+    """``e - HEADROOM`` in [-100, 126] for ``2^e <= max |x[k_begin:k_end]| < 2^(e + 1)``:
+    every bit pattern built from it stays valid (zeros: -100), unclamped up to the largest
+    x for any HEADROOM >= 1. Elementwise maxima per block, one reduction at the end."""
     amax = tl.zeros([AMAX_BLOCK], tl.float32)
     for a0 in range(k_begin, k_end, AMAX_BLOCK):
         offs = a0 + tl.arange(0, AMAX_BLOCK)
@@ -240,7 +240,7 @@ def _range_shift(x_ptr, k_begin, k_end, AMAX_BLOCK: tl.constexpr, HEADROOM: tl.c
         amax = tl.maximum(amax, tl.abs(xa))
     largest = tl.max(amax, axis=0)
     exponent = ((largest.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    return tl.minimum(tl.maximum(exponent - HEADROOM, -100), 121)
+    return tl.minimum(tl.maximum(exponent - HEADROOM, -100), 126)
 
 
 @triton.jit

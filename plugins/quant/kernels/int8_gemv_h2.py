@@ -48,11 +48,15 @@ def int8_h2_offered() -> bool:
     return os.environ.get("TOKENLOOM_INT8_H2", "1") != "0"
 
 
-def int8_h2_fits(x: torch.Tensor, qweight: torch.Tensor, group: int, block_k: int) -> bool:
-    """One row, per-channel int8 whose rows are whole int32 words (N % 4 == 0); on a GPU
-    bf16 or fp16 activations on sm_80 or later; in the interpreter fp16 or fp32."""
+def int8_h2_fits(
+    x: torch.Tensor, qweight: torch.Tensor, group: int, block_k: int, has_zeros: bool = False
+) -> bool:
+    """One row, symmetric per-channel int8 whose rows are whole int32 words (N % 4 == 0);
+    on a GPU bf16 or fp16 activations on sm_80 or later; in the interpreter fp16 or fp32."""
     n = qweight.shape[1]
-    if x.shape[0] != 1 or group != 0 or n % 4 or block_k % 4:
+    if x.shape[0] != 1 or group != 0 or has_zeros or qweight.dtype != torch.int8:
+        return False
+    if n % 4 or block_k % 4:
         return False
     if not (qweight.is_contiguous() and qweight.storage_offset() % 4 == 0):
         return False

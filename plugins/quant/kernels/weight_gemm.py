@@ -266,6 +266,9 @@ def weight_gemm(
     m, k = x.shape
     n = qweight.shape[1]
     assert bits in (4, 8) and x.stride(1) == 1
+    # every kernel here indexes the weights as dense [K', N] rows (a strided view read as
+    # one gave wrong outputs silently)
+    assert qweight.is_contiguous() and scales.is_contiguous(), "weights must be contiguous"
     assert qweight.shape[0] * (8 if bits == 4 else 1) == k, (tuple(qweight.shape), k)
     cfg = config or choose_config(m, n, k, _num_sms(x.device))
     if cfg.dequant and cfg.fits(bits, group):
@@ -278,7 +281,7 @@ def weight_gemm(
     if cfg.gemv and not gemv_fits(bits, group, cfg.block_k, zeros is not None, cfg.rows):
         cfg = choose_config(m, n, k, _num_sms(x.device))  # a format the GEMV cannot serve
     if cfg.h2 and not (
-        int8_h2_fits(x, qweight, group, cfg.block_k)
+        int8_h2_fits(x, qweight, group, cfg.block_k, zeros is not None)
         if bits == 8
         else h2_fits(x, bits, group, cfg.block_k, zeros is not None)
     ):

@@ -6,11 +6,15 @@ withheld. ``test_int4_gemv_h2_ptx.py`` runs its PTX strings on the CPU."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from tokenloom.plugins.quant.int8 import dequantize_int8, quantize_int8
-from tokenloom.plugins.quant.kernels.dispatch import h2_candidates
+from tokenloom.plugins.quant.kernels import weight_gemm as weight_gemm_module
+from tokenloom.plugins.quant.kernels.dispatch import H2_INT8, h2_candidates
+from tokenloom.plugins.quant.kernels.int8_gemv_h2 import int8_h2_fits
 from tokenloom.plugins.quant.kernels.weight_gemm import GemmConfig, weight_gemm
 
 CUDA = torch.cuda.is_available()
@@ -46,23 +50,39 @@ def _cfg(block_n=64, block_k=128, split=1, warps=4):
     return GemmConfig(1, block_n, block_k, split, warps, 3, h2=True)
 
 
+@pytest.fixture
+def launches(monkeypatch):
+    """The calls that reach ``launch_int8_h2`` (so a silent fallback fails the test)."""
+    calls = []
+    real = weight_gemm_module.launch_int8_h2
+
+    def spy(*args, **kwargs):
+        calls.append(args[-2] if len(args) >= 14 else kwargs.get("split"))  # the split
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(weight_gemm_module, "launch_int8_h2", spy)
+    return calls
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("split", [1, 2, 4])
 @pytest.mark.parametrize("outlier", [0.0, 1e3])
-def test_matches_the_dequantized_reference(dtype, split, outlier):
+def test_matches_the_dequantized_reference(dtype, split, outlier, launches):
     qweight, scales, ref = _layer(128, 1024)
     x = _x(1024, dtype, outlier)
     y = weight_gemm(x, qweight, scales, None, 8, 0, None, _cfg(split=split))
+    assert launches == [split]  # the f16x2 kernel ran, not a fallback
     assert y.shape == (1, 128) and y.dtype == dtype
     assert _rel_err(y, x, ref) < TOL
 
 
 @pytest.mark.parametrize("split", [1, 2])
-def test_bias_a_partial_column_tile_and_a_partial_k_tile(split):
+def test_bias_a_partial_column_tile_and_a_partial_k_tile(split, launches):
     qweight, scales, ref = _layer(100, 576)  # 100 = 64 + 36 columns; K 576 = 4.5 tiles
     x = _x(576, DTYPES[0], 0.0)
     bias = torch.randn(100).to(DEVICE, DTYPES[0])
     y = weight_gemm(x, qweight, scales, None, 8, 0, bias, _cfg(split=split))
+    assert launches == [split]
     assert _rel_err(y, x, ref, bias) < TOL
 
 
@@ -79,13 +99,24 @@ def test_the_emulated_chains_round_in_f16():
     assert _rel_err(y, x, ref) < TOL
 
 
-def test_the_range_guard_keeps_huge_activations_finite():
-    """127 x 1e6 overflows f16 (65,504) on the first product without the shift."""
+@pytest.mark.parametrize("outlier", [1e6, 3e38])
+def test_the_range_guard_keeps_huge_activations_finite(outlier, launches):
+    """127 x 1e6 overflows f16 (65,504) on the first product without the shift; 3e38 is
+    near the largest finite x (a shift of 122)."""
     qweight, scales, ref = _layer(128, 512)
-    x = _x(512, DTYPES[0], 1e6)
-    y = weight_gemm(x, qweight, scales, None, 8, 0, None, _cfg(split=2))
-    assert torch.isfinite(y).all()
-    assert _rel_err(y, x, ref) < TOL
+    x = _x(512, torch.float32, 0.0).to(DTYPES[0])
+    x[0, 7] = outlier
+    x[0, 300] = -outlier
+    qweight[7] = -127  # the largest products of the outliers, in every column
+    qweight[300] = 127
+    ref = dequantize_int8(qweight, scales, torch.float64)
+    y = weight_gemm(x, qweight, scales, None, 8, 0, None, _cfg(split=1))
+    assert launches == [1]
+    expected = x.double() @ ref.t()
+    assert torch.isfinite(expected).all()
+    if torch.isfinite(expected.to(y.dtype)).all():
+        assert torch.isfinite(y).all()
+        assert _rel_err(y, x, ref) < TOL
 
 
 @pytest.mark.parametrize("magnitude", [1e-6, 1e-20, 1e30])
@@ -105,6 +136,17 @@ def test_zero_activations_give_zero():
     assert torch.equal(y, torch.zeros_like(y))
 
 
+def test_what_it_serves():
+    qweight, _, _ = _layer(64, 256)
+    x = torch.randn(1, 256).to(DEVICE, DTYPES[0])
+    assert int8_h2_fits(x, qweight, 0, 128)
+    assert not int8_h2_fits(x, qweight, 0, 128, has_zeros=True)
+    assert not int8_h2_fits(x, qweight, 128, 128)  # groups: not a format of int8
+    assert not int8_h2_fits(x, qweight.view(torch.uint8), 0, 128)
+    assert not int8_h2_fits(torch.cat([x, x]), qweight, 0, 128)
+    assert not int8_h2_fits(x, qweight[:, 2:62], 0, 128)  # a strided view
+
+
 def test_inputs_it_cannot_serve_fall_back():
     qweight, scales, ref = _layer(64, 256)
     x = torch.randn(2, 256).to(DEVICE, DTYPES[0])  # two rows: the one-row kernel cannot
@@ -120,7 +162,8 @@ def test_offered_to_the_tuner_unless_withheld(monkeypatch):
     assert h2_candidates(4096, 4096, 8, 0, False, torch.bfloat16) == []
     monkeypatch.delenv("TOKENLOOM_INT8_H2", raising=False)
     offered = h2_candidates(4096, 4096, 8, 0, False, torch.bfloat16)
-    assert offered and all(c.h2 and c.fits(8, 0) for c in offered)
+    assert offered and all(c.h2 and replace(c, split_k=1) in H2_INT8 for c in offered)
+    assert {replace(c, split_k=1) for c in offered} == set(H2_INT8)
     assert {c.split_k for c in offered} == {1, 2, 4, 8, 16}
     assert h2_candidates(4096, 4096, 8, 0, False, torch.float16)
     assert h2_candidates(4096, 4096, 8, 0, False, torch.float32) == []
