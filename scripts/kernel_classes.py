@@ -77,6 +77,14 @@ def class_times(kernels: list[tuple[str, float]], steps: int) -> dict[str, float
     return dict(totals)
 
 
+def byte_scales(quant: str | None, kv_cache_dtype: str | None) -> dict[str, float]:
+    """``floors``' byte scales for an engine setting: 8-bit weights or KV take half the
+    bytes, int4 about 0.28 (4 bits plus a 16-bit scale and zero point per 128)."""
+    weight = {"fp8": 0.5, "int8": 0.5, "int4": 0.28}.get(quant or "none", 1.0)
+    kv = 0.5 if kv_cache_dtype in ("fp8", "int8") else 1.0
+    return {"weight_byte_scale": weight, "kv_byte_scale": kv}
+
+
 def floors(
     shape: str,
     num_seqs: int,
@@ -125,6 +133,11 @@ def print_class_table(
         print(f"{cls:<12}{us:>10.1f}{100 * us / busy:>7.1f}%{floor or 0:>10.1f}{pct:>11}")
         rows[cls] = {"us": us, "floor_us": floor}
     total_floor = sum(f["floor_us"] for f in step_floors.values())
+    if busy > span_us:
+        print(
+            "kernels overlap (PDL launches each kernel early, to wait in it): the class "
+            "times include waiting, so they overstate and % of floor understates"
+        )
     print(
         f"kernels busy {busy:.1f} us/step, step span {span_us:.1f} us, "
         f"gaps {span_us - busy:.1f} us; sum of class floors {total_floor:.1f} us "

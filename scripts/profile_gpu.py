@@ -12,7 +12,7 @@ import sys
 import tempfile
 
 import torch
-from kernel_classes import class_times, floors, measure_peaks, print_class_table
+from kernel_classes import byte_scales, class_times, floors, measure_peaks, print_class_table
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
@@ -62,7 +62,8 @@ for eager in (False,) if "graphs" in sys.argv[2:] else (True, False):
     print("peaks: " + ", ".join(f"{k} {v / 1e12:.1f} T" for k, v in peaks.items()))
     per_step = class_times([(k.name, k.time_range.end - k.time_range.start) for k in kernels], 20)
     # 128 prompt tokens, then 10 warm-up steps and 20 profiled: mean context ~148
-    summary = print_class_table(per_step, floors(shape, 1, 148, peaks), span)
+    scales = byte_scales(settings.get("quant"), settings.get("kv_cache_dtype"))
+    summary = print_class_table(per_step, floors(shape, 1, 148, peaks, **scales), span)
     summary.update(shape=shape, eager=eager, peaks=peaks, kernels_per_step=len(kernels) / 20)
     if os.environ.get("OUT"):
         tag = "".join(f"-{k}{v}" for k, v in settings.items())

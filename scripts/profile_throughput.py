@@ -25,7 +25,7 @@ import time
 from collections import defaultdict
 
 import torch
-from kernel_classes import class_times, floors, measure_peaks, print_class_table
+from kernel_classes import byte_scales, class_times, floors, measure_peaks, print_class_table
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
@@ -226,8 +226,7 @@ if CUDA and os.environ.get("KERNELS", "1") == "1":
         PROF_SEQS,
         PROF_CTX + 30,  # about the mean context of the profiled steps
         peaks,
-        weight_byte_scale=0.5 if quant in ("fp8", "int8") else 0.28 if quant == "int4" else 1.0,
-        kv_byte_scale=0.5 if options.get("kv_cache_dtype") in ("fp8", "int8") else 1.0,
+        **byte_scales(quant, options.get("kv_cache_dtype")),
         flop_rate=peaks.get("fp8_flop_s") if quant == "fp8" else None,
     )
     per_step = class_times(

@@ -1,0 +1,43 @@
+"""``scripts/kernel_classes.py`` (the profiling scripts' floors): quantized settings shrink
+the weight and KV bytes of the floors, and a profile whose kernels overlap (PDL) says so
+instead of presenting waiting time as work."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "kernel_classes.py"
+PEAKS = {"copy_bytes_s": 4.0e12, "bf16_flop_s": 800e12}
+
+
+@pytest.fixture(scope="module")
+def kc():
+    spec = importlib.util.spec_from_file_location("kernel_classes", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_byte_scales_follow_the_engine_settings(kc):
+    assert kc.byte_scales(None, None) == {"weight_byte_scale": 1.0, "kv_byte_scale": 1.0}
+    assert kc.byte_scales("int8", "auto") == {"weight_byte_scale": 0.5, "kv_byte_scale": 1.0}
+    assert kc.byte_scales("int4", "fp8") == {"weight_byte_scale": 0.28, "kv_byte_scale": 0.5}
+
+
+def test_quantized_weights_lower_the_gemm_floor_but_not_the_lm_head(kc):
+    dense = kc.floors("llama-3-8b", 1, 148, PEAKS)["gemm"]["bytes"]
+    int8 = kc.floors("llama-3-8b", 1, 148, PEAKS, **kc.byte_scales("int8", None))["gemm"]
+    head = 2.0 * 128256 * 4096  # kept 16-bit
+    assert int8["bytes"] == pytest.approx((dense - head) * 0.5 + head)
+    assert int8["floor_us"] == pytest.approx(int8["bytes"] / PEAKS["copy_bytes_s"] * 1e6)
+
+
+def test_overlapping_kernels_are_flagged(kc, capsys):
+    step = kc.floors("llama-3-8b", 1, 148, PEAKS)
+    kc.print_class_table({"gemm": 3000.0, "norm": 900.0}, step, 2500.0)
+    assert "kernels overlap" in capsys.readouterr().out
+    kc.print_class_table({"gemm": 2000.0, "norm": 100.0}, step, 2500.0)
+    assert "kernels overlap" not in capsys.readouterr().out
