@@ -12,8 +12,10 @@ the weight for ONE row of ``x`` and does the dot products with plain FMAs:
   scale are applied once per word row of eight weights, not per weight (one scale row
   per tile where the tile lies in one group; groups smaller than the tile, such as
   llama.cpp's 32, load the scales and zeros of each word row);
-- the FMAs accumulate ``[BLOCK_K / 8, BLOCK_N]`` (int8: ``[BLOCK_K, BLOCK_N]``)
-  partial products over the whole K range and reduce across rows once, at the end
+- the FMAs accumulate ``[BLOCK_K / 8, BLOCK_N]`` (int8 words: ``[BLOCK_K / 4, BLOCK_N]``,
+  ``int8_words_gemv``'s four sub-tiles chained into one set; other int8:
+  ``[BLOCK_K, BLOCK_N]``) partial products over the whole K range and reduce across rows
+  once, at the end
   (a reduction per tile, through shared memory, held the first version at 20-45% of
   the bandwidth on the H200);
 - split K: the one-row kernel sums its splits itself (the last split of each tile to
