@@ -290,6 +290,13 @@ def int8_words_gemv(
         a0, a1, a2, a3 = _int8_rows_fma(t3, x3, a0, a1, a2, a3, ASM)
         t0, t1, t2, t3 = n0, n1, n2, n3
         x0, x1, x2, x3 = y0, y1, y2, y3
+    return channel_sums(a0, a1, a2, a3, BLOCK_N)
+
+
+@triton.jit
+def channel_sums(a0, a1, a2, a3, BLOCK_N: tl.constexpr):
+    """The ``[BLOCK_N]`` sums of four per-channel accumulators ``[rows, BLOCK_N / 4]``
+    (channel i = column ``4 w + i`` of word ``w``), interleaved back into column order."""
     s0 = tl.sum(a0, axis=0)
     s1 = tl.sum(a1, axis=0)
     s2 = tl.sum(a2, axis=0)

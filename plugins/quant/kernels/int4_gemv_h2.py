@@ -54,16 +54,12 @@ import triton
 import triton.language as tl
 
 from tokenloom.plugins.models.pdl import launch_options, release, wait
-from tokenloom.plugins.quant.kernels.weight_gemv import _reduce_splits
+from tokenloom.plugins.quant.kernels.h2_common import _ptx, _range_shift, store_one_row
 
 
 def h2_offered() -> bool:
     """Whether the tuner measures this kernel (``TOKENLOOM_INT4_H2=0``: not)."""
     return os.environ.get("TOKENLOOM_INT4_H2", "1") != "0"
-
-
-def _ptx(x: torch.Tensor) -> bool:
-    return x.device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
 def h2_fits(x: torch.Tensor, bits: int, group: int, block_k: int, has_zeros: bool) -> bool:
@@ -229,21 +225,6 @@ def _group_params(s_ptr, z_ptr, g, c0, c1, m0, m1, N):
 
 
 @triton.jit
-def _range_shift(x_ptr, k_begin, k_end, AMAX_BLOCK: tl.constexpr, HEADROOM: tl.constexpr = 7):
-    """``e - HEADROOM`` in [-100, 126] for ``2^e <= max |x[k_begin:k_end]| < 2^(e + 1)``:
-    every bit pattern built from it stays valid (zeros: -100), unclamped up to the largest
-    x for any HEADROOM >= 1. Elementwise maxima per block, one reduction at the end."""
-    amax = tl.zeros([AMAX_BLOCK], tl.float32)
-    for a0 in range(k_begin, k_end, AMAX_BLOCK):
-        offs = a0 + tl.arange(0, AMAX_BLOCK)
-        xa = tl.load(x_ptr + offs, mask=offs < k_end, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(xa))
-    largest = tl.max(amax, axis=0)
-    exponent = ((largest.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    return tl.minimum(tl.maximum(exponent - HEADROOM, -100), 126)
-
-
-@triton.jit
 def _int4_gemv_h2_kernel(
     x_ptr,
     qw_ptr,
@@ -348,17 +329,10 @@ def _int4_gemv_h2_kernel(
     acc = tl.reshape(tl.permute(both, (1, 0)), [BLOCK_N]) * up
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    if not PARTIAL:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
-    else:
-        tl.store(y_ptr + pid_k * stride_ysplit + offs_n, acc, mask=mask_n)
-        if REDUCE:
-            _reduce_splits(
-                y_ptr, o_ptr, b_ptr, cnt_ptr, acc, 0, pid_n, offs_n, mask_n, N,
-                stride_ysplit, HAS_BIAS, SPLIT,
-            )  # fmt: skip
+    store_one_row(
+        acc, y_ptr, o_ptr, b_ptr, cnt_ptr, pid_n, pid_k, offs_n, mask_n, N, stride_ysplit,
+        HAS_BIAS, PARTIAL, REDUCE, SPLIT,
+    )  # fmt: skip
 
 
 def launch_h2(

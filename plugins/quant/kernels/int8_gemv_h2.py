@@ -36,9 +36,13 @@ import triton
 import triton.language as tl
 
 from tokenloom.plugins.models.pdl import launch_options, release, wait
-from tokenloom.plugins.quant.kernels.gemv_weights import _int8_sub_tiles, _x_rows, int8_word_floats
-from tokenloom.plugins.quant.kernels.int4_gemv_h2 import _ptx, _range_shift
-from tokenloom.plugins.quant.kernels.weight_gemv import _reduce_splits
+from tokenloom.plugins.quant.kernels.gemv_weights import (
+    _int8_sub_tiles,
+    _x_rows,
+    channel_sums,
+    int8_word_floats,
+)
+from tokenloom.plugins.quant.kernels.h2_common import _ptx, _range_shift, store_one_row
 
 HEADROOM = tl.constexpr(5)  # the split's largest |x| scaled into [2^5, 2^6)
 
@@ -195,25 +199,14 @@ def _int8_gemv_h2_kernel(
         a3 += c3
         t0, t1, t2, t3 = n0, n1, n2, n3
         x0, x1, x2, x3 = y0, y1, y2, y3
-    s0 = tl.sum(a0, axis=0)
-    s1 = tl.sum(a1, axis=0)
-    s2 = tl.sum(a2, axis=0)
-    s3 = tl.sum(a3, axis=0)
-    acc = tl.reshape(tl.join(tl.join(s0, s2), tl.join(s1, s3)), [BLOCK_N])
+    acc = channel_sums(a0, a1, a2, a3, BLOCK_N)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     acc = acc * (tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32) * up)
-    if not PARTIAL:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
-    else:
-        tl.store(y_ptr + pid_k * stride_ysplit + offs_n, acc, mask=mask_n)
-        if REDUCE:
-            _reduce_splits(
-                y_ptr, o_ptr, b_ptr, cnt_ptr, acc, 0, pid_n, offs_n, mask_n, N,
-                stride_ysplit, HAS_BIAS, SPLIT,
-            )  # fmt: skip
+    store_one_row(
+        acc, y_ptr, o_ptr, b_ptr, cnt_ptr, pid_n, pid_k, offs_n, mask_n, N, stride_ysplit,
+        HAS_BIAS, PARTIAL, REDUCE, SPLIT,
+    )  # fmt: skip
 
 
 def launch_int8_h2(
