@@ -41,8 +41,9 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     attention: str = "auto"  # auto: triton on CUDA, torch elsewhere
     quant: str = "none"
     # also quantize the LM head (the logits' projection, 1 GB of Llama-3-8B's 4.8 GB in
-    # int4) with the weight method; a tied embedding keeps its 16-bit copy for lookups
-    quant_lm_head: bool = False
+    # int4) with the weight method; a tied embedding keeps its 16-bit copy for lookups.
+    # None: the method's default (int8 on; fp8 and int4 off: their heads cost quality)
+    quant_lm_head: bool | None = None
     executor: str = "model"
     proposer: str = "none"
     frontends: list[str] = msgspec.field(default_factory=lambda: ["openai"])

@@ -36,8 +36,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quant-lm-head",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="also quantize the LM head with the weight method",
+        default=None,
+        help="also quantize the LM head with the weight method (default: the method's: "
+        "int8 yes, fp8 and int4 no)",
     )
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | int8")
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)

@@ -206,6 +206,17 @@ def activation_bytes(shape: ModelShape, config: EngineConfig, element: int) -> i
     return max(forward, logits)
 
 
+def _quantizes_lm_head(config: EngineConfig) -> bool:
+    """The engine's choice: ``quant_lm_head`` where set, else the method's default."""
+    from tokenloom.plugin_manager import PluginManager
+    from tokenloom.protocols.components.quant import quantizes_lm_head
+
+    if config.quant == "none":
+        return False
+    method = PluginManager.default().component("quant", config.quant).factory
+    return quantizes_lm_head(config, method)
+
+
 def make_plan(config: EngineConfig, gpu_memory_gb: float | None, advice: bool = True) -> Plan:
     """The budget of ``config`` on one GPU of ``gpu_memory_gb`` GiB (default: the
     local GPU's total memory); when it does not fit, with ``advice``."""
@@ -229,7 +240,7 @@ def make_plan(config: EngineConfig, gpu_memory_gb: float | None, advice: bool = 
     kv_heads = rank_heads(shape.num_kv_heads, tp)
     per_layer = kv_quant.block_bytes(config.block_size, kv_heads, shape.head_dim, kv_dtype)
     per_block = 2 * shape.num_layers * per_layer
-    weights = weight_bytes(shape, config.quant, element, tp, config.quant_lm_head)
+    weights = weight_bytes(shape, config.quant, element, tp, _quantizes_lm_head(config))
     activations = activation_bytes(shape, config, element)
     scratch = dequant_scratch_bytes(shape, config, element)
     other = int(OTHER_GIB * GiB)

@@ -18,7 +18,7 @@ from torch import nn
 
 from tokenloom.config import EngineConfig
 from tokenloom.plugins.models.layers import Embedding, Linear
-from tokenloom.protocols.components.quant import LinearKernel, QuantMethod
+from tokenloom.protocols.components.quant import LinearKernel, QuantMethod, quantizes_lm_head
 
 
 def quantizable_linears(model: nn.Module) -> Iterator[tuple[str, Linear]]:
@@ -73,7 +73,7 @@ class WeightQuantMethod(QuantMethod):
             elif not self.prequantized:
                 layer.kernel = self.make_kernel(layer)
                 release_weight(layer)
-        if self.config.quant_lm_head:
+        if quantizes_lm_head(self.config, self):
             quantize_lm_head(self, model)
 
 

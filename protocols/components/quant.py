@@ -33,6 +33,10 @@ class QuantMethod(ABC):
     """
 
     name: str
+    # Whether the LM head is quantized too when the config leaves ``quant_lm_head``
+    # unset (None): a method turns it on where the head's rounding measured within its
+    # quality bound (int8; docs/quantization.md, "The LM head").
+    lm_head_default: bool = False
 
     def prepare_model(self, model: torch.nn.Module, hf_config: dict[str, Any]) -> None:  # noqa: B027
         """Before loading: adapt the model to the checkpoint's format (default: nothing)."""
@@ -44,3 +48,13 @@ class QuantMethod(ABC):
     def kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The dtype of the KV cache; the model's own by default."""
         return model_dtype
+
+
+def quantizes_lm_head(config: Any, method: type[QuantMethod] | QuantMethod | Any) -> bool:
+    """Whether ``config`` (an ``EngineConfig``) quantizes the LM head with ``method``:
+    its ``quant_lm_head`` where set, else the method's ``lm_head_default``."""
+    if config.quant == "none":
+        return False
+    if config.quant_lm_head is not None:
+        return bool(config.quant_lm_head)
+    return bool(getattr(method, "lm_head_default", False))

@@ -14,8 +14,9 @@ def _options(*argv: str) -> dict:
     return engine_options(parser.parse_args(["--model", "/some/dir", *argv]))
 
 
-def test_quant_lm_head_is_off_unless_asked_and_reaches_the_config():
-    assert _options("--quant", "int8")["quant_lm_head"] is False
+def test_quant_lm_head_is_the_method_s_default_unless_asked_and_reaches_the_config():
+    assert _options("--quant", "int8")["quant_lm_head"] is None  # the method's default
+    assert _options("--quant", "int8", "--no-quant-lm-head")["quant_lm_head"] is False
     options = _options("--quant", "int8", "--quant-lm-head", "--kv-cache-dtype", "fp8")
     assert options["quant_lm_head"] is True and options["kv_cache_dtype"] == "fp8"
     config = EngineConfig(**options)  # every option is an EngineConfig field

@@ -59,7 +59,10 @@ def test_quantized_kv_cache_holds_the_blocks_its_bytes_allow():
 
 
 def test_weight_quantization_and_tensor_parallelism_shrink_the_weights_per_gpu():
-    sizes = {q: plan_of("llama-3-8b", quant=q).weights_bytes for q in ("none", "int8", "int4")}
+    sizes = {
+        q: plan_of("llama-3-8b", quant=q, quant_lm_head=False).weights_bytes
+        for q in ("none", "int8", "int4")
+    }
     embeddings = 2 * 128256 * 4096 * 2  # embedding and LM head stay bf16
     assert sizes["int8"] - embeddings == pytest.approx((sizes["none"] - embeddings) / 2, rel=0.01)
     # int4: half a byte, plus a bf16 scale and zero point per group of 128
@@ -103,10 +106,13 @@ def test_a_quantized_lm_head_counts_at_the_method_s_bytes():
     # a row (int8); SmolLM2's tied head keeps its bf16 rows for lookups besides
     head = 128256 * 4096
     for quant, stored in (("int8", head + 4 * 128256), ("int4", head // 2 + 2 * 32 * 128256 * 2)):
-        plain = plan_of("llama-3-8b", quant=quant).weights_bytes
+        plain = plan_of("llama-3-8b", quant=quant, quant_lm_head=False).weights_bytes
         quantized = plan_of("llama-3-8b", quant=quant, quant_lm_head=True).weights_bytes
         assert plain - quantized == 2 * head - stored
-    tied_plain = plan_of("smollm2-135m", quant="int8").weights_bytes
+        # unset: the method's default, as the engine decides (int8 quantizes its head)
+        default = plan_of("llama-3-8b", quant=quant).weights_bytes
+        assert default == (quantized if quant == "int8" else plain)
+    tied_plain = plan_of("smollm2-135m", quant="int8", quant_lm_head=False).weights_bytes
     tied = plan_of("smollm2-135m", quant="int8", quant_lm_head=True).weights_bytes
     assert tied - tied_plain == 49152 * 576 + 4 * 49152
 

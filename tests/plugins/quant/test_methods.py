@@ -128,7 +128,7 @@ def test_quant_lm_head_computes_the_logits_from_a_quantized_copy(method, tied, t
     from tokenloom import LLM, SamplingParams
 
     model_dir = tiny_model_factory("llama", tie_word_embeddings=tied)
-    plain = LLM(str(model_dir), dtype="float32", quant=method)
+    plain = LLM(str(model_dir), dtype="float32", quant=method, quant_lm_head=False)
     llm = LLM(str(model_dir), dtype="float32", quant=method, quant_lm_head=True)
     model, dense = llm.engine.executor.model, plain.engine.executor.model
     head = model.lm_head
@@ -145,6 +145,18 @@ def test_quant_lm_head_computes_the_logits_from_a_quantized_copy(method, tied, t
     params = SamplingParams(temperature=0.0, max_tokens=6)
     out = llm.generate([[5, 9, 2, 33]], params, use_tqdm=False)[0].outputs[0].token_ids
     assert len(out) == 6
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_the_lm_head_follows_the_method_s_default_when_unset(method, tiny_model_factory):
+    # int8's head costs no quality (docs/quantization.md) and is quantized unless the
+    # config says no; fp8 and int4 heads double their loss and stay 16-bit unless asked
+    from tokenloom import LLM
+
+    model_dir = tiny_model_factory("llama")
+    llm = LLM(str(model_dir), dtype="float32", quant=method)
+    quantized = llm.engine.executor.model.lm_head.logits_kernel is not None
+    assert quantized == (method == "int8")
 
 
 def test_quant_lm_head_needs_a_weight_method():
