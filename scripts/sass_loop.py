@@ -152,7 +152,6 @@ def preset(name: str, values: list[int]) -> tuple[Any, dict, dict, list[str], in
         consts = dict(
             BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=False, PARTIAL=reduce, REDUCE=reduce, ASM=True,
             USE_PDL=False, AMAX_BLOCK=1024, SPLIT=4 if reduce else 1,
-            PREFETCH=os.environ.get("PREFETCH") == "1",
         )  # fmt: skip
         divisible = ["x_ptr", "qw_ptr", "s_ptr", "y_ptr", "N", "K", "K_CHUNK", "N_WORDS"]
         return (
@@ -206,7 +205,6 @@ def preset(name: str, values: list[int]) -> tuple[Any, dict, dict, list[str], in
                 consts.setdefault(flag, default)
             consts.setdefault("USE_PDL", False)
             consts.setdefault("SPLIT", 1)
-            consts["PREFETCH"] = os.environ.get("PREFETCH") == "1"  # needs WORDS
         if consts.get("ASM"):
             sig["qw_ptr"] = "*i32"
         if name == "gemv":

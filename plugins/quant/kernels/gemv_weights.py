@@ -24,9 +24,6 @@ Offline sm_90 counts (``scripts/sass_loop.py gemv 64 128 4 3 BITS``, session 10)
 
 from __future__ import annotations
 
-import os
-
-import torch
 import triton
 import triton.language as tl
 
@@ -34,51 +31,6 @@ from tokenloom.plugins.models.pdl import wait
 
 MAGIC = tl.constexpr(0x4B000000)  # the bits of 2.0 ** 23 in fp32
 MAGIC_F = tl.constexpr(8388608.0)
-
-
-# One L2 prefetch (no register, no wait; the result is a dummy 0). Opaque and impure, so
-# the compiler keeps it although nothing reads its result.
-_PREFETCH_L2 = tl.constexpr("prefetch.global.L2 [$1]; mov.u32 $0, 0;")
-
-
-@triton.jit
-def prefetch_rows_l2(
-    ptr, row_begin, row_end, col0, row_words, NW: tl.constexpr, ROWS: tl.constexpr
-):
-    """Ask L2 for rows ``[row_begin, row_end)`` x words ``[col0, col0 + NW)`` of an int32
-    matrix with ``row_words`` words a row: one prefetch per 128-byte line, ``ROWS`` rows
-    per step. For a GEMV before its PDL wait (GPU only: PTX): a program's later tiles are
-    on their way while the kernel before still runs, so the K loop reads them from L2."""
-    LINES: tl.constexpr = (NW + 31) // 32
-    lines = col0 + tl.arange(0, LINES) * 32
-    for r0 in range(row_begin, row_end, ROWS):
-        rows = r0 + tl.arange(0, ROWS)
-        offs = rows[:, None].to(tl.int64) * row_words + lines[None, :]
-        offs = tl.where((rows < row_end)[:, None], offs, 0)  # past the split: the base line
-        tl.inline_asm_elementwise(
-            asm=_PREFETCH_L2,
-            constraints="=r,l",
-            args=[ptr + offs],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-
-
-# L2 prefetch before the PDL wait (``prefetch_rows_l2``) for weights of at most this
-# size: the narrow layers (Llama-3-8B's qkv 25 MB and o 17 MB in int8), whose programs
-# run few tiles each; a whole wide layer (gate_up 117 MB) would not fit the H200's 50 MB
-# of L2. ``TOKENLOOM_GEMV_PREFETCH`` (read at each launch): ``0`` off, ``all`` every
-# layer whatever its size (an experiment), else the rule above.
-PREFETCH_MAX_BYTES = 32 << 20
-
-
-def l2_prefetch(qweight: torch.Tensor, pdl: bool) -> bool:
-    """Whether a one-row GEMV over ``qweight`` prefetches its later tiles into L2."""
-    mode = os.environ.get("TOKENLOOM_GEMV_PREFETCH", "1")
-    if not pdl or mode == "0":
-        return False
-    return mode == "all" or qweight.numel() * qweight.element_size() <= PREFETCH_MAX_BYTES
 
 
 @triton.jit
@@ -305,7 +257,6 @@ def int8_words_gemv(
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
     ASM: tl.constexpr = True,
-    PREFETCH: tl.constexpr = False,
 ):
     """The int8 GEMV's ``[BLOCK_N]`` dot products (before the per-channel scales) with
     the weights read as int32 words of four output channels (``qweight.view(int32)``,
@@ -316,8 +267,7 @@ def int8_words_gemv(
     A tile is four sub-tiles of ``BLOCK_K / 4`` rows that share one set of accumulators
     (``[BLOCK_K / 4, BLOCK_N / 4]`` per channel: each thread's FMAs chain over the rows
     it holds in the four), a quarter of the registers of one accumulator per weight; x
-    is loaded one tile ahead, with the weights (the tile waited on its x otherwise).
-    ``PREFETCH`` (PTX only): the split's later tiles are asked of L2 before the wait."""
+    is loaded one tile ahead, with the weights (the tile waited on its x otherwise)."""
     NW: tl.constexpr = BLOCK_N // 4
     RB: tl.constexpr = BLOCK_K // 4
     offs_w = pid_n * NW + tl.arange(0, NW)
@@ -328,8 +278,6 @@ def int8_words_gemv(
     a2 = tl.zeros_like(a0)
     a3 = tl.zeros_like(a0)
     t0, t1, t2, t3 = _int8_sub_tiles(qw_ptr, r, RB, k_end, offs_w, mask_w, n_words)
-    if PREFETCH:
-        prefetch_rows_l2(qw_ptr, k_begin + BLOCK_K, k_end, pid_n * NW, n_words, NW, BLOCK_K)
     wait(USE_PDL)  # the first weight tile is in flight; x comes from the kernel before
     x0, x1, x2, x3 = _x_rows(x_row, r, RB, k_end)
     for k0 in range(k_begin, k_end, BLOCK_K):

@@ -54,7 +54,6 @@ import triton
 import triton.language as tl
 
 from tokenloom.plugins.models.pdl import launch_options, release, wait
-from tokenloom.plugins.quant.kernels.gemv_weights import l2_prefetch, prefetch_rows_l2
 from tokenloom.plugins.quant.kernels.h2_common import _ptx, _range_shift, store_one_row
 
 
@@ -250,7 +249,6 @@ def _int4_gemv_h2_kernel(
     AMAX_BLOCK: tl.constexpr = 1024,
     GUARD: tl.constexpr = True,  # False: a fixed 2^-4 (unsafe; gemv_h2_check.py ablate only)
     SPLIT: tl.constexpr = 1,  # REDUCE: the number of splits
-    PREFETCH: tl.constexpr = False,  # ASM: later tiles asked of L2 before the wait
 ):
     release(USE_PDL)
     CW: tl.constexpr = BLOCK_N // 2
@@ -276,8 +274,6 @@ def _int4_gemv_h2_kernel(
     s0, s1, z0, z1 = _group_params(
         s_ptr, z_ptr, k_begin // GROUP, c0, c1, m0 & first, m1 & first, N
     )
-    if PREFETCH:
-        prefetch_rows_l2(qw_ptr, k_begin // 8 + 2 * RW, lim, pid_n * BLOCK_N, N, BLOCK_N, 2 * RW)
     wait(USE_PDL)
     x32 = x_ptr.to(tl.pointer_type(tl.int32))
     if ASM:  # in flight while the guard reads its split
@@ -350,7 +346,6 @@ def launch_h2(
     assert m == 1 and bits == 4 and zeros is not None and group % cfg.block_k == 0
     reduce = split > 1 and out is not None and counters is not None
     grid = (triton.cdiv(n, cfg.block_n), split)
-    pdl = launch_options(x.device)
     _int4_gemv_h2_kernel[grid](
         x,
         qweight,
@@ -372,9 +367,8 @@ def launch_h2(
         REDUCE=reduce,
         SPLIT=split if reduce else 1,
         ASM=_ptx(x),
-        PREFETCH=_ptx(x) and l2_prefetch(qweight, pdl["USE_PDL"]),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **{**pdl, **lab},
+        **{**launch_options(x.device), **lab},
     )
     return reduce

@@ -41,8 +41,6 @@ from tokenloom.plugins.quant.kernels.gemv_weights import (
     _x_rows,
     channel_sums,
     int8_word_floats,
-    l2_prefetch,
-    prefetch_rows_l2,
 )
 from tokenloom.plugins.quant.kernels.h2_common import _ptx, _range_shift, store_one_row
 
@@ -169,7 +167,6 @@ def _int8_gemv_h2_kernel(
     USE_PDL: tl.constexpr = False,
     AMAX_BLOCK: tl.constexpr = 1024,
     SPLIT: tl.constexpr = 1,  # REDUCE: the number of splits
-    PREFETCH: tl.constexpr = False,  # ASM: later tiles asked of L2 before the wait
 ):
     release(USE_PDL)
     NW: tl.constexpr = BLOCK_N // 4
@@ -182,8 +179,6 @@ def _int8_gemv_h2_kernel(
     mask_w = offs_w < N_WORDS
     r = k_begin + tl.arange(0, RB)
     t0, t1, t2, t3 = _int8_sub_tiles(qw_ptr, r, RB, k_end, offs_w, mask_w, N_WORDS)
-    if PREFETCH:
-        prefetch_rows_l2(qw_ptr, k_begin + BLOCK_K, k_end, pid_n * NW, N_WORDS, NW, BLOCK_K)
     wait(USE_PDL)  # the first weight tile is in flight; x comes from the kernel before
     x0, x1, x2, x3 = _x_rows(x_ptr, r, RB, k_end)  # in flight while the guard reads the split
     shift = _range_shift(x_ptr, k_begin, k_end, AMAX_BLOCK, HEADROOM)
@@ -224,7 +219,6 @@ def launch_int8_h2(
     assert m == 1 and bits == 8 and zeros is None and group == 0
     reduce = split > 1 and out is not None and counters is not None
     grid = (triton.cdiv(n, cfg.block_n), split)
-    pdl = launch_options(x.device)
     _int8_gemv_h2_kernel[grid](
         x,
         qweight.view(torch.int32),
@@ -245,9 +239,8 @@ def launch_int8_h2(
         REDUCE=reduce,
         SPLIT=split if reduce else 1,
         ASM=_ptx(x),
-        PREFETCH=_ptx(x) and l2_prefetch(qweight, pdl["USE_PDL"]),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **{**pdl, **lab},
+        **{**launch_options(x.device), **lab},
     )
     return reduce

@@ -40,7 +40,6 @@ from tokenloom.plugins.quant.kernels.gemv_weights import (
     first_tile,
     int8_floats,
     int8_words_gemv,
-    l2_prefetch,
     nibble_floats,
     weight_rows,
     word_row_groups,
@@ -164,7 +163,6 @@ def _weight_gemv_kernel(
     USE_PDL: tl.constexpr = False,  # plugins/models/pdl.py: weights stream before the wait
     SPLIT: tl.constexpr = 1,  # REDUCE: the number of splits (the grid's second axis)
     WORDS: tl.constexpr = False,  # int8: qw_ptr holds int32 words of four weights
-    PREFETCH: tl.constexpr = False,  # WORDS with ASM: later tiles asked of L2 before the wait
 ):
     release(USE_PDL)
     pid_n = tl.program_id(0)
@@ -177,17 +175,7 @@ def _weight_gemv_kernel(
     k_end = tl.minimum(K, k_begin + K_CHUNK)
     if BITS == 8 and WORDS:  # qw_ptr: the words of four int8 weights
         acc = int8_words_gemv(
-            x_row,
-            qw_ptr,
-            k_begin,
-            k_end,
-            pid_n,
-            N_WORDS,
-            BLOCK_N,
-            BLOCK_K,
-            USE_PDL,
-            ASM,
-            PREFETCH,
+            x_row, qw_ptr, k_begin, k_end, pid_n, N_WORDS, BLOCK_N, BLOCK_K, USE_PDL, ASM
         )
     else:
         acc = _gemv_loop(
@@ -384,7 +372,6 @@ def launch_gemv(
         )
         if words:  # words of four weights (INT8_ASM on a GPU)
             common = (common[0], qweight.view(torch.int32), *common[2:])
-        pdl = launch_options(x.device)
         _weight_gemv_kernel[grid](
             *common,
             out if reduce else y,
@@ -401,8 +388,7 @@ def launch_gemv(
             REDUCE=reduce,
             SPLIT=split if reduce else 1,
             WORDS=words,
-            PREFETCH=words and cuda and l2_prefetch(qweight, pdl["USE_PDL"]),
-            **pdl,
+            **launch_options(x.device),
         )
     else:
         _weight_gemv_rows_kernel[grid](*common, m, n, *strides, ROWS=rows, **flags)
