@@ -144,3 +144,33 @@ def print_class_table(
         f"({100 * total_floor / span_us:.0f}% of the span)"
     )
     return {"classes": rows, "busy_us": busy, "span_us": span_us, "floor_us": total_floor}
+
+
+def critical_times(kernels: list[tuple[str, float, float]]) -> list[tuple[str, float]]:
+    """``kernels``: (name, start, end) in start order -> (name, us) per launch: how far
+    each kernel moved the latest end so far. Under PDL a kernel starts early and waits in
+    itself, so its duration overstates; its end cannot come before the end of the
+    kernel it waits on, so these increments add up to the span and charge each kernel
+    with the time it kept the stream going (its work after the wait, plus any gap)."""
+    result = []
+    latest = kernels[0][1] if kernels else 0.0
+    for name, _, end in kernels:
+        result.append((name, max(0.0, end - latest)))
+        latest = max(latest, end)
+    return result
+
+
+def by_layer_position(
+    timed: list[tuple[str, float]], steps: int, anchor: str = "_decode_kernel"
+) -> list[tuple[int, str, float, float]]:
+    """Per kernel position after each ``anchor`` launch (the decode attention: one per
+    layer): (position, name, launches per step, mean us), in position order. A layer's
+    kernels come at positions 0..period-1; launches once per step (the LM head, the
+    sampler) show with a count of about 1."""
+    sums: dict[tuple[int, str], list[float]] = defaultdict(list)
+    position = -1
+    for name, us in timed:
+        position = 0 if anchor in name else position + 1 if position >= 0 else -1
+        sums[(position, name)].append(us)
+    rows = [(p, n, len(v) / steps, sum(v) / len(v)) for (p, n), v in sums.items()]
+    return sorted(rows)

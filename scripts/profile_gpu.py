@@ -12,7 +12,15 @@ import sys
 import tempfile
 
 import torch
-from kernel_classes import byte_scales, class_times, floors, measure_peaks, print_class_table
+from kernel_classes import (
+    by_layer_position,
+    byte_scales,
+    class_times,
+    critical_times,
+    floors,
+    measure_peaks,
+    print_class_table,
+)
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
@@ -64,7 +72,19 @@ for eager in (False,) if "graphs" in sys.argv[2:] else (True, False):
     # 128 prompt tokens, then 10 warm-up steps and 20 profiled: mean context ~148
     scales = byte_scales(settings.get("quant"), settings.get("kv_cache_dtype"))
     summary = print_class_table(per_step, floors(shape, 1, 148, peaks, **scales), span)
+    # The critical path: what each kernel added to the step (PDL overlaps durations)
+    timed = critical_times([(k.name, k.time_range.start, k.time_range.end) for k in kernels])
+    critical = class_times(timed, 20)
+    print("critical path per step by class: " + ", ".join(
+        f"{c} {us:.0f} us" for c, us in sorted(critical.items(), key=lambda x: -x[1])
+    ))  # fmt: skip
+    positions = by_layer_position(timed, 20)
+    print(f"{'pos':>4}{'per step':>9}{'us':>8}  kernel (critical time, mean per launch)")
+    for pos, name, count, us in positions:
+        if count * us >= 1.0:  # at least 1 us a step
+            print(f"{pos:>4}{count:>9.1f}{us:>8.2f}  {name[:70]}")
     summary.update(shape=shape, eager=eager, peaks=peaks, kernels_per_step=len(kernels) / 20)
+    summary.update(critical_us=critical, positions=positions)
     if os.environ.get("OUT"):
         tag = "".join(f"-{k}{v}" for k, v in settings.items())
         name = f"profile-gpu-{shape}{tag}{'-eager' if eager else ''}.json"

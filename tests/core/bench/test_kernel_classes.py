@@ -41,3 +41,27 @@ def test_overlapping_kernels_are_flagged(kc, capsys):
     assert "kernels overlap" in capsys.readouterr().out
     kc.print_class_table({"gemm": 2000.0, "norm": 100.0}, step, 2500.0)
     assert "kernels overlap" not in capsys.readouterr().out
+
+
+def test_critical_times_charge_each_kernel_with_what_it_added_to_the_span(kc):
+    # PDL: each kernel starts inside the one before and waits; durations overlap
+    kernels = [("norm", 0, 5), ("gemv", 1, 20), ("rope", 15, 21), ("attn", 18, 27)]
+    timed = kc.critical_times(kernels)
+    assert timed == [("norm", 5), ("gemv", 15), ("rope", 1), ("attn", 6)]
+    assert sum(us for _, us in timed) == 27  # the span, from the first start
+    # a kernel that ends before the latest end so far added nothing; a gap counts
+    assert kc.critical_times([("a", 0, 10), ("b", 2, 8), ("c", 12, 13)]) == [
+        ("a", 10),
+        ("b", 0),
+        ("c", 3),
+    ]
+
+
+def test_layer_positions_count_from_each_attention_launch(kc):
+    timed = [("embed", 2), ("_decode_kernel", 4), ("gemv", 10), ("_decode_kernel", 6), ("gemv", 12)]
+    rows = kc.by_layer_position(timed, steps=1)
+    assert rows == [
+        (-1, "embed", 1.0, 2.0),
+        (0, "_decode_kernel", 2.0, 5.0),
+        (1, "gemv", 2.0, 11.0),
+    ]
