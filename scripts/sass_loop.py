@@ -27,7 +27,7 @@ The presets compile the weight-only quantized kernels with Llama-3-8B-like
 specializations (every pointer and size divisible by 16, as Triton specializes them at
 run time). ``--sass FILE`` keeps the full listing; ``TTGIR=FILE`` in the environment
 writes Triton's layouts. The ``gemm`` preset takes ``KMAJOR=1`` (int4's K-major tile),
-``DEQUANT_ASM=1`` (its PTX dequantization) and ``SWAP=1`` (the product transposed):
+``DEQUANT_ASM=1`` (its PTX dequantization) and ``SWAP=1`` (the product transposed), ``NK=1`` (int8 stored ``[N, K]``, read by strides):
 read on 2026-12-02 (session 9), 128x128x64 int4 went 10.6 -> 9.7 (K-major) -> 7.2
 (PTX) instructions per weight, and 16x128x128 swapped 4.9. The ``gemv`` preset takes
 ``ASM=1`` (the PTX conversions of ``gemv_weights``: int8 words, int4 nibbles),
@@ -226,7 +226,13 @@ def preset(name: str, values: list[int]) -> tuple[Any, dict, dict, list[str], in
         BLOCK_K=bk,
         DOT_PRECISION="tf32",
     )
-    sig = _quant_sig(bits, True, [])
+    sig = _quant_sig(bits, True, ["stride_qk", "stride_qn"])
+    # the weights' strides as Triton specializes them: 1 is a constant; NK=1 compiles
+    # int8 stored [N, K] (session 16), else [K, N]
+    unit = "stride_qk" if os.environ.get("NK") == "1" and bits == 8 else "stride_qn"
+    del sig[unit]
+    consts[unit] = 1
+    divisible = divisible + ["stride_qn" if unit == "stride_qk" else "stride_qk"]
     return (
         weight_gemm._weight_gemm_kernel,
         sig,

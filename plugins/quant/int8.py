@@ -1,5 +1,5 @@
 """Quant plugin ``int8``: weight-only int8 (W8A16), one symmetric scale per output
-channel, quantized at load from the 16/32-bit checkpoint.
+channel, quantized at load from the 16/32-bit checkpoint, stored ``[N, K]``.
 
 ``q = round(w / s)`` in ``[-127, 127]`` with ``s = max|w_row| / 127``. On the GPU the
 layer runs the Triton GEMM of ``kernels.weight_gemm`` (int8 tiles converted in
@@ -24,12 +24,14 @@ QMAX = 127
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [N, K]`` -> ``(qweight [K, N] int8, scales [1, N] float32)`` (the
-    transposed layout of the GEMM)."""
+    """``w [N, K]`` -> ``(qweight [K, N] int8, scales [1, N] float32)``: ``qweight`` is
+    the GEMM's logical ``[K, N]``, stored ``[N, K]`` (the transposed view of a contiguous
+    ``[N, K]`` tensor: each output channel's weights contiguous, what the one-row GEMV
+    ``int8_gemv_nk`` streams; the other kernels read it through its strides)."""
     w32 = w.float()
     scales = w32.abs().amax(dim=1).clamp(min=1e-12) / QMAX  # [N]
     q = torch.round(w32 / scales[:, None]).clamp(-QMAX, QMAX).to(torch.int8)
-    return q.t().contiguous(), scales[None, :].contiguous()
+    return q.contiguous().t(), scales[None, :].contiguous()
 
 
 def dequantize_int8(
@@ -41,7 +43,7 @@ def dequantize_int8(
 
 class Int8Kernel(LinearKernel):
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
-        self.qweight = qweight  # [K, N] int8
+        self.qweight = qweight  # [K, N] int8 (a view of [N, K] storage)
         self.scales = scales  # [1, N] float32
         self.configs = None  # the Triton GEMM's tiling per batch-size bucket (GPU only)
         if qweight.is_cuda and dtype in (torch.float16, torch.bfloat16):

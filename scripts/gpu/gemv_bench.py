@@ -36,6 +36,7 @@ from tokenloom.plugins.models.cuda_timing import time_graph
 from tokenloom.plugins.quant.int4 import dequantize_int4, quantize_int4
 from tokenloom.plugins.quant.int8 import dequantize_int8, quantize_int8
 from tokenloom.plugins.quant.kernels.dispatch import bucket, candidates, h2_candidates
+from tokenloom.plugins.quant.kernels.int8_gemv_nk import row_major
 from tokenloom.plugins.quant.kernels.weight_gemm import weight_gemm
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -45,6 +46,8 @@ COLD_BYTES = 150 << 20  # --cold: 3x an H200's L2
 def _kind(c) -> str:
     if c.h2:
         return "h2"
+    if c.nk:
+        return "nk"
     return "dequant" if c.dequant else "kmajor" if c.kmajor else "gemv" if c.gemv else "dot"
 
 
@@ -54,6 +57,12 @@ def main() -> None:
     ap.add_argument("--bits", default="4,8")
     ap.add_argument("--json")
     ap.add_argument("--cold", action="store_true", help="read the weights from HBM every call")
+    ap.add_argument(
+        "--int8-layout",
+        choices=("nk", "kn"),
+        default="nk",
+        help="int8 storage: [N, K] as the engine keeps it since session 16, or [K, N] as before",
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -65,6 +74,8 @@ def main() -> None:
             w = torch.randn(n, k, device="cuda") / k**0.5
             if bits == 8:
                 qw, s = quantize_int8(w)
+                if args.int8_layout == "kn":
+                    qw = qw.contiguous()
                 z, group = None, 0
                 ref_w = dequantize_int8(qw, s, torch.bfloat16)
             else:
@@ -81,8 +92,9 @@ def main() -> None:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 ref = F.linear(x.float(), ref_w.float())
                 results = []
-                offered = candidates(bucket(m), n, k, bits, group, sms)
-                if m == 1:  # the one-row f16x2 kernels, as the tuner offers them
+                nk = bits == 8 and row_major(qw)
+                offered = candidates(bucket(m), n, k, bits, group, sms, nk=nk)
+                if m == 1 and not nk:  # the one-row f16x2 kernels, as the tuner offers them
                     offered += h2_candidates(n, k, bits, group, z is not None, x.dtype)
                 for cfg in offered:
                     try:

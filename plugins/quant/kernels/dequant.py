@@ -10,8 +10,9 @@ stream runs them in order). ``reserve`` grows it ahead of time, at load, so that
 never allocated inside a CUDA graph capture and the memory planner's profile sees it.
 
 int4 tiles use the K-major dequantization of ``int4_tiles`` (8 consecutive K values
-per thread, 16-byte stores; PTX pairs on sm_90); int8 tiles are transposed from the
-``[K, N]`` storage by Triton's layout conversion.
+per thread, 16-byte stores; PTX pairs on sm_90); int8 tiles are read through the
+weights' strides (``[K, N]`` storage, transposed by Triton's layout conversion, or
+``[N, K]``, as ``quantize_int8`` stores them since session 16).
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def _dequant_kernel(
     out_ptr,
     N,
     K,
+    stride_qk,  # int8: the weights' strides as [K, N] (N, 1; or 1, K when stored [N, K])
+    stride_qn,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
@@ -71,7 +74,9 @@ def _dequant_kernel(
         )
     else:  # int8, one scale per output channel
         q = tl.load(
-            qw_ptr + ks[None, :].to(tl.int64) * N + offs_n[:, None],
+            qw_ptr
+            + ks[None, :].to(tl.int64) * stride_qk
+            + offs_n[:, None].to(tl.int64) * stride_qn,
             mask=mask_n[:, None] & (ks < K)[None, :],
             other=0,
         )
@@ -109,6 +114,8 @@ def dequantize_into(
         out,
         n,
         k,
+        qweight.stride(0) if bits == 8 else n,
+        qweight.stride(1) if bits == 8 else 1,
         BITS=bits,
         GROUP=group,
         HAS_ZEROS=zeros is not None,

@@ -23,6 +23,7 @@ import triton
 from tokenloom.plugins.models import tuning_cache
 from tokenloom.plugins.quant.kernels.int4_gemv_h2 import h2_offered
 from tokenloom.plugins.quant.kernels.int8_gemv_h2 import int8_h2_offered
+from tokenloom.plugins.quant.kernels.int8_gemv_nk import row_major
 from tokenloom.plugins.quant.kernels.weight_gemm import (
     SKINNY_ROWS,
     GemmConfig,
@@ -80,6 +81,23 @@ H2 = [
     GemmConfig(1, 64, 128, 1, 4, 3, h2=True),
 ]
 
+
+# int8_gemv_nk (session 16), int8 stored [N, K]: (BLOCK_N, BLOCK_K, warps) with BLOCK_K =
+# 256 x warps, where x's load takes the layout its FMAs need (no shared memory; offline
+# sm_90: 3.8-4.1 instructions per weight at one row, 40-127 registers)
+NK = [
+    GemmConfig(1, 8, 1024, 1, 4, 3, nk=True),
+    GemmConfig(1, 16, 1024, 1, 4, 3, nk=True),
+    GemmConfig(1, 4, 1024, 1, 4, 3, nk=True),
+    GemmConfig(1, 8, 2048, 1, 8, 3, nk=True),
+    GemmConfig(1, 16, 2048, 1, 8, 3, nk=True),
+]
+NK_ROWS = [  # two or four rows of x per program (bucket 2-16)
+    GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, rows=2),
+    GemmConfig(1, 16, 1024, 1, 4, 3, nk=True, rows=2),
+    GemmConfig(1, 4, 1024, 1, 4, 3, nk=True, rows=4),
+    GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, rows=4),
+]
 
 # int8_gemv_h2 (session 15): the int8 GEMV's tilings that fit its registers
 H2_INT8 = [
@@ -199,11 +217,21 @@ def exact_for_fractional_zeros(cfg: GemmConfig) -> bool:
 
 
 def candidates(
-    index: int, n: int, k: int, bits: int, group: int, num_sms: int, fractional: bool = False
+    index: int,
+    n: int,
+    k: int,
+    bits: int,
+    group: int,
+    num_sms: int,
+    fractional: bool = False,
+    nk: bool = False,
 ):
+    """The tilings offered to bucket ``index``; ``nk``: int8 stored ``[N, K]`` (the
+    GEMVs over ``[K, N]`` give way to ``int8_gemv_nk``; the dot tiles read the strides)."""
+    gemv, gemv_rows = (NK, NK_ROWS) if nk else (GEMV, GEMV_ROWS)
     pools = (
-        GEMV + SKINNY + KMAJOR_SKINNY,
-        GEMV + GEMV_ROWS + SKINNY + KMAJOR_SKINNY,
+        gemv + SKINNY + KMAJOR_SKINNY,
+        gemv + gemv_rows + SKINNY + KMAJOR_SKINNY,
         MEDIUM + KMAJOR_MEDIUM,
         LARGE + MEDIUM + KMAJOR_LARGE,
         LARGE + KMAJOR_LARGE,
@@ -214,7 +242,9 @@ def candidates(
         # rows (64 rows of Llama-3-8B's down projection ran 64 programs on 132 SMs);
         # int4's N-major tiles never won there, so they are not offered split (each
         # candidate costs start-up time once per shape)
-        if index <= 1 or (index <= 3 and (cfg.kmajor or bits == 8)):
+        if cfg.nk:  # whole rows per program: never split
+            result.append(cfg)
+        elif index <= 1 or (index <= 3 and (cfg.kmajor or bits == 8)):
             result += _with_split(cfg, n, k, num_sms, max(BUCKETS[index][1]))
         else:
             result.append(cfg)
@@ -261,7 +291,8 @@ CACHE_NAME = "weight-gemm.json"
 # best tiling was the largest split offered, 8, on every layer).
 # v11: the int8 one-row GEMV's four sub-tiles share their accumulators (96 -> 64 registers
 # at 64 x 128), x one tile ahead; a 128 x 256 GEMV tiling with 8 warps; int8_gemv_h2.
-KERNELS_VERSION = 11
+# v12: int8 stored [N, K] (int8_gemv_nk at one to sixteen rows; the dot tiles by strides).
+KERNELS_VERSION = 12
 
 
 def _load() -> dict[str, Any]:
@@ -289,13 +320,14 @@ def choose_configs(
     if device.type != "cuda":
         return tuple(choose_config(m[-1], n, k, 4) for _, m in BUCKETS)  # type: ignore[return-value]
     fractional = zeros is not None and bool((zeros != zeros.round()).any())
-    h2 = h2_candidates(n, k, bits, group, zeros is not None, dtype)
+    nk = bits == 8 and row_major(qweight)
+    h2 = [] if nk else h2_candidates(n, k, bits, group, zeros is not None, dtype)
     key = (
         f"{torch.cuda.get_device_name(device)}|torch {torch.__version__}|"
         f"triton {triton.__version__}|int{bits} g{group}|{n}x{k}|{dtype}|zeros {zeros is not None}"
         f"{' fractional' if fractional else ''}"
         f"|kernels v{KERNELS_VERSION}{' dequant' if dequant_offered() else ''}"
-        f"{' h2' if h2 else ''}"
+        f"{' h2' if h2 else ''}{' nk' if nk else ''}"
     )
     if key not in _DECIDED:
         stored = _load().get(key)
@@ -327,8 +359,9 @@ def _measure(qweight, scales, zeros, bits, group, dtype, reference, fractional=F
         best, best_time = choose_config(rows[-1], n, k, num_sms), float("inf")
         if fractional:  # the fallback, too, must take the zero points as they are
             best = replace(best, expand=False)
-        offered = candidates(index, n, k, bits, group, num_sms, fractional)
-        if index == 0:
+        nk = bits == 8 and row_major(qweight)
+        offered = candidates(index, n, k, bits, group, num_sms, fractional, nk)
+        if index == 0 and not nk:
             offered += h2_candidates(n, k, bits, group, zeros is not None, dtype)
         for cfg in offered:
             try:

@@ -37,6 +37,7 @@ import triton.language as tl
 from tokenloom.plugins.quant.kernels.int4_gemv_h2 import h2_fits, launch_h2
 from tokenloom.plugins.quant.kernels.int4_tiles import dequant_asm_ok, kmajor_tile
 from tokenloom.plugins.quant.kernels.int8_gemv_h2 import int8_h2_fits, launch_int8_h2
+from tokenloom.plugins.quant.kernels.int8_gemv_nk import launch_int8_nk, nk_fits, row_major
 from tokenloom.plugins.quant.kernels.weight_gemv import gemv_fits, launch_gemv, reduce_counters
 
 SKINNY_ROWS = 16
@@ -57,6 +58,7 @@ class GemmConfig:
     swap: bool = False  # kmajor: out^T = W x^T, the weights the MMA's register operand
     dequant: bool = False  # dequantize the whole weight (kernels/dequant.py), then cuBLAS
     h2: bool = False  # one row in packed f16x2 arithmetic (int4_gemv_h2, int8_gemv_h2)
+    nk: bool = False  # int8 stored [N, K]: int8_gemv_nk, ``rows`` rows of x per program
 
     def kmajor_fits(self, bits: int, group: int) -> bool:
         return self.kmajor and bits == 4 and group > 0 and group % self.block_k == 0
@@ -64,6 +66,8 @@ class GemmConfig:
     def fits(self, bits: int, group: int) -> bool:
         """Whether this tiling can serve the format (the reshape path needs the tile
         and the group to nest, as must the GEMV's; K-major tiles lie in one group)."""
+        if self.nk:
+            return bits == 8 and group == 0 and self.rows in (1, 2, 4)
         if self.dequant:
             from tokenloom.plugins.quant.kernels.dequant import fits as dequant_fits
 
@@ -96,6 +100,8 @@ def _weight_gemm_kernel(
     stride_xm,
     stride_ym,
     stride_ysplit,
+    stride_qk,  # int8: the weights' strides as [K, N] (N, 1; or 1, K when stored [N, K])
+    stride_qn,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,  # 0: one scale per output channel
     HAS_ZEROS: tl.constexpr,
@@ -156,7 +162,11 @@ def _weight_gemm_kernel(
         else:
             if BITS == 8:
                 q = tl.load(
-                    qw_ptr + ks[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask_w, other=0
+                    qw_ptr
+                    + ks[:, None].to(tl.int64) * stride_qk
+                    + offs_n[None, :].to(tl.int64) * stride_qn,
+                    mask=mask_w,
+                    other=0,
                 )
             elif EXPAND:  # each word loaded once, its 8 nibbles laid out as 8 rows
                 kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
@@ -232,9 +242,12 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_config(m: int, n: int, k: int, num_sms: int) -> GemmConfig:
+def choose_config(m: int, n: int, k: int, num_sms: int, nk: bool = False) -> GemmConfig:
     """Tiles by batch size: a K-split weight stream for decode batches, square tiles
-    above (enough programs for about two waves over the GPU's SMs)."""
+    above (enough programs for about two waves over the GPU's SMs); ``nk``: int8 stored
+    ``[N, K]`` that ``int8_gemv_nk`` serves, which takes up to four rows."""
+    if nk and m <= 4:
+        return GemmConfig(1, 8, 512, 1, 4, 3, nk=True, rows=1 if m == 1 else 2 if m == 2 else 4)
     if m <= SKINNY_ROWS:
         block_n, block_k = 64, 256
         tiles = triton.cdiv(n, block_n)
@@ -262,30 +275,42 @@ def weight_gemm(
 
     ``qweight [K / (32 // bits) or K, N]`` (int32 packed for 4 bits, int8 for 8),
     ``scales [1 or G, N]``, ``zeros`` None or ``[G, N]``; ``group`` 0 means per
-    channel. ``x``'s last dim must be contiguous."""
+    channel. ``x``'s last dim must be contiguous. int8 weights may be stored ``[N, K]``
+    (``qweight`` the transposed view, as ``quantize_int8`` returns it): the dot tiles and
+    the dequantization read them through their strides, one to four rows run
+    ``int8_gemv_nk``, and the GEMVs over ``[K, N]`` storage are not offered."""
     m, k = x.shape
     n = qweight.shape[1]
     assert bits in (4, 8) and x.stride(1) == 1
-    # every kernel here indexes the weights as dense [K', N] rows (a strided view read as
-    # one gave wrong outputs silently)
-    assert qweight.is_contiguous() and scales.is_contiguous(), "weights must be contiguous"
+    nk = bits == 8 and row_major(qweight)
+    nk_ok = nk and group == 0 and nk_fits(x, qweight)  # int8_gemv_nk can serve this call
+    # the kernels index the weights as dense [K', N] rows, or int8 [N, K] ones (a strided
+    # view read as one gave wrong outputs silently)
+    assert qweight.is_contiguous() or nk, "weights must be contiguous (int8: or [N, K])"
+    assert scales.is_contiguous(), "scales must be contiguous"
     assert qweight.shape[0] * (8 if bits == 4 else 1) == k, (tuple(qweight.shape), k)
-    cfg = config or choose_config(m, n, k, _num_sms(x.device))
+    cfg = config or choose_config(m, n, k, _num_sms(x.device), nk_ok)
+    if (nk and (cfg.gemv or cfg.h2)) or (cfg.nk and not (nk_ok and cfg.fits(bits, group))):
+        cfg = choose_config(m, n, k, _num_sms(x.device), nk_ok)  # a kernel for this layout
     if cfg.dequant and cfg.fits(bits, group):
         from tokenloom.plugins.quant.kernels.dequant import dequantize_into
 
         w = dequantize_into(qweight, scales, zeros, bits, group, x.dtype)
         return torch.nn.functional.linear(x, w, bias)
     if cfg.dequant:  # a format the whole-weight path cannot serve
-        cfg = choose_config(m, n, k, _num_sms(x.device))
+        cfg = choose_config(m, n, k, _num_sms(x.device), nk_ok)
     if cfg.gemv and not gemv_fits(bits, group, cfg.block_k, zeros is not None, cfg.rows):
-        cfg = choose_config(m, n, k, _num_sms(x.device))  # a format the GEMV cannot serve
+        cfg = choose_config(m, n, k, _num_sms(x.device), nk_ok)  # a format the GEMV cannot serve
     if cfg.h2 and not (
         int8_h2_fits(x, qweight, group, cfg.block_k, zeros is not None)
         if bits == 8
         else h2_fits(x, bits, group, cfg.block_k, zeros is not None)
     ):
         cfg = choose_config(m, n, k, _num_sms(x.device))
+    if cfg.nk:
+        return launch_int8_nk(
+            x, qweight, scales, bias, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.rows
+        )
     k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_chunk)
     if split == 1:
@@ -378,6 +403,8 @@ def _launch_gemm(x, qweight, scales, zeros, bits, group, bias, y, m, n, k, k_chu
         x.stride(0),
         n,
         stride_split,
+        qweight.stride(0) if bits == 8 else n,
+        qweight.stride(1) if bits == 8 else 1,
         BITS=bits,
         GROUP=group,
         HAS_ZEROS=zeros is not None,

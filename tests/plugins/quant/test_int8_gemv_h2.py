@@ -28,6 +28,7 @@ def _layer(n, k, seed=0):
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen) * 0.02
     qweight, scales = quantize_int8(w.to(DEVICE))
+    qweight = qweight.contiguous()  # stored [K, N], the layout this kernel reads
     return qweight, scales, dequantize_int8(qweight, scales, torch.float64)
 
 

@@ -21,10 +21,12 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 
 
-def _quantized(bits: int, n: int, k: int, dtype: torch.dtype, group: int = 128):
+def _quantized(bits: int | str, n: int, k: int, dtype: torch.dtype, group: int = 128):
     w = torch.randn(n, k, device=DEVICE) / k**0.5
-    if bits == 8:
+    if bits in (8, "8kn"):  # int8 stored [N, K] (quantize_int8's), or [K, N] ("8kn")
         qweight, scales = quantize_int8(w)
+        if bits == "8kn":
+            qweight = qweight.contiguous()
         return (qweight, scales, None, 0), dequantize_int8(qweight, scales, torch.float64)
     qweight, scales, zeros = quantize_int4(w.to(dtype), group)
     return (qweight, scales, zeros, group), dequantize_int4(
@@ -37,7 +39,7 @@ def _check(bits, m, n, k, dtype, config, bias, group=128, tol=None):
     (qweight, scales, zeros, grp), w = _quantized(bits, n, k, dtype, group)
     x = torch.randn(m, k, device=DEVICE, dtype=dtype)
     b = torch.randn(n, device=DEVICE, dtype=dtype) if bias else None
-    got = weight_gemm(x, qweight, scales, zeros, bits, grp, b, config)
+    got = weight_gemm(x, qweight, scales, zeros, 8 if bits == "8kn" else bits, grp, b, config)
     expected = F.linear(x.double(), w, None if b is None else b.double())
     assert got.shape == (m, n) and got.dtype == dtype
     err = float((got.double() - expected).norm() / expected.norm())
@@ -52,7 +54,7 @@ SMALL = [
 ]
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, "8kn", 4])
 @pytest.mark.parametrize(("config", "m", "n", "k"), SMALL)
 @pytest.mark.parametrize("bias", [False, True])
 def test_weight_gemm_equals_dequantized_linear(bits, config, m, n, k, bias):
@@ -88,7 +90,7 @@ GEMV_CASES = [
 ]
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", ["8kn", 4])  # int8 [N, K]: test_int8_gemv_nk.py
 @pytest.mark.parametrize(("config", "m", "n", "k"), GEMV_CASES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_weight_gemv_equals_dequantized_linear(bits, config, m, n, k, bias):
@@ -98,7 +100,7 @@ def test_weight_gemv_equals_dequantized_linear(bits, config, m, n, k, bias):
 def test_weight_gemv_with_a_partial_last_group_and_float16():
     _check(4, 2, 32, 96, torch.float32, GemmConfig(1, 16, 32, gemv=True), False, group=64)
     _check(4, 1, 32, 64, torch.float16, GemmConfig(1, 16, 32, gemv=True), True, group=32)
-    _check(8, 1, 32, 64, torch.float16, GemmConfig(1, 16, 32, gemv=True), True)
+    _check("8kn", 1, 32, 64, torch.float16, GemmConfig(1, 16, 32, gemv=True), True)
     _check(4, 3, 32, 96, torch.float16, GemmConfig(1, 16, 32, gemv=True, rows=2), True, group=64)
 
 
@@ -230,7 +232,7 @@ LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o,
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, "8kn", 4])
 @pytest.mark.parametrize("m", [1, 7, 16, 48, 300])
 @pytest.mark.parametrize(("n", "k"), LLAMA_8B)
 def test_weight_gemm_on_llama_shapes_gpu(bits, m, n, k):
@@ -254,7 +256,7 @@ def test_int4_kmajor_on_llama_shapes_gpu(dtype, m, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, "8kn", 4])  # 8: int8_gemv_nk takes the call
 @pytest.mark.parametrize("m", [1, 4])
 @pytest.mark.parametrize("split_k", [1, 4])
 @pytest.mark.parametrize(("n", "k"), LLAMA_8B)
@@ -265,7 +267,7 @@ def test_weight_gemv_on_llama_shapes_gpu(bits, m, split_k, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", ["8kn", 4])
 @pytest.mark.parametrize(("m", "rows"), [(3, 2), (16, 4), (7, 4)])
 @pytest.mark.parametrize(("n", "k"), LLAMA_8B)
 def test_weight_gemv_rows_on_llama_shapes_gpu(bits, m, rows, n, k):

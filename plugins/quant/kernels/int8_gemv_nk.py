@@ -1,0 +1,211 @@
+"""The int8 GEMV over weights stored row-major, ``[N, K]`` (each output channel's K
+weights contiguous): one to four rows of ``x`` (decode), no K split.
+
+Why a second layout (session 16). The profile's critical path at batch 1 (one H200,
+Llama-3-8B, PDL: what each kernel added to the step) put the bf16 one-row GEMV
+(``skinny_gemm.gemv``, ``[N, K]``) at 91-100% of the copy bandwidth in the engine, and the
+int8 GEMVs over the transposed ``[K, N]`` storage at 58-59% (qkv, o) and 75-84% (down,
+gate_up). Over ``[K, N]`` a program's columns are a short run of every row, so a narrow
+layer needs a K split for enough programs, and with it a second pass: the partial sums,
+an arrival counter and the last split's sum, on the critical path of every GEMV. Over
+``[N, K]`` a program owns ``BLOCK_N`` whole rows, streams them in 16-byte loads with the
+next tile in flight (a register double buffer) and reduces once, at the end: the bf16
+kernel's structure, which needs no split (4,096 rows make 512 programs of 8).
+
+Each weight becomes a float without a conversion instruction (``int8_floats``: plus 128
+into the mantissa of 2^23, one subtraction); the per-channel scale multiplies the sum
+once. With ``ROWS`` > 1 a program computes that many rows of ``x`` from one read of its
+weights (decode batches of 2-16). The other int8 kernels (``weight_gemm``'s tiles, the
+whole-weight dequantization) read the same storage through its strides, as the
+transposed view ``[K, N]`` (``qweight.t()``) that ``quantize_int8`` returns.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenloom.plugins.models.pdl import launch_options, release, wait
+from tokenloom.plugins.quant.kernels.gemv_weights import int8_word_floats
+
+
+def row_major(qweight: torch.Tensor) -> bool:
+    """Whether an int8 ``qweight`` (the logical ``[K, N]``) is stored ``[N, K]``: the
+    transposed view of a contiguous ``[N, K]`` tensor."""
+    k, n = qweight.shape
+    return (
+        qweight.dtype == torch.int8
+        and qweight.stride(0) == 1
+        and (qweight.stride(1) == k or n == 1)
+        and (k > 1 or qweight.is_contiguous())
+    )
+
+
+@triton.jit
+def _x_floats(x_ptr, x64_ptr, m, M, kw, KW, stride_xm, stride_x64, X64: tl.constexpr):
+    """Row ``m`` of x at ``4 kw + i``, i = 0..3, as four fp32 vectors (zeros past ``M``).
+    ``X64``: 16-bit x read as one int64 per word (four values, 8 bytes a load), its halves
+    widened by bit moves (bf16) or a cast (f16); else four strided loads."""
+    lim = tl.where(m < M, KW, 0)  # a row past M reads nothing
+    if X64:
+        v = tl.load(x64_ptr + m * stride_x64 + kw, mask=kw < lim, other=0)
+        if x_ptr.dtype.element_ty == tl.bfloat16:  # bf16 bits << 16 are the fp32 bits
+            x0 = ((v & 0xFFFF) << 16).to(tl.int32).to(tl.float32, bitcast=True)
+            x1 = (v & 0xFFFF0000).to(tl.int32).to(tl.float32, bitcast=True)
+            x2 = ((v >> 16) & 0xFFFF0000).to(tl.int32).to(tl.float32, bitcast=True)
+            x3 = ((v >> 32) & 0xFFFF0000).to(tl.int32).to(tl.float32, bitcast=True)
+        else:
+            x0 = v.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            x1 = (v >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            x2 = (v >> 32).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            x3 = (v >> 48).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        row = x_ptr + m * stride_xm + 4 * kw
+        x0 = tl.load(row, mask=kw < lim, other=0.0).to(tl.float32)
+        x1 = tl.load(row + 1, mask=kw < lim, other=0.0).to(tl.float32)
+        x2 = tl.load(row + 2, mask=kw < lim, other=0.0).to(tl.float32)
+        x3 = tl.load(row + 3, mask=kw < lim, other=0.0).to(tl.float32)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _row_fma(acc, f0, f1, f2, f3, x_ptr, x64_ptr, m, M, kw, KW, stride_xm, stride_x64, X64):
+    """``acc + sum_i f_i x_i``: a word's four weights chain into one accumulator."""
+    x0, x1, x2, x3 = _x_floats(x_ptr, x64_ptr, m, M, kw, KW, stride_xm, stride_x64, X64)
+    acc += f0 * x0[None, :]
+    acc += f1 * x1[None, :]
+    acc += f2 * x2[None, :]
+    acc += f3 * x3[None, :]
+    return acc
+
+
+@triton.jit
+def _store_row(acc, y_ptr, m, M, offs_n, N, scale, bias, stride_ym, HAS_BIAS: tl.constexpr):
+    y = tl.sum(acc, axis=1) * scale
+    if HAS_BIAS:
+        y += bias
+    lim = tl.where(m < M, N, 0)  # a row past M writes nothing
+    tl.store(y_ptr + m * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < lim)
+
+
+@triton.jit
+def _int8_gemv_nk_kernel(
+    x_ptr,
+    x64_ptr,  # X64: x as int64 words [M, K / 4]
+    qw_ptr,  # int32 words [N, K / 4]: four consecutive K weights of one channel each
+    s_ptr,  # fp32 [N]
+    b_ptr,
+    y_ptr,  # [M, N]
+    M,
+    N,
+    KW,  # K / 4
+    stride_xm,
+    stride_x64,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    ROWS: tl.constexpr,  # rows of x per program: 1, 2 or 4
+    BLOCK_N: tl.constexpr,
+    BLOCK_KW: tl.constexpr,  # words of a tile row (4 weights each)
+    X64: tl.constexpr,
+    ASM: tl.constexpr,  # int8_word_floats' PTX (a CUDA GPU)
+    USE_PDL: tl.constexpr = False,
+):
+    m0 = tl.program_id(1) * ROWS
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # two words (8 weights) a load: then the slice of this layout that x needs is the
+    # layout x's own load of two int64 (16 bytes) takes, and x needs no shared memory
+    offs_w = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_KW), 2), 2)
+    mask_n = offs_n < N
+    w_rows = qw_ptr + offs_n[:, None].to(tl.int64) * KW
+    w = tl.load(w_rows + offs_w[None, :], mask=mask_n[:, None] & (offs_w < KW)[None, :], other=0)
+    wait(USE_PDL)  # the first tile is in flight; x comes from the kernel before
+    release(USE_PDL)
+    acc0 = tl.zeros([BLOCK_N, BLOCK_KW], tl.float32)
+    acc1 = tl.zeros_like(acc0)
+    acc2 = tl.zeros_like(acc0)
+    acc3 = tl.zeros_like(acc0)
+    for k0 in range(0, KW, BLOCK_KW):
+        kw = k0 + offs_w
+        nxt = kw + BLOCK_KW
+        w_next = tl.load(w_rows + nxt[None, :], mask=mask_n[:, None] & (nxt < KW)[None, :], other=0)
+        f0, f1, f2, f3 = int8_word_floats(w, ASM)
+        acc0 = _row_fma(
+            acc0, f0, f1, f2, f3, x_ptr, x64_ptr, m0, M, kw, KW, stride_xm, stride_x64, X64
+        )
+        if ROWS > 1:
+            acc1 = _row_fma(
+                acc1, f0, f1, f2, f3, x_ptr, x64_ptr, m0 + 1, M, kw, KW, stride_xm, stride_x64, X64
+            )
+        if ROWS > 2:
+            acc2 = _row_fma(
+                acc2, f0, f1, f2, f3, x_ptr, x64_ptr, m0 + 2, M, kw, KW, stride_xm, stride_x64, X64
+            )
+            acc3 = _row_fma(
+                acc3, f0, f1, f2, f3, x_ptr, x64_ptr, m0 + 3, M, kw, KW, stride_xm, stride_x64, X64
+            )
+        w = w_next
+    scale = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    bias = tl.zeros_like(scale)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    _store_row(acc0, y_ptr, m0, M, offs_n, N, scale, bias, stride_ym, HAS_BIAS)
+    if ROWS > 1:
+        _store_row(acc1, y_ptr, m0 + 1, M, offs_n, N, scale, bias, stride_ym, HAS_BIAS)
+    if ROWS > 2:
+        _store_row(acc2, y_ptr, m0 + 2, M, offs_n, N, scale, bias, stride_ym, HAS_BIAS)
+        _store_row(acc3, y_ptr, m0 + 3, M, offs_n, N, scale, bias, stride_ym, HAS_BIAS)
+
+
+def nk_fits(x: torch.Tensor, qweight: torch.Tensor) -> bool:
+    """Whether this kernel serves ``qweight`` (int8 stored ``[N, K]``, rows of whole
+    int32 words) for ``x``."""
+    k = qweight.shape[0]
+    return (
+        row_major(qweight) and k % 4 == 0 and qweight.storage_offset() % 4 == 0 and x.stride(1) == 1
+    )
+
+
+def launch_int8_nk(
+    x: torch.Tensor,
+    qweight: torch.Tensor,  # the logical [K, N]: a view of [N, K] storage (nk_fits)
+    scales: torch.Tensor,  # [1, N] fp32
+    bias: torch.Tensor | None,
+    block_n: int,
+    block_k: int,
+    num_warps: int,
+    rows: int,
+) -> torch.Tensor:
+    """``x [M, K] @ dequant(qweight)^T (+ bias) -> [M, N]`` in ``x``'s dtype."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    assert nk_fits(x, qweight) and rows in (1, 2, 4), (tuple(qweight.stride()), tuple(x.shape))
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    x64 = x.element_size() == 2 and x.stride(0) % 4 == 0 and x.data_ptr() % 8 == 0
+    words = qweight.t().view(torch.int32)  # [N, K / 4]
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, rows))
+    _int8_gemv_nk_kernel[grid](
+        x,
+        x.view(torch.int64) if x64 else x,
+        words,
+        scales,
+        bias if bias is not None else scales,
+        y,
+        m,
+        n,
+        k // 4,
+        x.stride(0),
+        x.stride(0) // 4 if x64 else 0,
+        y.stride(0),
+        HAS_BIAS=bias is not None,
+        ROWS=rows,
+        BLOCK_N=block_n,
+        BLOCK_KW=max(1, min(block_k // 4, triton.next_power_of_2(k // 4))),
+        X64=x64,
+        ASM=x.device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1",
+        num_warps=num_warps,
+        **launch_options(x.device),
+    )
+    return y
