@@ -91,6 +91,11 @@ NK = [
     GemmConfig(1, 4, 1024, 1, 4, 3, nk=True),
     GemmConfig(1, 8, 2048, 1, 8, 3, nk=True),
     GemmConfig(1, 16, 2048, 1, 8, 3, nk=True),
+    # several row blocks per program in one stream (the first load's latency paid once)
+    GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, groups=2),
+    GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, groups=4),
+    GemmConfig(1, 4, 1024, 1, 4, 3, nk=True, groups=4),
+    GemmConfig(1, 16, 2048, 1, 8, 3, nk=True, groups=2),
 ]
 NK_ROWS = [  # two or four rows of x per program (bucket 2-16)
     GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, rows=2),

@@ -59,6 +59,7 @@ class GemmConfig:
     dequant: bool = False  # dequantize the whole weight (kernels/dequant.py), then cuBLAS
     h2: bool = False  # one row in packed f16x2 arithmetic (int4_gemv_h2, int8_gemv_h2)
     nk: bool = False  # int8 stored [N, K]: int8_gemv_nk, ``rows`` rows of x per program
+    groups: int = 1  # nk with one row: row blocks per program, streamed as one
 
     def kmajor_fits(self, bits: int, group: int) -> bool:
         return self.kmajor and bits == 4 and group > 0 and group % self.block_k == 0
@@ -67,7 +68,12 @@ class GemmConfig:
         """Whether this tiling can serve the format (the reshape path needs the tile
         and the group to nest, as must the GEMV's; K-major tiles lie in one group)."""
         if self.nk:
-            return bits == 8 and group == 0 and self.rows in (1, 2, 4)
+            return (
+                bits == 8
+                and group == 0
+                and self.rows in (1, 2, 4)
+                and (self.groups == 1 or self.rows == 1)
+            )
         if self.dequant:
             from tokenloom.plugins.quant.kernels.dequant import fits as dequant_fits
 
@@ -309,7 +315,7 @@ def weight_gemm(
         cfg = choose_config(m, n, k, _num_sms(x.device))
     if cfg.nk:
         return launch_int8_nk(
-            x, qweight, scales, bias, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.rows
+            x, qweight, scales, bias, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.rows, cfg.groups
         )
     k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_chunk)

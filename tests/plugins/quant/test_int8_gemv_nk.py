@@ -35,7 +35,7 @@ def launches(monkeypatch):
     real = weight_gemm_module.launch_int8_nk
 
     def spy(*args, **kwargs):
-        calls.append(args[-1])
+        calls.append(args[7])  # rows of x per program
         return real(*args, **kwargs)
 
     monkeypatch.setattr(weight_gemm_module, "launch_int8_nk", spy)
@@ -63,6 +63,22 @@ def test_matches_the_dequantized_reference(dtype, m, rows, n, k, block_n, block_
     expected = x.double() @ ref.t() + bias.double()
     assert y.shape == (m, n) and y.dtype == dtype
     assert float((y.double() - expected).norm() / expected.norm()) < TOL[dtype]
+
+
+@pytest.mark.parametrize("groups", [2, 3])
+@pytest.mark.parametrize(("n", "k"), [(40, 96), (33, 200), (8, 64)])
+def test_row_blocks_in_one_stream_match_the_reference(groups, n, k, launches):
+    # several row blocks per program, the next tile in flight across each block's end;
+    # N off the blocks, K off the tile, a block past N in the last program
+    qweight, scales, ref = _layer(n, k)
+    x = torch.randn(1, k, device=DEVICE)
+    bias = torch.randn(n, device=DEVICE)
+    cfg = GemmConfig(1, 8, 64, 1, 4, 3, nk=True, groups=groups)
+    y = weight_gemm(x, qweight, scales, None, 8, 0, bias, cfg)
+    assert launches == [1]
+    expected = x.double() @ ref.t() + bias.double()
+    assert float((y.double() - expected).norm() / expected.norm()) < 1e-6
+    assert not GemmConfig(1, 8, 64, nk=True, rows=2, groups=2).fits(8, 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
