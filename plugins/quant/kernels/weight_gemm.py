@@ -27,68 +27,22 @@ points 0-15, scales in the model dtype), and only then bit-identical to the refe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cache
 
 import torch
 import triton
 import triton.language as tl
 
+from tokenloom.plugins.quant.kernels.gemm_config import (  # noqa: F401  (re-exported)
+    SKINNY_ROWS,
+    GemmConfig,
+    choose_config,
+)
 from tokenloom.plugins.quant.kernels.int4_gemv_h2 import h2_fits, launch_h2
 from tokenloom.plugins.quant.kernels.int4_tiles import dequant_asm_ok, kmajor_tile
 from tokenloom.plugins.quant.kernels.int8_gemv_h2 import int8_h2_fits, launch_int8_h2
 from tokenloom.plugins.quant.kernels.int8_gemv_nk import launch_int8_nk, nk_fits, row_major
 from tokenloom.plugins.quant.kernels.weight_gemv import gemv_fits, launch_gemv, reduce_counters
-
-SKINNY_ROWS = 16
-
-
-@dataclass(frozen=True)
-class GemmConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-    expand: bool = True  # int4: unpack words and broadcast group scales by reshape
-    gemv: bool = False  # weight_gemv's FMA kernel, one program row per row of x
-    rows: int = 1  # the GEMV's rows of x per program: 1, 2 or 4
-    kmajor: bool = False  # int4 dot kernel: the tile built [N, K] (one group per tile)
-    swap: bool = False  # kmajor: out^T = W x^T, the weights the MMA's register operand
-    dequant: bool = False  # dequantize the whole weight (kernels/dequant.py), then cuBLAS
-    h2: bool = False  # one row in packed f16x2 arithmetic (int4_gemv_h2, int8_gemv_h2)
-    nk: bool = False  # int8 stored [N, K]: int8_gemv_nk, ``rows`` rows of x per program
-    groups: int = 1  # nk with one row: row blocks per program, streamed as one
-
-    def kmajor_fits(self, bits: int, group: int) -> bool:
-        return self.kmajor and bits == 4 and group > 0 and group % self.block_k == 0
-
-    def fits(self, bits: int, group: int) -> bool:
-        """Whether this tiling can serve the format (the reshape path needs the tile
-        and the group to nest, as must the GEMV's; K-major tiles lie in one group)."""
-        if self.nk:
-            return (
-                bits == 8
-                and group == 0
-                and self.rows in (1, 2, 4)
-                and (self.groups == 1 or self.rows == 1)
-            )
-        if self.dequant:
-            from tokenloom.plugins.quant.kernels.dequant import fits as dequant_fits
-
-            return dequant_fits(bits, group)
-        if self.h2:
-            if bits == 8:
-                return group == 0 and self.block_k % 4 == 0
-            return bits == 4 and group > 0 and group % self.block_k == 0
-        if self.gemv:
-            return gemv_fits(bits, group, self.block_k, bits == 4 and group > 0, self.rows)
-        if self.kmajor:
-            return self.kmajor_fits(bits, group)
-        if not self.expand or bits == 8 or group == 0:
-            return True
-        return self.block_k % group == 0 or group % self.block_k == 0
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -246,25 +200,6 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def choose_config(m: int, n: int, k: int, num_sms: int, nk: bool = False) -> GemmConfig:
-    """Tiles by batch size: a K-split weight stream for decode batches, square tiles
-    above (enough programs for about two waves over the GPU's SMs); ``nk``: int8 stored
-    ``[N, K]`` that ``int8_gemv_nk`` serves, which takes up to four rows."""
-    if nk and m <= 4:
-        return GemmConfig(1, 8, 512, 1, 4, 3, nk=True, rows=1 if m == 1 else 2 if m == 2 else 4)
-    if m <= SKINNY_ROWS:
-        block_n, block_k = 64, 256
-        tiles = triton.cdiv(n, block_n)
-        k_blocks = triton.cdiv(k, block_k)
-        split = 1
-        while tiles * split < 2 * num_sms and split * 2 <= max(1, k_blocks // 2):
-            split *= 2
-        return GemmConfig(SKINNY_ROWS, block_n, block_k, split, num_warps=4, num_stages=4)
-    if m <= 64:
-        return GemmConfig(64, 64, 128, num_warps=4, num_stages=3)
-    return GemmConfig(128, 128, 64, num_warps=8, num_stages=3)
 
 
 def weight_gemm(
