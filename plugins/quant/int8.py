@@ -2,9 +2,9 @@
 channel, quantized at load from the 16/32-bit checkpoint, stored ``[N, K]``.
 
 ``q = round(w / s)`` in ``[-127, 127]`` with ``s = max|w_row| / 127``. On the GPU the
-layer runs the Triton GEMM of ``kernels.weight_gemm`` (int8 tiles converted in
-registers, the scale applied once to the accumulator; a K-split weight stream for
-batches of at most 16 rows). Elsewhere, and as the kernel's oracle, the reference
+layer runs the Triton kernels of ``kernels.weight_gemm``: ``int8_gemv_nk`` for decode
+batches (whole rows of ``[N, K]`` per program, no K split), int8 tiles converted in
+registers for ``tl.dot`` above, the scale applied once to the accumulator. Elsewhere, and as the kernel's oracle, the reference
 path dequantizes the weight and calls ``F.linear``. Activations stay 16-bit, so the
 only error is the weights' rounding (half a step of ``max|w_row| / 127``).
 """
