@@ -96,12 +96,20 @@ NK = [
     GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, groups=4),
     GemmConfig(1, 4, 1024, 1, 4, 3, nk=True, groups=4),
     GemmConfig(1, 16, 2048, 1, 8, 3, nk=True, groups=2),
+    # weights as 2^15 + 128 + q, the bias off per word (offline: 3.2-3.4 per weight)
+    GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, biased=True),
+    GemmConfig(1, 16, 1024, 1, 4, 3, nk=True, biased=True),
+    GemmConfig(1, 16, 2048, 1, 8, 3, nk=True, biased=True),
+    GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, groups=2, biased=True),
+    GemmConfig(1, 4, 1024, 1, 4, 3, nk=True, groups=4, biased=True),
 ]
 NK_ROWS = [  # two or four rows of x per program (bucket 2-16)
     GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, rows=2),
     GemmConfig(1, 16, 1024, 1, 4, 3, nk=True, rows=2),
     GemmConfig(1, 4, 1024, 1, 4, 3, nk=True, rows=4),
     GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, rows=4),
+    GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, rows=2, biased=True),
+    GemmConfig(1, 4, 1024, 1, 4, 3, nk=True, rows=4, biased=True),
 ]
 
 # int8_gemv_h2 (session 15): the int8 GEMV's tilings that fit its registers

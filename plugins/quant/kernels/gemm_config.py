@@ -30,6 +30,7 @@ class GemmConfig:
     h2: bool = False  # one row in packed f16x2 arithmetic (int4_gemv_h2, int8_gemv_h2)
     nk: bool = False  # int8 stored [N, K]: int8_gemv_nk, ``rows`` rows of x per program
     groups: int = 1  # nk with one row: row blocks per program, streamed as one
+    biased: bool = False  # nk: weights as 2^15 + 128 + q, the bias taken off per word
 
     def kmajor_fits(self, bits: int, group: int) -> bool:
         return self.kmajor and bits == 4 and group > 0 and group % self.block_k == 0

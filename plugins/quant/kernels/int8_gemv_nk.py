@@ -71,14 +71,60 @@ def _x_floats(x_ptr, x64_ptr, m, M, kw, KW, stride_xm, stride_x64, X64: tl.const
     return x0, x1, x2, x3
 
 
+# PTX for four int8 weights in one register ($4) -> the floats 2^15 + (q + 128) ($0..$3):
+# the byte, offset binary after the xor, under the exponent of 2^15 at mantissa bits 8-15
+# (the ulp of 2^15 is 2^-8, so the byte's unit is 1 there: 2^15 + b exactly).
+_B15_ASM = tl.constexpr(
+    "{ .reg .b32 t; xor.b32 t, $4, 0x80808080; "
+    "prmt.b32 $0, t, 0x47000000, 0x7404; prmt.b32 $1, t, 0x47000000, 0x7414; "
+    "prmt.b32 $2, t, 0x47000000, 0x7424; prmt.b32 $3, t, 0x47000000, 0x7434; }"
+)
+
+
 @triton.jit
-def _row_fma(acc, f0, f1, f2, f3, x_ptr, x64_ptr, m, M, kw, KW, stride_xm, stride_x64, X64):
-    """``acc + sum_i f_i x_i``: a word's four weights chain into one accumulator."""
+def _word_floats(w, ASM: tl.constexpr, B15: tl.constexpr):
+    """The four weights of each word: ``q`` exactly (``int8_word_floats``), or with ``B15``
+    ``2^15 + 128 + q`` (no subtraction per weight: ``_row_fma`` takes the bias off per
+    word)."""
+    if not B15:
+        return int8_word_floats(w, ASM)
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm=_B15_ASM,
+            constraints="=r,=r,=r,=r,r",
+            args=[w],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+            is_pure=True,
+            pack=1,
+        )
+    t = w ^ -0x7F7F7F80  # 0x80808080 as an int32: offset binary
+    f0 = (((t & 0xFF) << 8) | 0x47000000).to(tl.float32, bitcast=True)
+    f1 = ((t & 0xFF00) | 0x47000000).to(tl.float32, bitcast=True)
+    f2 = (((t >> 8) & 0xFF00) | 0x47000000).to(tl.float32, bitcast=True)
+    f3 = (((t >> 16) & 0xFF00) | 0x47000000).to(tl.float32, bitcast=True)
+    return f0, f1, f2, f3
+
+
+@triton.jit
+def _row_fma(
+    acc, f0, f1, f2, f3, x_ptr, x64_ptr, m, M, kw, KW, stride_xm, stride_x64, X64, B15
+):  # fmt: skip
+    """``acc + sum_i q_i x_i``: a word's four weights chain into one accumulator. With
+    ``B15`` the chain starts at ``-(2^15 + 128) sum_i x_i`` (per word column, shared by
+    the tile's rows) and is added to ``acc`` once: the bias goes per word, so the chain's
+    rounding stays ~2^-9 of |x| per term whatever the sum of x over K."""
     x0, x1, x2, x3 = _x_floats(x_ptr, x64_ptr, m, M, kw, KW, stride_xm, stride_x64, X64)
-    acc += f0 * x0[None, :]
-    acc += f1 * x1[None, :]
-    acc += f2 * x2[None, :]
-    acc += f3 * x3[None, :]
+    if B15:
+        chain = f0 * x0[None, :] + (((x0 + x1) + (x2 + x3)) * -32896.0)[None, :]
+        chain += f1 * x1[None, :]
+        chain += f2 * x2[None, :]
+        chain += f3 * x3[None, :]
+        acc += chain
+    else:
+        acc += f0 * x0[None, :]
+        acc += f1 * x1[None, :]
+        acc += f2 * x2[None, :]
+        acc += f3 * x3[None, :]
     return acc
 
 
@@ -95,7 +141,7 @@ def _store_row(acc, y_ptr, m, M, offs_n, N, scale, bias, stride_ym, HAS_BIAS: tl
 def _grouped(w, acc, x_ptr, x64_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, M, N, KW, stride_xm,
              stride_x64, stride_ym, m0, offs_n, offs_w, HAS_BIAS: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, X64: tl.constexpr,
-             ASM: tl.constexpr, GROUPS: tl.constexpr):  # fmt: skip
+             ASM: tl.constexpr, GROUPS: tl.constexpr, B15: tl.constexpr):  # fmt: skip
     """One row of x over ``GROUPS`` consecutive row blocks from ``offs_n``: one loop over
     every (block, K tile), the next tile in flight across a block's end, so a program
     pays its first load's latency once (a program of 8 int8 rows streams half the bytes
@@ -115,9 +161,9 @@ def _grouped(w, acc, x_ptr, x64_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, M, N, KW, stri
             other=0,
         )
         kw = kt * BLOCK_KW + offs_w
-        f0, f1, f2, f3 = int8_word_floats(w, ASM)
+        f0, f1, f2, f3 = _word_floats(w, ASM, B15)
         acc = _row_fma(
-            acc, f0, f1, f2, f3, x_ptr, x64_ptr, m0, M, kw, KW, stride_xm, stride_x64, X64
+            acc, f0, f1, f2, f3, x_ptr, x64_ptr, m0, M, kw, KW, stride_xm, stride_x64, X64, B15
         )
         if kt == kt_count - 1:  # the block's last tile: its outputs, then the next block
             rows = first + g * BLOCK_N
@@ -152,6 +198,7 @@ def _int8_gemv_nk_kernel(
     ASM: tl.constexpr,  # int8_word_floats' PTX (a CUDA GPU)
     USE_PDL: tl.constexpr = False,
     GROUPS: tl.constexpr = 1,  # ROWS 1: row blocks per program, streamed as one
+    B15: tl.constexpr = False,  # weights as 2^15 + 128 + q, the bias off per word
 ):
     m0 = tl.program_id(1) * ROWS
     offs_n = tl.program_id(0) * (BLOCK_N * GROUPS) + tl.arange(0, BLOCK_N)
@@ -170,26 +217,68 @@ def _int8_gemv_nk_kernel(
     if GROUPS > 1:  # the stream does not stop between row blocks
         _grouped(w, acc0, x_ptr, x64_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, M, N, KW, stride_xm,
                  stride_x64, stride_ym, m0, offs_n, offs_w, HAS_BIAS, BLOCK_N, BLOCK_KW, X64,
-                 ASM, GROUPS)  # fmt: skip
+                 ASM, GROUPS, B15)  # fmt: skip
         return
     for k0 in range(0, KW, BLOCK_KW):
         kw = k0 + offs_w
         nxt = kw + BLOCK_KW
         w_next = tl.load(w_rows + nxt[None, :], mask=mask_n[:, None] & (nxt < KW)[None, :], other=0)
-        f0, f1, f2, f3 = int8_word_floats(w, ASM)
+        f0, f1, f2, f3 = _word_floats(w, ASM, B15)
         acc0 = _row_fma(
-            acc0, f0, f1, f2, f3, x_ptr, x64_ptr, m0, M, kw, KW, stride_xm, stride_x64, X64
+            acc0, f0, f1, f2, f3, x_ptr, x64_ptr, m0, M, kw, KW, stride_xm, stride_x64, X64, B15
         )
         if ROWS > 1:
             acc1 = _row_fma(
-                acc1, f0, f1, f2, f3, x_ptr, x64_ptr, m0 + 1, M, kw, KW, stride_xm, stride_x64, X64
+                acc1,
+                f0,
+                f1,
+                f2,
+                f3,
+                x_ptr,
+                x64_ptr,
+                m0 + 1,
+                M,
+                kw,
+                KW,
+                stride_xm,
+                stride_x64,
+                X64,
+                B15,
             )
         if ROWS > 2:
             acc2 = _row_fma(
-                acc2, f0, f1, f2, f3, x_ptr, x64_ptr, m0 + 2, M, kw, KW, stride_xm, stride_x64, X64
+                acc2,
+                f0,
+                f1,
+                f2,
+                f3,
+                x_ptr,
+                x64_ptr,
+                m0 + 2,
+                M,
+                kw,
+                KW,
+                stride_xm,
+                stride_x64,
+                X64,
+                B15,
             )
             acc3 = _row_fma(
-                acc3, f0, f1, f2, f3, x_ptr, x64_ptr, m0 + 3, M, kw, KW, stride_xm, stride_x64, X64
+                acc3,
+                f0,
+                f1,
+                f2,
+                f3,
+                x_ptr,
+                x64_ptr,
+                m0 + 3,
+                M,
+                kw,
+                KW,
+                stride_xm,
+                stride_x64,
+                X64,
+                B15,
             )
         w = w_next
     scale = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -223,9 +312,11 @@ def launch_int8_nk(
     num_warps: int,
     rows: int,
     groups: int = 1,
+    biased: bool = False,
 ) -> torch.Tensor:
     """``x [M, K] @ dequant(qweight)^T (+ bias) -> [M, N]`` in ``x``'s dtype; ``groups``
-    row blocks per program (one row of x per program only)."""
+    row blocks per program (one row of x per program only); ``biased``: the weights
+    as ``2^15 + 128 + q`` (``_word_floats``), one subtraction per word, not per weight."""
     m, k = x.shape
     n = qweight.shape[1]
     assert nk_fits(x, qweight) and rows in (1, 2, 4), (tuple(qweight.stride()), tuple(x.shape))
@@ -254,6 +345,7 @@ def launch_int8_nk(
         X64=x64,
         ASM=x.device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1",
         GROUPS=groups,
+        B15=biased,
         num_warps=num_warps,
         **launch_options(x.device),
     )

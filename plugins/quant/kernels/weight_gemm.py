@@ -250,7 +250,16 @@ def weight_gemm(
         cfg = choose_config(m, n, k, _num_sms(x.device))
     if cfg.nk:
         return launch_int8_nk(
-            x, qweight, scales, bias, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.rows, cfg.groups
+            x,
+            qweight,
+            scales,
+            bias,
+            cfg.block_n,
+            cfg.block_k,
+            cfg.num_warps,
+            cfg.rows,
+            cfg.groups,
+            cfg.biased,
         )
     k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_chunk)

@@ -81,6 +81,26 @@ def test_row_blocks_in_one_stream_match_the_reference(groups, n, k, launches):
     assert not GemmConfig(1, 8, 64, nk=True, rows=2, groups=2).fits(8, 0)
 
 
+@pytest.mark.parametrize(("groups", "rows"), [(1, 1), (1, 4), (3, 1)])
+def test_biased_weights_lose_little_whatever_the_mean_of_x(groups, rows, launches):
+    # 2^15 + 128 + q, the bias off per word: ~1e-4 of the output, with a mean of 50
+    # over K and one outlier of 2,000 (a bias off once, at the end, would cancel
+    # 2^15 x 50 x K against the result); the exact conversion stays at fp32 rounding
+    qweight, scales, ref = _layer(33, 1024)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 1024, generator=gen) * 3 + 50.0
+    x[0, 5] = 2000.0
+    x = x.to(DEVICE)
+    expected = x.double() @ ref.t()
+    errs = []
+    for biased in (True, False):
+        cfg = GemmConfig(1, 8, 64, 1, 4, 3, nk=True, rows=rows, groups=groups, biased=biased)
+        y = weight_gemm(x, qweight, scales, None, 8, 0, None, cfg)
+        errs.append(float((y.double() - expected).norm() / expected.norm()))
+    assert launches == [rows, rows]
+    assert 1e-6 < errs[0] < 3e-4 and errs[1] < 1e-6, errs
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_16_bit_x_read_as_int64_words_gives_the_strided_loads_bits(dtype, launches):
     # x's rows at an offset of one element cannot be read as int64: four strided loads
