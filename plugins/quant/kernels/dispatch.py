@@ -84,33 +84,46 @@ H2 = [
 
 # int8_gemv_nk (session 16), int8 stored [N, K]: (BLOCK_N, BLOCK_K, warps) with BLOCK_K =
 # 256 x warps, where x's load takes the layout its FMAs need (no shared memory; offline
-# sm_90: 3.8-4.1 instructions per weight at one row, 40-127 registers)
+# sm_90: 3.8-4.1 instructions per weight at one row, 40-127 registers). Measured on the
+# H200 (docs/quantization.md, session 16).
 NK = [
     GemmConfig(1, 8, 1024, 1, 4, 3, nk=True),
     GemmConfig(1, 16, 1024, 1, 4, 3, nk=True),
     GemmConfig(1, 4, 1024, 1, 4, 3, nk=True),
     GemmConfig(1, 8, 2048, 1, 8, 3, nk=True),
     GemmConfig(1, 16, 2048, 1, 8, 3, nk=True),
-    # several row blocks per program in one stream (the first load's latency paid once)
-    GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, groups=2),
-    GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, groups=4),
-    GemmConfig(1, 4, 1024, 1, 4, 3, nk=True, groups=4),
-    GemmConfig(1, 16, 2048, 1, 8, 3, nk=True, groups=2),
-    # weights as 2^15 + 128 + q, the bias off per word (offline: 3.2-3.4 per weight)
-    GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, biased=True),
-    GemmConfig(1, 16, 1024, 1, 4, 3, nk=True, biased=True),
-    GemmConfig(1, 16, 2048, 1, 8, 3, nk=True, biased=True),
-    GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, groups=2, biased=True),
-    GemmConfig(1, 4, 1024, 1, 4, 3, nk=True, groups=4, biased=True),
 ]
 NK_ROWS = [  # two or four rows of x per program (bucket 2-16)
     GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, rows=2),
     GemmConfig(1, 16, 1024, 1, 4, 3, nk=True, rows=2),
     GemmConfig(1, 4, 1024, 1, 4, 3, nk=True, rows=4),
     GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, rows=4),
+]
+# Written after the session's device time ran out, so NOT offered unless
+# TOKENLOOM_INT8_NK_EXTRA=1 (correct in the interpreter and against the reference the
+# tuner checks each candidate with; its speed unmeasured): several row blocks per program
+# in one stream (the first load's latency paid once), and the weights as 2^15 + 128 + q
+# with the bias off per word (offline: 3.2-3.4 instructions per weight).
+NK_EXTRA = [
+    GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, groups=2),
+    GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, groups=4),
+    GemmConfig(1, 4, 1024, 1, 4, 3, nk=True, groups=4),
+    GemmConfig(1, 16, 2048, 1, 8, 3, nk=True, groups=2),
+    GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, biased=True),
+    GemmConfig(1, 16, 1024, 1, 4, 3, nk=True, biased=True),
+    GemmConfig(1, 16, 2048, 1, 8, 3, nk=True, biased=True),
+    GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, groups=2, biased=True),
+    GemmConfig(1, 4, 1024, 1, 4, 3, nk=True, groups=4, biased=True),
+]
+NK_ROWS_EXTRA = [
     GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, rows=2, biased=True),
     GemmConfig(1, 4, 1024, 1, 4, 3, nk=True, rows=4, biased=True),
 ]
+
+
+def nk_extra_offered() -> bool:
+    return os.environ.get("TOKENLOOM_INT8_NK_EXTRA", "0") == "1"
+
 
 # int8_gemv_h2 (session 15): the int8 GEMV's tilings that fit its registers
 H2_INT8 = [
@@ -242,6 +255,8 @@ def candidates(
     """The tilings offered to bucket ``index``; ``nk``: int8 stored ``[N, K]`` (the
     GEMVs over ``[K, N]`` give way to ``int8_gemv_nk``; the dot tiles read the strides)."""
     gemv, gemv_rows = (NK, NK_ROWS) if nk else (GEMV, GEMV_ROWS)
+    if nk and nk_extra_offered():
+        gemv, gemv_rows = gemv + NK_EXTRA, gemv_rows + NK_ROWS_EXTRA
     pools = (
         gemv + SKINNY + KMAJOR_SKINNY,
         gemv + gemv_rows + SKINNY + KMAJOR_SKINNY,
@@ -340,7 +355,7 @@ def choose_configs(
         f"triton {triton.__version__}|int{bits} g{group}|{n}x{k}|{dtype}|zeros {zeros is not None}"
         f"{' fractional' if fractional else ''}"
         f"|kernels v{KERNELS_VERSION}{' dequant' if dequant_offered() else ''}"
-        f"{' h2' if h2 else ''}{' nk' if nk else ''}"
+        f"{' h2' if h2 else ''}{' nk' if nk else ''}{'+' if nk and nk_extra_offered() else ''}"
     )
     if key not in _DECIDED:
         stored = _load().get(key)

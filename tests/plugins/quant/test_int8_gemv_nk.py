@@ -12,7 +12,13 @@ import torch
 
 from tokenloom.plugins.quant.int8 import dequantize_int8, quantize_int8
 from tokenloom.plugins.quant.kernels import weight_gemm as weight_gemm_module
-from tokenloom.plugins.quant.kernels.dispatch import NK, NK_ROWS, candidates
+from tokenloom.plugins.quant.kernels.dispatch import (
+    NK,
+    NK_EXTRA,
+    NK_ROWS,
+    NK_ROWS_EXTRA,
+    candidates,
+)
 from tokenloom.plugins.quant.kernels.int8_gemv_nk import nk_fits, row_major
 from tokenloom.plugins.quant.kernels.weight_gemm import GemmConfig, weight_gemm
 
@@ -132,7 +138,8 @@ def test_calls_it_cannot_serve_fall_back_to_the_strided_dot_tiles(launches):
     assert float((y.double() - x.double() @ ref.t()).norm() / (x.double() @ ref.t()).norm()) < 1e-5
 
 
-def test_the_tuner_offers_it_for_the_n_k_layout_only():
+def test_the_tuner_offers_it_for_the_n_k_layout_only(monkeypatch):
+    monkeypatch.delenv("TOKENLOOM_INT8_NK_EXTRA", raising=False)
     for index in (0, 1):
         nk = candidates(index, 4096, 4096, 8, 0, 132, nk=True)
         assert any(c.nk for c in nk) and not any(c.gemv or c.h2 for c in nk)
@@ -141,14 +148,19 @@ def test_the_tuner_offers_it_for_the_n_k_layout_only():
     assert {c for c in candidates(0, 4096, 4096, 8, 0, 132, nk=True) if c.nk} == set(NK)
     assert {c for c in candidates(1, 4096, 4096, 8, 0, 132, nk=True) if c.nk} == set(NK + NK_ROWS)
     # x's load takes the FMAs' layout only where a tile row is 256 K per warp (offline sm_90)
-    assert all(c.block_k == 256 * c.num_warps for c in NK + NK_ROWS)
+    assert all(c.block_k == 256 * c.num_warps for c in NK + NK_ROWS + NK_EXTRA + NK_ROWS_EXTRA)
+    # the variants not measured on a GPU yet: offered only when asked
+    monkeypatch.setenv("TOKENLOOM_INT8_NK_EXTRA", "1")
+    offered = {c for c in candidates(0, 4096, 4096, 8, 0, 132, nk=True) if c.nk}
+    assert offered == set(NK + NK_EXTRA)
+    assert all(c.fits(8, 0) for c in NK_EXTRA + NK_ROWS_EXTRA)
     assert not any(c.nk for c in candidates(0, 4096, 4096, 4, 128, 132, nk=True))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
-@pytest.mark.parametrize("cfg", NK + NK_ROWS)
+@pytest.mark.parametrize("cfg", NK + NK_ROWS + NK_EXTRA + NK_ROWS_EXTRA)
 @pytest.mark.parametrize("m", [1, 3, 16])
 def test_gpu_llama_shapes(n, k, cfg, m, launches):
     qweight, scales, ref = _layer(n, k)
