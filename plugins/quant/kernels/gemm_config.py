@@ -4,6 +4,7 @@ where a tuned tiling cannot serve a call)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import triton
@@ -79,3 +80,46 @@ def choose_config(m: int, n: int, k: int, num_sms: int, nk: bool = False) -> Gem
     if m <= 64:
         return GemmConfig(64, 64, 128, num_warps=4, num_stages=3)
     return GemmConfig(128, 128, 64, num_warps=8, num_stages=3)
+
+
+# int8_gemv_nk (session 16), int8 stored [N, K]: (BLOCK_N, BLOCK_K, warps) with BLOCK_K =
+# 256 x warps, where x's load takes the layout its FMAs need (no shared memory; offline
+# sm_90: 3.8-4.1 instructions per weight at one row, 40-127 registers). Measured on the
+# H200 (docs/quantization.md, session 16).
+NK = [
+    GemmConfig(1, 8, 1024, 1, 4, 3, nk=True),
+    GemmConfig(1, 16, 1024, 1, 4, 3, nk=True),
+    GemmConfig(1, 4, 1024, 1, 4, 3, nk=True),
+    GemmConfig(1, 8, 2048, 1, 8, 3, nk=True),
+    GemmConfig(1, 16, 2048, 1, 8, 3, nk=True),
+]
+NK_ROWS = [  # two or four rows of x per program (bucket 2-16)
+    GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, rows=2),
+    GemmConfig(1, 16, 1024, 1, 4, 3, nk=True, rows=2),
+    GemmConfig(1, 4, 1024, 1, 4, 3, nk=True, rows=4),
+    GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, rows=4),
+]
+# Written after the session's device time ran out, so NOT offered unless
+# TOKENLOOM_INT8_NK_EXTRA=1 (correct in the interpreter and against the reference the
+# tuner checks each candidate with; its speed unmeasured): several row blocks per program
+# in one stream (the first load's latency paid once), and the weights as 2^15 + 128 + q
+# with the bias off per word (offline: 3.2-3.4 instructions per weight).
+NK_EXTRA = [
+    GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, groups=2),
+    GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, groups=4),
+    GemmConfig(1, 4, 1024, 1, 4, 3, nk=True, groups=4),
+    GemmConfig(1, 16, 2048, 1, 8, 3, nk=True, groups=2),
+    GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, biased=True),
+    GemmConfig(1, 16, 1024, 1, 4, 3, nk=True, biased=True),
+    GemmConfig(1, 16, 2048, 1, 8, 3, nk=True, biased=True),
+    GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, groups=2, biased=True),
+    GemmConfig(1, 4, 1024, 1, 4, 3, nk=True, groups=4, biased=True),
+]
+NK_ROWS_EXTRA = [
+    GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, rows=2, biased=True),
+    GemmConfig(1, 4, 1024, 1, 4, 3, nk=True, rows=4, biased=True),
+]
+
+
+def nk_extra_offered() -> bool:
+    return os.environ.get("TOKENLOOM_INT8_NK_EXTRA", "0") == "1"
