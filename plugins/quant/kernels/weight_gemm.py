@@ -1,11 +1,13 @@
 """A Triton GEMM for weight-only quantized linears: ``y = x @ W^T (+ bias)`` with ``W``
 stored as int8 (W8A16) or packed int4 (W4A16) and dequantized inside the kernel.
 
-One weight layout serves both widths: the transposed matrix, ``qweight [K / P, N]``
+One logical layout serves both widths: the transposed matrix, ``qweight [K / P, N]``
 with ``P`` values per element (int8: ``P = 1``, one int8 each; int4: ``P = 8``, packed
 in an int32 whose nibble ``j`` holds row ``8 i + j``, GPTQ's layout). A tile of
 ``[BLOCK_K, BLOCK_N]`` weights is then a plain 2-D load along ``N`` (coalesced), and
-the int4 nibbles come out by shifting each word by ``4 * (k % 8)``.
+the int4 nibbles come out by shifting each word by ``4 * (k % 8)``. int8 is stored
+``[N, K]`` since session 16 (``qweight`` the transposed view): decode batches run
+``int8_gemv_nk`` on it, and the dot tiles read it through its strides.
 
 Scales: per output channel (``group = 0``: ``scales [1, N]``, applied once to the
 accumulator) or per group of ``group`` input rows (``scales [G, N]``, optional
