@@ -174,7 +174,8 @@ def dequant_scratch_bytes(shape: ModelShape, config: EngineConfig, element: int)
     (``plugins/quant/kernels/dequant.py``, prefill chunks) reserves at load, sized to
     the largest decoder linear it may serve (at most 2^28 weights). The engine reserves
     it only for layers where the tuner chose that tiling, so this is an upper bound
-    (235 MB for llama-3-8b's gate_up)."""
+    (235 MB for llama-3-8b's gate_up; a quantized LM head counts where it is small
+    enough to be offered, as smaller models' are)."""
     from tokenloom.plugins.quant.kernels.dispatch import DEQUANT_MAX_ELEMENTS, dequant_offered
 
     if config.quant not in ("int4", "int8") or not dequant_offered():
@@ -185,6 +186,8 @@ def dequant_scratch_bytes(shape: ModelShape, config: EngineConfig, element: int)
     qkv = q + 2 * rank_heads(shape.num_kv_heads, tp) * d
     inter = shape.intermediate_size // tp
     sizes = [n * k for n, k in ((qkv, h), (h, q), (2 * inter, h), (h, inter))]
+    if _quantizes_lm_head(config):  # a quantized head is a linear of the method too
+        sizes.append(-(-shape.vocab_size // tp) * h)
     return max((s for s in sizes if s <= DEQUANT_MAX_ELEMENTS), default=0) * element
 
 

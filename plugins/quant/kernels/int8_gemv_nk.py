@@ -298,7 +298,11 @@ def nk_fits(x: torch.Tensor, qweight: torch.Tensor) -> bool:
     int32 words) for ``x``."""
     k = qweight.shape[0]
     return (
-        row_major(qweight) and k % 4 == 0 and qweight.storage_offset() % 4 == 0 and x.stride(1) == 1
+        row_major(qweight)
+        and k % 4 == 0
+        and qweight.stride(1) % 4 == 0  # rows of whole words (an N of 1 may have any stride)
+        and qweight.storage_offset() % 4 == 0
+        and x.stride(1) == 1
     )
 
 

@@ -118,22 +118,26 @@ def test_a_quantized_lm_head_counts_at_the_method_s_bytes():
 
 
 @pytest.mark.parametrize(
-    ("quant", "dequant", "engine_kv_gib"),
+    ("quant", "dequant", "head", "engine_kv_gib"),
     [
         # docs/results/session10-{int4,int8}-thr-{nodequant,dequant}.json, memory_gib.kv_gib
-        ("int4", "0", 118.30859375),
-        ("int4", "1", 117.83203125),
-        ("int8", "0", 115.271484375),
-        ("int8", "1", 114.794921875),
+        # (16-bit heads then)
+        ("int4", "0", False, 118.30859375),
+        ("int4", "1", False, 117.83203125),
+        ("int8", "0", False, 115.271484375),
+        ("int8", "1", False, 114.794921875),
+        # session 16 (int8's head quantized by default, weights [N, K]; the tuner took no
+        # whole-weight dequantization, which the plan still counts: an upper bound)
+        ("int8", "1", None, 115.400390625),
     ],
 )
 def test_weight_quantization_and_its_dequantization_buffer_agree_with_the_engine(
-    monkeypatch, quant, dequant, engine_kv_gib
+    monkeypatch, quant, dequant, head, engine_kv_gib
 ):
     # with the whole-weight dequantization (the default) the engine reserves a 16-bit
     # buffer of its largest linear at load: the plan counts gate_up's 235 MB
     monkeypatch.setenv("TOKENLOOM_WEIGHT_DEQUANT", dequant)
-    plan = plan_of("llama-3-8b", quant=quant)
+    plan = plan_of("llama-3-8b", quant=quant, quant_lm_head=head)
     assert plan.scratch_bytes == (28672 * 4096 * 2 if dequant == "1" else 0)
     assert abs(plan.kv_cache_bytes / GiB - engine_kv_gib) / engine_kv_gib < 0.01
 
@@ -166,3 +170,14 @@ def test_int4_weights_of_a_q4_gguf_count_its_groups_of_32_as_the_engine_stores_t
     # random weights never read the file's blocks: RTN's groups of 128
     random = plan_of(str(path), 80.0, quant="int4", dtype="bfloat16", load_format="random")
     assert random.weights_bytes == rtn.weights_bytes
+
+
+def test_a_quantized_lm_head_small_enough_for_the_dequantization_buffer_is_counted(monkeypatch):
+    # qwen3-0.6b's head (151,936 x 1,024) is a linear the whole-weight dequantization may
+    # serve once quantized (int8 quantizes it by default): the buffer's upper bound is it
+    monkeypatch.setenv("TOKENLOOM_WEIGHT_DEQUANT", "1")
+    assert plan_of("qwen3-0.6b", quant="int8").scratch_bytes == 151936 * 1024 * 2
+    assert (
+        plan_of("qwen3-0.6b", quant="int8", quant_lm_head=False).scratch_bytes
+        == 2 * 3072 * 1024 * 2
+    )

@@ -123,6 +123,12 @@ def test_16_bit_x_read_as_int64_words_gives_the_strided_loads_bits(dtype, launch
 
 
 def test_calls_it_cannot_serve_fall_back_to_the_strided_dot_tiles(launches):
+    # one output channel whose rows are no whole words apart (any stride passes row_major)
+    odd = torch.empty_strided((8, 1), (1, 3), dtype=torch.int8, device=DEVICE).fill_(3)
+    x1 = torch.randn(1, 8, device=DEVICE)
+    assert row_major(odd) and not nk_fits(x1, odd)
+    y1 = weight_gemm(x1, odd, torch.ones(1, 1, device=DEVICE), None, 8, 0, None, None)
+    assert launches == [] and torch.allclose(y1, 3 * x1.sum(1, keepdim=True), rtol=1e-5)
     qweight, scales, ref = _layer(32, 98)  # K = 98: rows of no whole int32 words
     x = torch.randn(2, 98, device=DEVICE)
     assert not nk_fits(x, qweight)
