@@ -8,14 +8,19 @@ int8 GEMVs over the transposed ``[K, N]`` storage at 58-59% (qkv, o) and 75-84% 
 gate_up). Over ``[K, N]`` a program's columns are a short run of every row, so a narrow
 layer needs a K split for enough programs, and with it a second pass: the partial sums,
 an arrival counter and the last split's sum, on the critical path of every GEMV. Over
-``[N, K]`` a program owns ``BLOCK_N`` whole rows, streams them in 16-byte loads with the
-next tile in flight (a register double buffer) and reduces once, at the end: the bf16
-kernel's structure, which needs no split (4,096 rows make 512 programs of 8).
+``[N, K]`` a program owns ``BLOCK_N`` whole rows, streams them with the next tile in
+flight (a register double buffer) and reduces once, at the end: the bf16 kernel's
+structure, which needs no split (4,096 rows make 512 programs of 8).
 
-Each weight becomes a float without a conversion instruction (``int8_floats``: plus 128
-into the mantissa of 2^23, one subtraction); the per-channel scale multiplies the sum
-once. With ``ROWS`` > 1 a program computes that many rows of ``x`` from one read of its
-weights (decode batches of 2-16). The other int8 kernels (``weight_gemm``'s tiles, the
+The weights are read as int32 words of four consecutive K values, two words a load;
+each weight becomes a float by one ``prmt`` into the mantissa of 2^23 and one
+subtraction (``int8_word_floats``), or with ``B15`` as ``2^15 + 128 + q`` with the bias
+taken off once per word. A 16-bit x is read as int64 words (its four values for a weight
+word), two a load: with a tile row of 256 K per warp, that load takes the layout the
+FMAs need, so x never goes through shared memory (offline sm_90). The per-channel scale
+multiplies the sum once. With ``ROWS`` > 1 a program computes that many rows of ``x``
+from one read of its weights (decode batches of 2-16); with ``GROUPS`` > 1 it streams
+several row blocks as one. The other int8 kernels (``weight_gemm``'s tiles, the
 whole-weight dequantization) read the same storage through its strides, as the
 transposed view ``[K, N]`` (``qweight.t()``) that ``quantize_int8`` returns.
 """
