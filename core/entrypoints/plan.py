@@ -22,39 +22,27 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from tokenloom.config import ConfigError, EngineConfig
 from tokenloom.entrypoints.cli import add_config_flags, config_from_args
+from tokenloom.entrypoints.plan_bytes import (
+    INT4_GROUP,
+    activation_bytes,
+    dequant_scratch_bytes,
+    quantizes_lm_head,
+    rank_heads,
+    read_shape,
+    weight_bytes,
+)
 
 GiB = 1 << 30
 OTHER_GIB = 0.7  # outside torch's allocator: CUDA context, cuBLAS, Triton (H200: 0.67-0.74)
 GRAPH_RESERVE = 512 << 20  # ModelRunner's reserve for CUDA graphs (not with enforce_eager)
 QUANTS = ("none", "fp8", "int8", "int4")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-INT4_GROUP = 128
-
-
-@dataclass
-class ModelShape:
-    """What memory depends on, from a Hugging Face config."""
-
-    name: str
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_model_len: int
-    tie_word_embeddings: bool
-    # int4's inputs per scale and zero point: 128 (RTN), or 32 where a GGUF file's
-    # Q4_0/Q4_1 blocks are kept (plugins/quant/gguf_int4.py)
-    int4_group: int = INT4_GROUP
 
 
 @dataclass
@@ -86,140 +74,6 @@ class Plan:
     advice: list[str] = field(default_factory=list)
 
 
-def read_shape(model: str) -> ModelShape:
-    """The shape of a shape name, a GGUF file (its metadata only) or a model directory."""
-    from tokenloom.checkpoints.model_shapes import SHAPES
-    from tokenloom.plugins.models.gguf import find_gguf
-    from tokenloom.plugins.models.loader import model_info_from_config, read_hf_config
-
-    if model in SHAPES:
-        config = SHAPES[model]
-    elif (gguf := find_gguf(Path(model))) is not None:
-        from tokenloom.plugins.models.gguf.checkpoint import converted_dir
-
-        config = read_hf_config(converted_dir(gguf))
-    else:
-        config = read_hf_config(Path(model))
-    info = model_info_from_config(config, name=model)
-    return ModelShape(
-        name=Path(model).name,
-        hidden_size=info.hidden_size,
-        intermediate_size=int(config["intermediate_size"]),
-        num_layers=info.num_layers,
-        num_heads=info.num_heads,
-        num_kv_heads=info.num_kv_heads,
-        head_dim=info.head_dim,
-        vocab_size=info.vocab_size,
-        max_model_len=info.max_model_len,
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-    )
-
-
-def linear_bytes(
-    out_features: int, in_features: int, quant: str, element: int, group: int = INT4_GROUP
-) -> int:
-    """One linear weight as each quant method stores it (plugins/quant): fp8 and int8
-    one byte a weight plus an fp32 scale per output channel; int4 half a byte plus a
-    scale and a zero point per ``group`` inputs (128; 32 from GGUF blocks), in the
-    model dtype."""
-    weights = out_features * in_features
-    if quant == "none":
-        return weights * element
-    if quant in ("fp8", "int8"):
-        return weights + 4 * out_features
-    groups = -(-in_features // group)
-    return weights // 2 + 2 * groups * out_features * element
-
-
-def rank_heads(num_heads: int, tp: int) -> int:
-    """Heads one rank holds (``parallel.head_range``: even split, or one replicated)."""
-    if num_heads >= tp:
-        if num_heads % tp:
-            raise ValueError(f"{num_heads} heads cannot be split evenly over {tp} ranks")
-        return num_heads // tp
-    if tp % num_heads:
-        raise ValueError(f"{num_heads} KV heads cannot be shared by {tp} ranks")
-    return 1
-
-
-def weight_bytes(
-    shape: ModelShape, quant: str, element: int, tp: int, quant_lm_head: bool = False
-) -> int:
-    """One rank's weights: its q/k/v/o and MLP shards (quantized), its rows of the
-    vocab-parallel embedding and LM head (the vocabulary padded to a multiple of the
-    ranks) and the norms, in the model dtype; with ``quant_lm_head`` the head's rows as
-    the method stores them (a tied embedding keeps its 16-bit rows besides)."""
-    h, d = shape.hidden_size, shape.head_dim
-    q = rank_heads(shape.num_heads, tp) * d
-    kv = rank_heads(shape.num_kv_heads, tp) * d
-    inter = shape.intermediate_size // tp
-    g = shape.int4_group
-    per_layer = (
-        linear_bytes(q + 2 * kv, h, quant, element, g)  # qkv_proj (column)
-        + linear_bytes(h, q, quant, element, g)  # o_proj (row)
-        + linear_bytes(2 * inter, h, quant, element, g)  # gate_up_proj (column)
-        + linear_bytes(h, inter, quant, element, g)  # down_proj (row)
-        + 2 * h * element  # the two RMSNorms
-    )
-    vocab_rows = -(-shape.vocab_size // tp)
-    if quant_lm_head and quant != "none":
-        embeddings = vocab_rows * h * element + linear_bytes(vocab_rows, h, quant, element)
-    else:
-        embeddings = (1 if shape.tie_word_embeddings else 2) * vocab_rows * h * element
-    return shape.num_layers * per_layer + embeddings + h * element
-
-
-def dequant_scratch_bytes(shape: ModelShape, config: EngineConfig, element: int) -> int:
-    """int4/int8 on a GPU: the 16-bit buffer that the whole-weight dequantization
-    (``plugins/quant/kernels/dequant.py``, prefill chunks) reserves at load, sized to
-    the largest decoder linear it may serve (at most 2^28 weights). The engine reserves
-    it only for layers where the tuner chose that tiling, so this is an upper bound
-    (235 MB for llama-3-8b's gate_up; a quantized LM head counts where it is small
-    enough to be offered, as smaller models' are)."""
-    from tokenloom.plugins.quant.kernels.dispatch import DEQUANT_MAX_ELEMENTS, dequant_offered
-
-    if config.quant not in ("int4", "int8") or not dequant_offered():
-        return 0
-    tp = config.tensor_parallel_size
-    h, d = shape.hidden_size, shape.head_dim
-    q = rank_heads(shape.num_heads, tp) * d
-    qkv = q + 2 * rank_heads(shape.num_kv_heads, tp) * d
-    inter = shape.intermediate_size // tp
-    sizes = [n * k for n, k in ((qkv, h), (h, q), (2 * inter, h), (h, inter))]
-    if _quantizes_lm_head(config):  # a quantized head is a linear of the method too
-        sizes.append(-(-shape.vocab_size // tp) * h)
-    return max((s for s in sizes if s <= DEQUANT_MAX_ELEMENTS), default=0) * element
-
-
-def activation_bytes(shape: ModelShape, config: EngineConfig, element: int) -> int:
-    """The peak above weights and KV while the engine profiles: a forward pass of
-    ``max_num_batched_tokens`` tokens (the MLP's gate_up and product, the qkv rows and
-    about four hidden-sized tensors live at once), or the fp32 logits of
-    ``max_num_seqs`` rows and their softmax, whichever is larger. Fit to the H200
-    start-up logs of llama-3-8b, qwen3-0.6b and smollm2-135m within 50 MB."""
-    tp = config.tensor_parallel_size
-    tokens = config.max_num_batched_tokens
-    qkv = rank_heads(shape.num_heads, tp) + 2 * rank_heads(shape.num_kv_heads, tp)
-    forward = (
-        tokens
-        * element
-        * (3 * shape.intermediate_size // tp + qkv * shape.head_dim + 4 * shape.hidden_size)
-    )
-    logits = 2 * config.max_num_seqs * shape.vocab_size * 4
-    return max(forward, logits)
-
-
-def _quantizes_lm_head(config: EngineConfig) -> bool:
-    """The engine's choice: ``quant_lm_head`` where set, else the method's default."""
-    from tokenloom.plugin_manager import PluginManager
-    from tokenloom.protocols.components.quant import quantizes_lm_head
-
-    if config.quant == "none":
-        return False
-    method = PluginManager.default().component("quant", config.quant).factory
-    return quantizes_lm_head(config, method)
-
-
 def make_plan(config: EngineConfig, gpu_memory_gb: float | None, advice: bool = True) -> Plan:
     """The budget of ``config`` on one GPU of ``gpu_memory_gb`` GiB (default: the
     local GPU's total memory); when it does not fit, with ``advice``."""
@@ -243,7 +97,7 @@ def make_plan(config: EngineConfig, gpu_memory_gb: float | None, advice: bool = 
     kv_heads = rank_heads(shape.num_kv_heads, tp)
     per_layer = kv_quant.block_bytes(config.block_size, kv_heads, shape.head_dim, kv_dtype)
     per_block = 2 * shape.num_layers * per_layer
-    weights = weight_bytes(shape, config.quant, element, tp, _quantizes_lm_head(config))
+    weights = weight_bytes(shape, config.quant, element, tp, quantizes_lm_head(config))
     activations = activation_bytes(shape, config, element)
     scratch = dequant_scratch_bytes(shape, config, element)
     other = int(OTHER_GIB * GiB)
