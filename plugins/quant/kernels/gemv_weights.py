@@ -157,19 +157,25 @@ def biased_word_rows(words, x_ptrs, mask, m8, m12, m16, ASM: tl.constexpr):
 
 
 @triton.jit
+def four_floats(words, ASM_TEXT: tl.constexpr):
+    """Four fp32 results per int32 word from the PTX ``ASM_TEXT`` ($0-$3 out, $4 in)."""
+    return tl.inline_asm_elementwise(
+        asm=ASM_TEXT,
+        constraints="=r,=r,=r,=r,r",
+        args=[words],
+        dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
 def int8_word_floats(words, ASM: tl.constexpr = True):
     """The four int8 weights of each int32 word (byte i = output channel ``4 w + i``) as
     floats, exactly: ``INT8_ASM`` (or, in the interpreter, the same bits by shifts and
     masks), then the offset 2^23 + 128 taken off."""
     if ASM:
-        w0, w1, w2, w3 = tl.inline_asm_elementwise(
-            asm=INT8_ASM,
-            constraints="=r,=r,=r,=r,r",
-            args=[words],
-            dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
-            is_pure=True,
-            pack=1,
-        )
+        w0, w1, w2, w3 = four_floats(words, INT8_ASM)
     else:
         t = words ^ -0x7F7F7F80  # 0x80808080 as an int32
         w0 = ((t & 0xFF) | MAGIC).to(tl.float32, bitcast=True)

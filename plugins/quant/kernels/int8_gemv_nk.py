@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from tokenloom.plugins.models.pdl import launch_options, release, wait
-from tokenloom.plugins.quant.kernels.gemv_weights import int8_word_floats
+from tokenloom.plugins.quant.kernels.gemv_weights import four_floats, int8_word_floats
 
 
 def row_major(qweight: torch.Tensor) -> bool:
@@ -50,14 +50,19 @@ def row_major(qweight: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _x_floats(x_ptr, x64_ptr, m, M, kw, KW, stride_xm, stride_x64, X64: tl.constexpr):
-    """Row ``m`` of x at ``4 kw + i``, i = 0..3, as four fp32 vectors (zeros past ``M``).
-    ``X64``: 16-bit x read as one int64 per word (four values, 8 bytes a load), its halves
-    widened by bit moves (bf16) or a cast (f16); else four strided loads."""
-    lim = tl.where(m < M, KW, 0)  # a row past M reads nothing
+def _x_row(x_ptr, x64_ptr, m, M, KW, stride_xm, stride_x64):
+    """Row ``m`` of x: its start (16-bit and int64 views) and the words it has (0 past M)."""
+    return x_ptr + m * stride_xm, x64_ptr + m * stride_x64, tl.where(m < M, KW, 0)
+
+
+@triton.jit
+def _x_floats(x_row, x64_row, lim, kw, X64: tl.constexpr):
+    """A row of x (``_x_row``) at ``4 kw + i``, i = 0..3, as four fp32 vectors (zeros from
+    word ``lim`` on). ``X64``: 16-bit x read as one int64 per word (four values, 8 bytes a
+    load), its halves widened by bit moves (bf16) or a cast (f16); else four strided loads."""
     if X64:
-        v = tl.load(x64_ptr + m * stride_x64 + kw, mask=kw < lim, other=0)
-        if x_ptr.dtype.element_ty == tl.bfloat16:  # bf16 bits << 16 are the fp32 bits
+        v = tl.load(x64_row + kw, mask=kw < lim, other=0)
+        if x_row.dtype.element_ty == tl.bfloat16:  # bf16 bits << 16 are the fp32 bits
             x0 = ((v & 0xFFFF) << 16).to(tl.int32).to(tl.float32, bitcast=True)
             x1 = (v & 0xFFFF0000).to(tl.int32).to(tl.float32, bitcast=True)
             x2 = ((v >> 16) & 0xFFFF0000).to(tl.int32).to(tl.float32, bitcast=True)
@@ -68,7 +73,7 @@ def _x_floats(x_ptr, x64_ptr, m, M, kw, KW, stride_xm, stride_x64, X64: tl.const
             x2 = (v >> 32).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             x3 = (v >> 48).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     else:
-        row = x_ptr + m * stride_xm + 4 * kw
+        row = x_row + 4 * kw
         x0 = tl.load(row, mask=kw < lim, other=0.0).to(tl.float32)
         x1 = tl.load(row + 1, mask=kw < lim, other=0.0).to(tl.float32)
         x2 = tl.load(row + 2, mask=kw < lim, other=0.0).to(tl.float32)
@@ -94,14 +99,7 @@ def _word_floats(w, ASM: tl.constexpr, B15: tl.constexpr):
     if not B15:
         return int8_word_floats(w, ASM)
     if ASM:
-        return tl.inline_asm_elementwise(
-            asm=_B15_ASM,
-            constraints="=r,=r,=r,=r,r",
-            args=[w],
-            dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
-            is_pure=True,
-            pack=1,
-        )
+        return four_floats(w, _B15_ASM)
     t = w ^ -0x7F7F7F80  # 0x80808080 as an int32: offset binary
     f0 = (((t & 0xFF) << 8) | 0x47000000).to(tl.float32, bitcast=True)
     f1 = ((t & 0xFF00) | 0x47000000).to(tl.float32, bitcast=True)
@@ -111,14 +109,12 @@ def _word_floats(w, ASM: tl.constexpr, B15: tl.constexpr):
 
 
 @triton.jit
-def _row_fma(
-    acc, f0, f1, f2, f3, x_ptr, x64_ptr, m, M, kw, KW, stride_xm, stride_x64, X64, B15
-):  # fmt: skip
+def _row_fma(acc, f0, f1, f2, f3, x_row, x64_row, lim, kw, X64, B15):
     """``acc + sum_i q_i x_i``: a word's four weights chain into one accumulator. With
     ``B15`` the chain starts at ``-(2^15 + 128) sum_i x_i`` (per word column, shared by
     the tile's rows) and is added to ``acc`` once: the bias goes per word, so the chain's
     rounding stays ~2^-9 of |x| per term whatever the sum of x over K."""
-    x0, x1, x2, x3 = _x_floats(x_ptr, x64_ptr, m, M, kw, KW, stride_xm, stride_x64, X64)
+    x0, x1, x2, x3 = _x_floats(x_row, x64_row, lim, kw, X64)
     if B15:
         chain = f0 * x0[None, :] + (((x0 + x1) + (x2 + x3)) * -32896.0)[None, :]
         chain += f1 * x1[None, :]
@@ -153,6 +149,7 @@ def _grouped(w, acc, x_ptr, x64_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, M, N, KW, stri
     of the bf16 GEMV's, over the same four to eight tiles)."""
     kt_count = tl.cdiv(KW, BLOCK_KW)
     first = offs_n
+    xr, xr64, lim = _x_row(x_ptr, x64_ptr, m0, M, KW, stride_xm, stride_x64)
     for t in range(0, GROUPS * kt_count):
         g = t // kt_count
         kt = t - g * kt_count
@@ -167,9 +164,7 @@ def _grouped(w, acc, x_ptr, x64_ptr, qw_ptr, s_ptr, b_ptr, y_ptr, M, N, KW, stri
         )
         kw = kt * BLOCK_KW + offs_w
         f0, f1, f2, f3 = _word_floats(w, ASM, B15)
-        acc = _row_fma(
-            acc, f0, f1, f2, f3, x_ptr, x64_ptr, m0, M, kw, KW, stride_xm, stride_x64, X64, B15
-        )
+        acc = _row_fma(acc, f0, f1, f2, f3, xr, xr64, lim, kw, X64, B15)
         if kt == kt_count - 1:  # the block's last tile: its outputs, then the next block
             rows = first + g * BLOCK_N
             scale = tl.load(s_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
@@ -224,67 +219,21 @@ def _int8_gemv_nk_kernel(
                  stride_x64, stride_ym, m0, offs_n, offs_w, HAS_BIAS, BLOCK_N, BLOCK_KW, X64,
                  ASM, GROUPS, B15)  # fmt: skip
         return
+    xr0, xr64_0, lim0 = _x_row(x_ptr, x64_ptr, m0, M, KW, stride_xm, stride_x64)
+    xr1, xr64_1, lim1 = _x_row(x_ptr, x64_ptr, m0 + 1, M, KW, stride_xm, stride_x64)
+    xr2, xr64_2, lim2 = _x_row(x_ptr, x64_ptr, m0 + 2, M, KW, stride_xm, stride_x64)
+    xr3, xr64_3, lim3 = _x_row(x_ptr, x64_ptr, m0 + 3, M, KW, stride_xm, stride_x64)
     for k0 in range(0, KW, BLOCK_KW):
         kw = k0 + offs_w
         nxt = kw + BLOCK_KW
         w_next = tl.load(w_rows + nxt[None, :], mask=mask_n[:, None] & (nxt < KW)[None, :], other=0)
         f0, f1, f2, f3 = _word_floats(w, ASM, B15)
-        acc0 = _row_fma(
-            acc0, f0, f1, f2, f3, x_ptr, x64_ptr, m0, M, kw, KW, stride_xm, stride_x64, X64, B15
-        )
+        acc0 = _row_fma(acc0, f0, f1, f2, f3, xr0, xr64_0, lim0, kw, X64, B15)
         if ROWS > 1:
-            acc1 = _row_fma(
-                acc1,
-                f0,
-                f1,
-                f2,
-                f3,
-                x_ptr,
-                x64_ptr,
-                m0 + 1,
-                M,
-                kw,
-                KW,
-                stride_xm,
-                stride_x64,
-                X64,
-                B15,
-            )
+            acc1 = _row_fma(acc1, f0, f1, f2, f3, xr1, xr64_1, lim1, kw, X64, B15)
         if ROWS > 2:
-            acc2 = _row_fma(
-                acc2,
-                f0,
-                f1,
-                f2,
-                f3,
-                x_ptr,
-                x64_ptr,
-                m0 + 2,
-                M,
-                kw,
-                KW,
-                stride_xm,
-                stride_x64,
-                X64,
-                B15,
-            )
-            acc3 = _row_fma(
-                acc3,
-                f0,
-                f1,
-                f2,
-                f3,
-                x_ptr,
-                x64_ptr,
-                m0 + 3,
-                M,
-                kw,
-                KW,
-                stride_xm,
-                stride_x64,
-                X64,
-                B15,
-            )
+            acc2 = _row_fma(acc2, f0, f1, f2, f3, xr2, xr64_2, lim2, kw, X64, B15)
+            acc3 = _row_fma(acc3, f0, f1, f2, f3, xr3, xr64_3, lim3, kw, X64, B15)
         w = w_next
     scale = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     bias = tl.zeros_like(scale)
