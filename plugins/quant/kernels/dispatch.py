@@ -23,10 +23,7 @@ import triton
 from tokenloom.plugins.models import tuning_cache
 from tokenloom.plugins.quant.kernels.gemm_config import (  # noqa: F401  (re-exported)
     NK,
-    NK_EXTRA,
     NK_ROWS,
-    NK_ROWS_EXTRA,
-    nk_extra_offered,
 )
 from tokenloom.plugins.quant.kernels.int4_gemv_h2 import h2_offered
 from tokenloom.plugins.quant.kernels.int8_gemv_h2 import int8_h2_offered
@@ -219,8 +216,6 @@ def candidates(
     """The tilings offered to bucket ``index``; ``nk``: int8 stored ``[N, K]`` (the
     GEMVs over ``[K, N]`` give way to ``int8_gemv_nk``; the dot tiles read the strides)."""
     gemv, gemv_rows = (NK, NK_ROWS) if nk else (GEMV, GEMV_ROWS)
-    if nk and nk_extra_offered():
-        gemv, gemv_rows = gemv + NK_EXTRA, gemv_rows + NK_ROWS_EXTRA
     pools = (
         gemv + SKINNY + KMAJOR_SKINNY,
         gemv + gemv_rows + SKINNY + KMAJOR_SKINNY,
@@ -284,7 +279,8 @@ CACHE_NAME = "weight-gemm.json"
 # v11: the int8 one-row GEMV's four sub-tiles share their accumulators (96 -> 64 registers
 # at 64 x 128), x one tile ahead; a 128 x 256 GEMV tiling with 8 warps; int8_gemv_h2.
 # v12: int8 stored [N, K] (int8_gemv_nk at one to sixteen rows; the dot tiles by strides).
-KERNELS_VERSION = 12
+# v13: int8_gemv_nk offers its biased conversion only; no row blocks per program.
+KERNELS_VERSION = 13
 
 
 def _load() -> dict[str, Any]:
@@ -319,7 +315,7 @@ def choose_configs(
         f"triton {triton.__version__}|int{bits} g{group}|{n}x{k}|{dtype}|zeros {zeros is not None}"
         f"{' fractional' if fractional else ''}"
         f"|kernels v{KERNELS_VERSION}{' dequant' if dequant_offered() else ''}"
-        f"{' h2' if h2 else ''}{' nk' if nk else ''}{'+' if nk and nk_extra_offered() else ''}"
+        f"{' h2' if h2 else ''}{' nk' if nk else ''}"
     )
     if key not in _DECIDED:
         stored = _load().get(key)

@@ -260,7 +260,6 @@ def weight_gemm(
             cfg.block_k,
             cfg.num_warps,
             cfg.rows,
-            cfg.groups,
             cfg.biased,
         )
     k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
