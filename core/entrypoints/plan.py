@@ -32,7 +32,7 @@ from tokenloom.entrypoints.plan_bytes import (
     INT4_GROUP,
     activation_bytes,
     dequant_scratch_bytes,
-    quantizes_lm_head,
+    lm_head_method,
     rank_heads,
     read_shape,
     weight_bytes,
@@ -97,7 +97,7 @@ def make_plan(config: EngineConfig, gpu_memory_gb: float | None, advice: bool = 
     kv_heads = rank_heads(shape.num_kv_heads, tp)
     per_layer = kv_quant.block_bytes(config.block_size, kv_heads, shape.head_dim, kv_dtype)
     per_block = 2 * shape.num_layers * per_layer
-    weights = weight_bytes(shape, config.quant, element, tp, quantizes_lm_head(config))
+    weights = weight_bytes(shape, config.quant, element, tp, lm_head_method(config))
     activations = activation_bytes(shape, config, element)
     scratch = dequant_scratch_bytes(shape, config, element)
     other = int(OTHER_GIB * GiB)

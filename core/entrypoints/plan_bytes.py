@@ -88,12 +88,12 @@ def rank_heads(num_heads: int, tp: int) -> int:
 
 
 def weight_bytes(
-    shape: ModelShape, quant: str, element: int, tp: int, quant_lm_head: bool = False
+    shape: ModelShape, quant: str, element: int, tp: int, lm_head: str | None = None
 ) -> int:
     """One rank's weights: its q/k/v/o and MLP shards (quantized), its rows of the
     vocab-parallel embedding and LM head (the vocabulary padded to a multiple of the
-    ranks) and the norms, in the model dtype; with ``quant_lm_head`` the head's rows as
-    the method stores them (a tied embedding keeps its 16-bit rows besides)."""
+    ranks) and the norms, in the model dtype; with ``lm_head`` (a method's name) the head's
+    rows as that method stores them (a tied embedding keeps its 16-bit rows besides)."""
     h, d = shape.hidden_size, shape.head_dim
     q = rank_heads(shape.num_heads, tp) * d
     kv = rank_heads(shape.num_kv_heads, tp) * d
@@ -107,8 +107,8 @@ def weight_bytes(
         + 2 * h * element  # the two RMSNorms
     )
     vocab_rows = -(-shape.vocab_size // tp)
-    if quant_lm_head and quant != "none":
-        embeddings = vocab_rows * h * element + linear_bytes(vocab_rows, h, quant, element)
+    if lm_head is not None and lm_head != "none":
+        embeddings = vocab_rows * h * element + linear_bytes(vocab_rows, h, lm_head, element)
     else:
         embeddings = (1 if shape.tie_word_embeddings else 2) * vocab_rows * h * element
     return shape.num_layers * per_layer + embeddings + h * element
@@ -131,7 +131,7 @@ def dequant_scratch_bytes(shape: ModelShape, config: EngineConfig, element: int)
     qkv = q + 2 * rank_heads(shape.num_kv_heads, tp) * d
     inter = shape.intermediate_size // tp
     sizes = [n * k for n, k in ((qkv, h), (h, q), (2 * inter, h), (h, inter))]
-    if quantizes_lm_head(config):  # a quantized head is a linear of the method too
+    if lm_head_method(config) in ("int4", "int8"):  # a quantized head is such a linear too
         sizes.append(-(-shape.vocab_size // tp) * h)
     return max((s for s in sizes if s <= DEQUANT_MAX_ELEMENTS), default=0) * element
 
@@ -154,12 +154,13 @@ def activation_bytes(shape: ModelShape, config: EngineConfig, element: int) -> i
     return max(forward, logits)
 
 
-def quantizes_lm_head(config: EngineConfig) -> bool:
-    """The engine's choice: ``quant_lm_head`` where set, else the method's default."""
+def lm_head_method(config: EngineConfig) -> str | None:
+    """The engine's choice of the LM head's format: ``quant_lm_head`` where set, else the
+    method's default (None: 16-bit)."""
     from tokenloom.plugin_manager import PluginManager
-    from tokenloom.protocols.components.quant import quantizes_lm_head
+    from tokenloom.protocols.components.quant import lm_head_method
 
     if config.quant == "none":
-        return False
+        return None
     method = PluginManager.default().component("quant", config.quant).factory
-    return quantizes_lm_head(config, method)
+    return lm_head_method(config, method)

@@ -18,7 +18,7 @@ from torch import nn
 
 from tokenloom.config import EngineConfig
 from tokenloom.plugins.models.layers import Embedding, Linear
-from tokenloom.protocols.components.quant import LinearKernel, QuantMethod, quantizes_lm_head
+from tokenloom.protocols.components.quant import LinearKernel, QuantMethod, lm_head_method
 
 
 def quantizable_linears(model: nn.Module) -> Iterator[tuple[str, Linear]]:
@@ -73,12 +73,20 @@ class WeightQuantMethod(QuantMethod):
             elif not self.prequantized:
                 layer.kernel = self.make_kernel(layer)
                 release_weight(layer)
-        if quantizes_lm_head(self.config, self):
+        head = lm_head_method(self.config, self)
+        if head == self.name:
             quantize_lm_head(self, model)
+        elif head is not None:  # another method's format (int4's head: int8)
+            from tokenloom.plugin_manager import PluginManager
+
+            other = PluginManager.default().build("quant", head, self.config)
+            if not isinstance(other, WeightQuantMethod):
+                raise ValueError(f"{self.name}: the LM head's method {head} is no weight method")
+            quantize_lm_head(other, model)
 
 
 def quantize_lm_head(method: WeightQuantMethod, model: nn.Module) -> None:
-    """``quant_lm_head``: the LM head's rows quantized at load with ``make_kernel`` (a
+    """The LM head's rows quantized at load with ``method.make_kernel`` (a
     checkpoint's quantized head is not read: none of the formats here stores one).
     Tied to the embedding, the 16-bit rows stay for the lookups; otherwise they go."""
     head = getattr(model, "lm_head", None)

@@ -20,6 +20,7 @@ tiles above). Elsewhere, and as its oracle, the reference path dequantizes and c
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import msgspec
@@ -100,7 +101,7 @@ class Int4Kernel(LinearKernel):
     def __init__(
         self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int
     ) -> None:
-        self.qweight = qweight  # [K / 8, N] int32
+        self.qweight = qweight  # [K / 8, N] int32 (int4_kernel: stored [N, K / 8])
         self.scales = scales  # [G, N] model dtype
         self.zeros = zeros  # [G, N] model dtype
         self.group = group
@@ -135,10 +136,21 @@ class Int4Kernel(LinearKernel):
         return F.linear(x, w, bias)
 
 
+def row_major_storage() -> bool:
+    return os.environ.get("TOKENLOOM_INT4_ROW_MAJOR", "1") != "0"
+
+
 def int4_kernel(
     layer: Linear, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int
 ) -> Int4Kernel:
-    """The kernel of ``layer`` over these tensors, which are registered on the layer."""
+    """The kernel of ``layer`` over these tensors, which are registered on the layer.
+    The words are stored row-major per output channel (``[N, K / 8]``, ``qweight`` its
+    transposed view), the layout ``int4_gemv_nk`` streams at one row: the engine measured
+    on the H200 (session 17, docs/quantization.md); its GEMV alone is no faster than the
+    ``[K / 8, N]`` kernels (53.0 against 52.5 us a Llama-3-8B layer), which
+    ``TOKENLOOM_INT4_ROW_MAJOR=0`` keeps."""
+    if row_major_storage() and not qweight.t().is_contiguous():  # int4_tiles.int4_row_major
+        qweight = qweight.t().contiguous().t()
     return Int4Kernel(
         keep(layer, "qweight", qweight),
         keep(layer, "scales", scales.to(layer.weight.dtype)),
@@ -164,6 +176,10 @@ class Int4Quant(WeightQuantMethod):
     """RTN at load, or an AWQ / GPTQ checkpoint as its ``quantization_config`` says."""
 
     name = "int4"
+    # the head in int8 unless the config says otherwise: its own 4 bits cost +45.6%
+    # perplexity on the built-in model; int8's cost ~0.1% and halve the head's bytes
+    # (docs/quantization.md, session 17)
+    lm_head_default = "int8"
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)

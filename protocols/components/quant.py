@@ -33,10 +33,11 @@ class QuantMethod(ABC):
     """
 
     name: str
-    # Whether the LM head is quantized too when the config leaves ``quant_lm_head``
-    # unset (None): a method turns it on where the head's rounding measured within its
-    # quality bound (int8; docs/quantization.md, "The LM head").
-    lm_head_default: bool = False
+    # The LM head's format when the config leaves ``quant_lm_head`` unset (None): False
+    # keeps it 16-bit, True quantizes it with this method, a weight method's name with
+    # that one. A method sets it where the head's rounding measured within its quality
+    # bound (int8: True; int4: "int8"; docs/quantization.md, "The LM head").
+    lm_head_default: bool | str = False
 
     def prepare_model(self, model: torch.nn.Module, hf_config: dict[str, Any]) -> None:  # noqa: B027
         """Before loading: adapt the model to the checkpoint's format (default: nothing)."""
@@ -50,11 +51,20 @@ class QuantMethod(ABC):
         return model_dtype
 
 
-def quantizes_lm_head(config: Any, method: type[QuantMethod] | QuantMethod | Any) -> bool:
-    """Whether ``config`` (an ``EngineConfig``) quantizes the LM head with ``method``:
-    its ``quant_lm_head`` where set, else the method's ``lm_head_default``."""
+def lm_head_method(config: Any, method: type[QuantMethod] | QuantMethod | Any) -> str | None:
+    """The weight method that quantizes the LM head under ``config`` (an ``EngineConfig``
+    whose ``quant`` is ``method``), None for a 16-bit head: ``quant_lm_head`` where set
+    (True: ``method`` itself), else the method's ``lm_head_default``."""
     if config.quant == "none":
-        return False
+        return None
     if config.quant_lm_head is not None:
-        return bool(config.quant_lm_head)
-    return bool(getattr(method, "lm_head_default", False))
+        return config.quant if config.quant_lm_head else None
+    default = getattr(method, "lm_head_default", False)
+    if isinstance(default, str):
+        return default
+    return config.quant if default else None
+
+
+def quantizes_lm_head(config: Any, method: type[QuantMethod] | QuantMethod | Any) -> bool:
+    """Whether ``config`` quantizes the LM head at all (``lm_head_method``)."""
+    return lm_head_method(config, method) is not None

@@ -36,6 +36,7 @@ from tokenloom.plugins.models.cuda_timing import time_graph
 from tokenloom.plugins.quant.int4 import dequantize_int4, quantize_int4
 from tokenloom.plugins.quant.int8 import dequantize_int8, quantize_int8
 from tokenloom.plugins.quant.kernels.dispatch import bucket, candidates, h2_candidates
+from tokenloom.plugins.quant.kernels.int4_tiles import int4_row_major
 from tokenloom.plugins.quant.kernels.int8_gemv_nk import row_major
 from tokenloom.plugins.quant.kernels.weight_gemm import weight_gemm
 
@@ -63,6 +64,12 @@ def main() -> None:
         default="nk",
         help="int8 storage: [N, K] as the engine keeps it since session 16, or [K, N] as before",
     )
+    ap.add_argument(
+        "--int4-layout",
+        choices=("nk", "kn"),
+        default="nk",
+        help="int4 storage: [N, K / 8] as the engine keeps it since session 17, or [K / 8, N]",
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -80,6 +87,8 @@ def main() -> None:
                 ref_w = dequantize_int8(qw, s, torch.bfloat16)
             else:
                 qw, s, z = quantize_int4(w.to(torch.bfloat16), 128)
+                if args.int4_layout == "nk":
+                    qw = qw.t().contiguous().t()
                 group = 128
                 ref_w = dequantize_int4(qw, s, z, group, torch.bfloat16)
             nbytes = qw.numel() * qw.element_size() + s.numel() * s.element_size()
@@ -92,7 +101,7 @@ def main() -> None:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 ref = F.linear(x.float(), ref_w.float())
                 results = []
-                nk = bits == 8 and row_major(qw)
+                nk = row_major(qw) if bits == 8 else int4_row_major(qw)
                 offered = candidates(bucket(m), n, k, bits, group, sms, nk=nk)
                 if m == 1 and not nk:  # the one-row f16x2 kernels, as the tuner offers them
                     offered += h2_candidates(n, k, bits, group, z is not None, x.dtype)

@@ -10,9 +10,9 @@ stream runs them in order). ``reserve`` grows it ahead of time, at load, so that
 never allocated inside a CUDA graph capture and the memory planner's profile sees it.
 
 int4 tiles use the K-major dequantization of ``int4_tiles`` (8 consecutive K values
-per thread, 16-byte stores; PTX pairs on sm_90); int8 tiles are read through the
-weights' strides (``[K, N]`` storage, transposed by Triton's layout conversion, or
-``[N, K]``, as ``quantize_int8`` stores them since session 16).
+per thread, 16-byte stores; PTX pairs on sm_90); both widths read the weights through
+their strides: ``[K', N]`` storage, or ``[N, K']`` (``qweight`` the transposed view: int8
+as ``quantize_int8`` stores it since session 16, int4 where ``int4_row_major``).
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def _dequant_kernel(
     out_ptr,
     N,
     K,
-    stride_qk,  # int8: the weights' strides as [K, N] (N, 1; or 1, K when stored [N, K])
+    KQ,  # qweight's rows, K / 8 for int4
+    stride_qk,  # the weights' strides as [K', N] (N, 1; or 1, K' when stored [N, K'])
     stride_qn,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -70,7 +71,21 @@ def _dequant_kernel(
     like = tl.zeros([1, 1], out_ptr.dtype.element_ty)
     if BITS == 4:
         w = kmajor_tile(
-            qw_ptr, s_ptr, z_ptr, k0, offs_n, mask_n, N, K, like, GROUP, HAS_ZEROS, ASM, BLOCK_K
+            qw_ptr,
+            s_ptr,
+            z_ptr,
+            k0,
+            offs_n,
+            mask_n,
+            N,
+            KQ,
+            stride_qk,
+            stride_qn,
+            like,
+            GROUP,
+            HAS_ZEROS,
+            ASM,
+            BLOCK_K,
         )
     else:  # int8, one scale per output channel
         q = tl.load(
@@ -114,8 +129,9 @@ def dequantize_into(
         out,
         n,
         k,
-        qweight.stride(0) if bits == 8 else n,
-        qweight.stride(1) if bits == 8 else 1,
+        qweight.shape[0],
+        qweight.stride(0),
+        qweight.stride(1),
         BITS=bits,
         GROUP=group,
         HAS_ZEROS=zeros is not None,

@@ -22,10 +22,12 @@ import triton
 
 from tokenloom.plugins.models import tuning_cache
 from tokenloom.plugins.quant.kernels.gemm_config import (  # noqa: F401  (re-exported)
+    INT4_NK,
     NK,
     NK_ROWS,
 )
 from tokenloom.plugins.quant.kernels.int4_gemv_h2 import h2_offered
+from tokenloom.plugins.quant.kernels.int4_tiles import int4_row_major
 from tokenloom.plugins.quant.kernels.int8_gemv_h2 import int8_h2_offered
 from tokenloom.plugins.quant.kernels.int8_gemv_nk import row_major
 from tokenloom.plugins.quant.kernels.weight_gemm import (
@@ -199,8 +201,9 @@ def exact_for_fractional_zeros(cfg: GemmConfig) -> bool:
     """Whether a tiling computes ``(q - z) s`` exactly for a zero point that is no
     integer (a GGUF Q4_1 file's ``-m / d``): the GEMVs and the gather tiles do; the
     expanded, K-major and whole-weight dequantization tiles fold ``z`` into the 2^23
-    conversion constant, which rounds it to an integer."""
-    return cfg.gemv or not (cfg.expand or cfg.kmajor or cfg.dequant)
+    conversion constant, which rounds it to an integer. int4_gemv_nk takes ``z`` in its
+    fp32 epilogue."""
+    return cfg.gemv or cfg.nk or not (cfg.expand or cfg.kmajor or cfg.dequant)
 
 
 def candidates(
@@ -213,9 +216,12 @@ def candidates(
     fractional: bool = False,
     nk: bool = False,
 ):
-    """The tilings offered to bucket ``index``; ``nk``: int8 stored ``[N, K]`` (the
-    GEMVs over ``[K, N]`` give way to ``int8_gemv_nk``; the dot tiles read the strides)."""
+    """The tilings offered to bucket ``index``; ``nk``: stored ``[N, K]`` (the GEMVs over
+    ``[K, N]`` give way to ``int8_gemv_nk``, or ``int4_gemv_nk`` at one row; the dot tiles
+    read the strides)."""
     gemv, gemv_rows = (NK, NK_ROWS) if nk else (GEMV, GEMV_ROWS)
+    if nk and bits == 4:
+        gemv, gemv_rows = (INT4_NK if index == 0 else []), []
     pools = (
         gemv + SKINNY + KMAJOR_SKINNY,
         gemv + gemv_rows + SKINNY + KMAJOR_SKINNY,
@@ -279,7 +285,8 @@ CACHE_NAME = "weight-gemm.json"
 # v11: the int8 one-row GEMV's four sub-tiles share their accumulators (96 -> 64 registers
 # at 64 x 128), x one tile ahead; a 128 x 256 GEMV tiling with 8 warps; int8_gemv_h2.
 # v12: int8 stored [N, K] (int8_gemv_nk at one to sixteen rows; the dot tiles by strides).
-# v13: int8_gemv_nk offers its biased conversion only; no row blocks per program.
+# v13: int8_gemv_nk offers its biased conversion only; no row blocks per program; int4
+# stored [N, K / 8] (int4_gemv_nk at one row; the dot tiles and dequantization by strides).
 KERNELS_VERSION = 13
 
 
@@ -289,6 +296,10 @@ def _load() -> dict[str, Any]:
 
 def _store(key: str, configs: Configs) -> None:
     tuning_cache.store(CACHE_NAME, key, [asdict(c) for c in configs])
+
+
+def _stored_nk(qweight: torch.Tensor, bits: int) -> bool:
+    return row_major(qweight) if bits == 8 else int4_row_major(qweight)
 
 
 def choose_configs(
@@ -308,7 +319,7 @@ def choose_configs(
     if device.type != "cuda":
         return tuple(choose_config(m[-1], n, k, 4) for _, m in BUCKETS)  # type: ignore[return-value]
     fractional = zeros is not None and bool((zeros != zeros.round()).any())
-    nk = bits == 8 and row_major(qweight)
+    nk = _stored_nk(qweight, bits)
     h2 = [] if nk else h2_candidates(n, k, bits, group, zeros is not None, dtype)
     key = (
         f"{torch.cuda.get_device_name(device)}|torch {torch.__version__}|"
@@ -347,7 +358,7 @@ def _measure(qweight, scales, zeros, bits, group, dtype, reference, fractional=F
         best, best_time = choose_config(rows[-1], n, k, num_sms), float("inf")
         if fractional:  # the fallback, too, must take the zero points as they are
             best = replace(best, expand=False)
-        nk = bits == 8 and row_major(qweight)
+        nk = _stored_nk(qweight, bits)
         offered = candidates(index, n, k, bits, group, num_sms, fractional, nk)
         if index == 0 and not nk:
             offered += h2_candidates(n, k, bits, group, zeros is not None, dtype)

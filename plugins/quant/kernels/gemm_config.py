@@ -28,7 +28,7 @@ class GemmConfig:
     swap: bool = False  # kmajor: out^T = W x^T, the weights the MMA's register operand
     dequant: bool = False  # dequantize the whole weight (kernels/dequant.py), then cuBLAS
     h2: bool = False  # one row in packed f16x2 arithmetic (int4_gemv_h2, int8_gemv_h2)
-    nk: bool = False  # int8 stored [N, K]: int8_gemv_nk, ``rows`` rows of x per program
+    nk: bool = False  # stored [N, K]: int8_gemv_nk (``rows`` rows of x), int4_gemv_nk
     biased: bool = False  # nk: weights as 2^15 + 128 + q, the bias taken off per word
 
     def kmajor_fits(self, bits: int, group: int) -> bool:
@@ -37,8 +37,10 @@ class GemmConfig:
     def fits(self, bits: int, group: int) -> bool:
         """Whether this tiling can serve the format (the reshape path needs the tile
         and the group to nest, as must the GEMV's; K-major tiles lie in one group)."""
-        if self.nk:
-            return bits == 8 and group == 0 and self.rows in (1, 2, 4)
+        if self.nk:  # int8_gemv_nk (1-4 rows), int4_gemv_nk (one row, groups of 32 k)
+            if bits == 8:
+                return group == 0 and self.rows in (1, 2, 4)
+            return bits == 4 and group > 0 and group % 32 == 0 and self.rows == 1
         if self.dequant:
             from tokenloom.plugins.quant.kernels.dequant import fits as dequant_fits
 
@@ -94,4 +96,16 @@ NK_ROWS = [  # two or four rows of x per program (bucket 2-16)
     GemmConfig(1, 16, 1024, 1, 4, 3, nk=True, rows=2, biased=True),
     GemmConfig(1, 4, 1024, 1, 4, 3, nk=True, rows=4, biased=True),
     GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, rows=4, biased=True),
+]
+
+# int4_gemv_nk (session 17), int4 stored [N, K / 8]: (BLOCK_N, BLOCK_K, warps) with BLOCK_K =
+# 1,024 x warps (four words, 16 bytes, a thread). Offline sm_90 at one row: 2.8
+# instructions per weight at 8 rows a program (72 registers), 2.5 at 16 (162), 3.5 at 4.
+INT4_NK = [
+    GemmConfig(1, 8, 4096, 1, 4, 3, nk=True),
+    GemmConfig(1, 16, 4096, 1, 4, 3, nk=True),
+    GemmConfig(1, 4, 4096, 1, 4, 3, nk=True),
+    GemmConfig(1, 8, 2048, 1, 2, 3, nk=True),
+    GemmConfig(1, 16, 2048, 1, 2, 3, nk=True),
+    GemmConfig(1, 8, 8192, 1, 8, 3, nk=True),
 ]

@@ -17,6 +17,16 @@ def _ptx(x: torch.Tensor) -> bool:
     return x.device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
+def ptx_bf16_ok(x: torch.Tensor) -> bool:
+    """The PTX path's input: bf16 on sm_90 or later (the PTX scales bf16x2 pairs), 4-byte
+    aligned (read as int32 words)."""
+    return (
+        x.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(x.device)[0] >= 9
+        and x.data_ptr() % 4 == 0
+    )
+
+
 @triton.jit
 def _range_shift(x_ptr, k_begin, k_end, AMAX_BLOCK: tl.constexpr, HEADROOM: tl.constexpr = 7):
     """``e - HEADROOM`` in [-100, 126] for ``2^e <= max |x[k_begin:k_end]| < 2^(e + 1)``:

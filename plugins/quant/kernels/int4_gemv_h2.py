@@ -54,7 +54,12 @@ import triton
 import triton.language as tl
 
 from tokenloom.plugins.models.pdl import launch_options, release, wait
-from tokenloom.plugins.quant.kernels.h2_common import _ptx, _range_shift, store_one_row
+from tokenloom.plugins.quant.kernels.h2_common import (
+    _ptx,
+    _range_shift,
+    ptx_bf16_ok,
+    store_one_row,
+)
 
 
 def h2_offered() -> bool:
@@ -71,11 +76,7 @@ def h2_fits(x: torch.Tensor, bits: int, group: int, block_k: int, has_zeros: boo
     if group % block_k:
         return False
     if _ptx(x):
-        return (
-            x.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(x.device)[0] >= 9
-            and x.data_ptr() % 4 == 0
-        )
+        return ptx_bf16_ok(x)
     return x.dtype in (torch.float16, torch.float32)
 
 

@@ -2,7 +2,10 @@
 dequantization (``dequant``): a ``[BLOCK_N, BLOCK_K // 8]`` tile of packed words (the
 ``[K / 8, N]`` layout, nibble ``j`` of word ``i`` = row ``8 i + j``) becomes
 ``[BLOCK_N, BLOCK_K]`` 16-bit weights ``(q - z) s`` with each thread holding 8
-consecutive K values, so the tile leaves in 16-byte stores.
+consecutive K values, so the tile leaves in 16-byte stores. The words are read through
+``qweight``'s strides: contiguous ``[K / 8, N]``, or stored row-major per output channel
+(``int4_row_major``: the transposed view of a contiguous ``[N, K / 8]``, as int8 is
+stored ``[N, K]``).
 
 On sm_90 (bf16) or any GPU (f16) the dequantization is PTX, two values per instruction
 (``_dequant8_asm``); elsewhere, and in the interpreter, nibbles are OR-ed into the
@@ -104,6 +107,24 @@ def _dequant_kmajor(words, s, z, x, ASM: tl.constexpr):
 
 
 @triton.jit
+def word_rows(k0, BLOCK_K: tl.constexpr):
+    """The word rows ``k0 / 8 + i`` of the K tile at ``k0``, a multiple of ``BLOCK_K``
+    (so told to Triton: with the word count ``KQ`` an argument, not ``K // 8``, words
+    stored row-major load 16 bytes at a time, not 8)."""
+    return tl.multiple_of(k0 // 8, BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+
+
+@triton.jit
+def word_offsets(kw, offs_n, stride_qk, stride_qn):
+    """The offsets of words ``(kw, offs_n)`` (broadcast) of ``qweight [K / 8, N]``.
+    Contiguous, ``stride_qn`` is 1 (Triton specializes it: the code is that of the
+    unstrided ``kw * N + offs_n``); row-major, ``stride_qk`` is. ``offs_n * stride_qn``
+    stays int32: it is below the tensor's word count for every column in range (2^31
+    words would be 8 GiB), and masked columns are not read."""
+    return kw.to(tl.int64) * stride_qk + offs_n * stride_qn
+
+
+@triton.jit
 def kmajor_tile(
     qw_ptr,
     s_ptr,
@@ -112,7 +133,9 @@ def kmajor_tile(
     offs_n,
     mask_n,
     N,
-    K,
+    KQ,  # words per output channel, K / 8
+    stride_qk,
+    stride_qn,
     x,
     GROUP: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
@@ -120,10 +143,15 @@ def kmajor_tile(
     BLOCK_K: tl.constexpr,
 ):
     """The dequantized ``[BLOCK_N, BLOCK_K]`` tile of columns ``offs_n`` from row ``k0``
-    (which lies in one group), in ``x``'s dtype (only its dtype is read)."""
-    kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    mask_kw = mask_n[:, None] & (kw < K // 8)[None, :]
-    words = tl.load(qw_ptr + kw[None, :].to(tl.int64) * N + offs_n[:, None], mask=mask_kw, other=0)
+    (a multiple of ``BLOCK_K``, in one group), in ``x``'s dtype (only its dtype is read);
+    the words at ``qw_ptr + i stride_qk + n stride_qn`` (``word_offsets``)."""
+    kw = word_rows(k0, BLOCK_K)
+    mask_kw = mask_n[:, None] & (kw < KQ)[None, :]
+    words = tl.load(
+        qw_ptr + word_offsets(kw[None, :], offs_n[:, None], stride_qk, stride_qn),
+        mask=mask_kw,
+        other=0,
+    )
     g = (k0 // GROUP) * N + offs_n
     s = tl.load(s_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[:, None]
     if HAS_ZEROS:
@@ -131,6 +159,21 @@ def kmajor_tile(
     else:
         z = tl.zeros([offs_n.shape[0], 1], tl.float32)
     return _dequant_kmajor(words, s, z, x, ASM)
+
+
+def int4_row_major(qweight: torch.Tensor) -> bool:
+    """Whether an int4 ``qweight`` (int32, the logical ``[K / 8, N]``) is stored
+    row-major per output channel: each channel's ``K / 8`` words contiguous, the
+    transposed view of a contiguous ``[N, K / 8]`` (``packed.t().contiguous().t()``),
+    i.e. ``qweight.t().is_contiguous()``.
+
+    Where ``N == 1`` or ``K / 8 == 1`` that storage and the contiguous ``[K / 8, N]``
+    are the same memory (one run of words, word ``i`` of channel ``n`` at ``i + n``;
+    torch ignores the stride of a size-1 dimension), so both count as row-major: True.
+    Every kernel reads them correctly either way; True keeps one rule (the memory is
+    ``[N, K / 8]``), and only costs the ``[K / 8, N]`` GEMVs on layers that do not occur
+    (one output channel, or K = 8)."""
+    return qweight.dtype == torch.int32 and qweight.dim() == 2 and qweight.t().is_contiguous()
 
 
 def dequant_asm_ok(x: torch.Tensor) -> bool:

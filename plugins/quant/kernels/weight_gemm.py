@@ -7,7 +7,10 @@ in an int32 whose nibble ``j`` holds row ``8 i + j``, GPTQ's layout). A tile of
 ``[BLOCK_K, BLOCK_N]`` weights is then a plain 2-D load along ``N`` (coalesced), and
 the int4 nibbles come out by shifting each word by ``4 * (k % 8)``. int8 is stored
 ``[N, K]`` since session 16 (``qweight`` the transposed view): decode batches run
-``int8_gemv_nk`` on it, and the dot tiles read it through its strides.
+``int8_gemv_nk`` on it, and the dot tiles read it through its strides. int4 may be
+stored row-major per output channel too (``int4_tiles.int4_row_major``: the transposed
+view of a contiguous ``[N, K / 8]``): the dot tiles and the dequantization read it
+through its strides, and one row runs ``int4_gemv_nk`` on it (session 17).
 
 Scales: per output channel (``group = 0``: ``scales [1, N]``, applied once to the
 accumulator) or per group of ``group`` input rows (``scales [G, N]``, optional
@@ -41,7 +44,14 @@ from tokenloom.plugins.quant.kernels.gemm_config import (  # noqa: F401  (re-exp
     choose_config,
 )
 from tokenloom.plugins.quant.kernels.int4_gemv_h2 import h2_fits, launch_h2
-from tokenloom.plugins.quant.kernels.int4_tiles import dequant_asm_ok, kmajor_tile
+from tokenloom.plugins.quant.kernels.int4_gemv_nk import int4_nk_fits, launch_int4_nk
+from tokenloom.plugins.quant.kernels.int4_tiles import (
+    dequant_asm_ok,
+    int4_row_major,
+    kmajor_tile,
+    word_offsets,
+    word_rows,
+)
 from tokenloom.plugins.quant.kernels.int8_gemv_h2 import int8_h2_fits, launch_int8_h2
 from tokenloom.plugins.quant.kernels.int8_gemv_nk import launch_int8_nk, nk_fits, row_major
 from tokenloom.plugins.quant.kernels.weight_gemv import gemv_fits, launch_gemv, reduce_counters
@@ -58,11 +68,12 @@ def _weight_gemm_kernel(
     M,
     N,
     K,
+    KQ,  # qweight's rows, K / 8 for int4 (its divisibility known, unlike K // 8's)
     K_CHUNK,  # K range of one split, a multiple of BLOCK_K
     stride_xm,
     stride_ym,
     stride_ysplit,
-    stride_qk,  # int8: the weights' strides as [K, N] (N, 1; or 1, K when stored [N, K])
+    stride_qk,  # the weights' strides as [K', N] (N, 1; or 1, K' when stored [N, K'])
     stride_qn,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,  # 0: one scale per output channel
@@ -110,7 +121,9 @@ def _weight_gemm_kernel(
                 offs_n,
                 mask_n,
                 N,
-                K,
+                KQ,
+                stride_qk,
+                stride_qn,
                 x,
                 GROUP,
                 HAS_ZEROS,
@@ -131,10 +144,12 @@ def _weight_gemm_kernel(
                     other=0,
                 )
             elif EXPAND:  # each word loaded once, its 8 nibbles laid out as 8 rows
-                kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-                mask_kw = (kw < K // 8)[:, None] & mask_n[None, :]
+                kw = word_rows(k0, BLOCK_K)
+                mask_kw = (kw < KQ)[:, None] & mask_n[None, :]
                 words = tl.load(
-                    qw_ptr + kw[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask_kw, other=0
+                    qw_ptr + word_offsets(kw[:, None], offs_n[None, :], stride_qk, stride_qn),
+                    mask=mask_kw,
+                    other=0,
                 )
                 nibbles = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
                 q = tl.reshape(nibbles, (BLOCK_K, BLOCK_N))
@@ -145,7 +160,8 @@ def _weight_gemm_kernel(
                 q_magic = (q | 0x4B000000).to(tl.float32, bitcast=True)
             else:  # each word gathered by the 8 rows it holds
                 words = tl.load(
-                    qw_ptr + (ks // 8)[:, None].to(tl.int64) * N + offs_n[None, :],
+                    qw_ptr
+                    + word_offsets((ks // 8)[:, None], offs_n[None, :], stride_qk, stride_qn),
                     mask=mask_w,
                     other=0,
                 )
@@ -221,20 +237,28 @@ def weight_gemm(
     channel. ``x``'s last dim must be contiguous. int8 weights may be stored ``[N, K]``
     (``qweight`` the transposed view, as ``quantize_int8`` returns it): the dot tiles and
     the dequantization read them through their strides, one to four rows run
-    ``int8_gemv_nk``, and the GEMVs over ``[K, N]`` storage are not offered."""
+    ``int8_gemv_nk``, and the GEMVs over ``[K, N]`` storage are not offered. int4 weights
+    may be stored ``[N, K / 8]`` (``int4_row_major``) too: one row runs ``int4_gemv_nk``,
+    and a GEMV or h2 tiling (over ``[K / 8, N]``) gives way to a dot tile."""
     m, k = x.shape
     n = qweight.shape[1]
     assert bits in (4, 8) and x.stride(1) == 1
     nk = bits == 8 and row_major(qweight)
     nk_ok = nk and group == 0 and nk_fits(x, qweight)  # int8_gemv_nk can serve this call
-    # the kernels index the weights as dense [K', N] rows, or int8 [N, K] ones (a strided
+    row4 = bits == 4 and int4_row_major(qweight)  # int4 stored [N, K / 8]
+    nk4_ok = row4 and int4_nk_fits(x, qweight, group, zeros is not None)
+    # the kernels index the weights as dense [K', N] rows, or [N, K'] ones (a strided
     # view read as one gave wrong outputs silently)
-    assert qweight.is_contiguous() or nk, "weights must be contiguous (int8: or [N, K])"
+    assert qweight.is_contiguous() or nk or row4, "weights must be contiguous (or [N, K'])"
     assert scales.is_contiguous(), "scales must be contiguous"
     assert qweight.shape[0] * (8 if bits == 4 else 1) == k, (tuple(qweight.shape), k)
     cfg = config or choose_config(m, n, k, _num_sms(x.device), nk_ok)
-    if (nk and (cfg.gemv or cfg.h2)) or (cfg.nk and not (nk_ok and cfg.fits(bits, group))):
-        cfg = choose_config(m, n, k, _num_sms(x.device), nk_ok)  # a kernel for this layout
+    # the GEMVs over [K', N] would read [N, K'] storage wrongly: a kernel for this layout
+    # (int4: a dot tile, whose EXPAND or gather path serves any group and partial last one)
+    if ((nk or row4) and (cfg.gemv or cfg.h2)) or (
+        cfg.nk and not ((nk_ok or nk4_ok) and cfg.fits(bits, group))
+    ):
+        cfg = choose_config(m, n, k, _num_sms(x.device), nk_ok)
     if cfg.dequant and cfg.fits(bits, group):
         from tokenloom.plugins.quant.kernels.dequant import dequantize_into
 
@@ -250,17 +274,13 @@ def weight_gemm(
         else h2_fits(x, bits, group, cfg.block_k, zeros is not None)
     ):
         cfg = choose_config(m, n, k, _num_sms(x.device))
+    if cfg.nk and bits == 4:
+        return launch_int4_nk(
+            x, qweight, scales, zeros, group, bias, cfg.block_n, cfg.block_k, cfg.num_warps
+        )  # type: ignore[arg-type]
     if cfg.nk:
         return launch_int8_nk(
-            x,
-            qweight,
-            scales,
-            bias,
-            cfg.block_n,
-            cfg.block_k,
-            cfg.num_warps,
-            cfg.rows,
-            cfg.biased,
+            x, qweight, scales, bias, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.rows, cfg.biased
         )
     k_chunk = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_chunk)
@@ -350,12 +370,13 @@ def _launch_gemm(x, qweight, scales, zeros, bits, group, bias, y, m, n, k, k_chu
         m,
         n,
         k,
+        qweight.shape[0],
         k_chunk,
         x.stride(0),
         n,
         stride_split,
-        qweight.stride(0) if bits == 8 else n,
-        qweight.stride(1) if bits == 8 else 1,
+        qweight.stride(0),
+        qweight.stride(1),
         BITS=bits,
         GROUP=group,
         HAS_ZEROS=zeros is not None,

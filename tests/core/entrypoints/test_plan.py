@@ -109,9 +109,12 @@ def test_a_quantized_lm_head_counts_at_the_method_s_bytes():
         plain = plan_of("llama-3-8b", quant=quant, quant_lm_head=False).weights_bytes
         quantized = plan_of("llama-3-8b", quant=quant, quant_lm_head=True).weights_bytes
         assert plain - quantized == 2 * head - stored
-        # unset: the method's default, as the engine decides (int8 quantizes its head)
+        # unset: the method's default, as the engine decides (int8 quantizes its head,
+        # int4 stores it in int8)
         default = plan_of("llama-3-8b", quant=quant).weights_bytes
-        assert default == (quantized if quant == "int8" else plain)
+        int8_head = plan_of("llama-3-8b", quant="int8", quant_lm_head=True).weights_bytes
+        int8_plain = plan_of("llama-3-8b", quant="int8", quant_lm_head=False).weights_bytes
+        assert default == (quantized if quant == "int8" else plain - (int8_plain - int8_head))
     tied_plain = plan_of("smollm2-135m", quant="int8", quant_lm_head=False).weights_bytes
     tied = plan_of("smollm2-135m", quant="int8", quant_lm_head=True).weights_bytes
     assert tied - tied_plain == 49152 * 576 + 4 * 49152

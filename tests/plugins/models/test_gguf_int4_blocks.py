@@ -16,7 +16,7 @@ from tokenloom.checkpoints.tiny_models import write_tiny_model
 from tokenloom.config import EngineConfig
 from tokenloom.plugins.models.loader import load_model
 from tokenloom.plugins.quant.gguf_int4 import BLOCK, block_tensors
-from tokenloom.plugins.quant.int4 import GROUP_SIZE, Int4Quant, dequantize_int4
+from tokenloom.plugins.quant.int4 import GROUP_SIZE, Int4Kernel, Int4Quant, dequantize_int4
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +37,10 @@ def _int4_model(path, **plugin):
 
 
 def _int4_layers(model):
-    return {name: m for name, m in model.named_modules() if hasattr(m, "qweight")}
+    # the int4 linears (the LM head is int8 by default: its kernel is no Int4Kernel)
+    return {
+        n: m for n, m in model.named_modules() if isinstance(getattr(m, "kernel", None), Int4Kernel)
+    }
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # llama's Q/K rows are permuted in the file

@@ -31,9 +31,9 @@ def _layer(n, k, fractional=False, seed=0):
     return qweight, scales, zeros, ref
 
 
-def _x(k, dtype, outlier, seed=1):
+def _x(k, dtype, outlier=0.0, seed=1, scale=1.0):
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(1, k, generator=gen)
+    x = torch.randn(1, k, generator=gen) * scale
     if outlier:
         x[0, 7], x[0, k // 2 + 3] = outlier, -outlier / 3
     return x.to(DEVICE, dtype)

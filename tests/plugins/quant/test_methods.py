@@ -150,13 +150,22 @@ def test_quant_lm_head_computes_the_logits_from_a_quantized_copy(method, tied, t
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_the_lm_head_follows_the_method_s_default_when_unset(method, tiny_model_factory):
     # int8's head costs no quality (docs/quantization.md) and is quantized unless the
-    # config says no; fp8 and int4 heads double their loss and stay 16-bit unless asked
+    # config says no; int4's is int8 (its own 4 bits cost +45.6%); fp8's doubles its
+    # loss and stays 16-bit unless asked
     from tokenloom import LLM
+    from tokenloom.plugins.quant.int8 import Int8Kernel
 
     model_dir = tiny_model_factory("llama")
     llm = LLM(str(model_dir), dtype="float32", quant=method)
-    quantized = llm.engine.executor.model.lm_head.logits_kernel is not None
-    assert quantized == (method == "int8")
+    kernel = llm.engine.executor.model.lm_head.logits_kernel
+    assert (kernel is not None) == (method in ("int8", "int4"))
+    assert isinstance(kernel, Int8Kernel) == (method in ("int8", "int4"))
+    # asked: the method's own format; refused: 16-bit
+    asked = LLM(str(model_dir), dtype="float32", quant=method, quant_lm_head=True)
+    own = asked.engine.executor.model.lm_head.logits_kernel
+    assert type(own).__name__.lower().startswith(method)
+    refused = LLM(str(model_dir), dtype="float32", quant=method, quant_lm_head=False)
+    assert refused.engine.executor.model.lm_head.logits_kernel is None
 
 
 def test_quant_lm_head_needs_a_weight_method():

@@ -27,15 +27,23 @@ pytestmark = [
 NUM_PASSAGES = 6
 NUM_PROMPTS = 10
 # int4: the built-in GGUF's own Q4_1 blocks (groups of 32, the default for a Q4_0/Q4_1
-# file); int4-rtn: those weights rounded again by RTN into groups of 128
+# file) with the LM head in int8 (int4's default since session 17); int4-16-bit-head:
+# the blocks alone; int4-rtn: those weights rounded again by RTN into groups of 128
 # (``[plugin.int4] gguf_blocks = false``), what any 16-bit checkpoint gets
 METHODS = {
     "fp8": ("fp8", {}),
     "int8": ("int8", {}),
     "int4": ("int4", {}),
+    "int4-16-bit-head": ("int4", {"quant_lm_head": False}),
     "int4-rtn": ("int4", {"plugin": {"int4": {"gguf_blocks": False}}}),
 }
-ISSUE_MAX_PPL_INCREASE = {"fp8": 0.01, "int8": 0.01, "int4": 0.05, "int4-rtn": 0.05}
+ISSUE_MAX_PPL_INCREASE = {
+    "fp8": 0.01,
+    "int8": 0.01,
+    "int4": 0.05,
+    "int4-16-bit-head": 0.05,
+    "int4-rtn": 0.05,
+}
 # Where the built-in model misses the issue's threshold (docs/quantization.md says
 # why); strict: a method that starts meeting it fails here until this entry goes.
 # GPTQ checkpoints (tokenloom quantize) miss too: fp8 +1.6%, int4 +40.5% on the full text.
@@ -45,11 +53,24 @@ KNOWN_MISSES = {
 }
 # What each method measured on this subset, with a margin: a regression guard that
 # holds for every method, misses included (int4 from the file's blocks: the same
-# weights up to fp32 rounding, measured +0.0000%).
-MEASURED_MAX_PPL_INCREASE = {"fp8": 0.06, "int8": 0.01, "int4": 0.0005, "int4-rtn": 0.35}
+# weights up to fp32 rounding, measured +0.0000%; with the int8 head -0.11%).
+MEASURED_MAX_PPL_INCREASE = {
+    "fp8": 0.06,
+    "int8": 0.01,
+    "int4": 0.005,
+    "int4-16-bit-head": 0.0005,
+    "int4-rtn": 0.35,
+}
 # token agreement (recorded tokens reproduced before the first divergence) is reported;
-# the floors only catch a broken method (a wrong layout agrees on almost nothing)
-MIN_AGREEMENT_PCT = {"fp8": 30.0, "int8": 50.0, "int4": 99.0, "int4-rtn": 10.0}
+# the floors only catch a broken method (a wrong layout agrees on almost nothing); int4
+# with its int8 head measured 92.3% on this subset
+MIN_AGREEMENT_PCT = {
+    "fp8": 30.0,
+    "int8": 50.0,
+    "int4": 80.0,
+    "int4-16-bit-head": 99.0,
+    "int4-rtn": 10.0,
+}
 
 
 def _measure(quant: str, **options: object) -> tuple[float, float]:
@@ -84,7 +105,7 @@ def _increase(method: str, measured: dict[str, tuple[float, float]]) -> float:
         f"{method}: perplexity {ppl:.4f} vs {baseline:.4f} ({ppl / baseline - 1:+.4%}), "
         f"token agreement {agreement:.1f}%"
     )
-    if method != "int4":  # the blocks are the model's own weights (see below)
+    if method != "int4-16-bit-head":  # the blocks are the model's own weights (below)
         assert ppl != baseline  # the method changed the weights
     return ppl / baseline - 1
 
@@ -111,14 +132,14 @@ def test_quantized_quality_within_its_measured_bounds(method, measured):
 def test_int4_from_gguf_blocks_is_not_the_rtn_rounding(measured):
     # the two int4 paths really differ (the blocks are not RTN's output, nor the dense
     # model's): RTN moves the perplexity by percent, the blocks by ~1e-6 at most
-    blocks, rtn = _increase("int4", measured), _increase("int4-rtn", measured)
+    blocks, rtn = _increase("int4-16-bit-head", measured), _increase("int4-rtn", measured)
     assert abs(blocks) < 1e-4 < abs(rtn)
 
 
 def test_int8_with_a_16_bit_lm_head_within_the_int8_threshold(measured):
     # int8 quantizes the (tied) LM head by default (full text: +0.06% with the head,
     # +0.15% without, docs/quantization.md); --no-quant-lm-head keeps it 16-bit. fp8 and
-    # int4 heads cost more (+6.1%, +45.6%) and are off unless asked
+    # int4 heads cost more (+6.1%, +45.6%): fp8's stays 16-bit, int4's is int8 unless asked
     ppl, agreement = _measure("int8", quant_lm_head=False)
     baseline = measured["none"][0]
     print(f"int8, 16-bit head: perplexity {ppl:.4f} vs {baseline:.4f} ({ppl / baseline - 1:+.2%})")

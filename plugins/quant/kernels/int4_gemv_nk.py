@@ -1,0 +1,325 @@
+"""The one-row int4 GEMV over weights stored row-major (each output channel's packed words
+contiguous, ``[N, K / 8]``), in packed f16x2 arithmetic, with no K split.
+
+Why (session 17). At one row the int4 GEMVs over ``[K / 8, N]`` (``int4_gemv_h2``,
+``weight_gemv``) ran at 33-63% of the copy bandwidth on a Llama-3-8B layer (one H200,
+``gemv_bench.py --bits 4 --rows 1 --cold``: 52.5 us a layer against 27 at the roofline):
+they spend ~3.3 instructions a weight, and the narrow layers split K with a second pass
+for the partial sums. int8 gained from the same change of layout (``int8_gemv_nk``): a
+program owns ``BLOCK_N`` whole rows, streams them with the next tile in flight, and
+reduces once, at the end.
+
+One element of the tile is four consecutive words of a row (32 weights of one group, a
+16-byte load). Per element:
+
+- the weights, as in ``int4_gemv_h2``: per word one shift, one ``lop3`` per nibble pair
+  (OR-ed under 1,024 in f16), one ``sub`` or ``fma.f16x2`` per pair for ``q - 8`` exactly,
+  then one ``fma.rn.f16x2`` per pair: 16 products per f16 half, flushed to fp32 once
+  (``_CHAIN_ASM``, ~1.8 instructions a weight);
+- x, once per program and shared by its rows (``_X_ASM``): the 32 values scaled by a power
+  of two so that their largest lies in [128, 256) (a chain then stays below 2^15, whatever
+  the activations' range: a range guard per 32 values, no pre-pass), as f16 pairs
+  ``(x_j, x_{j+4})``, with their scaled sum;
+- the group's epilogue in fp32, ``s (P up - (z - 8) sum x)``: exact for fractional zero
+  points (GGUF Q4_1).
+
+In the interpreter (``ASM`` False) the same structure runs in fp32 arithmetic, so the
+indexing, masks and epilogue are tested on the CPU; the PTX is tested on the GPU.
+
+Layout: ``qweight`` is the logical ``[K / 8, N]`` (``weight_gemm``'s) as the transposed
+view of ``[N, K / 8]`` storage; ``scales``/``zeros`` ``[G, N]`` as everywhere; groups of
+a multiple of 32; one row of bf16 activations on sm_90 (its PTX scales bf16x2 pairs).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenloom.plugins.models.pdl import launch_options, release, wait
+from tokenloom.plugins.quant.kernels.h2_common import _ptx, ptx_bf16_ok
+from tokenloom.plugins.quant.kernels.int4_tiles import int4_row_major
+
+# x: 16 bf16x2 words ($18..$33: x0..x31 in pairs) -> 16 f16x2 pairs ($0..$15: word w's
+# (x_j, x_{j+4}) at $4w+j), $16 = 2^e the scale undoes (f32), $17 = the scaled sum (f32)
+_X_LINES = [
+    "{ .reg .b32 m, t, e, sc, p, q, sum; .reg .b16 lo, hi; .reg .f32 a, b, c, d, fl, fh;",
+    " and.b32 m, $18, 0x7FFF7FFF;",
+]
+_X_LINES += [f" and.b32 t, ${18 + i}, 0x7FFF7FFF; max.u16x2 m, m, t;" for i in range(1, 16)]
+_X_LINES += [
+    # the largest |x| (bf16 bits), its exponent e; the scale 2^(134 - e) as bf16 exponent
+    # b = 261 - e in [1, 253] (all-zero x: b = 253; up = 2^(127 - b) stays normal)
+    " shr.u32 t, m, 16; and.b32 m, m, 0xFFFF; max.u32 m, m, t; shr.u32 e, m, 7;",
+    " sub.s32 e, 261, e; min.s32 e, e, 253; max.s32 e, e, 1;",
+    " shl.b32 sc, e, 7; shl.b32 t, sc, 16; or.b32 sc, sc, t;",
+    " sub.s32 t, 254, e; shl.b32 $16, t, 23;",
+    " mov.b32 sum, 0;",
+]
+for w in range(4):  # word w: bf16 pairs $18+4w .. +3 = (x0,x1) (x2,x3) (x4,x5) (x6,x7)
+    r = [f"${18 + 4 * w + i}" for i in range(4)]
+    o = [f"${4 * w + j}" for j in range(4)]
+    _X_LINES += [
+        f" mul.rn.bf16x2 p, {r[0]}, sc; mul.rn.bf16x2 q, {r[2]}, sc;",
+        " shl.b32 a, p, 16; and.b32 b, p, 0xFFFF0000; shl.b32 c, q, 16; and.b32 d, q, 0xFFFF0000;",
+        f" cvt.rn.f16x2.f32 {o[0]}, c, a; cvt.rn.f16x2.f32 {o[1]}, d, b;",
+        f" mul.rn.bf16x2 p, {r[1]}, sc; mul.rn.bf16x2 q, {r[3]}, sc;",
+        " shl.b32 a, p, 16; and.b32 b, p, 0xFFFF0000; shl.b32 c, q, 16; and.b32 d, q, 0xFFFF0000;",
+        f" cvt.rn.f16x2.f32 {o[2]}, c, a; cvt.rn.f16x2.f32 {o[3]}, d, b;",
+        f" add.f16x2 sum, sum, {o[0]}; add.f16x2 sum, sum, {o[1]};",
+        f" add.f16x2 sum, sum, {o[2]}; add.f16x2 sum, sum, {o[3]};",
+    ]
+_X_LINES += [
+    " mov.b32 {lo, hi}, sum; cvt.f32.f16 fl, lo; cvt.f32.f16 fh, hi; add.f32 $17, fl, fh; }"
+]
+_X_ASM = tl.constexpr("\n".join(_X_LINES))
+
+# four words ($1..$4) of one row against x's pairs ($5..$20, word w's at $5+4w..) -> $0,
+# the sum of the 32 products (q - 8) x_scaled: two f16 chains of 16, flushed to f32 once
+_C_LINES = [
+    "{ .reg .b32 t, a, b, c, d, acc, k1032, k16, km72; .reg .b16 lo, hi; .reg .f32 fl, fh;",
+    " mov.b32 k1032, 0x64086408; mov.b32 k16, 0x2C002C00; mov.b32 km72, 0xD480D480;",
+]
+for w in range(4):
+    wd, xs = f"${1 + w}", [f"${5 + 4 * w + j}" for j in range(4)]
+    _C_LINES += [
+        f" shr.u32 t, {wd}, 8;",
+        f" lop3.b32 a, {wd}, 0x000F000F, 0x64006400, 0xEA;",  # (q0, q4) + 1024
+        f" lop3.b32 b, {wd}, 0x00F000F0, 0x64006400, 0xEA;",  # 16 (q1, q5) + 1024
+        " lop3.b32 c, t, 0x000F000F, 0x64006400, 0xEA;",  # (q2, q6) + 1024
+        " lop3.b32 d, t, 0x00F000F0, 0x64006400, 0xEA;",  # 16 (q3, q7) + 1024
+        " sub.f16x2 a, a, k1032; fma.rn.f16x2 b, b, k16, km72;",
+        " sub.f16x2 c, c, k1032; fma.rn.f16x2 d, d, k16, km72;",
+        (f" mul.f16x2 acc, a, {xs[0]};" if w == 0 else f" fma.rn.f16x2 acc, a, {xs[0]}, acc;"),
+        f" fma.rn.f16x2 acc, b, {xs[1]}, acc;",
+        f" fma.rn.f16x2 acc, c, {xs[2]}, acc; fma.rn.f16x2 acc, d, {xs[3]}, acc;",
+    ]
+_C_LINES += [
+    " mov.b32 {lo, hi}, acc; cvt.f32.f16 fl, lo; cvt.f32.f16 fh, hi; add.f32 $0, fl, fh; }"
+]
+_CHAIN_ASM = tl.constexpr("\n".join(_C_LINES))
+
+
+_X_CONSTRAINTS = tl.constexpr("=r," * 16 + "=f,=f," + ",".join(["r"] * 16))
+_CHAIN_CONSTRAINTS = tl.constexpr("=f," + ",".join(["r"] * 20))
+
+
+@triton.jit
+def _x_pairs(x32, kw, mask):
+    """x's 32 values from word ``kw`` (a multiple of 4) of each element: 16 f16x2 pairs,
+    the scale's inverse ``up`` and the scaled sum (``_X_ASM``)."""
+    p = x32 + kw * 4
+    return tl.inline_asm_elementwise(
+        asm=_X_ASM,
+        constraints=_X_CONSTRAINTS,
+        args=[
+            tl.load(p + 0, mask=mask, other=0),
+            tl.load(p + 1, mask=mask, other=0),
+            tl.load(p + 2, mask=mask, other=0),
+            tl.load(p + 3, mask=mask, other=0),
+            tl.load(p + 4, mask=mask, other=0),
+            tl.load(p + 5, mask=mask, other=0),
+            tl.load(p + 6, mask=mask, other=0),
+            tl.load(p + 7, mask=mask, other=0),
+            tl.load(p + 8, mask=mask, other=0),
+            tl.load(p + 9, mask=mask, other=0),
+            tl.load(p + 10, mask=mask, other=0),
+            tl.load(p + 11, mask=mask, other=0),
+            tl.load(p + 12, mask=mask, other=0),
+            tl.load(p + 13, mask=mask, other=0),
+            tl.load(p + 14, mask=mask, other=0),
+            tl.load(p + 15, mask=mask, other=0),
+        ],  # fmt: skip
+        dtype=(
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.float32,
+            tl.float32,
+        ),  # fmt: skip
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _chain(w0, w1, w2, w3, xo):
+    """``_CHAIN_ASM`` over ``[BLOCK_N, P]`` elements with ``_x_pairs``' ``xo`` (``[P]``)."""
+    return tl.inline_asm_elementwise(
+        asm=_CHAIN_ASM,
+        constraints=_CHAIN_CONSTRAINTS,
+        args=[
+            w0,
+            w1,
+            w2,
+            w3,
+            xo[0][None, :],
+            xo[1][None, :],
+            xo[2][None, :],
+            xo[3][None, :],
+            xo[4][None, :],
+            xo[5][None, :],
+            xo[6][None, :],
+            xo[7][None, :],
+            xo[8][None, :],
+            xo[9][None, :],
+            xo[10][None, :],
+            xo[11][None, :],
+            xo[12][None, :],
+            xo[13][None, :],
+            xo[14][None, :],
+            xo[15][None, :],
+        ],  # fmt: skip
+        dtype=tl.float32,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _emu_word(w, x_ptr, k, mask):
+    """Interpreter: one word's 8 products ``(q - 8) x`` at K offset ``k`` (fp32)."""
+    part = tl.zeros(w.shape, tl.float32)
+    for j in tl.static_range(8):
+        xj = tl.load(x_ptr + k + j, mask=mask, other=0.0).to(tl.float32)
+        part += (((w >> (4 * j)) & 0xF) - 8).to(tl.float32) * xj[None, :]
+    return part
+
+
+@triton.jit
+def _emu_xsum(x_ptr, k, mask):
+    xs = tl.zeros(k.shape, tl.float32)
+    for j in tl.static_range(32):
+        xs += tl.load(x_ptr + k + j, mask=mask, other=0.0).to(tl.float32)
+    return xs
+
+
+@triton.jit
+def _split4(w, BLOCK_N: tl.constexpr, P: tl.constexpr):
+    """``[BLOCK_N, 4 P]`` words -> four ``[BLOCK_N, P]``: words ``4p``, ``4p+1``, ``4p+2``,
+    ``4p+3`` of each element (the split keeps a thread's four words in its registers)."""
+    a, b = tl.split(tl.reshape(w, [BLOCK_N, P, 2, 2]))
+    w0, w2 = tl.split(a)
+    w1, w3 = tl.split(b)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _int4_gemv_nk_kernel(
+    x_ptr,  # [1, K]
+    qw_ptr,  # int32 words [N, K / 8]: eight consecutive K weights of one channel each
+    s_ptr,  # [G, N]
+    z_ptr,  # [G, N]
+    b_ptr,
+    y_ptr,  # [1, N]
+    N,
+    KW,  # K / 8, a multiple of 4
+    GROUP: tl.constexpr,  # a multiple of 32
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_KW: tl.constexpr,  # words of a tile row, a multiple of 4
+    ASM: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    P: tl.constexpr = BLOCK_KW // 4
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_KW), 4), 4)
+    offs_p = tl.arange(0, P) * 4  # each element's first word
+    mask_n = offs_n < N
+    w_rows = qw_ptr + offs_n[:, None].to(tl.int64) * KW
+    w = tl.load(w_rows + offs_w[None, :], mask=mask_n[:, None] & (offs_w < KW)[None, :], other=0)
+    wait(USE_PDL)  # the first tile is in flight; x comes from the kernel before
+    release(USE_PDL)
+    x32 = x_ptr.to(tl.pointer_type(tl.int32))
+    acc = tl.zeros([BLOCK_N, P], tl.float32)
+    for k0 in range(0, KW, BLOCK_KW):
+        nxt = k0 + BLOCK_KW + offs_w
+        w_next = tl.load(w_rows + nxt[None, :], mask=mask_n[:, None] & (nxt < KW)[None, :], other=0)
+        kw = k0 + offs_p
+        mask_p = kw < KW
+        g = (kw * 8) // GROUP
+        sz = g[None, :] * N + offs_n[:, None]
+        mask_e = mask_n[:, None] & mask_p[None, :]
+        s = tl.load(s_ptr + sz, mask=mask_e, other=0.0).to(tl.float32)
+        z8 = tl.load(z_ptr + sz, mask=mask_e, other=8.0).to(tl.float32) - 8.0
+        w0, w1, w2, w3 = _split4(w, BLOCK_N, P)
+        if ASM:
+            xo = _x_pairs(x32, kw, mask_p)
+            chain = _chain(w0, w1, w2, w3, xo)
+            up = xo[16][None, :]
+            acc += s * (chain * up - z8 * (xo[17] * xo[16])[None, :])
+        else:
+            k = kw * 8
+            chain = _emu_word(w0, x_ptr, k, mask_p) + _emu_word(w1, x_ptr, k + 8, mask_p)
+            chain += _emu_word(w2, x_ptr, k + 16, mask_p) + _emu_word(w3, x_ptr, k + 24, mask_p)
+            acc += s * (chain - z8 * _emu_xsum(x_ptr, k, mask_p)[None, :])
+        w = w_next
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+def int4_nk_fits(x: torch.Tensor, qweight: torch.Tensor, group: int, has_zeros: bool) -> bool:
+    """One row of x over row-major int4 words (whole elements of four words), zero points,
+    groups of a multiple of 32; on a GPU bf16 on sm_90+, 4-byte aligned; in the interpreter
+    any float dtype."""
+    kw = qweight.shape[0]
+    if x.shape[0] != 1 or not has_zeros or group <= 0 or group % 32 or kw % 4:
+        return False
+    if not int4_row_major(qweight) or x.stride(1) != 1:
+        return False
+    if _ptx(x):
+        return ptx_bf16_ok(x)
+    return x.dtype in (torch.float16, torch.float32, torch.bfloat16)
+
+
+def launch_int4_nk(
+    x: torch.Tensor,
+    qweight: torch.Tensor,  # the logical [K / 8, N]: a view of [N, K / 8] storage
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group: int,
+    bias: torch.Tensor | None,
+    block_n: int,
+    block_k: int,
+    num_warps: int,
+) -> torch.Tensor:
+    """``x [1, K] @ dequant(qweight)^T (+ bias) -> [1, N]`` in ``x``'s dtype
+    (``int4_nk_fits``); ``block_k`` K values a tile row."""
+    assert int4_nk_fits(x, qweight, group, zeros is not None), (tuple(x.shape), group)
+    kw, n = qweight.shape
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    block_kw = max(4, min(block_k // 8, triton.next_power_of_2(kw)))
+    _int4_gemv_nk_kernel[(triton.cdiv(n, block_n),)](
+        x,
+        qweight.t(),  # [N, K / 8], contiguous
+        scales,
+        zeros,
+        bias if bias is not None else scales,
+        y,
+        n,
+        kw,
+        GROUP=group,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=block_n,
+        BLOCK_KW=block_kw,
+        ASM=_ptx(x),
+        num_warps=num_warps,
+        **launch_options(x.device),
+    )
+    return y

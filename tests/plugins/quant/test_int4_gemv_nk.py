@@ -1,0 +1,112 @@
+"""The one-row int4 GEMV over row-major words (``int4_gemv_nk``) equals the dequantized
+reference: its structure (indexing, masks, the group epilogue) in fp32 in the interpreter
+on the CPU, its PTX on the GPU (bf16) at the Llama-3-8B shapes, where the range guard per
+32 values keeps the f16 chains finite and precise under any activation; it serves only
+the calls it fits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_int4_gemv_h2 import _rel_err, _x
+
+from tokenloom.plugins.quant.int4 import dequantize_int4, quantize_int4
+from tokenloom.plugins.quant.kernels.dispatch import INT4_NK, candidates
+from tokenloom.plugins.quant.kernels.int4_gemv_nk import int4_nk_fits, launch_int4_nk
+from tokenloom.plugins.quant.kernels.int4_tiles import int4_row_major
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPES = [torch.bfloat16] if CUDA else [torch.float32, torch.float16]
+# GPU: f16 chains of 16 products (~5e-4 of |y|) and the bf16 output's rounding
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 4e-3}
+
+
+def _layer(n, k, group=128, fractional=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.02
+    qweight, scales, zeros = quantize_int4(w.to(DEVICE), group)
+    if fractional:  # Q4_1's -m / d zero points: the fp32 epilogue takes them exactly
+        zeros = zeros + torch.rand(zeros.shape, generator=gen).to(DEVICE) - 0.5
+    ref = dequantize_int4(qweight, scales, zeros, group, torch.float64)
+    return qweight.t().contiguous().t(), scales, zeros, ref
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("n", "k", "group", "block_n", "block_k"),
+    [
+        (40, 512, 128, 16, 256),  # K over two tiles
+        (33, 576, 128, 8, 512),  # N off the block; a last tile and a last group partial
+        (24, 96, 32, 8, 1024),  # groups of 32 (Q4_0/Q4_1); the tile wider than K
+    ],
+)
+@pytest.mark.parametrize("fractional", [False, True])
+def test_matches_the_dequantized_reference(dtype, n, k, group, block_n, block_k, fractional):
+    qweight, scales, zeros, ref = _layer(n, k, group, fractional)
+    assert int4_row_major(qweight)
+    x = _x(k, dtype)
+    bias = torch.randn(n).to(DEVICE, dtype)
+    y = launch_int4_nk(x, qweight, scales, zeros, group, bias, block_n, block_k, 4)
+    assert y.shape == (1, n) and y.dtype == dtype
+    assert _rel_err(y, x, ref, bias) < TOL[dtype]
+    y0 = launch_int4_nk(x, qweight, scales, zeros, group, None, block_n, block_k, 4)
+    assert _rel_err(y0, x, ref) < TOL[dtype]
+
+
+def test_serves_only_the_calls_it_fits():
+    qweight, scales, zeros, _ = _layer(16, 256)
+    x = _x(256, DTYPES[0])
+    assert int4_nk_fits(x, qweight, 128, True)
+    dense = qweight.contiguous()  # [K / 8, N] storage: the other GEMVs' layout
+    assert not int4_row_major(dense) and not int4_nk_fits(x, dense, 128, True)
+    assert not int4_nk_fits(torch.cat([x, x]), qweight, 128, True)  # one row only
+    assert not int4_nk_fits(x, qweight, 16, True)  # groups of a multiple of 32
+    assert not int4_nk_fits(x, qweight, 128, False)  # zero points (every int4 format here)
+    odd, _, _, _ = _layer(16, 200, 40)  # K / 8 = 25: no whole elements of four words
+    assert not int4_nk_fits(_x(200, DTYPES[0]), odd, 40, True)
+    with pytest.raises(AssertionError):
+        launch_int4_nk(x, dense, scales, zeros, 128, None, 8, 256, 4)
+
+
+def test_the_tuner_offers_it_at_one_row_for_row_major_words_only():
+    one, few = (candidates(i, 4096, 4096, 4, 128, 132, nk=True) for i in (0, 1))
+    assert {c for c in one if c.nk} == set(INT4_NK) and not any(c.nk for c in few)
+    assert not any(c.gemv or c.h2 for c in one + few)  # they read [K / 8, N] storage
+    dense = candidates(0, 4096, 4096, 4, 128, 132)
+    assert not any(c.nk for c in dense) and any(c.gemv for c in dense)
+    # exact for the fractional zero points of a Q4_1 file (its fp32 epilogue)
+    assert set(INT4_NK) <= set(candidates(0, 4096, 4096, 4, 32, 132, True, nk=True))
+    assert all(c.fits(4, 32) and not c.fits(4, 16) and not c.fits(4, 0) for c in INT4_NK)
+
+
+def test_the_engine_stores_int4_row_major_unless_told_and_runs_it(tiny_model_factory, monkeypatch):
+    from tokenloom import LLM, SamplingParams
+
+    model_dir = str(tiny_model_factory("llama"))
+    monkeypatch.setenv("TOKENLOOM_INT4_ROW_MAJOR", "0")
+    dense = LLM(model_dir, dtype="float32", quant="int4")
+    layer = dense.engine.executor.model.model.layers[0].mlp.down_proj
+    assert layer.qweight.is_contiguous()  # [K / 8, N], the kernels before session 17
+    dense.engine.shutdown()
+    monkeypatch.delenv("TOKENLOOM_INT4_ROW_MAJOR")
+    llm = LLM(model_dir, dtype="float32", quant="int4")
+    layer = llm.engine.executor.model.model.layers[0].mlp.down_proj
+    assert int4_row_major(layer.qweight) and not layer.qweight.is_contiguous()
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    assert len(llm.generate([[5, 9, 2]], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+@pytest.mark.parametrize(("block_n", "block_k", "warps"), [(8, 4096, 4), (16, 2048, 2)])
+@pytest.mark.parametrize(("outlier", "scale"), [(0.0, 1.0), (3e3, 1.0), (0.0, 1e-6), (0.0, 1e4)])
+def test_gpu_llama_shapes(n, k, block_n, block_k, warps, outlier, scale):
+    # the range guard: Llama's massive activations (an outlier of thousands), tiny
+    # activations (scaled up, not lost in f16's subnormals) and large ones (no overflow)
+    qweight, scales, zeros, ref = _layer(n, k)
+    x = _x(k, torch.bfloat16, outlier * scale, scale=scale)
+    y = launch_int4_nk(x, qweight, scales, zeros, 128, None, block_n, block_k, warps)
+    assert torch.isfinite(y).all()
+    assert _rel_err(y, x, ref) < TOL[torch.bfloat16]
