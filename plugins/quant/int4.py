@@ -144,12 +144,19 @@ def int4_kernel(
     layer: Linear, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int
 ) -> Int4Kernel:
     """The kernel of ``layer`` over these tensors, which are registered on the layer.
-    The words are stored row-major per output channel (``[N, K / 8]``, ``qweight`` its
-    transposed view), the layout ``int4_gemv_nk`` streams at one row: the engine measured
-    on the H200 (session 17, docs/quantization.md); its GEMV alone is no faster than the
-    ``[K / 8, N]`` kernels (53.0 against 52.5 us a Llama-3-8B layer), which
-    ``TOKENLOOM_INT4_ROW_MAJOR=0`` keeps."""
-    if row_major_storage() and not qweight.t().is_contiguous():  # int4_tiles.int4_row_major
+    Where ``int4_gemv_nk`` can serve the layer (bf16 on sm_90+; groups of a multiple of
+    32), the words are stored row-major per output channel (``[N, K / 8]``, ``qweight``
+    its transposed view), the layout it streams at one row (docs/quantization.md,
+    sessions 17-18); elsewhere, or with ``TOKENLOOM_INT4_ROW_MAJOR=0``, ``[K / 8, N]``,
+    the layout of the GEMVs and the f16x2 GEMV."""
+    from tokenloom.plugins.quant.kernels.int4_gemv_nk import int4_nk_serves
+
+    k = qweight.shape[0] * 8
+    if (
+        row_major_storage()
+        and int4_nk_serves(layer.weight.dtype, qweight.device, group, k)
+        and not qweight.t().is_contiguous()  # int4_tiles.int4_row_major
+    ):
         qweight = qweight.t().contiguous().t()
     return Int4Kernel(
         keep(layer, "qweight", qweight),

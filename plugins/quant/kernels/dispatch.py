@@ -287,7 +287,9 @@ CACHE_NAME = "weight-gemm.json"
 # v12: int8 stored [N, K] (int8_gemv_nk at one to sixteen rows; the dot tiles by strides).
 # v13: int8_gemv_nk offers its biased conversion only; no row blocks per program; int4
 # stored [N, K / 8] (int4_gemv_nk at one row; the dot tiles and dequantization by strides).
-KERNELS_VERSION = 13
+# v14: int4 stored [N, K / 8] only where int4_gemv_nk serves the layer (bf16, sm_90+); a
+# rerouted call over that storage takes the gather tile (exact for fractional zero points).
+KERNELS_VERSION = 14
 
 
 def _load() -> dict[str, Any]:

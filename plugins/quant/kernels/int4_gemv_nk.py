@@ -33,6 +33,8 @@ a multiple of 32; one row of bf16 activations on sm_90 (its PTX scales bf16x2 pa
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -286,6 +288,17 @@ def int4_nk_fits(x: torch.Tensor, qweight: torch.Tensor, group: int, has_zeros: 
     if _ptx(x):
         return ptx_bf16_ok(x)
     return x.dtype in (torch.float16, torch.float32, torch.bfloat16)
+
+
+def int4_nk_serves(dtype: torch.dtype, device: torch.device, group: int, k: int) -> bool:
+    """Whether ``int4_gemv_nk`` can serve a layer's one-row calls (``int4_nk_fits`` for its
+    format): what makes row-major storage worth it, for it costs the GEMVs over
+    ``[K / 8, N]`` (f16 models and GPUs before sm_90 keep that storage and them)."""
+    if group <= 0 or group % 32 or k % 32:
+        return False
+    if device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] >= 9
+    return dtype in (torch.float16, torch.float32, torch.bfloat16)
 
 
 def launch_int4_nk(

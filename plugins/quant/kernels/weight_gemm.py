@@ -32,6 +32,7 @@ points 0-15, scales in the model dtype), and only then bit-identical to the refe
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cache
 
 import torch
@@ -254,11 +255,13 @@ def weight_gemm(
     assert qweight.shape[0] * (8 if bits == 4 else 1) == k, (tuple(qweight.shape), k)
     cfg = config or choose_config(m, n, k, _num_sms(x.device), nk_ok)
     # the GEMVs over [K', N] would read [N, K'] storage wrongly: a kernel for this layout
-    # (int4: a dot tile, whose EXPAND or gather path serves any group and partial last one)
+    # (int4: the dot tile's gather path, which serves any group, a partial last one, and
+    # zero points that are no integers, as int4_gemv_nk and the GEMVs do)
     if ((nk or row4) and (cfg.gemv or cfg.h2)) or (
         cfg.nk and not ((nk_ok or nk4_ok) and cfg.fits(bits, group))
     ):
         cfg = choose_config(m, n, k, _num_sms(x.device), nk_ok)
+        cfg = replace(cfg, expand=False) if row4 else cfg
     if cfg.dequant and cfg.fits(bits, group):
         from tokenloom.plugins.quant.kernels.dequant import dequantize_into
 

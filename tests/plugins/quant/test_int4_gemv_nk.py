@@ -12,7 +12,7 @@ from test_int4_gemv_h2 import _rel_err, _x
 
 from tokenloom.plugins.quant.int4 import dequantize_int4, quantize_int4
 from tokenloom.plugins.quant.kernels.dispatch import INT4_NK, candidates
-from tokenloom.plugins.quant.kernels.int4_gemv_nk import int4_nk_fits, launch_int4_nk
+from tokenloom.plugins.quant.kernels.int4_gemv_nk import int4_nk_fits, int4_nk_serves, launch_int4_nk
 from tokenloom.plugins.quant.kernels.int4_tiles import int4_row_major
 
 CUDA = torch.cuda.is_available()
@@ -95,6 +95,36 @@ def test_the_engine_stores_int4_row_major_unless_told_and_runs_it(tiny_model_fac
     assert int4_row_major(layer.qweight) and not layer.qweight.is_contiguous()
     params = SamplingParams(temperature=0.0, max_tokens=4)
     assert len(llm.generate([[5, 9, 2]], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+
+
+def test_row_major_storage_only_where_it_serves_one_row(monkeypatch):
+    # the formats int4_gemv_nk takes: groups of a multiple of 32, whole elements of 32 k
+    cpu = torch.device("cpu")
+    assert int4_nk_serves(torch.float32, cpu, 128, 4096)
+    assert not int4_nk_serves(torch.float32, cpu, 16, 4096)
+    assert not int4_nk_serves(torch.float32, cpu, 0, 4096)
+    assert not int4_nk_serves(torch.float32, cpu, 32, 4096 + 8)
+    # on a GPU its PTX: bf16 on sm_90+ (f16 models and older GPUs keep the GEMVs' layout)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cuda = torch.device("cuda", 0)
+    for major, dtype, serves in [
+        (9, torch.bfloat16, True),
+        (9, torch.float16, False),
+        (8, torch.bfloat16, False),
+        (10, torch.bfloat16, True),
+    ]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, m=major: (m, 0))
+        assert int4_nk_serves(dtype, cuda, 128, 4096) is serves
+
+
+def test_an_engine_whose_layers_it_cannot_serve_keeps_the_gemvs_layout(tiny_model_factory):
+    from tokenloom import LLM
+
+    model_dir = str(tiny_model_factory("llama"))
+    llm = LLM(model_dir, dtype="float32", quant="int4", plugin={"int4": {"group_size": 16}})
+    layer = llm.engine.executor.model.model.layers[0].mlp.down_proj
+    assert layer.qweight.is_contiguous() and not int4_row_major(layer.qweight)
+    llm.engine.shutdown()
 
 
 @pytest.mark.gpu

@@ -194,14 +194,31 @@ def test_a_gemv_or_h2_tiling_gives_way_to_a_dot_tile_that_fits_the_groups(
     tol = 2e-3 if config.h2 or dtype == torch.float16 else 1e-5
     calls_c, calls_r = _compare(config, m, n, k, group, dtype, m == 3, True, spy, tol)
     assert calls_c == ["gemv"]  # contiguous storage: the GEMV it was given ran
-    # row-major: a dot tile whose EXPAND path took the groups whole (it fits them)
-    assert len(calls_r) == 1 and calls_r[0]["EXPAND"] and not calls_r[0]["KMAJOR"]
+    # row-major: a dot tile whose gather path serves any group (and any zero point)
+    assert len(calls_r) == 1 and not calls_r[0]["EXPAND"] and not calls_r[0]["KMAJOR"]
     assert calls_r[0]["strides"] == (1, k // 8)
+
+
+@pytest.mark.parametrize("config", [GemmConfig(1, 16, 32, gemv=True), GemmConfig(1, 8, 64, nk=True)])
+def test_a_rerouted_call_keeps_zero_points_that_are_no_integers(config, spy):
+    # a GGUF Q4_1 file's zero points (-m / d): the EXPAND tiles fold z into the 2^23
+    # conversion constant, which rounds it (5.8e-2 of |y| wrong); a rerouted call takes
+    # the gather path, exact for any z. Two rows: int4_gemv_nk (one row) gives way too.
+    n, k, group = 40, 256, 64
+    qweight, scales, zeros = _layer(n, k, group, torch.float32)
+    zeros = zeros + torch.linspace(-3.3, 2.7, zeros.numel()).view(zeros.shape).to(zeros)
+    ref = dequantize_int4(qweight, scales, zeros, group, torch.float64)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    y = weight_gemm(x, _row_major(qweight), scales, zeros, 4, group, None, config)
+    assert _rel(y, x.double() @ ref.t()) < TOL[torch.float32]
+    assert len(spy) == 1 and not spy[0]["EXPAND"]
+    rounded = dequantize_int4(qweight, scales, zeros.round(), group, torch.float64)
+    assert _rel(x.double() @ rounded.t(), x.double() @ ref.t()) > 1e-2  # z matters here
 
 
 def test_without_a_config_decode_batches_take_a_dot_tile_too(spy):
     _compare(None, 1, 40, 96, 64, torch.float32, False, True, spy)
-    assert len(spy) == 2 and all(call["EXPAND"] for call in spy)
+    assert len(spy) == 2 and all(call["EXPAND"] for call in spy)  # no reroute: choose_config's
 
 
 def test_int4_row_major_and_its_degenerate_shapes():
