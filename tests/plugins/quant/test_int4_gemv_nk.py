@@ -12,7 +12,11 @@ from test_int4_gemv_h2 import _rel_err, _x
 
 from tokenloom.plugins.quant.int4 import dequantize_int4, quantize_int4
 from tokenloom.plugins.quant.kernels.dispatch import INT4_NK, candidates
-from tokenloom.plugins.quant.kernels.int4_gemv_nk import int4_nk_fits, int4_nk_serves, launch_int4_nk
+from tokenloom.plugins.quant.kernels.int4_gemv_nk import (
+    int4_nk_fits,
+    int4_nk_serves,
+    launch_int4_nk,
+)
 from tokenloom.plugins.quant.kernels.int4_tiles import int4_row_major
 
 CUDA = torch.cuda.is_available()

@@ -199,7 +199,9 @@ def test_a_gemv_or_h2_tiling_gives_way_to_a_dot_tile_that_fits_the_groups(
     assert calls_r[0]["strides"] == (1, k // 8)
 
 
-@pytest.mark.parametrize("config", [GemmConfig(1, 16, 32, gemv=True), GemmConfig(1, 8, 64, nk=True)])
+@pytest.mark.parametrize(
+    "config", [GemmConfig(1, 16, 32, gemv=True), GemmConfig(1, 8, 64, nk=True)]
+)
 def test_a_rerouted_call_keeps_zero_points_that_are_no_integers(config, spy):
     # a GGUF Q4_1 file's zero points (-m / d): the EXPAND tiles fold z into the 2^23
     # conversion constant, which rounds it (5.8e-2 of |y| wrong); a rerouted call takes
