@@ -26,9 +26,17 @@ from tokenloom.plugins.quant.kernels.int4_tiles import dequant_asm_ok, kmajor_ti
 _SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
+def _key(device: torch.device | str, dtype: torch.dtype) -> tuple[torch.device, torch.dtype]:
+    """``cuda`` and ``cuda:N`` of the current device name one buffer (tensors say ``cuda:N``)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device, dtype
+
+
 def reserve(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The scratch buffer for ``(device, dtype)``, at least ``numel`` elements."""
-    key = (torch.device(device), dtype)
+    key = _key(device, dtype)
     buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < numel:
         if key[0].type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -42,7 +50,7 @@ def reserve(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
 
 def release(dtype: torch.dtype, device: torch.device) -> None:
     """Drop the buffer (the tuner's measurement grew it; ``reserve`` again if chosen)."""
-    _SCRATCH.pop((torch.device(device), dtype), None)
+    _SCRATCH.pop(_key(device, dtype), None)
 
 
 @triton.jit

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# int4 at batch 1 on one H200, the open questions of sessions 17-18 (docs/quantization.md):
+# bench latency and throughput --quant int4 of a BEFORE tree against this tree, alternated,
+# and this tree with TOKENLOOM_INT4_ROW_MAJOR=0 (the [K / 8, N] storage and its GEMVs, with
+# the int8 LM head); bf16 for the ratio; the int4 GPU tests; int4_gemv_nk per layer; an ncu
+# profile of int4_gemv_nk on the Llama-3-8B shapes (firecracker hosts read the counters).
+# Prepare here:   git archive REV > .snap/before.tar  (the BEFORE tree; .snap/ git-ignored)
+#                 ../shared/tools/gpu-wheels .whl
+# On the device:  bash scripts/gpu/int4_ab.sh STEP...   (carry [".snap", ".whl"])
+# Steps: lat (int4 before/after/kn alternated twice, --runs 3), latbf16, thr (int4
+# before/after/kn, one pass each), tests (int4 GPU tests), gemv4 (gemv_bench nk layout),
+# ncu. Each call must end within 600 s: lat alone takes about 8 minutes with tuning.
+# Output: $OUT/lat-*.json, thr-*.json, *.log; the LAT / THR lines are the table.
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENLOOM_LOG_LEVEL=INFO TOKENLOOM_CACHE=/tmp/tlcache
+if [ ! -d /tmp/site ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .whl/*.whl || exit 1
+fi
+inst() {  # inst SRC DEST: a non-editable install of one tree, chosen per call by PYTHONPATH
+  rm -rf "$2"
+  python3 -m pip install -q --no-index --no-build-isolation --no-deps --no-compile --target "$2" \
+    "$1" > /tmp/inst.log 2>&1 || { tail -5 /tmp/inst.log; exit 1; }
+}
+if [ -f .snap/before.tar ] && { [ ! -d /tmp/before ] || [ .snap/before.tar -nt /tmp/before ]; }; then
+  rm -rf /tmp/before_src && mkdir -p /tmp/before_src && tar -xf .snap/before.tar -C /tmp/before_src
+  inst /tmp/before_src /tmp/before
+fi
+inst . /tmp/after
+for tree in before after; do
+  [ -d /tmp/$tree ] && PYTHONPATH=/tmp/$tree:/tmp/site python3 -c \
+    "import tokenloom; print('$tree:', tokenloom.__file__)"
+done
+lat() {  # lat TAG TREE QUANT [VAR=VALUE...]
+  local tag=$1 tree=$2 q=$3; shift 3
+  env "$@" PYTHONPATH=/tmp/$tree:/tmp/site timeout 200 python3 -m tokenloom bench latency \
+    --model llama-3-8b --quant "$q" --runs 3 --out "$OUT/lat-$tag.json" > "$OUT/lat-$tag.log" 2>&1 \
+    || { echo "lat $tag failed"; tail -5 "$OUT/lat-$tag.log"; }
+  python3 -c "import json; d = json.load(open('$OUT/lat-$tag.json')); \
+print('LAT $tag', round(d['step_ms'], 4), 'ms', d.get('percent_of_roofline'))" 2>/dev/null
+}
+thr() {  # thr TAG TREE QUANT [VAR=VALUE...]
+  local tag=$1 tree=$2 q=$3; shift 3
+  env "$@" PYTHONPATH=/tmp/$tree:/tmp/site timeout 300 python3 -m tokenloom bench throughput \
+    --model llama-3-8b --quant "$q" --runs 1 --out "$OUT/thr-$tag.json" > "$OUT/thr-$tag.log" 2>&1 \
+    || { echo "thr $tag failed"; tail -5 "$OUT/thr-$tag.log"; }
+  python3 -c "import json; d = json.load(open('$OUT/thr-$tag.json')); \
+print('THR $tag', round(d['tokenloom']['output_tokens_per_s'], 1))" 2>/dev/null
+}
+for step in "$@"; do
+  echo "[$(date +%T)] === $step"
+  case $step in
+    lat)
+      for r in 1 2; do
+        lat "before$r" before int4
+        lat "after$r" after int4
+        lat "kn$r" after int4 TOKENLOOM_INT4_ROW_MAJOR=0
+      done ;;
+    latbf16) lat bf16 after none ;;
+    thr)
+      thr before before int4
+      thr after after int4
+      thr kn after int4 TOKENLOOM_INT4_ROW_MAJOR=0 ;;
+    tests)
+      PYTHONPATH=/tmp/after:/tmp/site timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/plugins/quant/test_int4_row_major.py tests/plugins/quant/test_int4_gemv_nk.py \
+        tests/plugins/quant/test_weight_gemm.py tests/plugins/quant/test_dequant.py \
+        > "$OUT/gpu-tests.log" 2>&1
+      echo "tests rc=$?"; tail -n 4 "$OUT/gpu-tests.log" ;;
+    gemv4)
+      PYTHONPATH=/tmp/after:/tmp/site timeout 300 python3 scripts/gpu/gemv_bench.py --bits 4 \
+        --rows 1 --cold --int4-layout nk --json "$OUT/gemv4-nk.json" > "$OUT/gemv4-nk.log" 2>&1
+      grep -E "per layer|^  " "$OUT/gemv4-nk.log" | tail -12 ;;
+    ncu)
+      PYTHONPATH=/tmp/after:/tmp/site timeout 400 ncu --clock-control none -k regex:int4_gemv_nk \
+        -c 8 --section SpeedOfLight --section WarpStateStats --section InstructionStats \
+        --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis \
+        python3 scripts/gpu/int4_nk_once.py > "$OUT/ncu.log" 2>&1
+      echo "ncu rc=$?"
+      grep -E "Duration|Throughput|Executed Ipc|Stall|Registers|Achieved Occupancy|Warp Cycles" \
+        "$OUT/ncu.log" | head -80 ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
