@@ -9,8 +9,8 @@ was iterated with no device time: 6.88 -> 5.58 instructions per int4 weight befo
 GPU run confirmed it (docs/quantization.md). It does not time anything: a kernel can
 be bound by memory latency or by one slow unit (e.g. I2F) at any instruction count.
 
-    python scripts/sass_loop.py gemv  [BLOCK_N BLOCK_K WARPS STAGES BITS]
-    python scripts/sass_loop.py rows  [BLOCK_N BLOCK_K WARPS STAGES ROWS BITS]
+    python scripts/sass_loop.py gemv  [BLOCK_N BLOCK_K WARPS STAGES]
+    python scripts/sass_loop.py rows  [BLOCK_N BLOCK_K WARPS STAGES ROWS]
     python scripts/sass_loop.py gemm  [BLOCK_M BLOCK_N BLOCK_K WARPS STAGES BITS]
     python scripts/sass_loop.py decode-bf16|decode-fp8|decode-int8 [BLOCK_N WARPS STAGES]
 
@@ -29,13 +29,14 @@ run time). ``--sass FILE`` keeps the full listing; ``TTGIR=FILE`` in the environ
 writes Triton's layouts. The ``gemm`` preset takes ``KMAJOR=1`` (int4's K-major tile),
 ``DEQUANT_ASM=1`` (its PTX dequantization) and ``SWAP=1`` (the product transposed), ``NK=1`` (int8 stored ``[N, K]``, read by strides):
 read on 2026-12-02 (session 9), 128x128x64 int4 went 10.6 -> 9.7 (K-major) -> 7.2
-(PTX) instructions per weight, and 16x128x128 swapped 4.9. The ``gemv`` preset takes
-``ASM=1`` (the PTX conversions of ``gemv_weights``: int8 words, int4 nibbles),
-``BIASED=1`` (int4's biased nibbles, as for 16-bit activations) and ``REDUCE=1`` (the
-in-kernel split sum): read in session 10, 64x128 int8 5.02 -> 4.34 (``ASM=1``), int4
-5.47 -> 5.02 (``ASM=1 BIASED=1``), 5.08 with ``REDUCE=1``. ``GROUP=32`` (``gemv``,
-``rows``) compiles int4 groups smaller than the tile (a scale and a zero point per word
-row): 64x128 ``ASM=1 BIASED=1 REDUCE=1`` 4.42, rows 64x128x4 2.67 per weight-row.
+(PTX) instructions per weight, and 16x128x128 swapped 4.9. The ``gemv`` and ``rows``
+presets compile the int4 GEMVs over ``[K / 8, N]`` (int8 has none since kernels v14).
+``gemv`` takes ``ASM=1`` (the PTX conversion of ``gemv_weights``), ``BIASED=1`` (the
+biased nibbles, as for 16-bit activations) and ``REDUCE=1`` (the in-kernel split sum):
+read in session 10, 64x128 int4 5.47 -> 5.02 (``ASM=1 BIASED=1``), 5.08 with
+``REDUCE=1``. ``GROUP=32`` (``gemv``, ``rows``) compiles int4 groups smaller than the
+tile (a scale and a zero point per word row): 64x128 ``ASM=1 BIASED=1 REDUCE=1`` 4.42,
+rows 64x128x4 2.67 per weight-row.
 """
 
 from __future__ import annotations
@@ -138,39 +139,15 @@ def preset(name: str, values: list[int]) -> tuple[Any, dict, dict, list[str], in
     from tokenloom.plugins.quant.kernels import weight_gemm, weight_gemv, weight_gemv_rows
 
     divisible = QUANT_ARGS + ["N", "K", "K_CHUNK", "stride_xm", "stride_ym", "stride_ysplit"]
-    if name == "h2int8":  # int8_gemv_h2 (REDUCE=1: split 4, summed in the kernel)
-        from tokenloom.plugins.quant.kernels import int8_gemv_h2
-
-        bn, bk, warps, stages = values
-        reduce = os.environ.get("REDUCE") == "1"
-        sig = {n: "*bf16" for n in ["x_ptr", "s_ptr", "b_ptr", "y_ptr", "o_ptr"]}
-        sig.update(qw_ptr="*i32", cnt_ptr="*i32", s_ptr="*fp32")
-        sig = {n: sig[n] for n in ["x_ptr", "qw_ptr", "s_ptr", "b_ptr", "y_ptr", "o_ptr"]} | {
-            "cnt_ptr": "*i32",
-            **dict.fromkeys(["N", "K", "K_CHUNK", "stride_ysplit", "N_WORDS"], "i32"),
-        }
-        consts = dict(
-            BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=False, PARTIAL=reduce, REDUCE=reduce, ASM=True,
-            USE_PDL=False, AMAX_BLOCK=1024, SPLIT=4 if reduce else 1,
-        )  # fmt: skip
-        divisible = ["x_ptr", "qw_ptr", "s_ptr", "y_ptr", "N", "K", "K_CHUNK", "N_WORDS"]
-        return (
-            int8_gemv_h2._int8_gemv_h2_kernel,
-            sig,
-            consts,
-            divisible,
-            warps,
-            stages,
-            (bn * bk / (warps * 32)),
-        )
     if name in ("gemv", "rows"):
         bn, bk, warps, stages, *rest = values
+        if len(rest) != (name == "rows"):  # no BITS: the GEMVs serve int4 only
+            raise SystemExit(f"{name}: BLOCK_N BLOCK_K WARPS STAGES{' ROWS' * (name == 'rows')}")
         rows = rest[0] if name == "rows" else 1
-        bits = rest[-1] if len(rest) > (1 if name == "rows" else 0) else 4
         consts: dict[str, Any] = dict(
-            BITS=bits,
-            GROUP=int(os.environ.get("GROUP", "128")) if bits == 4 else 0,
-            HAS_ZEROS=bits == 4,
+            BITS=4,
+            GROUP=int(os.environ.get("GROUP", "128")),
+            HAS_ZEROS=True,
             HAS_BIAS=False,
             PARTIAL=False,
             BLOCK_N=bn,
@@ -180,35 +157,24 @@ def preset(name: str, values: list[int]) -> tuple[Any, dict, dict, list[str], in
             consts["BIASED"] = True
         if os.environ.get("ASM") == "1":
             consts["ASM"] = True
-            if bits == 8 and name == "gemv":
-                consts["WORDS"] = True  # the int8 words of four weights (INT8_ASM)
         if name == "rows":
             consts["ROWS"] = rows
             kernel = weight_gemv_rows._weight_gemv_rows_kernel
         else:
             kernel = weight_gemv._weight_gemv_kernel
         sig = _quant_sig(
-            bits,
+            4,
             name == "rows",
-            ["nibble"] if name == "rows" else ["nibble", "N_WORDS", "mask8", "mask12", "mask16"],
+            ["nibble"] if name == "rows" else ["nibble", "mask8", "mask12", "mask16"],
             () if name == "rows" else ("o_ptr", "cnt_ptr"),
         )
         if os.environ.get("REDUCE") == "1" and name == "gemv":
             consts.update(PARTIAL=True, REDUCE=True, SPLIT=4)
         if name == "gemv":  # every constexpr spelled out (Triton 3.9 needs the defaulted too)
-            for flag, default in (
-                ("BIASED", False),
-                ("ASM", False),
-                ("REDUCE", False),
-                ("WORDS", False),
-            ):
+            for flag, default in (("BIASED", False), ("ASM", False), ("REDUCE", False)):
                 consts.setdefault(flag, default)
             consts.setdefault("USE_PDL", False)
             consts.setdefault("SPLIT", 1)
-        if consts.get("ASM"):
-            sig["qw_ptr"] = "*i32"
-        if name == "gemv":
-            divisible = divisible + ["N_WORDS"]
         return kernel, sig, consts, divisible, warps, stages, bn * bk * rows / (warps * 32)
     bm, bn, bk, warps, stages, bits = values
     consts = dict(
@@ -281,10 +247,9 @@ def decode_preset(kv: str, values: list[int]) -> tuple[Any, dict, dict, list[str
 
 
 DEFAULTS = {
-    "gemv": [64, 128, 4, 3, 4],
-    "rows": [64, 128, 4, 3, 4, 4],
+    "gemv": [64, 128, 4, 3],
+    "rows": [64, 128, 4, 3, 4],
     "gemm": [128, 128, 64, 8, 3, 4],
-    "h2int8": [64, 128, 4, 3],
     "decode-bf16": [32, 4, 2],
     "decode-fp8": [128, 4, 2],
     "decode-int8": [128, 4, 2],

@@ -62,7 +62,8 @@ def main() -> None:
         "--int8-layout",
         choices=("nk", "kn"),
         default="nk",
-        help="int8 storage: [N, K] as the engine keeps it since session 16, or [K, N] as before",
+        help="int8 storage: [N, K] as the engine keeps it since session 16, or [K, N] as "
+        "before (no GEMV there: the int8 GEMVs over [K, N] went with kernels v14)",
     )
     ap.add_argument(
         "--int4-layout",

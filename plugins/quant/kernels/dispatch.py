@@ -28,7 +28,6 @@ from tokenloom.plugins.quant.kernels.gemm_config import (  # noqa: F401  (re-exp
 )
 from tokenloom.plugins.quant.kernels.int4_gemv_h2 import h2_offered
 from tokenloom.plugins.quant.kernels.int4_tiles import int4_row_major
-from tokenloom.plugins.quant.kernels.int8_gemv_h2 import int8_h2_offered
 from tokenloom.plugins.quant.kernels.int8_gemv_nk import row_major
 from tokenloom.plugins.quant.kernels.weight_gemm import (
     SKINNY_ROWS,
@@ -58,7 +57,7 @@ SKINNY = [
     GemmConfig(16, 16, 256, 1, 4, 4),
     GemmConfig(16, 32, 256, 1, 4, 4, expand=False),
 ]
-GEMV = [  # weight_gemv tilings (block_m unused); int4 takes those that nest with its groups
+GEMV = [  # weight_gemv tilings (block_m unused): int4, those that nest with its groups
     GemmConfig(1, 64, 128, 1, 4, 3, gemv=True),
     GemmConfig(1, 32, 128, 1, 4, 4, gemv=True),
     GemmConfig(1, 128, 128, 1, 4, 3, gemv=True),
@@ -69,7 +68,7 @@ GEMV = [  # weight_gemv tilings (block_m unused); int4 takes those that nest wit
     GemmConfig(1, 256, 128, 1, 8, 3, gemv=True),
     GemmConfig(1, 128, 128, 1, 8, 3, gemv=True),
     GemmConfig(1, 256, 64, 1, 4, 3, gemv=True),
-    GemmConfig(1, 128, 256, 1, 8, 3, gemv=True),  # int8: 128 registers since session 15
+    GemmConfig(1, 128, 256, 1, 8, 3, gemv=True),  # added for int8's [K, N] GEMV (session 15)
 ]
 GEMV_ROWS = [  # two or four rows per program (bucket 2-16): the weights are read once for all
     GemmConfig(1, 64, 128, 1, 4, 3, gemv=True, rows=4),
@@ -88,28 +87,15 @@ H2 = [
 ]
 
 
-# int8_gemv_h2 (session 15): the int8 GEMV's tilings that fit its registers
-H2_INT8 = [
-    GemmConfig(1, 64, 128, 1, 4, 3, h2=True),
-    GemmConfig(1, 128, 128, 1, 4, 3, h2=True),
-    GemmConfig(1, 128, 256, 1, 8, 3, h2=True),
-    GemmConfig(1, 256, 128, 1, 8, 3, h2=True),
-]
-
-
 def h2_candidates(n: int, k: int, bits: int, group: int, has_zeros: bool, dtype) -> list:
-    """``H2`` (int4) or ``H2_INT8`` with K split 1-16 (each split two tiles at least),
-    where the kernel serves the format and the tuner may offer it (``h2_offered``,
-    ``int8_h2_offered``)."""
-    if bits == 8 and not has_zeros and group == 0 and int8_h2_offered():
-        pool = H2_INT8 if dtype in (torch.bfloat16, torch.float16) else []
-    elif bits == 4 and has_zeros and h2_offered():
-        pool = H2 if dtype == torch.bfloat16 else []
-    else:
+    """``H2`` with K split 1-16 (each split two tiles at least), where ``int4_gemv_h2``
+    serves the format (int4 with zero points, bf16) and the tuner may offer it
+    (``h2_offered``); none for int8 (no GEMV over ``[K, N]`` since kernels v14)."""
+    if not (bits == 4 and has_zeros and h2_offered() and dtype == torch.bfloat16):
         return []
     return [
         replace(cfg, split_k=split)
-        for cfg in pool
+        for cfg in H2
         if cfg.fits(bits, group)
         for split in (1, 2, 4, 8, 16)
         if split == 1 or (split * 2 <= k // cfg.block_k and (k // cfg.block_k) % split == 0)
@@ -218,7 +204,8 @@ def candidates(
 ):
     """The tilings offered to bucket ``index``; ``nk``: stored ``[N, K]`` (the GEMVs over
     ``[K, N]`` give way to ``int8_gemv_nk``, or ``int4_gemv_nk`` at one row; the dot tiles
-    read the strides)."""
+    read the strides). int8 stored ``[K, N]`` (not the engine's) gets no GEMV: the GEMV
+    tilings do not fit it (``gemv_fits``)."""
     gemv, gemv_rows = (NK, NK_ROWS) if nk else (GEMV, GEMV_ROWS)
     if nk and bits == 4:
         gemv, gemv_rows = (INT4_NK if index == 0 else []), []
@@ -288,7 +275,8 @@ CACHE_NAME = "weight-gemm.json"
 # v13: int8_gemv_nk offers its biased conversion only; no row blocks per program; int4
 # stored [N, K / 8] (int4_gemv_nk at one row; the dot tiles and dequantization by strides).
 # v14: int4 stored [N, K / 8] only where int4_gemv_nk serves the layer (bf16, sm_90+); a
-# rerouted call over that storage takes the gather tile (exact for fractional zero points).
+# rerouted call over that storage takes the gather tile (exact for fractional zero points);
+# the int8 GEMVs over [K, N] removed.
 KERNELS_VERSION = 14
 
 

@@ -22,12 +22,12 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     expand: bool = True  # int4: unpack words and broadcast group scales by reshape
-    gemv: bool = False  # weight_gemv's FMA kernel, one program row per row of x
+    gemv: bool = False  # weight_gemv's FMA kernel (int4), one program row per row of x
     rows: int = 1  # the GEMV's rows of x per program: 1, 2 or 4
     kmajor: bool = False  # int4 dot kernel: the tile built [N, K] (one group per tile)
     swap: bool = False  # kmajor: out^T = W x^T, the weights the MMA's register operand
     dequant: bool = False  # dequantize the whole weight (kernels/dequant.py), then cuBLAS
-    h2: bool = False  # one row in packed f16x2 arithmetic (int4_gemv_h2, int8_gemv_h2)
+    h2: bool = False  # one row in packed f16x2 arithmetic (int4_gemv_h2)
     nk: bool = False  # stored [N, K]: int8_gemv_nk (``rows`` rows of x), int4_gemv_nk
     biased: bool = False  # nk: weights as 2^15 + 128 + q, the bias taken off per word
 
@@ -45,9 +45,7 @@ class GemmConfig:
             from tokenloom.plugins.quant.kernels.dequant import fits as dequant_fits
 
             return dequant_fits(bits, group)
-        if self.h2:
-            if bits == 8:
-                return group == 0 and self.block_k % 4 == 0
+        if self.h2:  # int4 only, as the GEMV (int8: no GEMV over [K, N])
             return bits == 4 and group > 0 and group % self.block_k == 0
         if self.gemv:
             return gemv_fits(bits, group, self.block_k, bits == 4 and group > 0, self.rows)

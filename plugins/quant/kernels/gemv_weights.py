@@ -1,25 +1,24 @@
-"""How the quantized GEMVs (``weight_gemv``) turn packed weights into fp32 for their FMAs,
-without integer-to-float conversion instructions (those run at a quarter of the FMA
-rate): a small integer OR-ed into the mantissa of a power of two reads as that power
-plus the integer, exactly.
+"""How the quantized GEMVs turn packed weights into fp32 for their FMAs, without
+integer-to-float conversion instructions (those run at a quarter of the FMA rate): a
+small integer OR-ed into the mantissa of a power of two reads as that power plus the
+integer, exactly.
 
-- ``int8_floats``: an int8 weight plus 128 in the mantissa of 2^23, then one
-  subtraction (Triton code; any device and the interpreter).
 - ``int8_word_floats``: on a CUDA GPU, four int8 weights read as one int32 word, one
-  PTX ``prmt`` each (``INT8_ASM``): no sign extension or integer add;
-  ``int8_words_gemv`` is the one-row GEMV's K loop over such words.
+  PTX ``prmt`` each (``INT8_ASM``): no sign extension or integer add (``int8_gemv_nk``'s
+  exact conversion; ``four_floats`` runs such a PTX string).
 - ``nibble_floats``: int4 nibble ``j`` of a word under the exponent of 2^(23 - 4j),
   one logic op and one subtraction (exact for fp32 activations).
-- ``weight_rows`` / ``first_tile``: the loads of a tile of packed weights (int8 rows,
-  or int4 words of eight rows each); ``word_row_groups``: the scales or zeros of each
+- ``weight_rows`` / ``first_tile``: the loads of a tile of int4 words (eight rows each,
+  ``weight_gemv``'s ``[K / 8, N]``); ``word_row_groups``: the scales or zeros of each
   word row, where int4 groups are smaller than the tile.
 - ``nibble_biased`` / ``biased_word_rows``: for 16-bit activations, the nibbles under
   biased exponents (2^11, 2^7, 2^15) and no subtraction per weight; the biases come
   off once per word row (``BIASED_ASM`` on a GPU).
 
-Offline sm_90 counts (``scripts/sass_loop.py gemv 64 128 4 3 BITS``, session 10): int8
-5.02 -> 4.34 instructions per weight with ``ASM=1``, int4 5.47 -> 5.02 with
-``ASM=1 BIASED=1``.
+Offline sm_90 counts (``scripts/sass_loop.py gemv 64 128 4 3``, session 10): int4 5.47
+-> 5.02 instructions per weight with ``ASM=1 BIASED=1``. The int8 GEMVs over ``[K, N]``
+storage that read ``[K, N]`` rows or words here are gone (kernels v14): int8 is stored
+``[N, K]`` and runs ``int8_gemv_nk``.
 """
 
 from __future__ import annotations
@@ -27,22 +26,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tokenloom.plugins.models.pdl import wait
-
 MAGIC = tl.constexpr(0x4B000000)  # the bits of 2.0 ** 23 in fp32
 MAGIC_F = tl.constexpr(8388608.0)
 
 
-@triton.jit
-def int8_floats(q):
-    """int8 weights as floats: offset by 128 into the mantissa of 2^23, then back."""
-    return ((q.to(tl.int32) + (MAGIC + 128)).to(tl.float32, bitcast=True)) - (MAGIC_F + 128.0)
-
-
 # PTX for four int8 weights in one register ($4) -> the floats 2^23 + (q + 128) ($0..$3):
 # one xor per word turns two's complement into offset binary, then each byte is
-# permuted under the exponent bytes of 2^23 (0x4B000000) by one prmt, without the
-# sign-extension and integer add of ``int8_floats``.
+# permuted under the exponent bytes of 2^23 (0x4B000000) by one prmt, without a
+# sign extension and an integer add.
 INT8_ASM = tl.constexpr(
     "{ .reg .b32 t; xor.b32 t, $4, 0x80808080; "
     "prmt.b32 $0, t, 0x4B000000, 0x7440; prmt.b32 $1, t, 0x4B000000, 0x7441; "
@@ -171,9 +162,10 @@ def four_floats(words, ASM_TEXT: tl.constexpr):
 
 @triton.jit
 def int8_word_floats(words, ASM: tl.constexpr = True):
-    """The four int8 weights of each int32 word (byte i = output channel ``4 w + i``) as
-    floats, exactly: ``INT8_ASM`` (or, in the interpreter, the same bits by shifts and
-    masks), then the offset 2^23 + 128 taken off."""
+    """The four int8 weights of each int32 word (byte i the i-th; in ``int8_gemv_nk``
+    four consecutive K values of one output channel) as floats, exactly: ``INT8_ASM``
+    (or, in the interpreter, the same bits by shifts and masks), then the offset
+    2^23 + 128 taken off."""
     if ASM:
         w0, w1, w2, w3 = four_floats(words, INT8_ASM)
     else:
@@ -192,8 +184,8 @@ def int8_word_floats(words, ASM: tl.constexpr = True):
 
 @triton.jit
 def weight_rows(qw_ptr, rows, limit, offs_n, mask_n, N):
-    """``qweight[rows, offs_n]`` (zeros from row ``limit`` on): int8 weights, or the
-    int4 words that pack eight rows each."""
+    """``qweight[rows, offs_n]`` (zeros from row ``limit`` on): the int4 words that pack
+    eight rows each."""
     return tl.load(
         qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :],
         mask=(rows < limit)[:, None] & mask_n[None, :],
@@ -211,100 +203,8 @@ def word_row_groups(ptr, kw, mask_kw, offs_n, mask_n, N, GROUP: tl.constexpr):
 
 
 @triton.jit
-def first_tile(
-    qw_ptr, k_begin, k_end, offs_n, mask_n, N, BITS: tl.constexpr, BLOCK_K: tl.constexpr
-):
-    """The weights of the split's first ``BLOCK_K`` rows (the register double buffer's
-    first fill)."""
-    if BITS == 8:
-        return weight_rows(qw_ptr, k_begin + tl.arange(0, BLOCK_K), k_end, offs_n, mask_n, N)
-    else:
-        kw = k_begin // 8 + tl.arange(0, BLOCK_K // 8)
-        return weight_rows(qw_ptr, kw, k_end // 8, offs_n, mask_n, N)
-
-
-@triton.jit
-def _int8_rows_fma(words, x, a0, a1, a2, a3, ASM: tl.constexpr):
-    """``a_i + w_i x`` for the four channels ``w_i`` of each word (``int8_word_floats``)."""
-    w0, w1, w2, w3 = int8_word_floats(words, ASM)
-    x = x[:, None]
-    return a0 + w0 * x, a1 + w1 * x, a2 + w2 * x, a3 + w3 * x
-
-
-@triton.jit
-def _int8_sub_tiles(qw_ptr, r, RB: tl.constexpr, k_end, offs_w, mask_w, n_words):
-    """The four sub-tiles of ``RB`` rows from row ``r[0]`` on."""
-    t0 = weight_rows(qw_ptr, r, k_end, offs_w, mask_w, n_words)
-    t1 = weight_rows(qw_ptr, r + RB, k_end, offs_w, mask_w, n_words)
-    t2 = weight_rows(qw_ptr, r + 2 * RB, k_end, offs_w, mask_w, n_words)
-    t3 = weight_rows(qw_ptr, r + 3 * RB, k_end, offs_w, mask_w, n_words)
-    return t0, t1, t2, t3
-
-
-@triton.jit
-def _x_rows(x_row, r, RB: tl.constexpr, k_end):
-    """x at the rows of the four sub-tiles, in fp32."""
-    x0 = tl.load(x_row + r, mask=r < k_end, other=0.0).to(tl.float32)
-    x1 = tl.load(x_row + r + RB, mask=r + RB < k_end, other=0.0).to(tl.float32)
-    x2 = tl.load(x_row + r + 2 * RB, mask=r + 2 * RB < k_end, other=0.0).to(tl.float32)
-    x3 = tl.load(x_row + r + 3 * RB, mask=r + 3 * RB < k_end, other=0.0).to(tl.float32)
-    return x0, x1, x2, x3
-
-
-@triton.jit
-def int8_words_gemv(
-    x_row,
-    qw_ptr,
-    k_begin,
-    k_end,
-    pid_n,
-    n_words,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    ASM: tl.constexpr = True,
-):
-    """The int8 GEMV's ``[BLOCK_N]`` dot products (before the per-channel scales) with
-    the weights read as int32 words of four output channels (``qweight.view(int32)``,
-    ``[K, n_words = N / 4]``) and turned into floats by ``int8_word_floats``: one prmt, one
-    subtraction and one FMA per weight. The four channels of a word accumulate apart and
-    are interleaved back (``tl.join``) once, at the end.
-
-    A tile is four sub-tiles of ``BLOCK_K / 4`` rows that share one set of accumulators
-    (``[BLOCK_K / 4, BLOCK_N / 4]`` per channel: each thread's FMAs chain over the rows
-    it holds in the four), a quarter of the registers of one accumulator per weight; x
-    is loaded one tile ahead, with the weights (the tile waited on its x otherwise)."""
-    NW: tl.constexpr = BLOCK_N // 4
-    RB: tl.constexpr = BLOCK_K // 4
-    offs_w = pid_n * NW + tl.arange(0, NW)
-    mask_w = offs_w < n_words
-    r = k_begin + tl.arange(0, RB)
-    a0 = tl.zeros([RB, NW], tl.float32)
-    a1 = tl.zeros_like(a0)
-    a2 = tl.zeros_like(a0)
-    a3 = tl.zeros_like(a0)
-    t0, t1, t2, t3 = _int8_sub_tiles(qw_ptr, r, RB, k_end, offs_w, mask_w, n_words)
-    wait(USE_PDL)  # the first weight tile is in flight; x comes from the kernel before
-    x0, x1, x2, x3 = _x_rows(x_row, r, RB, k_end)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        r = k0 + BLOCK_K + tl.arange(0, RB)  # the next tile, in flight during this one
-        n0, n1, n2, n3 = _int8_sub_tiles(qw_ptr, r, RB, k_end, offs_w, mask_w, n_words)
-        y0, y1, y2, y3 = _x_rows(x_row, r, RB, k_end)
-        a0, a1, a2, a3 = _int8_rows_fma(t0, x0, a0, a1, a2, a3, ASM)
-        a0, a1, a2, a3 = _int8_rows_fma(t1, x1, a0, a1, a2, a3, ASM)
-        a0, a1, a2, a3 = _int8_rows_fma(t2, x2, a0, a1, a2, a3, ASM)
-        a0, a1, a2, a3 = _int8_rows_fma(t3, x3, a0, a1, a2, a3, ASM)
-        t0, t1, t2, t3 = n0, n1, n2, n3
-        x0, x1, x2, x3 = y0, y1, y2, y3
-    return channel_sums(a0, a1, a2, a3, BLOCK_N)
-
-
-@triton.jit
-def channel_sums(a0, a1, a2, a3, BLOCK_N: tl.constexpr):
-    """The ``[BLOCK_N]`` sums of four per-channel accumulators ``[rows, BLOCK_N / 4]``
-    (channel i = column ``4 w + i`` of word ``w``), interleaved back into column order."""
-    s0 = tl.sum(a0, axis=0)
-    s1 = tl.sum(a1, axis=0)
-    s2 = tl.sum(a2, axis=0)
-    s3 = tl.sum(a3, axis=0)
-    return tl.reshape(tl.join(tl.join(s0, s2), tl.join(s1, s3)), [BLOCK_N])
+def first_tile(qw_ptr, k_begin, k_end, offs_n, mask_n, N, BLOCK_K: tl.constexpr):
+    """The int4 words of the split's first ``BLOCK_K`` rows (the register double
+    buffer's first fill)."""
+    kw = k_begin // 8 + tl.arange(0, BLOCK_K // 8)
+    return weight_rows(qw_ptr, kw, k_end // 8, offs_n, mask_n, N)

@@ -1,6 +1,6 @@
-"""What the one-row f16x2 GEMVs (``int4_gemv_h2``, ``int8_gemv_h2``) share: whether PTX
-runs, the range guard's shift, and the epilogue (bias, output or split partial, the split
-sum in the kernel)."""
+"""What the one-row f16x2 int4 GEMV (``int4_gemv_h2``) uses, and ``int4_gemv_nk`` in part:
+whether PTX runs, the range guard's shift, and the epilogue (bias, output or split
+partial, the split sum in the kernel)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ in an int32 whose nibble ``j`` holds row ``8 i + j``, GPTQ's layout). A tile of
 ``[BLOCK_K, BLOCK_N]`` weights is then a plain 2-D load along ``N`` (coalesced), and
 the int4 nibbles come out by shifting each word by ``4 * (k % 8)``. int8 is stored
 ``[N, K]`` since session 16 (``qweight`` the transposed view): decode batches run
-``int8_gemv_nk`` on it, and the dot tiles read it through its strides. int4 may be
+``int8_gemv_nk`` on it, and the dot tiles read it through its strides (a contiguous
+``[K, N]`` int8 weight runs the dot tiles: its GEMVs went with kernels v14). int4 may be
 stored row-major per output channel too (``int4_tiles.int4_row_major``: the transposed
 view of a contiguous ``[N, K / 8]``): the dot tiles and the dequantization read it
 through its strides, and one row runs ``int4_gemv_nk`` on it (session 17).
@@ -21,8 +22,8 @@ Shapes: small batches (``M <= 16``, decode) are a pure weight stream. There, and
 to 256 rows, the grid may also split ``K`` (``split_k`` programs per output tile, fp32
 partial sums added by one small reduction) so that narrow layers still put enough
 programs on the GPU. A config with ``gemv`` runs ``weight_gemv``'s FMA kernel instead
-(one row, or a few: no ``tl.dot``); one with ``dequant`` dequantizes the whole weight
-(``dequant.py``) and calls cuBLAS.
+(int4, one row or a few: no ``tl.dot``), one with ``h2`` ``int4_gemv_h2``; one with
+``dequant`` dequantizes the whole weight (``dequant.py``) and calls cuBLAS.
 
 int4 with ``kmajor`` builds the tile ``[N, K]`` (``int4_tiles.kmajor_tile``), and with
 ``swap`` computes ``out^T = W x^T``. Its PTX path rounds ``m + z`` and ``s`` to the
@@ -53,7 +54,6 @@ from tokenloom.plugins.quant.kernels.int4_tiles import (
     word_offsets,
     word_rows,
 )
-from tokenloom.plugins.quant.kernels.int8_gemv_h2 import int8_h2_fits, launch_int8_h2
 from tokenloom.plugins.quant.kernels.int8_gemv_nk import launch_int8_nk, nk_fits, row_major
 from tokenloom.plugins.quant.kernels.weight_gemv import gemv_fits, launch_gemv, reduce_counters
 
@@ -238,9 +238,10 @@ def weight_gemm(
     channel. ``x``'s last dim must be contiguous. int8 weights may be stored ``[N, K]``
     (``qweight`` the transposed view, as ``quantize_int8`` returns it): the dot tiles and
     the dequantization read them through their strides, one to four rows run
-    ``int8_gemv_nk``, and the GEMVs over ``[K, N]`` storage are not offered. int4 weights
-    may be stored ``[N, K / 8]`` (``int4_row_major``) too: one row runs ``int4_gemv_nk``,
-    and a GEMV or h2 tiling (over ``[K / 8, N]``) gives way to a dot tile."""
+    ``int8_gemv_nk``. int8 has no GEMV over ``[K, N]``: a GEMV or h2 tiling gives way to
+    ``int8_gemv_nk`` or a dot tile (``choose_config``). int4 weights may be stored
+    ``[N, K / 8]`` (``int4_row_major``) too: one row runs ``int4_gemv_nk``, and a GEMV or
+    h2 tiling (over ``[K / 8, N]``) gives way to a dot tile."""
     m, k = x.shape
     n = qweight.shape[1]
     assert bits in (4, 8) and x.stride(1) == 1
@@ -271,11 +272,7 @@ def weight_gemm(
         cfg = choose_config(m, n, k, _num_sms(x.device), nk_ok)
     if cfg.gemv and not gemv_fits(bits, group, cfg.block_k, zeros is not None, cfg.rows):
         cfg = choose_config(m, n, k, _num_sms(x.device), nk_ok)  # a format the GEMV cannot serve
-    if cfg.h2 and not (
-        int8_h2_fits(x, qweight, group, cfg.block_k, zeros is not None)
-        if bits == 8
-        else h2_fits(x, bits, group, cfg.block_k, zeros is not None)
-    ):
+    if cfg.h2 and not h2_fits(x, bits, group, cfg.block_k, zeros is not None):
         cfg = choose_config(m, n, k, _num_sms(x.device))
     if cfg.nk and bits == 4:
         return launch_int4_nk(
@@ -302,7 +299,7 @@ def weight_gemm(
         reduced_out = (
             torch.empty(m, n, dtype=x.dtype, device=x.device) if counters is not None else None
         )
-        launch = launch_gemv if not cfg.h2 else launch_int8_h2 if bits == 8 else launch_h2
+        launch = launch_h2 if cfg.h2 else launch_gemv
         reduced = launch(
             x,
             qweight,

@@ -1,4 +1,5 @@
-"""A Triton GEMV for weight-only quantized linears at one to a few rows (decode).
+"""A Triton GEMV for int4 weight-only quantized linears stored ``[K / 8, N]``, at one to a
+few rows (decode).
 
 ``weight_gemm``'s tiles feed ``tl.dot``: at one row they pad the batch to 16 and
 convert every weight to the activation dtype first (integer to float conversions run
@@ -7,25 +8,24 @@ than bf16 (issue 12). Here each program streams a ``[BLOCK_K, BLOCK_N]`` slice o
 the weight for ONE row of ``x`` and does the dot products with plain FMAs:
 
 - the weights become floats without conversion instructions (``gemv_weights``: OR-ed
-  into the mantissa of a power of two; PTX on a GPU for int8 words and int4 nibbles);
+  into the mantissa of a power of two; PTX on a GPU for the biased nibbles);
 - per group, ``sum_k (q - z) s x = s (sum_k q x - z sum_k x)``: the zero point and the
   scale are applied once per word row of eight weights, not per weight (one scale row
   per tile where the tile lies in one group; groups smaller than the tile, such as
   llama.cpp's 32, load the scales and zeros of each word row);
-- the FMAs accumulate ``[BLOCK_K / 8, BLOCK_N]`` (int8 words: ``[BLOCK_K / 4, BLOCK_N]``,
-  ``int8_words_gemv``'s four sub-tiles chained into one set; other int8:
-  ``[BLOCK_K, BLOCK_N]``) partial products over the whole K range and reduce across rows
-  once, at the end
-  (a reduction per tile, through shared memory, held the first version at 20-45% of
-  the bandwidth on the H200);
+- the FMAs accumulate ``[BLOCK_K / 8, BLOCK_N]`` partial products over the whole K
+  range and reduce across rows once, at the end (a reduction per tile, through shared
+  memory, held the first version at 20-45% of the bandwidth on the H200);
 - split K: the one-row kernel sums its splits itself (the last split of each tile to
   finish, ``_reduce_splits``); the rows kernel (``weight_gemv_rows``) writes fp32 partial sums that the
   caller adds.
 
-Same layouts and arguments as ``weight_gemm`` (``qweight [K / 8, N]`` int32 for int4,
-``[K, N]`` int8 for int8; scales per group or per channel). The grid is ``(N tiles,
-K splits, rows)``. Which tiling (or ``weight_gemm``'s) a layer runs is measured per
-shape (``dispatch``).
+Same layout and arguments as ``weight_gemm`` for int4 (``qweight [K / 8, N]`` int32;
+scales per group or per channel). int8 has no GEMV here: it is stored ``[N, K]`` and
+runs ``int8_gemv_nk`` (the int8 GEMVs over ``[K, N]`` went with kernels v14;
+``gemv_fits(8, ...)`` is False, so ``weight_gemm`` gives such a tiling a dot tile). The
+grid is ``(N tiles, K splits, rows)``. Which tiling (or ``weight_gemm``'s) a layer runs
+is measured per shape (``dispatch``).
 """
 
 from __future__ import annotations
@@ -38,8 +38,6 @@ from tokenloom.plugins.models.pdl import launch_options, release, wait
 from tokenloom.plugins.quant.kernels.gemv_weights import (
     biased_word_rows,
     first_tile,
-    int8_floats,
-    int8_words_gemv,
     nibble_floats,
     weight_rows,
     word_row_groups,
@@ -62,7 +60,6 @@ def _gemv_loop(
     m8,
     m12,
     m16,
-    BITS: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -75,54 +72,43 @@ def _gemv_loop(
     per-channel scales)."""
     # Partial products stay 2-D across the whole K loop: one cross-thread reduction at
     # the end instead of one per tile.
-    if BITS == 8:
-        acc2 = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)
-    else:
-        acc2 = tl.zeros([BLOCK_K // 8, BLOCK_N], tl.float32)
+    acc2 = tl.zeros([BLOCK_K // 8, BLOCK_N], tl.float32)
     # The next tile's weights are loaded before this one's FMAs (a register double
     # buffer): at one row a program holds too few bytes in flight to cover the memory
     # latency otherwise.
-    tile = first_tile(qw_ptr, k_begin, k_end, offs_n, mask_n, N, BITS, BLOCK_K)
+    tile = first_tile(qw_ptr, k_begin, k_end, offs_n, mask_n, N, BLOCK_K)
     wait(USE_PDL)  # the first weight tile is in flight; x comes from the kernel before
     for k0 in range(k_begin, k_end, BLOCK_K):
-        if BITS == 8:
-            ks = k0 + tl.arange(0, BLOCK_K)
-            mask_k = ks < k_end
-            x = tl.load(x_row + ks, mask=mask_k, other=0.0).to(tl.float32)
-            tile_next = weight_rows(qw_ptr, ks + BLOCK_K, k_end, offs_n, mask_n, N)
-            w = int8_floats(tile)
-            acc2 += w * x[:, None]
+        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        mask_kw = kw < k_end // 8
+        tile_next = weight_rows(qw_ptr, kw + BLOCK_K // 8, k_end // 8, offs_n, mask_n, N)
+        high = tile >> 12
+        part = tl.zeros([BLOCK_K // 8, BLOCK_N], tl.float32)
+        xs = tl.zeros([BLOCK_K // 8], tl.float32)
+        if BIASED:
+            part, xs = biased_word_rows(tile, x_row + kw * 8, mask_kw, m8, m12, m16, ASM)
         else:
-            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            mask_kw = kw < k_end // 8
-            tile_next = weight_rows(qw_ptr, kw + BLOCK_K // 8, k_end // 8, offs_n, mask_n, N)
-            high = tile >> 12
-            part = tl.zeros([BLOCK_K // 8, BLOCK_N], tl.float32)
-            xs = tl.zeros([BLOCK_K // 8], tl.float32)
-            if BIASED:
-                part, xs = biased_word_rows(tile, x_row + kw * 8, mask_kw, m8, m12, m16, ASM)
+            for j in tl.static_range(8):
+                xj = tl.load(x_row + kw * 8 + j, mask=mask_kw, other=0.0).to(tl.float32)
+                part += nibble_floats(tile, high, nibble, j) * xj[:, None]
+                xs += xj
+        if GROUP == 0:
+            acc2 += part
+        elif GROUP >= BLOCK_K:  # per word row: s (sum_j q x - z sum_j x); one group
+            g = (k0 // GROUP) * N + offs_n
+            s = tl.load(s_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            if HAS_ZEROS:
+                z = tl.load(z_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+                acc2 += s * (part - z * xs[:, None])
             else:
-                for j in tl.static_range(8):
-                    xj = tl.load(x_row + kw * 8 + j, mask=mask_kw, other=0.0).to(tl.float32)
-                    part += nibble_floats(tile, high, nibble, j) * xj[:, None]
-                    xs += xj
-            if GROUP == 0:
-                acc2 += part
-            elif GROUP >= BLOCK_K:  # per word row: s (sum_j q x - z sum_j x); one group
-                g = (k0 // GROUP) * N + offs_n
-                s = tl.load(s_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-                if HAS_ZEROS:
-                    z = tl.load(z_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-                    acc2 += s * (part - z * xs[:, None])
-                else:
-                    acc2 += s * part
-            else:  # groups smaller than the tile: the scale and zero of each word row
-                s = word_row_groups(s_ptr, kw, mask_kw, offs_n, mask_n, N, GROUP)
-                if HAS_ZEROS:
-                    z = word_row_groups(z_ptr, kw, mask_kw, offs_n, mask_n, N, GROUP)
-                    acc2 += s * (part - z * xs[:, None])
-                else:
-                    acc2 += s * part
+                acc2 += s * part
+        else:  # groups smaller than the tile: the scale and zero of each word row
+            s = word_row_groups(s_ptr, kw, mask_kw, offs_n, mask_n, N, GROUP)
+            if HAS_ZEROS:
+                z = word_row_groups(z_ptr, kw, mask_kw, offs_n, mask_n, N, GROUP)
+                acc2 += s * (part - z * xs[:, None])
+            else:
+                acc2 += s * part
         tile = tile_next
     return tl.sum(acc2, axis=0)
 
@@ -144,26 +130,25 @@ def _weight_gemv_kernel(
     stride_ym,
     stride_ysplit,
     nibble,  # 0xF, passed at run time: the masks stay in registers, not in per-use moves
-    N_WORDS,  # int8 with WORDS: N / 4, the words per row of qw_ptr (else unused)
     # int4 with BIASED: 0xF << 8, 12, 16, at run time (derived in the kernel, the
     # compiler turns (w << 12) & (0xF << 12) into ((w & 0xF) << 12): two more ops)
     mask8,
     mask12,
     mask16,
-    BITS: tl.constexpr,
+    BITS: tl.constexpr,  # 4 (int8 has no GEMV over [K, N])
     GROUP: tl.constexpr,  # 0: one scale per output channel (applied at the end)
     HAS_ZEROS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PARTIAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # int4 with groups: divides GROUP or is a multiple of it
-    BIASED: tl.constexpr = False,  # int4: nibble_biased (16-bit activations)
-    ASM: tl.constexpr = False,  # PTX (a CUDA GPU): int8 INT8_ASM, int4 BIASED_ASM
+    BLOCK_K: tl.constexpr,  # with groups: divides GROUP or is a multiple of it
+    BIASED: tl.constexpr = False,  # nibble_biased (16-bit activations)
+    ASM: tl.constexpr = False,  # PTX (a CUDA GPU): BIASED_ASM
     REDUCE: tl.constexpr = False,  # PARTIAL: the last split to finish a tile sums them
     USE_PDL: tl.constexpr = False,  # plugins/models/pdl.py: weights stream before the wait
     SPLIT: tl.constexpr = 1,  # REDUCE: the number of splits (the grid's second axis)
-    WORDS: tl.constexpr = False,  # int8: qw_ptr holds int32 words of four weights
 ):
+    tl.static_assert(BITS == 4, "the GEMV serves int4 only")
     release(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -173,34 +158,28 @@ def _weight_gemv_kernel(
     x_row = x_ptr + row.to(tl.int64) * stride_xm
     k_begin = pid_k * K_CHUNK
     k_end = tl.minimum(K, k_begin + K_CHUNK)
-    if BITS == 8 and WORDS:  # qw_ptr: the words of four int8 weights
-        acc = int8_words_gemv(
-            x_row, qw_ptr, k_begin, k_end, pid_n, N_WORDS, BLOCK_N, BLOCK_K, USE_PDL, ASM
-        )
-    else:
-        acc = _gemv_loop(
-            x_row,
-            qw_ptr,
-            s_ptr,
-            z_ptr,
-            k_begin,
-            k_end,
-            offs_n,
-            mask_n,
-            N,
-            nibble,
-            mask8,
-            mask12,
-            mask16,
-            BITS,
-            GROUP,
-            HAS_ZEROS,
-            BLOCK_N,
-            BLOCK_K,
-            BIASED,
-            ASM,
-            USE_PDL,
-        )
+    acc = _gemv_loop(
+        x_row,
+        qw_ptr,
+        s_ptr,
+        z_ptr,
+        k_begin,
+        k_end,
+        offs_n,
+        mask_n,
+        N,
+        nibble,
+        mask8,
+        mask12,
+        mask16,
+        GROUP,
+        HAS_ZEROS,
+        BLOCK_N,
+        BLOCK_K,
+        BIASED,
+        ASM,
+        USE_PDL,
+    )
     if GROUP == 0:
         acc = acc * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     if not PARTIAL:
@@ -280,13 +259,12 @@ ROWS_PER_PROGRAM = (1, 2, 4)  # the row counts the kernels spell out
 
 def gemv_fits(bits: int, group: int, block_k: int, has_zeros: bool, rows: int = 1) -> bool:
     """Whether the GEMV serves this format with this ``BLOCK_K`` and ``rows`` per
-    program: int4 groups must hold whole tiles, or tiles whole groups of whole words
-    (a multiple of 8 rows); per-channel int4 with zero points is not a format we
-    store; other row counts would leave rows unwritten."""
-    if rows not in ROWS_PER_PROGRAM:
+    program: int4 only (int8 runs ``int8_gemv_nk`` or the dot tiles); groups must hold
+    whole tiles, or tiles whole groups of whole words (a multiple of 8 rows); per-channel
+    int4 with zero points is not a format we store; other row counts would leave rows
+    unwritten."""
+    if rows not in ROWS_PER_PROGRAM or bits != 4:
         return False
-    if bits == 8:
-        return group == 0 and not has_zeros
     if group == 0:
         return not has_zeros and block_k % 8 == 0
     if block_k % 8 != 0:
@@ -332,11 +310,12 @@ def launch_gemv(
     out=None,
     counters=None,
 ):
-    """Run the kernel into ``y`` (``[m, n]``, or ``[split, m, n]`` fp32 when split);
-    ``cfg.rows > 1`` takes that many rows of ``x`` per program. One-row int4 takes
-    ``nibble_biased`` for 16-bit activations unless ``biased`` says otherwise. With
-    ``out`` and ``counters`` (one-row kernel, split), the last split of each tile sums
-    the partials into ``out`` (with the bias). Returns whether it did."""
+    """Run the kernel into ``y`` (``[m, n]``, or ``[split, m, n]`` fp32 when split) for int4
+    (``bits`` 4: ``gemv_fits``); ``cfg.rows > 1`` takes that many rows of ``x`` per
+    program. One row takes ``nibble_biased`` for 16-bit activations unless ``biased``
+    says otherwise. With ``out`` and ``counters`` (one-row kernel, split), the last split
+    of each tile sums the partials into ``out`` (with the bias). Returns whether it did."""
+    assert bits == 4, "the GEMV serves int4 only"
     if biased is None:
         biased = x.dtype in (torch.bfloat16, torch.float16)
     rows = cfg.rows if m > 1 else 1
@@ -363,31 +342,20 @@ def launch_gemv(
         num_stages=cfg.num_stages,
     )
     if rows == 1:
-        cuda = x.device.type == "cuda"
-        words = (
-            bits == 8
-            and n % 4 == 0
-            and qweight.is_contiguous()
-            and qweight.storage_offset() % 4 == 0  # view(int32) needs whole words
-        )
-        if words:  # words of four weights (INT8_ASM on a GPU)
-            common = (common[0], qweight.view(torch.int32), *common[2:])
         _weight_gemv_kernel[grid](
             *common,
             out if reduce else y,
             counters if reduce else y,
             n,
             *strides,
-            n // 4,
             0xF << 8,
             0xF << 12,
             0xF << 16,
             **flags,
-            BIASED=bits == 4 and biased,
-            ASM=cuda and (words or bits == 4),
+            BIASED=biased,
+            ASM=x.device.type == "cuda",
             REDUCE=reduce,
             SPLIT=split if reduce else 1,
-            WORDS=words,
             **launch_options(x.device),
         )
     else:

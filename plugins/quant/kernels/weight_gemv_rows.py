@@ -1,7 +1,8 @@
-"""The quantized GEMV over two or four rows of ``x`` per program (decode batches of a
-few rows): each weight tile is loaded and turned into floats once, then one FMA per
-row. Launched by ``weight_gemv.launch_gemv`` where the tuner chose ``rows > 1``; the
-same layouts, arguments and conversions (``gemv_weights``) as the one-row kernel.
+"""The int4 GEMV over two or four rows of ``x`` per program (decode batches of a few
+rows): each weight tile is loaded and turned into floats once, then one FMA per row.
+Launched by ``weight_gemv.launch_gemv`` where the tuner chose ``rows > 1``; the same
+layout (``[K / 8, N]``), arguments and conversions (``gemv_weights``) as the one-row
+kernel.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import triton.language as tl
 
 from tokenloom.plugins.quant.kernels.gemv_weights import (
     first_tile,
-    int8_floats,
     nibble_floats,
     weight_rows,
     word_row_groups,
@@ -70,7 +70,7 @@ def _weight_gemv_rows_kernel(
     stride_ym,
     stride_ysplit,
     nibble,
-    BITS: tl.constexpr,
+    BITS: tl.constexpr,  # 4 (int8 has no GEMV over [K, N])
     GROUP: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -83,88 +83,74 @@ def _weight_gemv_rows_kernel(
     rows): each weight tile is loaded and turned into floats once, then one FMA per
     row. The rows are spelt out, one 2-D accumulator each (a 3-D ``[rows, k, n]``
     tile compiled to four times the logic ops and register spills)."""
+    tl.static_assert(BITS == 4, "the GEMV serves int4 only")
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     r0 = tl.program_id(2) * ROWS
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    if BITS == 8:
-        acc0 = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)
-    else:
-        acc0 = tl.zeros([BLOCK_K // 8, BLOCK_N], tl.float32)
+    acc0 = tl.zeros([BLOCK_K // 8, BLOCK_N], tl.float32)
     acc1 = tl.zeros_like(acc0)
     acc2 = tl.zeros_like(acc0)
     acc3 = tl.zeros_like(acc0)
     k_begin = pid_k * K_CHUNK
     k_end = tl.minimum(K, k_begin + K_CHUNK)
-    tile = first_tile(qw_ptr, k_begin, k_end, offs_n, mask_n, N, BITS, BLOCK_K)
+    tile = first_tile(qw_ptr, k_begin, k_end, offs_n, mask_n, N, BLOCK_K)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        if BITS == 8:
-            ks = k0 + tl.arange(0, BLOCK_K)
-            mask_k = ks < k_end
-            tile_next = weight_rows(qw_ptr, ks + BLOCK_K, k_end, offs_n, mask_n, N)
-            w = int8_floats(tile)
-            acc0 += w * _row_x(x_ptr, r0, stride_xm, ks, mask_k, M)[:, None]
-            acc1 += w * _row_x(x_ptr, r0 + 1, stride_xm, ks, mask_k, M)[:, None]
+        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        mask_kw = kw < k_end // 8
+        tile_next = weight_rows(qw_ptr, kw + BLOCK_K // 8, k_end // 8, offs_n, mask_n, N)
+        high = tile >> 12
+        part0 = tl.zeros([BLOCK_K // 8, BLOCK_N], tl.float32)
+        part1 = tl.zeros_like(part0)
+        part2 = tl.zeros_like(part0)
+        part3 = tl.zeros_like(part0)
+        xs0 = tl.zeros([BLOCK_K // 8], tl.float32)
+        xs1 = tl.zeros_like(xs0)
+        xs2 = tl.zeros_like(xs0)
+        xs3 = tl.zeros_like(xs0)
+        for j in tl.static_range(8):
+            qj = nibble_floats(tile, high, nibble, j)
+            x0 = _row_x(x_ptr, r0, stride_xm, kw * 8 + j, mask_kw, M)
+            x1 = _row_x(x_ptr, r0 + 1, stride_xm, kw * 8 + j, mask_kw, M)
+            part0 += qj * x0[:, None]
+            part1 += qj * x1[:, None]
+            xs0 += x0
+            xs1 += x1
             if ROWS == 4:
-                acc2 += w * _row_x(x_ptr, r0 + 2, stride_xm, ks, mask_k, M)[:, None]
-                acc3 += w * _row_x(x_ptr, r0 + 3, stride_xm, ks, mask_k, M)[:, None]
-            tile = tile_next
+                x2 = _row_x(x_ptr, r0 + 2, stride_xm, kw * 8 + j, mask_kw, M)
+                x3 = _row_x(x_ptr, r0 + 3, stride_xm, kw * 8 + j, mask_kw, M)
+                part2 += qj * x2[:, None]
+                part3 += qj * x3[:, None]
+                xs2 += x2
+                xs3 += x3
+        if GROUP == 0:
+            acc0 += part0
+            acc1 += part1
+            acc2 += part2
+            acc3 += part3
         else:
-            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            mask_kw = kw < k_end // 8
-            tile_next = weight_rows(qw_ptr, kw + BLOCK_K // 8, k_end // 8, offs_n, mask_n, N)
-            high = tile >> 12
-            part0 = tl.zeros([BLOCK_K // 8, BLOCK_N], tl.float32)
-            part1 = tl.zeros_like(part0)
-            part2 = tl.zeros_like(part0)
-            part3 = tl.zeros_like(part0)
-            xs0 = tl.zeros([BLOCK_K // 8], tl.float32)
-            xs1 = tl.zeros_like(xs0)
-            xs2 = tl.zeros_like(xs0)
-            xs3 = tl.zeros_like(xs0)
-            for j in tl.static_range(8):
-                qj = nibble_floats(tile, high, nibble, j)
-                x0 = _row_x(x_ptr, r0, stride_xm, kw * 8 + j, mask_kw, M)
-                x1 = _row_x(x_ptr, r0 + 1, stride_xm, kw * 8 + j, mask_kw, M)
-                part0 += qj * x0[:, None]
-                part1 += qj * x1[:, None]
-                xs0 += x0
-                xs1 += x1
-                if ROWS == 4:
-                    x2 = _row_x(x_ptr, r0 + 2, stride_xm, kw * 8 + j, mask_kw, M)
-                    x3 = _row_x(x_ptr, r0 + 3, stride_xm, kw * 8 + j, mask_kw, M)
-                    part2 += qj * x2[:, None]
-                    part3 += qj * x3[:, None]
-                    xs2 += x2
-                    xs3 += x3
-            if GROUP == 0:
-                acc0 += part0
-                acc1 += part1
-                acc2 += part2
-                acc3 += part3
-            else:
-                if GROUP >= BLOCK_K:  # the tile lies in one group
-                    g = (k0 // GROUP) * N + offs_n
-                    s = tl.load(s_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-                else:  # groups smaller than the tile: the scale of each word row
-                    s = word_row_groups(s_ptr, kw, mask_kw, offs_n, mask_n, N, GROUP)
-                if HAS_ZEROS:
-                    if GROUP >= BLOCK_K:
-                        z = tl.load(z_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-                    else:
-                        z = word_row_groups(z_ptr, kw, mask_kw, offs_n, mask_n, N, GROUP)
-                    acc0 += s * (part0 - z * xs0[:, None])
-                    acc1 += s * (part1 - z * xs1[:, None])
-                    if ROWS == 4:
-                        acc2 += s * (part2 - z * xs2[:, None])
-                        acc3 += s * (part3 - z * xs3[:, None])
+            if GROUP >= BLOCK_K:  # the tile lies in one group
+                g = (k0 // GROUP) * N + offs_n
+                s = tl.load(s_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            else:  # groups smaller than the tile: the scale of each word row
+                s = word_row_groups(s_ptr, kw, mask_kw, offs_n, mask_n, N, GROUP)
+            if HAS_ZEROS:
+                if GROUP >= BLOCK_K:
+                    z = tl.load(z_ptr + g, mask=mask_n, other=0.0).to(tl.float32)[None, :]
                 else:
-                    acc0 += s * part0
-                    acc1 += s * part1
-                    acc2 += s * part2
-                    acc3 += s * part3
-            tile = tile_next
+                    z = word_row_groups(z_ptr, kw, mask_kw, offs_n, mask_n, N, GROUP)
+                acc0 += s * (part0 - z * xs0[:, None])
+                acc1 += s * (part1 - z * xs1[:, None])
+                if ROWS == 4:
+                    acc2 += s * (part2 - z * xs2[:, None])
+                    acc3 += s * (part3 - z * xs3[:, None])
+            else:
+                acc0 += s * part0
+                acc1 += s * part1
+                acc2 += s * part2
+                acc3 += s * part3
+        tile = tile_next
     args = (
         M,
         pid_k,

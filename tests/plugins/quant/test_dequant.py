@@ -68,7 +68,9 @@ def test_one_scratch_buffer_grows_and_is_reused():
     assert dequant.reserve(1, torch.float32, device).numel() == 1  # released: a new one
     if device.type == "cuda":  # "cuda" and the tensors' "cuda:0" name one buffer
         indexed = torch.device("cuda", torch.cuda.current_device())
-        assert dequant.reserve(1, torch.float32, indexed) is dequant.reserve(1, torch.float32, device)
+        assert dequant.reserve(1, torch.float32, indexed) is dequant.reserve(
+            1, torch.float32, device
+        )
         dequant.release(torch.float32, indexed)
         assert dequant.reserve(2, torch.float32, device).numel() == 2
 

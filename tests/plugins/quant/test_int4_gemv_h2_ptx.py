@@ -1,7 +1,6 @@
-"""The PTX of ``int4_gemv_h2`` (``H2_ASM``, ``X_ASM``) and ``int8_gemv_h2`` (``I8H2_ASM``,
-``PAIR_ASM``) run by a small interpreter of the instructions they use, on the CPU: every
-nibble of a word meets its own activation once, as ``q - 8``, every byte as ``q``, and
-the x pairs carry ``x * 2^-shift``. The GPU tests run the real thing;
+"""The PTX of ``int4_gemv_h2`` (``H2_ASM``, ``X_ASM``) run by a small interpreter of the
+instructions it uses, on the CPU: every nibble of a word meets its own activation once,
+as ``q - 8``, and the x pairs carry ``x * 2^-shift``. The GPU tests run the real thing;
 these pin the strings' constants and operand order where no GPU is."""
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ import pytest
 import torch
 
 from tokenloom.plugins.quant.kernels.int4_gemv_h2 import H2_ASM, X_ASM
-from tokenloom.plugins.quant.kernels.int8_gemv_h2 import I8H2_ASM, PAIR_ASM
 
 
 def _f16(bits: int) -> float:
@@ -76,12 +74,6 @@ def run_ptx(asm: str, args: list[int], n_out: int) -> list[int]:
             out = (val(ops[0]) << int(ops[1])) & 0xFFFFFFFF
         elif op == "and.b32":
             out = val(ops[0]) & val(ops[1])
-        elif op == "xor.b32":
-            out = val(ops[0]) ^ val(ops[1])
-        elif op == "prmt.b32":  # result byte i = byte (selector nibble i) of {b, a}
-            pool = val(ops[0]) | (val(ops[1]) << 32)
-            sel = val(ops[2])
-            out = sum(((pool >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
         elif op == "lop3.b32":
             assert ops[3] == "0xEA", ops  # (a & b) | c
             out = (val(ops[0]) & val(ops[1])) | val(ops[2])
@@ -151,45 +143,3 @@ def test_random_words_against_the_sum_of_products(shift):
         scale = sum(abs((qi - 8) * xi) for qi, xi in zip(q, x, strict=True))
         assert abs(got - expected) <= 2e-3 * scale, (got, expected)
         assert abs((sa + sb) * 2.0**shift - sum(x)) <= 1e-5 * sum(abs(v) for v in x)
-
-
-def _int8_word(qs) -> int:
-    """Four int8 weights (channels 0..3) as the int32 word ``qweight.view(int32)`` reads."""
-    return sum((int(q) & 0xFF) << (8 * i) for i, q in enumerate(qs))
-
-
-def int8_chains(words: list[int], xs: list[float]) -> list[float]:
-    """``I8H2_ASM`` on four words (one per sub-tile) and their activations (f16-exact)."""
-    pairs = [run_ptx(PAIR_ASM.value, [_f32_bits(x)], 1)[0] for x in xs]
-    return [_f32(v) for v in run_ptx(I8H2_ASM.value, [*words, *pairs], 4)]
-
-
-def test_the_pair_holds_x_twice():
-    for x in (1.5, -3.25, 2.0**-10, 60000.0):
-        pair = run_ptx(PAIR_ASM.value, [_f32_bits(x)], 1)[0]
-        assert _f16(pair) == _f16(pair >> 16) == x
-
-
-@pytest.mark.parametrize("channel", range(4))
-@pytest.mark.parametrize("row", range(4))
-def test_each_byte_meets_its_own_activation_as_q(channel, row):
-    xs = [1.0, 2.0, 4.0, 8.0]
-    for q in (-128, -127, -1, 0, 1, 77, 127):
-        qs = [[0] * 4 for _ in range(4)]
-        qs[row][channel] = q
-        got = int8_chains([_int8_word(r) for r in qs], xs)
-        want = [0.0] * 4
-        want[channel] = q * xs[row]
-        assert got == want, (row, channel, q, got)
-
-
-def test_random_int8_words_against_the_sum_of_products():
-    rng = random.Random(0)
-    for _ in range(50):
-        qs = [[rng.randrange(-127, 128) for _ in range(4)] for _ in range(4)]
-        xs = [float(np.float16(rng.gauss(0, 16))) for _ in range(4)]  # |x| < 64 mostly
-        got = int8_chains([_int8_word(r) for r in qs], xs)
-        for c in range(4):
-            expected = sum(qs[r][c] * xs[r] for r in range(4))
-            scale = sum(abs(qs[r][c] * xs[r]) for r in range(4))
-            assert abs(got[c] - expected) <= 2e-3 * scale + 1e-6, (c, got[c], expected)

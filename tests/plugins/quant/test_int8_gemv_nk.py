@@ -3,7 +3,8 @@
 sixteen rows (K and N off the tile, bias, fp32 / fp16 / bf16 activations); its 16-bit x
 read as int64 words gives the same bits as four strided loads; calls it cannot serve fall
 back to the dot tiles, which read the same storage through its strides; the tuner offers
-it, and not the GEMVs over ``[K, N]``, for this layout."""
+it, and not the GEMVs over ``[K, N]``, for this layout. int8 stored ``[K, N]`` (not the
+engine's) has no GEMV since kernels v14: any GEMV or h2 tiling gives way to a dot tile."""
 
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ import torch
 from tokenloom.plugins.quant.int8 import dequantize_int8, quantize_int8
 from tokenloom.plugins.quant.kernels import weight_gemm as weight_gemm_module
 from tokenloom.plugins.quant.kernels.dispatch import (
+    BUCKETS,
     NK,
     NK_ROWS,
     candidates,
+    h2_candidates,
 )
 from tokenloom.plugins.quant.kernels.int8_gemv_nk import nk_fits, row_major
 from tokenloom.plugins.quant.kernels.weight_gemm import GemmConfig, weight_gemm
+from tokenloom.plugins.quant.kernels.weight_gemv import gemv_fits
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -140,6 +144,71 @@ def test_the_tuner_offers_it_for_the_n_k_layout_only():
     assert all(c.block_k == 256 * c.num_warps for c in NK + NK_ROWS)
     # the biased conversion measured faster on every Llama-3-8B layer (session 17)
     assert all(c.biased and c.fits(8, 0) for c in NK + NK_ROWS)
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """The kernels ``weight_gemm`` launches: ``"gemv"`` (``launch_gemv`` or
+    ``launch_h2``), ``"nk"`` (``launch_int8_nk``) or ``"dot"`` (``_launch_gemm``)."""
+    calls = []
+
+    def spy(kind, real):
+        def launch(*args, **kwargs):
+            calls.append(kind)
+            return real(*args, **kwargs)
+
+        return launch
+
+    for name, kind in [
+        ("launch_gemv", "gemv"),
+        ("launch_h2", "gemv"),
+        ("launch_int8_nk", "nk"),
+        ("_launch_gemm", "dot"),
+    ]:
+        monkeypatch.setattr(weight_gemm_module, name, spy(kind, getattr(weight_gemm_module, name)))
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("config", "m"),
+    [
+        (GemmConfig(1, 16, 32, gemv=True), 1),
+        (GemmConfig(1, 16, 32, split_k=2, gemv=True), 3),
+        (GemmConfig(1, 16, 32, gemv=True, rows=2), 3),
+        (GemmConfig(1, 16, 32, split_k=2, gemv=True, rows=4), 5),
+        (GemmConfig(1, 16, 32, h2=True), 1),
+        (GemmConfig(1, 16, 32, split_k=2, h2=True), 1),
+        (None, 1),
+        (None, 4),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_int8_stored_k_n_takes_a_dot_tile_for_any_gemv_tiling(config, m, dtype, kernels):
+    # the int8 GEMVs over [K, N] are gone: a GEMV or h2 tiling (or none) gives way to
+    # choose_config's dot tile, which reads the storage and equals the reference
+    qweight, scales, ref = _layer(40, 96)
+    qweight = qweight.contiguous()  # [K, N]
+    assert not row_major(qweight) and (config is None or not config.fits(8, 0))
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(m, 96, generator=gen).to(DEVICE, dtype)
+    bias = torch.randn(40, generator=gen).to(DEVICE, dtype)
+    y = weight_gemm(x, qweight, scales, None, 8, 0, bias, config)
+    assert kernels == ["dot"]
+    expected = x.double() @ ref.t() + bias.double()
+    assert y.shape == (m, 40) and y.dtype == dtype
+    assert float((y.double() - expected).norm() / expected.norm()) < TOL[dtype]
+
+
+def test_int8_has_no_gemv_over_k_n():
+    assert not gemv_fits(8, 0, 128, False) and gemv_fits(4, 0, 128, False)
+    for rows in (1, 2, 4):
+        assert not GemmConfig(1, 64, 128, gemv=True, rows=rows).fits(8, 0)
+    assert not GemmConfig(1, 64, 128, h2=True).fits(8, 0)
+    for index in range(len(BUCKETS)):  # [K, N] storage: the dot tiles (and dequant) only
+        int8 = candidates(index, 4096, 14336, 8, 0, 132)
+        assert int8 and not any(c.gemv or c.h2 or c.nk for c in int8)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert h2_candidates(4096, 4096, 8, 0, False, dtype) == []
 
 
 @pytest.mark.gpu

@@ -1,7 +1,7 @@
-"""The weight-only Triton GEMM and GEMV (int8 and int4 weights) equal the reference
-path (dequantize, then ``F.linear``): tiny shapes in the interpreter on the CPU, the
-real configs and Llama-3-8B shapes on the GPU; the dispatcher offers the GEMV only
-where it fits."""
+"""The weight-only Triton GEMM (int8 and int4 weights) and the int4 GEMV equal the
+reference path (dequantize, then ``F.linear``): tiny shapes in the interpreter on the
+CPU, the real configs and Llama-3-8B shapes on the GPU; the dispatcher offers the GEMV
+only where it fits (int8 stored ``[K, N]``, which has none: ``test_int8_gemv_nk.py``)."""
 
 from __future__ import annotations
 
@@ -90,17 +90,15 @@ GEMV_CASES = [
 ]
 
 
-@pytest.mark.parametrize("bits", ["8kn", 4])  # int8 [N, K]: test_int8_gemv_nk.py
 @pytest.mark.parametrize(("config", "m", "n", "k"), GEMV_CASES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_weight_gemv_equals_dequantized_linear(bits, config, m, n, k, bias):
-    _check(bits, m, n, k, torch.float32, config, bias, group=32)
+def test_weight_gemv_equals_dequantized_linear(config, m, n, k, bias):
+    _check(4, m, n, k, torch.float32, config, bias, group=32)
 
 
 def test_weight_gemv_with_a_partial_last_group_and_float16():
     _check(4, 2, 32, 96, torch.float32, GemmConfig(1, 16, 32, gemv=True), False, group=64)
     _check(4, 1, 32, 64, torch.float16, GemmConfig(1, 16, 32, gemv=True), True, group=32)
-    _check("8kn", 1, 32, 64, torch.float16, GemmConfig(1, 16, 32, gemv=True), True)
     _check(4, 3, 32, 96, torch.float16, GemmConfig(1, 16, 32, gemv=True, rows=2), True, group=64)
 
 
@@ -190,7 +188,7 @@ def test_a_gemv_row_count_the_kernel_lacks_is_neither_offered_nor_run(rows):
     # the rows kernel spells out 2 or 4 rows: any other count left rows unwritten
     # (garbage from torch.empty) while fits() admitted it
     config = GemmConfig(1, 16, 32, gemv=True, rows=rows)
-    assert not config.fits(8, 0) and not config.fits(4, 32)
+    assert not config.fits(4, 32)
     _check(8, rows, 16, 64, torch.float32, config, True)
     _check(4, rows, 16, 64, torch.float32, config, False, group=32)
 
@@ -213,9 +211,8 @@ def test_the_dispatcher_offers_the_gemv_where_it_fits():
     assert any(128 % c.block_k == 0 for c in gemv)  # the tile in one group
     assert all(128 % c.block_k == 0 or c.block_k % 128 == 0 for c in gemv)
     assert any(not c.gemv for c in int4)  # the dot kernel competes
-    int8 = candidates(0, 4096, 14336, 8, 0, 132)
-    assert any(c.gemv and c.block_k == 256 for c in int8)
-    assert any(c.gemv and c.split_k > 1 for c in int8)  # 4096 columns: split K too
+    down = candidates(0, 4096, 14336, 4, 128, 132)
+    assert any(c.gemv and c.split_k > 1 for c in down)  # 4096 columns: split K too
     assert not any(c.gemv for c in candidates(2, 4096, 4096, 4, 128, 132))
 
 
@@ -256,7 +253,7 @@ def test_int4_kmajor_on_llama_shapes_gpu(dtype, m, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("bits", [8, "8kn", 4])  # 8: int8_gemv_nk takes the call
+@pytest.mark.parametrize("bits", [8, "8kn", 4])  # 8: int8_gemv_nk; "8kn": a dot tile
 @pytest.mark.parametrize("m", [1, 4])
 @pytest.mark.parametrize("split_k", [1, 4])
 @pytest.mark.parametrize(("n", "k"), LLAMA_8B)
@@ -267,12 +264,11 @@ def test_weight_gemv_on_llama_shapes_gpu(bits, m, split_k, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("bits", ["8kn", 4])
 @pytest.mark.parametrize(("m", "rows"), [(3, 2), (16, 4), (7, 4)])
 @pytest.mark.parametrize(("n", "k"), LLAMA_8B)
-def test_weight_gemv_rows_on_llama_shapes_gpu(bits, m, rows, n, k):
+def test_weight_gemv_rows_on_llama_shapes_gpu(m, rows, n, k):
     config = GemmConfig(1, 64, 128, 4, 4, 3, gemv=True, rows=rows)
-    _check(bits, m, n, k, torch.bfloat16, config, m == 7)
+    _check(4, m, n, k, torch.bfloat16, config, m == 7)
 
 
 @pytest.mark.parametrize(
@@ -335,17 +331,16 @@ def test_the_one_row_gemv_sums_its_splits_in_the_kernel_and_leaves_the_counters_
 
     monkeypatch.setattr(module, "_split_sum_kernel", NoLaunch())
     torch.manual_seed(0)
-    for bits in (4, 8):
-        (qweight, scales, zeros, group), w = _quantized(bits, 40, 256, torch.float32, 32)
-        x = torch.randn(2, 256, device=DEVICE)
-        b = torch.randn(40, device=DEVICE)
-        expected = F.linear(x.double(), w, b.double())
-        for _ in range(2):
-            got = weight_gemm(
-                x, qweight, scales, zeros, bits, group, b, GemmConfig(1, 16, 32, 3, gemv=True)
-            )
-            assert float((got.double() - expected).norm() / expected.norm()) < 1e-5
-        assert int(reduce_counters(x.device, 1).abs().sum()) == 0
+    (qweight, scales, zeros, group), w = _quantized(4, 40, 256, torch.float32, 32)
+    x = torch.randn(2, 256, device=DEVICE)
+    b = torch.randn(40, device=DEVICE)
+    expected = F.linear(x.double(), w, b.double())
+    for _ in range(2):
+        got = weight_gemm(
+            x, qweight, scales, zeros, 4, group, b, GemmConfig(1, 16, 32, 3, gemv=True)
+        )
+        assert float((got.double() - expected).norm() / expected.norm()) < 1e-5
+    assert int(reduce_counters(x.device, 1).abs().sum()) == 0
 
 
 def test_the_in_kernel_split_sum_adds_in_split_order_bit_for_bit_as_the_split_sum_kernel(
