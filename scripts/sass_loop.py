@@ -193,6 +193,9 @@ def preset(name: str, values: list[int]) -> tuple[Any, dict, dict, list[str], in
         DOT_PRECISION="tf32",
     )
     sig = _quant_sig(bits, True, ["stride_qk", "stride_qn"])
+    at = list(sig).index("K") + 1  # KQ, qweight's rows, follows K (positional signature)
+    sig = dict([*list(sig.items())[:at], ("KQ", "i32"), *list(sig.items())[at:]])
+    divisible = divisible + ["KQ"]
     # the weights' strides as Triton specializes them: 1 is a constant; NK=1 compiles
     # int8 stored [N, K] (session 16), else [K, N]
     unit = "stride_qk" if os.environ.get("NK") == "1" and bits == 8 else "stride_qn"
