@@ -86,6 +86,7 @@ class ModelRunner(Executor):
                 registry=self._model_factory,
                 random_weights=self.config.load_format == "random",
                 prepare=self.quant.prepare_model,
+                loaded=self.quant.layer_loaded if self.quant.streams_layers else None,
             )
         self.model.eval()
         self.rank_info = parallel.rank_model_info(self.info, self.group)

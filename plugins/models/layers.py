@@ -4,7 +4,7 @@ precomputed cos/sin table, and the map from checkpoint tensors to parameters.
 
 Parameters are created with ``torch.empty`` on the current default device (the
 loader builds models under ``with torch.device(device)``); the loader then fills
-them. A merged projection (q/k/v, gate/up) is one parameter whose row ranges
+them (a ``Linear``'s weight allocated at its first write where the loader defers it). A merged projection (q/k/v, gate/up) is one parameter whose row ranges
 receive several checkpoint tensors; ``WeightSlot`` names such a range.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -37,8 +38,11 @@ class WeightSlot:
     stop: int
     source: tuple[int, int, int] | None = None
     source_size: int | None = None
+    owner: Linear | None = None  # a deferred weight's layer: allocates it at first write
 
     def target(self) -> torch.Tensor:
+        if self.owner is not None:
+            self.owner.materialize_weight()
         return self.param.data.narrow(0, self.start, self.stop - self.start)
 
 
@@ -50,6 +54,10 @@ def whole(param: nn.Parameter) -> WeightSlot:
 
 
 LinearParallel = Literal["replicated", "column", "row"]
+
+# Set by the loader (``loader.deferred_weights``): ``Linear`` layers built meanwhile get
+# their dense weight at the loader's first write (``materialize_weight``).
+DEFERRED = ContextVar("tokenloom_deferred_linear_weights", default=False)
 
 
 class Linear(nn.Module):
@@ -117,10 +125,19 @@ class Linear(nn.Module):
         self.in_features = self.in_range[1] - self.in_range[0]
         out_features = sum(self.output_sizes)
         self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_features, dtype=dtype), False)
+        rows = 0 if DEFERRED.get() else out_features  # deferred: [0, in] until written
+        self.weight = nn.Parameter(torch.empty(rows, self.in_features, dtype=dtype), False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), False) if bias else None
         # row-parallel: every rank's partial sum would add the bias; add it after the sum
         self._reduce = parallel == "row" and group.size > 1
+
+    def materialize_weight(self) -> None:
+        """Allocate a deferred dense weight (uninitialised; same device and dtype, so the
+        Parameter that checkpoint slots hold stays the same object)."""
+        if (w := self.weight).shape[0] == 0 and self.out_features > 0 and self.kernel is None:
+            w.data = torch.empty(
+                self.out_features, self.in_features, dtype=w.dtype, device=w.device
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self._reduce else self.bias
@@ -167,7 +184,7 @@ class Linear(nn.Module):
             if self.parallel == "row" and self._reduce:
                 lo, hi = self.in_range
                 result[f"{name}.weight"] = WeightSlot(
-                    self.weight, start, start + size, (1, lo, hi), self.full_in_features
+                    self.weight, start, start + size, (1, lo, hi), self.full_in_features, self
                 )
                 if self.bias is not None:
                     result[f"{name}.bias"] = WeightSlot(self.bias, start, start + size)
@@ -175,7 +192,7 @@ class Linear(nn.Module):
                 sharded = (begin, end) != (0, full)
                 source = (0, begin, end) if sharded else None
                 result[f"{name}.weight"] = WeightSlot(
-                    self.weight, start, start + size, source, full if sharded else None
+                    self.weight, start, start + size, source, full if sharded else None, self
                 )
                 if self.bias is not None:
                     result[f"{name}.bias"] = WeightSlot(

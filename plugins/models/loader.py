@@ -11,7 +11,9 @@ filled, else a ``CheckpointError`` names the tensors.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +21,12 @@ import torch
 from torch import nn
 
 from tokenloom.plugins.models.gguf import SOURCE_KEY, find_gguf
-from tokenloom.plugins.models.layers import WeightSlot
+from tokenloom.plugins.models.layers import DEFERRED, Linear, Slots, WeightSlot
 from tokenloom.protocols.components.model import Model, ModelInfo
 from tokenloom.text.tokenizer import model_eos_token_ids
 
 ModelLookup = Mapping[str, Callable[..., Any]] | Callable[[str], Callable[..., Any] | None]
+Loaded = Callable[[str, Linear], None]
 
 _MAX_LISTED = 8
 
@@ -39,6 +42,7 @@ def load_model(
     registry: ModelLookup | None = None,
     random_weights: bool = False,
     prepare: Callable[[nn.Module, dict[str, Any]], None] | None = None,
+    loaded: Loaded | None = None,
 ) -> tuple[nn.Module, ModelInfo]:
     """Build the model of ``model_dir`` on ``device`` in ``dtype`` and load its weights.
 
@@ -54,7 +58,10 @@ def load_model(
     built and before its weights load (a quant method's ``prepare_model``; for a GGUF
     file, ``hf_config[gguf.SOURCE_KEY]`` is its path). The model
     is built for the current ``plugins.models.parallel`` group: each rank reads only
-    its shard of every tensor.
+    its shard of every tensor. With ``loaded(name, layer)`` (a quant method that
+    ``streams_layers``) each ``Linear``'s dense weight is allocated at its first write
+    (``deferred_weights``) and ``loaded`` runs once all of the layer's tensors are in,
+    before the next layers load: quantized there, the dense model is never whole.
     """
     root = files_root = Path(model_dir)
     weight_files: list[Path] | None = None
@@ -72,14 +79,14 @@ def load_model(
     architecture = _architecture(hf_config, files_root)
     factory = _lookup_factory(architecture, registry)
     target = torch.device(device)
-    with torch.device(target):
+    with torch.device(target), deferred_weights(loaded is not None):
         model = factory(hf_config, dtype)
     if prepare is not None:
         prepare(model, hf_config)
     if random_weights:
-        randomize_weights(model)
+        randomize_weights(model, loaded=loaded)
     else:
-        load_weights(model, weight_files or checkpoint_files(root))
+        load_weights(model, weight_files or checkpoint_files(root), loaded)
     model.eval().requires_grad_(False)
     info = model_info_from_config(hf_config, name=str(root), dtype=dtype, device=target)
     info.eos_token_ids = model_eos_token_ids(files_root)
@@ -91,8 +98,48 @@ _EMBED_STD = 64.0  # the embedding dominates the residual stream (layers add ~10
 _HEAD_MARGIN = 64.0  # nats: the successor's logit; the other logits have std 64 / sqrt(dim)
 
 
+@contextmanager
+def deferred_weights(on: bool = True) -> Iterator[None]:
+    """Inside, ``Linear`` layers get their dense weight at the first write
+    (``Linear.materialize_weight``), not when built."""
+    token = DEFERRED.set(on)
+    try:
+        yield
+    finally:
+        DEFERRED.reset(token)
+
+
+def _linears(model: nn.Module) -> dict[int, tuple[str, Linear]]:
+    """Each ``Linear``'s own parameters (by id) -> its name and module."""
+    return {
+        id(p): (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, Linear)
+        for p in module.parameters(recurse=False)
+    }
+
+
+class _Completion:
+    """Runs ``loaded(name, layer)`` once every slot of a ``Linear``'s parameters is
+    filled (its weight, bias, a checkpoint's quantized tensors)."""
+
+    def __init__(self, model: nn.Module, slots: Slots, loaded: Loaded | None) -> None:
+        linears = _linears(model) if loaded is not None else {}
+        self.owner = {
+            key: linears[id(s.param)] for key, s in slots.items() if id(s.param) in linears
+        }
+        self.remaining = Counter(name for name, _ in self.owner.values())
+        self.loaded = loaded
+
+    def filled(self, key: str) -> None:
+        if (owner := self.owner.get(key)) is not None and self.loaded is not None:
+            self.remaining[owner[0]] -= 1
+            if self.remaining[owner[0]] == 0:
+                self.loaded(*owner)
+
+
 @torch.no_grad()
-def randomize_weights(model: nn.Module, std: float = 0.02) -> None:
+def randomize_weights(model: nn.Module, std: float = 0.02, loaded: Loaded | None = None) -> None:
     """Normal(0, std) matrices and biases; norm weights (1-D, named *norm*) set to one.
 
     Then, for an untied LM head, the greedy output is made robust (issue #11): with
@@ -113,11 +160,21 @@ def randomize_weights(model: nn.Module, std: float = 0.02) -> None:
     """
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(0)
+    linears = _linears(model)
+    pending: tuple[str, Linear] | None = None  # the Linear filled last, not yet handed on
     for name, param in model.named_parameters():
+        owner = linears.get(id(param))
+        if pending is not None and loaded is not None and (owner is None or owner != pending):
+            loaded(*pending)
+        pending = owner
+        if owner is not None:
+            owner[1].materialize_weight()  # a deferred weight (the same values, in order)
         if param.dim() == 1 and "norm" in name:
             param.fill_(1.0)
         else:
             param.normal_(0.0, std, generator=generator)
+    if pending is not None and loaded is not None:
+        loaded(*pending)
     inner = getattr(model, "model", model)
     embed, head = getattr(inner, "embed_tokens", None), getattr(model, "lm_head", None)
     if embed is None or head is None or head is embed:
@@ -218,13 +275,15 @@ def checkpoint_files(root: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: Model, files: list[Path]) -> None:
+def load_weights(model: Model, files: list[Path], loaded: Loaded | None = None) -> None:
     """Copy every tensor of ``files`` into the slot ``model.checkpoint_slots()`` names
-    for it, converting dtype and device on the way."""
+    for it, converting dtype and device on the way; ``loaded(name, layer)`` once a
+    ``Linear``'s tensors are all in (``load_model``)."""
     from safetensors import safe_open
 
     slots = model.checkpoint_slots()
-    loaded: set[str] = set()
+    completion = _Completion(model, slots, loaded)  # type: ignore[arg-type]
+    done: set[str] = set()
     unexpected: list[str] = []
     for path in files:
         try:
@@ -235,7 +294,7 @@ def load_weights(model: Model, files: list[Path]) -> None:
                         if not model.ignores_checkpoint_tensor(name):
                             unexpected.append(name)
                         continue
-                    if name in loaded:
+                    if name in done:
                         raise CheckpointError(f"{path.name}: tensor {name!r} appears twice")
                     tensor = _read(reader, name, slot, path)
                     target = slot.target()
@@ -247,14 +306,15 @@ def load_weights(model: Model, files: list[Path]) -> None:
                             f"the model expects {tuple(target.shape)}"
                         )
                     target.copy_(tensor)
-                    loaded.add(name)
+                    done.add(name)
+                    completion.filled(name)
         except CheckpointError:
             raise
         except Exception as exc:  # safetensors reports a corrupt header as its own error
             raise CheckpointError(f"{path}: cannot read safetensors file: {exc}") from exc
     if unexpected:
         raise CheckpointError(f"checkpoint tensors the model does not have: {_list(unexpected)}")
-    missing = [name for name in slots if name not in loaded]
+    missing = [name for name in slots if name not in done]
     if missing:
         raise CheckpointError(f"checkpoint lacks tensors: {_list(missing)}")
 

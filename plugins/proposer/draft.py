@@ -111,6 +111,7 @@ class DraftProposer(Proposer):
             self.device,
             random_weights=config.load_format == "random",
             prepare=quant.prepare_model,
+            loaded=quant.layer_loaded if quant.streams_layers else None,
         )
         self.model.eval()
         quant.quantize_model(self.model)

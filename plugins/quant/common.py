@@ -65,14 +65,26 @@ class WeightQuantMethod(QuantMethod):
         """The kernel of a layer whose quantized tensors were loaded from the checkpoint."""
         raise NotImplementedError(f"{self.name}: no pre-quantized checkpoint support")
 
+    streams_layers = True  # each layer quantized as it loads (``layer_loaded``)
+
+    @torch.no_grad()
+    def layer_loaded(self, name: str, layer: nn.Module) -> None:
+        if name != "lm_head" and isinstance(layer, Linear):
+            self._quantize_layer(name, layer)
+
+    def _quantize_layer(self, name: str, layer: Linear) -> None:
+        if layer.kernel is not None:  # streamed already
+            return
+        if name in self.prepared:
+            layer.kernel = self.finish_kernel(layer)
+        elif not self.prequantized:
+            layer.kernel = self.make_kernel(layer)
+            release_weight(layer)
+
     @torch.no_grad()
     def quantize_model(self, model: nn.Module) -> None:
         for name, layer in quantizable_linears(model):
-            if name in self.prepared:
-                layer.kernel = self.finish_kernel(layer)
-            elif not self.prequantized:
-                layer.kernel = self.make_kernel(layer)
-                release_weight(layer)
+            self._quantize_layer(name, layer)
         head = lm_head_method(self.config, self)
         if head == self.name:
             quantize_lm_head(self, model)

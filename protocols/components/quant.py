@@ -39,8 +39,17 @@ class QuantMethod(ABC):
     # bound (int8: True; int4: "int8"; docs/quantization.md, "The LM head").
     lm_head_default: bool | str = False
 
+    # True: the executor loads the model with ``layer_loaded`` as the loader's callback,
+    # each linear layer's dense weight allocated only when its tensors load.
+    streams_layers: bool = False
+
     def prepare_model(self, model: torch.nn.Module, hf_config: dict[str, Any]) -> None:  # noqa: B027
         """Before loading: adapt the model to the checkpoint's format (default: nothing)."""
+
+    def layer_loaded(self, name: str, layer: torch.nn.Module) -> None:  # noqa: B027
+        """With ``streams_layers``: every checkpoint tensor of the linear layer ``name``
+        is in place, the layers after it not yet loaded. Quantizing it here keeps the
+        dense model from ever being whole; ``quantize_model`` still runs after loading."""
 
     @abstractmethod
     def quantize_model(self, model: torch.nn.Module) -> None:

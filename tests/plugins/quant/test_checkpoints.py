@@ -83,7 +83,26 @@ def tiny(tiny_model_factory) -> Path:
     return Path(tiny_model_factory("llama"))
 
 
-def test_fp8_checkpoint_loads_its_weights_and_per_tensor_scales(tiny, tmp_path):
+@pytest.fixture
+def allocations(monkeypatch) -> list:
+    """The ``Linear`` layers whose deferred dense weight the loader allocated (the
+    engine streams its weight methods: a pre-quantized layer never needs one)."""
+    from tokenloom.plugins.models.layers import Linear
+
+    allocated: list = []
+    real = Linear.materialize_weight
+
+    def spy(self):
+        before = self.weight.shape
+        real(self)
+        if self.weight.shape != before:
+            allocated.append(self)
+
+    monkeypatch.setattr(Linear, "materialize_weight", spy)
+    return allocated
+
+
+def test_fp8_checkpoint_loads_its_weights_and_per_tensor_scales(tiny, tmp_path, allocations):
     stored: dict[str, torch.Tensor] = {}
 
     def convert(prefix, w):
@@ -103,6 +122,7 @@ def test_fp8_checkpoint_loads_its_weights_and_per_tensor_scales(tiny, tmp_path):
         expected = torch.cat([stored[f"{prefix}.{p}"] for p in ("q_proj", "k_proj", "v_proj")])
         assert torch.equal(loaded, expected)
         assert attn.qkv_proj.weight.numel() == 0
+        assert allocations == []  # no layer held a dense weight, even for a moment
         outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
     finally:
@@ -118,7 +138,7 @@ def _int4_parts(w: torch.Tensor, group: int):
 
 
 @pytest.mark.parametrize(("method", "skipped"), [("awq", []), ("gptq", []), ("awq", ["down_proj"])])
-def test_int4_checkpoint_generates_as_its_dense_twin(method, skipped, tiny, tmp_path):
+def test_int4_checkpoint_generates_as_its_dense_twin(method, skipped, tiny, tmp_path, allocations):
     group = 32  # the tiny model's K (64, 128) holds several groups
     dequantized: dict[str, torch.Tensor] = {}
 
@@ -149,8 +169,14 @@ def test_int4_checkpoint_generates_as_its_dense_twin(method, skipped, tiny, tmp_
     twin = _dense_twin(tiny, tmp_path / "dense", dequantized)
     assert _tokens(quantized, "int4") == _tokens(twin, "none")
     if skipped:
+        allocations.clear()
         llm = LLM(str(quantized), dtype="float32", quant="int4")
         try:
+            # the layers the checkpoint left 16-bit, and only they, got dense weights
+            model = llm.engine.executor.model
+            assert {id(m) for m in allocations} == {
+                id(layer.mlp.down_proj) for layer in model.model.layers
+            }
             mlp = llm.engine.executor.model.model.layers[0].mlp
             assert mlp.down_proj.kernel is None and mlp.down_proj.weight.numel() > 0
             assert mlp.gate_up_proj.kernel is not None
