@@ -125,7 +125,8 @@ class Linear(nn.Module):
         self.in_features = self.in_range[1] - self.in_range[0]
         out_features = sum(self.output_sizes)
         self.out_features = out_features
-        rows = 0 if DEFERRED.get() else out_features  # deferred: [0, in] until written
+        self.deferred = DEFERRED.get()  # the weight [0, in] until first written
+        rows = 0 if self.deferred else out_features
         self.weight = nn.Parameter(torch.empty(rows, self.in_features, dtype=dtype), False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), False) if bias else None
         # row-parallel: every rank's partial sum would add the bias; add it after the sum
@@ -134,7 +135,8 @@ class Linear(nn.Module):
     def materialize_weight(self) -> None:
         """Allocate a deferred dense weight (uninitialised; same device and dtype, so the
         Parameter that checkpoint slots hold stays the same object)."""
-        if (w := self.weight).shape[0] == 0 and self.out_features > 0 and self.kernel is None:
+        if self.deferred:  # not one a quant method released
+            w, self.deferred = self.weight, False
             w.data = torch.empty(
                 self.out_features, self.in_features, dtype=w.dtype, device=w.device
             )

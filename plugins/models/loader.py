@@ -135,7 +135,14 @@ class _Completion:
         if (owner := self.owner.get(key)) is not None and self.loaded is not None:
             self.remaining[owner[0]] -= 1
             if self.remaining[owner[0]] == 0:
-                self.loaded(*owner)
+                try:
+                    self.loaded(*owner)
+                except Exception as exc:  # through load_weights' file errors as it is
+                    raise _HandOnError from exc
+
+
+class _HandOnError(Exception):
+    """An error of ``loaded`` (quantizing a layer): ``load_weights`` re-raises its cause."""
 
 
 @torch.no_grad()
@@ -310,6 +317,8 @@ def load_weights(model: Model, files: list[Path], loaded: Loaded | None = None) 
                     completion.filled(name)
         except CheckpointError:
             raise
+        except _HandOnError as err:  # not the file's fault: the method's own error
+            raise err.__cause__ from None  # type: ignore[misc]
         except Exception as exc:  # safetensors reports a corrupt header as its own error
             raise CheckpointError(f"{path}: cannot read safetensors file: {exc}") from exc
     if unexpected:

@@ -39,6 +39,7 @@ def keep(layer: Linear, name: str, tensor: torch.Tensor) -> torch.Tensor:
 def release_weight(layer: Linear) -> None:
     """Free the dense weight (its shape stays readable as ``out/in_features``)."""
     layer.weight.data = torch.empty(0, dtype=layer.weight.dtype, device=layer.weight.device)
+    layer.deferred = False  # released: never allocated again
 
 
 def flat(x: torch.Tensor) -> torch.Tensor:
@@ -65,11 +66,15 @@ class WeightQuantMethod(QuantMethod):
         """The kernel of a layer whose quantized tensors were loaded from the checkpoint."""
         raise NotImplementedError(f"{self.name}: no pre-quantized checkpoint support")
 
-    streams_layers = True  # each layer quantized as it loads (``layer_loaded``)
+    @property
+    def streams_layers(self) -> bool:  # type: ignore[override]
+        """Each layer quantized as it loads (``layer_loaded``), unless a subclass's own
+        ``quantize_model`` may need the whole model."""
+        return type(self).quantize_model is WeightQuantMethod.quantize_model
 
     @torch.no_grad()
     def layer_loaded(self, name: str, layer: nn.Module) -> None:
-        if name != "lm_head" and isinstance(layer, Linear):
+        if name != "lm_head" and isinstance(layer, Linear):  # quantizable_linears' rule
             self._quantize_layer(name, layer)
 
     def _quantize_layer(self, name: str, layer: Linear) -> None:
@@ -78,6 +83,8 @@ class WeightQuantMethod(QuantMethod):
         if name in self.prepared:
             layer.kernel = self.finish_kernel(layer)
         elif not self.prequantized:
+            if layer.weight.shape != (layer.out_features, layer.in_features):
+                raise ValueError(f"{name}: its weight was never loaded")
             layer.kernel = self.make_kernel(layer)
             release_weight(layer)
 

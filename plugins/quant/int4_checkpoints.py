@@ -169,7 +169,10 @@ class Int4Checkpoint:
         k = layer.in_features
         if self.method == "gptq":
             g_idx = layer.ckpt_g_idx.data.view(-1, k)
-            expected = torch.arange(k, device=g_idx.device, dtype=g_idx.dtype) // self.group
+            first = layer.in_range[0]  # a row-parallel rank's shard starts there
+            expected = (
+                torch.arange(k, device=g_idx.device, dtype=g_idx.dtype) + first
+            ) // self.group
             if not bool((g_idx == expected).all()):
                 raise ValueError("--quant int4: a GPTQ g_idx is not k // group (act-order)")
             qweight = layer.ckpt_qweight.data

@@ -150,3 +150,42 @@ def test_the_engine_streams_int8_and_int4_and_gives_the_whole_loads_tokens(tiny_
             tokens[streamed] = tokens[streamed].outputs[0].token_ids
             llm.engine.shutdown()
         assert tokens[True] == tokens[False] and len(tokens[True]) == 6, quant
+
+
+def test_an_error_of_the_callback_is_raised_as_itself(tiny_model_factory):
+    # not as the file's: "cannot read safetensors file" would send the user to the wrong place
+    from tokenloom.plugins.models.loader import CheckpointError
+
+    def failing(name, layer):
+        raise ValueError(f"{name}: cannot quantize")
+
+    with pytest.raises(ValueError, match="cannot quantize") as caught:
+        load_model(tiny_model_factory("llama"), torch.float32, "cpu", loaded=failing)
+    assert not isinstance(caught.value, CheckpointError)
+
+
+def test_a_released_weight_is_never_allocated_again(tiny_model_factory):
+    # a pre-quantized layer's weight, released by prepare_model, stays empty when the
+    # loader (random weights) asks every Linear to materialize
+    from tokenloom.plugins.models.loader import deferred_weights, randomize_weights
+    from tokenloom.plugins.quant.common import release_weight
+
+    with deferred_weights():
+        layer = Linear(64, [32], bias=False, dtype=torch.float32)
+    assert layer.deferred and layer.weight.shape == (0, 64)
+    release_weight(layer)
+    layer.materialize_weight()
+    assert layer.weight.numel() == 0
+    with deferred_weights():
+        other = Linear(64, [32], bias=False, dtype=torch.float32)
+    randomize_weights(torch.nn.ModuleDict({"a": other}))
+    assert other.weight.shape == (32, 64) and not other.deferred and other.weight.std() > 0
+
+
+def test_a_method_with_its_own_quantize_model_is_not_streamed():
+    class Whole(Int8Quant):
+        def quantize_model(self, model):  # e.g. calibrates over the whole model
+            super().quantize_model(model)
+
+    config = EngineConfig(quant="int8")
+    assert Int8Quant(config).streams_layers and not Whole(config).streams_layers

@@ -137,10 +137,9 @@ def _int4_parts(w: torch.Tensor, group: int):
     return q, scales, zeros.to(torch.int32), deq
 
 
-@pytest.mark.parametrize(("method", "skipped"), [("awq", []), ("gptq", []), ("awq", ["down_proj"])])
-def test_int4_checkpoint_generates_as_its_dense_twin(method, skipped, tiny, tmp_path, allocations):
-    group = 32  # the tiny model's K (64, 128) holds several groups
-    dequantized: dict[str, torch.Tensor] = {}
+def _int4_convert(method: str, group: int, skipped: list, dequantized: dict):
+    """The ``_rewrite`` conversion into an AWQ or GPTQ checkpoint's tensors; the
+    dequantized weights go into ``dequantized``."""
 
     def convert(prefix, w):
         if prefix.split(".")[-1] in skipped:  # modules_to_not_convert: stored 16-bit
@@ -162,10 +161,22 @@ def test_int4_checkpoint_generates_as_its_dense_twin(method, skipped, tiny, tmp_
             f"{prefix}.g_idx": (torch.arange(k) // group).to(torch.int32),
         }
 
+    return convert
+
+
+def _int4_config(method: str, group: int, skipped: list) -> dict:
     qc = {"quant_method": method, "bits": 4, "group_size": group}
     qc["modules_to_not_convert"] = skipped
     qc.update({"version": "gemm", "zero_point": True} if method == "awq" else {"desc_act": False})
-    quantized = _rewrite(tiny, tmp_path / method, convert, qc)
+    return qc
+
+
+@pytest.mark.parametrize(("method", "skipped"), [("awq", []), ("gptq", []), ("awq", ["down_proj"])])
+def test_int4_checkpoint_generates_as_its_dense_twin(method, skipped, tiny, tmp_path, allocations):
+    group = 32  # the tiny model's K (64, 128) holds several groups
+    dequantized: dict[str, torch.Tensor] = {}
+    convert = _int4_convert(method, group, skipped, dequantized)
+    quantized = _rewrite(tiny, tmp_path / method, convert, _int4_config(method, group, skipped))
     twin = _dense_twin(tiny, tmp_path / "dense", dequantized)
     assert _tokens(quantized, "int4") == _tokens(twin, "none")
     if skipped:
@@ -217,3 +228,35 @@ def test_block_wise_fp8_checkpoint_loads_requantized_per_channel(tiny, tmp_path)
         assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_int4_checkpoint_shards_over_two_ranks(method, tiny, tmp_path):
+    # each rank's kernels hold its slice of the checkpoint: row-parallel layers (o, down)
+    # a range of K, which GPTQ's g_idx check must read from the shard's first row
+    from tokenloom.config import EngineConfig
+    from tokenloom.plugins.models import parallel
+    from tokenloom.plugins.models.loader import load_model
+    from tokenloom.plugins.quant.int4 import Int4Quant
+
+    class RankOf(parallel.ParallelGroup):
+        def __init__(self, rank: int, size: int) -> None:
+            self.rank, self.size = rank, size
+
+    dequantized: dict[str, torch.Tensor] = {}
+    convert = _int4_convert(method, 32, [], dequantized)
+    path = _rewrite(tiny, tmp_path / method, convert, _int4_config(method, 32, []))
+    full = dequantized["model.layers.0.mlp.down_proj"]  # [N, K]
+    for rank in (0, 1):
+        quant = Int4Quant(EngineConfig(quant="int4"))
+        with parallel.use(RankOf(rank, 2)):
+            model, _ = load_model(
+                path, torch.float32, "cpu", prepare=quant.prepare_model, loaded=quant.layer_loaded
+            )
+        quant.quantize_model(model)
+        down = model.model.layers[0].mlp.down_proj
+        lo, hi = down.in_range
+        assert (lo, hi) == (rank * full.shape[1] // 2, (rank + 1) * full.shape[1] // 2)
+        k = down.kernel
+        got = dequantize_int4(k.qweight, k.scales, k.zeros, k.group, torch.float32)
+        assert torch.equal(got, full[:, lo:hi])
