@@ -8,8 +8,8 @@
 #                 ../shared/tools/gpu-wheels .whl
 # On the device:  bash scripts/gpu/int4_ab.sh STEP...   (carry [".snap", ".whl"])
 # Steps: lat (int4 before/after/kn alternated twice, --runs 3), latbf16, thr (int4
-# before/after/kn, one pass each), tests (int4 GPU tests), gemv4 (gemv_bench nk layout),
-# ncu. Each call must end within 600 s: lat alone takes about 8 minutes with tuning.
+# before/after/kn, one pass each), tests (int4 GPU tests), gputests (every GPU test under
+# tests/plugins/quant and tests/plugins/models), gemv4 (gemv_bench nk layout), ncu. Each call must end within 600 s: lat alone takes about 8 minutes with tuning.
 # Output: $OUT/lat-*.json, thr-*.json, *.log; the LAT / THR lines are the table.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
@@ -68,6 +68,10 @@ for step in "$@"; do
         tests/plugins/quant/test_weight_gemm.py tests/plugins/quant/test_dequant.py \
         > "$OUT/gpu-tests.log" 2>&1
       echo "tests rc=$?"; tail -n 4 "$OUT/gpu-tests.log" ;;
+    gputests)  # every GPU test of the quant methods and the models (the streamed load)
+      PYTHONPATH=/tmp/after:/tmp/site timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/plugins/quant tests/plugins/models > "$OUT/gpu-tests-all.log" 2>&1
+      echo "gputests rc=$?"; tail -n 6 "$OUT/gpu-tests-all.log" ;;
     gemv4)
       PYTHONPATH=/tmp/after:/tmp/site timeout 300 python3 scripts/gpu/gemv_bench.py --bits 4 \
         --rows 1 --cold --int4-layout nk --json "$OUT/gemv4-nk.json" > "$OUT/gemv4-nk.log" 2>&1
