@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
@@ -117,7 +118,9 @@ class _Collector:
 class _JobIds:
     def __init__(self) -> None:
         self._ids = itertools.count()
-        self._prefix = f"{os.getpid():x}-{id(self):x}"
+        # random, not id(self): a client built where a closed one lived reused its
+        # address, so its job ids (and the engine's request ids) repeated the old ones
+        self._prefix = f"{os.getpid():x}-{secrets.token_hex(6)}"
 
     def next(self) -> str:
         return f"{self._prefix}-{next(self._ids)}"

@@ -200,3 +200,16 @@ def test_a_choice_cut_by_a_stop_string_still_gets_metrics(endpoint):
         )  # fmt: skip
     assert stop and cut.finish_reasons == ["stop"] and len(cut.text) < len(full.text)
     _check_metrics(cut)
+
+
+def test_job_ids_never_repeat_across_clients_of_one_process():
+    # the prefix was pid + id(self): a client built where a closed one had lived (CPython
+    # reuses the address at once) repeated its job ids, and the engine's request ids
+    from tokenloom.client_common import _JobIds
+
+    seen = set()
+    for _ in range(50):
+        ids = _JobIds()
+        seen.add(ids.next())
+        del ids
+    assert len(seen) == 50
