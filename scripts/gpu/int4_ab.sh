@@ -10,7 +10,7 @@
 # Steps: lat (int4 before/after/kn alternated twice, --runs 3), latbf16, thr (int4
 # before/after/kn, one pass each), tests (int4 GPU tests), gputests (every GPU test under
 # tests/plugins/quant and tests/plugins/models), gemv4 (gemv_bench nk layout), ncu. Each call must end within 600 s: lat alone takes about 8 minutes with tuning.
-# Output: $OUT/lat-*.json, thr-*.json, *.log; the LAT / THR lines are the table.
+# Output: $OUT/lat-*.json, thr-*.json, *.log; the "lat" / "thr" lines are the table.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENLOOM_LOG_LEVEL=INFO TOKENLOOM_CACHE=/tmp/tlcache
@@ -32,22 +32,19 @@ for tree in before after; do
   [ -d /tmp/$tree ] && PYTHONPATH=/tmp/$tree:/tmp/site python3 -c \
     "import tokenloom; print('$tree:', tokenloom.__file__)"
 done
-lat() {  # lat TAG TREE QUANT [VAR=VALUE...]
-  local tag=$1 tree=$2 q=$3; shift 3
-  env "$@" PYTHONPATH=/tmp/$tree:/tmp/site timeout 200 python3 -m tokenloom bench latency \
-    --model llama-3-8b --quant "$q" --runs 3 --out "$OUT/lat-$tag.json" > "$OUT/lat-$tag.log" 2>&1 \
-    || { echo "lat $tag failed"; tail -5 "$OUT/lat-$tag.log"; }
-  python3 -c "import json; d = json.load(open('$OUT/lat-$tag.json')); \
-print('LAT $tag', round(d['step_ms'], 4), 'ms', d.get('percent_of_roofline'))" 2>/dev/null
+bench() {  # bench latency|throughput TAG TREE QUANT [VAR=VALUE...]: one bench, its figure
+  local kind=$1 tag=$2 tree=$3 q=$4; shift 4
+  local name=${kind:0:3} runs=3 limit=200
+  [ "$kind" = throughput ] && runs=1 limit=300
+  env "$@" PYTHONPATH=/tmp/$tree:/tmp/site timeout $limit python3 -m tokenloom bench "$kind" \
+    --model llama-3-8b --quant "$q" --runs $runs --out "$OUT/$name-$tag.json" \
+    > "$OUT/$name-$tag.log" 2>&1 || { echo "$name $tag failed"; tail -5 "$OUT/$name-$tag.log"; }
+  python3 -c "import json; d = json.load(open('$OUT/$name-$tag.json')); \
+print('$name $tag', round(d['step_ms'], 4) if '$name' == 'lat' else \
+round(d['tokenloom']['output_tokens_per_s'], 1))" 2>/dev/null
 }
-thr() {  # thr TAG TREE QUANT [VAR=VALUE...]
-  local tag=$1 tree=$2 q=$3; shift 3
-  env "$@" PYTHONPATH=/tmp/$tree:/tmp/site timeout 300 python3 -m tokenloom bench throughput \
-    --model llama-3-8b --quant "$q" --runs 1 --out "$OUT/thr-$tag.json" > "$OUT/thr-$tag.log" 2>&1 \
-    || { echo "thr $tag failed"; tail -5 "$OUT/thr-$tag.log"; }
-  python3 -c "import json; d = json.load(open('$OUT/thr-$tag.json')); \
-print('THR $tag', round(d['tokenloom']['output_tokens_per_s'], 1))" 2>/dev/null
-}
+lat() { bench latency "$@"; }
+thr() { bench throughput "$@"; }
 for step in "$@"; do
   echo "[$(date +%T)] === $step"
   case $step in
