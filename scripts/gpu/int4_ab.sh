@@ -62,6 +62,7 @@ for step in "$@"; do
     tests)
       PYTHONPATH=/tmp/after:/tmp/site timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider \
         tests/plugins/quant/test_int4_row_major.py tests/plugins/quant/test_int4_gemv_nk.py \
+        tests/plugins/quant/test_int4_gemv_mma.py \
         tests/plugins/quant/test_weight_gemm.py tests/plugins/quant/test_dequant.py \
         > "$OUT/gpu-tests.log" 2>&1
       echo "tests rc=$?"; tail -n 4 "$OUT/gpu-tests.log" ;;

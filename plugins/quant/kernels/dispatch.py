@@ -23,6 +23,7 @@ import triton
 from tokenloom.plugins.models import tuning_cache
 from tokenloom.plugins.quant.kernels.gemm_config import (  # noqa: F401  (re-exported)
     INT4_NK,
+    INT4_NK_MMA,
     NK,
     NK_ROWS,
 )
@@ -208,7 +209,7 @@ def candidates(
     tilings do not fit it (``gemv_fits``)."""
     gemv, gemv_rows = (NK, NK_ROWS) if nk else (GEMV, GEMV_ROWS)
     if nk and bits == 4:
-        gemv, gemv_rows = (INT4_NK if index == 0 else []), []
+        gemv, gemv_rows = (INT4_NK + INT4_NK_MMA if index == 0 else []), []
     pools = (
         gemv + SKINNY + KMAJOR_SKINNY,
         gemv + gemv_rows + SKINNY + KMAJOR_SKINNY,
@@ -277,7 +278,7 @@ CACHE_NAME = "weight-gemm.json"
 # v14: int4 stored [N, K / 8] only where int4_gemv_nk serves the layer (bf16, sm_90+); a
 # rerouted call over that storage takes the gather tile (exact for fractional zero points);
 # the int8 GEMVs over [K, N] removed.
-KERNELS_VERSION = 14
+KERNELS_VERSION = 15
 
 
 def _load() -> dict[str, Any]:

@@ -30,6 +30,7 @@ class GemmConfig:
     h2: bool = False  # one row in packed f16x2 arithmetic (int4_gemv_h2)
     nk: bool = False  # stored [N, K]: int8_gemv_nk (``rows`` rows of x), int4_gemv_nk
     biased: bool = False  # nk: weights as 2^15 + 128 + q, the bias taken off per word
+    mma: bool = False  # nk int4: the products on the tensor cores (int4_gemv_mma)
 
     def kmajor_fits(self, bits: int, group: int) -> bool:
         return self.kmajor and bits == 4 and group > 0 and group % self.block_k == 0
@@ -40,7 +41,8 @@ class GemmConfig:
         if self.nk:  # int8_gemv_nk (1-4 rows), int4_gemv_nk (one row, groups of 32 k)
             if bits == 8:
                 return group == 0 and self.rows in (1, 2, 4)
-            return bits == 4 and group > 0 and group % 32 == 0 and self.rows == 1
+            modulus = 128 if self.mma else 32  # int4_gemv_mma: a quad of lanes, one group
+            return bits == 4 and group > 0 and group % modulus == 0 and self.rows == 1
         if self.dequant:
             from tokenloom.plugins.quant.kernels.dequant import fits as dequant_fits
 
@@ -106,4 +108,15 @@ INT4_NK = [
     GemmConfig(1, 8, 2048, 1, 2, 3, nk=True),
     GemmConfig(1, 16, 2048, 1, 2, 3, nk=True),
     GemmConfig(1, 8, 8192, 1, 8, 3, nk=True),
+]
+# int4_gemv_mma (session 19), the same storage, groups of a multiple of 128: (BLOCK_N,
+# BLOCK_K, warps), BLOCK_N rows in two halves, one element (32 K) a thread. Offline sm_90
+# loop: 1.85 instructions per weight at 16 rows (168-178 registers), 2.18 at 8 (76).
+INT4_NK_MMA = [
+    GemmConfig(1, 16, 1024, 1, 1, 3, nk=True, mma=True),
+    GemmConfig(1, 16, 2048, 1, 2, 3, nk=True, mma=True),
+    GemmConfig(1, 16, 4096, 1, 4, 3, nk=True, mma=True),
+    GemmConfig(1, 8, 1024, 1, 1, 3, nk=True, mma=True),
+    GemmConfig(1, 8, 2048, 1, 2, 3, nk=True, mma=True),
+    GemmConfig(1, 8, 4096, 1, 4, 3, nk=True, mma=True),
 ]

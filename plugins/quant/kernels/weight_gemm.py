@@ -46,6 +46,7 @@ from tokenloom.plugins.quant.kernels.gemm_config import (  # noqa: F401  (re-exp
     choose_config,
 )
 from tokenloom.plugins.quant.kernels.int4_gemv_h2 import h2_fits, launch_h2
+from tokenloom.plugins.quant.kernels.int4_gemv_mma import launch_int4_mma
 from tokenloom.plugins.quant.kernels.int4_gemv_nk import int4_nk_fits, launch_int4_nk
 from tokenloom.plugins.quant.kernels.int4_tiles import (
     dequant_asm_ok,
@@ -275,7 +276,7 @@ def weight_gemm(
     if cfg.h2 and not h2_fits(x, bits, group, cfg.block_k, zeros is not None):
         cfg = choose_config(m, n, k, _num_sms(x.device))
     if cfg.nk and bits == 4:
-        return launch_int4_nk(
+        return (launch_int4_mma if cfg.mma else launch_int4_nk)(
             x, qweight, scales, zeros, group, bias, cfg.block_n, cfg.block_k, cfg.num_warps
         )  # type: ignore[arg-type]
     if cfg.nk:

@@ -11,7 +11,7 @@ import torch
 from test_int4_gemv_h2 import _rel_err, _x
 
 from tokenloom.plugins.quant.int4 import dequantize_int4, quantize_int4
-from tokenloom.plugins.quant.kernels.dispatch import INT4_NK, candidates
+from tokenloom.plugins.quant.kernels.dispatch import INT4_NK, INT4_NK_MMA, candidates
 from tokenloom.plugins.quant.kernels.int4_gemv_nk import (
     int4_nk_fits,
     int4_nk_serves,
@@ -75,7 +75,8 @@ def test_serves_only_the_calls_it_fits():
 
 def test_the_tuner_offers_it_at_one_row_for_row_major_words_only():
     one, few = (candidates(i, 4096, 4096, 4, 128, 132, nk=True) for i in (0, 1))
-    assert {c for c in one if c.nk} == set(INT4_NK) and not any(c.nk for c in few)
+    assert {c for c in one if c.nk} == set(INT4_NK + INT4_NK_MMA)
+    assert not any(c.nk for c in few)
     assert not any(c.gemv or c.h2 for c in one + few)  # they read [K / 8, N] storage
     dense = candidates(0, 4096, 4096, 4, 128, 132)
     assert not any(c.nk for c in dense) and any(c.gemv for c in dense)
