@@ -216,11 +216,13 @@ def _load_rows(w_rows, offs_w, k0, mask_n, KW):
 
 
 @triton.jit
-def _group_epilogue(acc, chain, xs, s_ptr, z_ptr, g, offs_n, mask_e, N, stride_sn):
-    """``acc += s (chain - (128 + z) xs)`` with the element's group scale and zero point."""
-    sz = g[None, :] * N + offs_n[:, None] * stride_sn
-    s = tl.load(s_ptr + sz, mask=mask_e, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + sz, mask=mask_e, other=0.0).to(tl.float32) + 128.0
+def _group_epilogue(acc, chain, xs, s_ptr, z_ptr, g, rows, N):
+    """``acc += s (chain - (128 + z) xs)`` with the element's group scale and zero point.
+    ``g`` and ``rows`` are clamped into the arrays, not masked (no predicates, no zeroing):
+    past K an element's chain and x sum are 0, past N a row is not stored."""
+    sz = g[None, :] * N + rows[:, None]
+    s = tl.load(s_ptr + sz).to(tl.float32)
+    z = tl.load(z_ptr + sz).to(tl.float32) + 128.0
     return acc + s * (chain - z * xs[None, :])
 
 
@@ -257,6 +259,11 @@ def _int4_gemv_mma_kernel(
     wait(USE_PDL)  # the first tiles are in flight; x comes from the kernel before
     release(USE_PDL)
     x32 = x_ptr.to(tl.pointer_type(tl.int32))
+    # the scales' rows, clamped; times a runtime 1, so the scale loads keep the tile's
+    # layout (Triton would lay contiguous rows across the lanes, and convert)
+    rows_s_lo = tl.minimum(offs_lo, N - 1) * stride_sn
+    rows_s_hi = tl.minimum(offs_hi, N - 1) * stride_sn
+    last_g = (KW * 8 - 1) // GROUP
     acc_lo = tl.zeros([H, P], tl.float32)
     acc_hi = tl.zeros([H, P], tl.float32)
     for k0 in range(0, KW, BLOCK_KW):
@@ -276,14 +283,9 @@ def _int4_gemv_mma_kernel(
             xs = _emu_xsum(x_ptr, k, mask_p)
             chain_lo = _emu_chain(lo, x_ptr, k, mask_p)
             chain_hi = _emu_chain(hi, x_ptr, k, mask_p)
-        acc_lo = _group_epilogue(
-            acc_lo, chain_lo, xs, s_ptr, z_ptr, g, offs_lo,
-            mask_lo[:, None] & mask_p[None, :], N, stride_sn,
-        )  # fmt: skip
-        acc_hi = _group_epilogue(
-            acc_hi, chain_hi, xs, s_ptr, z_ptr, g, offs_hi,
-            mask_hi[:, None] & mask_p[None, :], N, stride_sn,
-        )  # fmt: skip
+        g = tl.minimum(g, last_g)
+        acc_lo = _group_epilogue(acc_lo, chain_lo, xs, s_ptr, z_ptr, g, rows_s_lo, N)
+        acc_hi = _group_epilogue(acc_hi, chain_hi, xs, s_ptr, z_ptr, g, rows_s_hi, N)
         w_lo = next_lo
         w_hi = next_hi
     y_lo = tl.sum(acc_lo, axis=1)
