@@ -263,7 +263,11 @@ def weight_gemm(
         cfg.nk and not ((nk_ok or nk4_ok) and cfg.fits(bits, group))
     ):
         cfg = choose_config(m, n, k, _num_sms(x.device), nk_ok)
-        cfg = replace(cfg, expand=False) if row4 else cfg
+        # the gather tile, at most 64 K deep and 3 stages: at choose_config's 256 x 4 it
+        # asked for 483 KB of shared memory on the H200 (session 18's reroute, first run
+        # on a GPU in session 19)
+        if row4:
+            cfg = replace(cfg, expand=False, block_k=min(cfg.block_k, 64), num_stages=3)
     if cfg.dequant and cfg.fits(bits, group):
         from tokenloom.plugins.quant.kernels.dequant import dequantize_into
 
