@@ -67,7 +67,7 @@ for step in "$@"; do
         > "$OUT/gpu-tests.log" 2>&1
       echo "tests rc=$?"; tail -n 4 "$OUT/gpu-tests.log" ;;
     gputests)  # every GPU test of the quant methods and the models (the streamed load)
-      PYTHONPATH=/tmp/after:/tmp/site timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider \
+      PYTHONPATH=/tmp/after:/tmp/site timeout 470 python3 -m pytest -q -m gpu -p no:cacheprovider --maxfail=20 \
         tests/plugins/quant tests/plugins/models > "$OUT/gpu-tests-all.log" 2>&1
       echo "gputests rc=$?"; tail -n 6 "$OUT/gpu-tests-all.log" ;;
     gemv4)
