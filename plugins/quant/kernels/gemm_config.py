@@ -110,18 +110,13 @@ INT4_NK = [
     GemmConfig(1, 8, 8192, 1, 8, 3, nk=True),
 ]
 # int4_gemv_mma (session 19), the same storage, groups of a multiple of 128: (BLOCK_N,
-# BLOCK_K, warps), BLOCK_N rows in two halves; the warps along K where BLOCK_K = 1,024 x
-# warps (one element, 32 K, a thread), else along N (more K steps, the next tile in
-# flight). Offline sm_90 loop, instructions per weight: 1.77 at 16 x 2048 / 2 (184
-# registers), 2.11 at 32 x 1024 / 4 (128), 2.53 at 16 x 1024 / 4 (72). On the H200 the
-# warps-along-K tilings ran qkv 6.9, o 5.5, gate/up 23.5, down 17.0 us (int4_gemv_nk
-# 6.6, 5.4, 24.3, 16.3): 40% fewer instructions, the same time.
+# BLOCK_K, warps), BLOCK_N rows in two halves, the warps along K (one element, 32 K, a
+# thread). Offline sm_90 loop: 1.77 instructions per weight at 16 x 2048 / 2 (int4_gemv_nk
+# 2.56). On the H200 (cold, us): qkv 6.8, o 5.6, gate/up 23.5, down 16.9 against
+# int4_gemv_nk's 6.6, 5.4, 24.4, 16.8; the warps along N (32 x 1024 / 4, 16 x 1024 / 4)
+# ran down in 33 us, and are not offered.
 INT4_NK_MMA = [
     GemmConfig(1, 16, 4096, 1, 4, 3, nk=True, mma=True),
     GemmConfig(1, 16, 2048, 1, 2, 3, nk=True, mma=True),
     GemmConfig(1, 8, 4096, 1, 4, 3, nk=True, mma=True),
-    GemmConfig(1, 16, 1024, 1, 4, 3, nk=True, mma=True),
-    GemmConfig(1, 32, 1024, 1, 4, 3, nk=True, mma=True),
-    GemmConfig(1, 64, 1024, 1, 8, 3, nk=True, mma=True),
-    GemmConfig(1, 32, 2048, 1, 8, 3, nk=True, mma=True),
 ]
