@@ -215,19 +215,13 @@ def _load_rows(w_rows, offs_w, k0, mask_n, KW):
 
 
 @triton.jit
-def _group_epilogue(acc, chain, xs, s_ptr, z_ptr, g, rows, N, PACKED: tl.constexpr):
+def _group_epilogue(acc, chain, xs, s_ptr, z_ptr, g, rows, N):
     """``acc += s (chain - (128 + z) xs)`` with the element's group scale and zero point.
     ``g`` and ``rows`` are clamped into the arrays, not masked (no predicates, no zeroing):
-    past K an element's chain and x sum are 0, past N a row is not stored. ``PACKED``:
-    ``s_ptr`` is ``[N, G]`` int32, bf16 ``s`` low and ``z`` high (``rows`` times G)."""
-    if PACKED:
-        v = tl.load(s_ptr + rows[:, None] + g[None, :])
-        s = (v << 16).to(tl.float32, bitcast=True)
-        z = (v & -65536).to(tl.float32, bitcast=True) + 128.0
-    else:
-        sz = g[None, :] * N + rows[:, None]
-        s = tl.load(s_ptr + sz).to(tl.float32)
-        z = tl.load(z_ptr + sz).to(tl.float32) + 128.0
+    past K an element's chain and x sum are 0, past N a row is not stored."""
+    sz = g[None, :] * N + rows[:, None]
+    s = tl.load(s_ptr + sz).to(tl.float32)
+    z = tl.load(z_ptr + sz).to(tl.float32) + 128.0
     return acc + s * (chain - z * xs[None, :])
 
 
@@ -241,9 +235,8 @@ def _int4_gemv_mma_kernel(
     y_ptr,  # [1, N]
     N,
     KW,  # K / 8, a multiple of 4
-    stride_sn,  # 1 (G packed): a runtime value, so the scale loads keep the tile's layout
-    GROUP: tl.constexpr,
-    PACKED: tl.constexpr,  # s_ptr: [N, G] int32 (s, z) bf16 pairs (pack_scales)  # a multiple of 128
+    stride_sn,  # 1: a runtime value, so the scale loads keep the tile's layout
+    GROUP: tl.constexpr,  # a multiple of 128
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,  # rows a program, two halves
     BLOCK_KW: tl.constexpr,  # words of a tile row, a multiple of 16
@@ -290,8 +283,8 @@ def _int4_gemv_mma_kernel(
             chain_lo = _emu_chain(lo, x_ptr, k, mask_p)
             chain_hi = _emu_chain(hi, x_ptr, k, mask_p)
         g = tl.minimum(g, last_g)
-        acc_lo = _group_epilogue(acc_lo, chain_lo, xs, s_ptr, z_ptr, g, rows_s_lo, N, PACKED)
-        acc_hi = _group_epilogue(acc_hi, chain_hi, xs, s_ptr, z_ptr, g, rows_s_hi, N, PACKED)
+        acc_lo = _group_epilogue(acc_lo, chain_lo, xs, s_ptr, z_ptr, g, rows_s_lo, N)
+        acc_hi = _group_epilogue(acc_hi, chain_hi, xs, s_ptr, z_ptr, g, rows_s_hi, N)
         w_lo = next_lo
         w_hi = next_hi
     y_lo = tl.sum(acc_lo, axis=1)
@@ -308,16 +301,6 @@ def int4_mma_fits(x: torch.Tensor, qweight: torch.Tensor, group: int, has_zeros:
     return group % 128 == 0 and int4_nk_fits(x, qweight, group, has_zeros)
 
 
-def pack_scales(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """``[G, N]`` bf16 scales and zero points -> ``[N, G]`` int32, ``s`` in the low half and
-    ``z`` in the high: one 4-byte load per row and group, consecutive groups of a row
-    adjacent (a lane quad's loads of a row share a sector)."""
-    assert scales.dtype == zeros.dtype == torch.bfloat16, scales.dtype
-    s = scales.t().contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
-    z = zeros.t().contiguous().view(torch.int16).to(torch.int32)
-    return (z << 16) | s
-
-
 def launch_int4_mma(
     x: torch.Tensor,
     qweight: torch.Tensor,  # the logical [K / 8, N]: a view of [N, K / 8] storage
@@ -328,30 +311,25 @@ def launch_int4_mma(
     block_n: int,
     block_k: int,
     num_warps: int,
-    packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x [1, K] @ dequant(qweight)^T (+ bias) -> [1, N]`` in ``x``'s dtype
-    (``int4_mma_fits``); ``block_n`` rows a program (even), ``block_k`` K a tile row;
-    ``packed``: ``pack_scales(scales, zeros)``, read instead of them."""
+    (``int4_mma_fits``); ``block_n`` rows a program (even), ``block_k`` K a tile row."""
     assert int4_mma_fits(x, qweight, group, zeros is not None), (tuple(x.shape), group)
     assert block_n % 2 == 0 and block_k % 128 == 0, (block_n, block_k)
     kw, n = qweight.shape
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     block_kw = max(16, min(block_k // 8, triton.next_power_of_2(kw)))
-    if packed is not None:
-        assert packed.shape == (n, scales.shape[0]) and packed.dtype == torch.int32
     _int4_gemv_mma_kernel[(triton.cdiv(n, block_n),)](
         x,
         qweight.t(),  # [N, K / 8], contiguous
-        scales if packed is None else packed,
+        scales,
         zeros,
         bias if bias is not None else scales,
         y,
         n,
         kw,
-        1 if packed is None else packed.shape[1],
+        1,
         GROUP=group,
-        PACKED=packed is not None,
         HAS_BIAS=bias is not None,
         BLOCK_N=block_n,
         BLOCK_KW=block_kw,

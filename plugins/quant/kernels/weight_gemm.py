@@ -263,9 +263,7 @@ def weight_gemm(
         cfg.nk and not ((nk_ok or nk4_ok) and cfg.fits(bits, group))
     ):
         cfg = choose_config(m, n, k, _num_sms(x.device), nk_ok)
-        # the gather tile, at most 64 K deep and 3 stages: at choose_config's 256 x 4 it
-        # asked for 483 KB of shared memory on the H200 (session 18's reroute, first run
-        # on a GPU in session 19)
+        # the gather tile, 64 K deep and 3 stages at most (256 x 4: 483 KB of shared memory)
         if row4:
             cfg = replace(cfg, expand=False, block_k=min(cfg.block_k, 64), num_stages=3)
     if cfg.dequant and cfg.fits(bits, group):

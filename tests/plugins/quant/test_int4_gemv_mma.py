@@ -11,13 +11,8 @@ import torch
 from test_int4_gemv_h2 import _rel_err, _x
 from test_int4_gemv_nk import _layer
 
-from tokenloom.plugins.quant.int4 import dequantize_int4
 from tokenloom.plugins.quant.kernels.dispatch import INT4_NK_MMA, candidates
-from tokenloom.plugins.quant.kernels.int4_gemv_mma import (
-    int4_mma_fits,
-    launch_int4_mma,
-    pack_scales,
-)
+from tokenloom.plugins.quant.kernels.int4_gemv_mma import int4_mma_fits, launch_int4_mma
 from tokenloom.plugins.quant.kernels.weight_gemm import weight_gemm
 
 CUDA = torch.cuda.is_available()
@@ -91,34 +86,3 @@ def test_gpu_partial_tiles_fractional_zeros_and_bias(n, k, cfg):
     bias = torch.randn(n).to(DEVICE, torch.bfloat16)
     y = weight_gemm(x, qweight, scales, zeros, 4, 128, bias, cfg)
     assert _rel_err(y, x, ref, bias) < TOL[torch.bfloat16]
-
-
-def _packed_case(n, k, seed):
-    qweight, scales, zeros, _ = _layer(n, k, 128, True, seed=seed)
-    scales, zeros = scales.to(torch.bfloat16), zeros.to(torch.bfloat16)
-    ref = dequantize_int4(qweight, scales, zeros, 128, torch.float64)
-    return qweight, scales, zeros, ref
-
-
-@pytest.mark.parametrize(("n", "k", "block_n", "block_k"), [(40, 512, 16, 256), (33, 640, 8, 512)])
-def test_packed_scales_give_the_reference(n, k, block_n, block_k):
-    qweight, scales, zeros, ref = _packed_case(n, k, 5)
-    packed = pack_scales(scales, zeros)
-    assert packed.shape == (n, k // 128) and packed.dtype == torch.int32
-    x = _x(k, DTYPES[0])
-    y = launch_int4_mma(x, qweight, scales, zeros, 128, None, block_n, block_k, 4, packed)
-    assert _rel_err(y, x, ref) < TOL[DTYPES[0]]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a GPU")
-@pytest.mark.parametrize("cfg", INT4_NK_MMA)
-@pytest.mark.parametrize(("n", "k"), [(28672, 4096), (4096, 14336), (1000, 1152)])
-def test_gpu_packed_scales(n, k, cfg):
-    qweight, scales, zeros, ref = _packed_case(n, k, 4)
-    x = _x(k, torch.bfloat16, 3e3)
-    packed = pack_scales(scales, zeros)
-    y = launch_int4_mma(
-        x, qweight, scales, zeros, 128, None, cfg.block_n, cfg.block_k, cfg.num_warps, packed
-    )
-    assert _rel_err(y, x, ref) < TOL[torch.bfloat16]
