@@ -7,6 +7,13 @@ weight, 0.42 issued a cycle per scheduler at 12 warps an SM. At the copy bandwid
 receives ~33 int4 weights a cycle, so 3.14 instructions a weight would need ~80% of the
 SM's issue slots; int8 (3.3 a byte, 16.5 bytes a cycle) needs 43% and is memory bound.
 
+What it measured (session 19, one H200, ``gemv_bench.py --bits 4 --rows 1 --cold``): 40%
+fewer instructions, about the same time: qkv 6.8, o 5.6, gate/up 23.5, down 16.9 us
+against ``int4_gemv_nk``'s 6.6, 5.4, 24.4, 16.8. The tuner takes it for gate/up. So the
+one-row int4 GEMVs are not bound by their instruction count; a variant reading the scales
+packed ``[N, G]`` (one 4-byte load a row and group, 4d5a482) measured the same too, so
+not by the scale gathers either (docs/quantization.md, session 19).
+
 The idea. One ``mma.sync.m16n8k16`` (bf16 in, fp32 sums) used as a 4-lane dot product. In
 its fragments lane ``4g + j`` holds ``A[g][2j..2j+1]``, ``A[g][2j+8..]`` (A's registers 0
 and 2), ``A[g+8][..]`` (1 and 3) and ``B[2j..2j+1][g]``, ``B[2j+8..][g]``: so the
