@@ -31,6 +31,7 @@ class GemmConfig:
     nk: bool = False  # stored [N, K]: int8_gemv_nk (``rows`` rows of x), int4_gemv_nk
     biased: bool = False  # nk: weights as 2^15 + 128 + q, the bias taken off per word
     mma: bool = False  # nk int4: the products on the tensor cores (int4_gemv_mma)
+    ring: bool = False  # mma: the tiles through a shared-memory ring of num_stages stages
 
     def kmajor_fits(self, bits: int, group: int) -> bool:
         return self.kmajor and bits == 4 and group > 0 and group % self.block_k == 0
@@ -119,4 +120,14 @@ INT4_NK_MMA = [
     GemmConfig(1, 16, 4096, 1, 4, 3, nk=True, mma=True),
     GemmConfig(1, 16, 2048, 1, 2, 3, nk=True, mma=True),
     GemmConfig(1, 8, 4096, 1, 4, 3, nk=True, mma=True),
+]
+# int4_gemv_mma streaming its tiles through a shared-memory ring (Triton's cp.async
+# pipeliner; x read by the PTX): registers for one tile, not two, so more programs an SM
+# and num_stages - 1 tiles in flight each. Offline sm_90 (Triton 3.6): 32 x 1024 / 4,
+# 3 stages: 104 registers, 35 KB, loop 3.2 instructions a weight; 16 x 1024 / 4, 4
+# stages: 82, 26 KB, 3.5. Not yet measured: offered only with TOKENLOOM_INT4_RING=1.
+INT4_NK_RING = [
+    GemmConfig(1, 32, 1024, 1, 4, 3, nk=True, mma=True, ring=True),
+    GemmConfig(1, 16, 1024, 1, 4, 4, nk=True, mma=True, ring=True),
+    GemmConfig(1, 16, 2048, 1, 2, 3, nk=True, mma=True, ring=True),
 ]

@@ -65,6 +65,22 @@ for _w in range(4):
 _XB_LINES.append(" mov.f32 $16, s; }")
 _XB_ASM = tl.constexpr("\n".join(_XB_LINES))
 _XB_CONSTRAINTS = tl.constexpr("=r," * 16 + "=f," + ",".join(["r"] * 16))
+# the same, loading x itself ($17: the element's 16-byte-aligned address, $18: 0 past K):
+# opaque to Triton's pipeliner, which would stage each 4-byte x word through shared memory
+_XL_LINES = [
+    "{ .reg .b32 x<16>; .reg .pred p; setp.ne.b32 p, $18, 0;",
+    *(f" mov.b32 x{i}, 0;" for i in range(16)),
+    *(
+        f" @p ld.global.nc.v4.b32 {{x{4 * v}, x{4 * v + 1}, x{4 * v + 2}, x{4 * v + 3}}},"
+        f" [$17+{16 * v}];"
+        for v in range(4)
+    ),
+]
+_XL_BODY = "\n".join(_XB_LINES)
+for _i in reversed(range(16)):  # $17.. -> x0..; high numbers first ($27 before $17)
+    _XL_BODY = _XL_BODY.replace(f"${17 + _i}", f"x{_i}")
+_XL_ASM = tl.constexpr("\n".join(_XL_LINES) + "\n" + _XL_BODY + " }")
+_XL_CONSTRAINTS = tl.constexpr("=r," * 16 + "=f,l,r")
 
 # rows r ($2..$5) and r' ($6..$9): four words each, K-aligned; B registers $10..$25 ->
 # $0, $1: quad sums of (128 + q) x for r and r' on the diagonal lane, 0 on the others
@@ -96,6 +112,37 @@ _W_LINES += [
 ]
 _W_ASM = tl.constexpr("\n".join(_W_LINES))
 _W_CONSTRAINTS = tl.constexpr("=f,=f," + ",".join(["r"] * 24))
+
+
+@triton.jit
+def _x_b_loaded(x32, kw, mask):
+    """``_x_b`` with x loaded by the PTX (16-byte loads; x 16-byte aligned)."""
+    return tl.inline_asm_elementwise(
+        asm=_XL_ASM,
+        constraints=_XL_CONSTRAINTS,
+        args=[x32 + kw * 4, mask.to(tl.int32)],
+        dtype=(
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.float32,
+        ),  # fmt: skip
+        is_pure=False,
+        pack=1,
+    )
 
 
 @triton.jit
@@ -232,6 +279,50 @@ def _group_epilogue(acc, chain, xs, s_ptr, z_ptr, g, rows, N):
     return acc + s * (chain - z * xs[None, :])
 
 
+@triton.jit
+def _step(acc_lo, acc_hi, w_lo, w_hi, k0, x_ptr, s_ptr, z_ptr, rows_s_lo, rows_s_hi, N, KW,
+          GROUP: tl.constexpr, H: tl.constexpr, P: tl.constexpr, ASM: tl.constexpr,
+          RING: tl.constexpr):  # fmt: skip
+    """One tile of ``BLOCK_KW`` words of the program's rows: the products and the group
+    epilogue."""
+    kw = k0 + tl.arange(0, P) * 4  # each element's first word
+    mask_p = kw < KW
+    g = tl.minimum((kw * 8) // GROUP, (KW * 8 - 1) // GROUP)
+    lo = _split4(w_lo, H, P)
+    hi = _split4(w_hi, H, P)
+    if ASM and RING > 1:
+        xb = _x_b_loaded(x_ptr.to(tl.pointer_type(tl.int32)), kw, mask_p)
+        xs = xb[16]
+        chain_lo, chain_hi = _mma_pair(lo, hi, xb)
+    elif ASM:
+        xb = _x_b(x_ptr.to(tl.pointer_type(tl.int32)), kw, mask_p)
+        xs = xb[16]
+        chain_lo, chain_hi = _mma_pair(lo, hi, xb)
+    else:
+        k = kw * 8
+        xs = _emu_xsum(x_ptr, k, mask_p)
+        chain_lo = _emu_chain(lo, x_ptr, k, mask_p)
+        chain_hi = _emu_chain(hi, x_ptr, k, mask_p)
+    acc_lo = _group_epilogue(acc_lo, chain_lo, xs, s_ptr, z_ptr, g, rows_s_lo, N)
+    acc_hi = _group_epilogue(acc_hi, chain_hi, xs, s_ptr, z_ptr, g, rows_s_hi, N)
+    return acc_lo, acc_hi
+
+
+@triton.jit
+def _l2_prefetch(ptrs):
+    """Start reading ``ptrs``' lines into L2 (no registers held): before ``wait`` the
+    ring's first tiles are read while the kernel before still runs, as the register
+    prefetch's first tile is."""
+    return tl.inline_asm_elementwise(
+        asm="prefetch.global.L2 [$1]; mov.u32 $0, 0;",
+        constraints="=r,l",
+        args=[ptrs],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
 @triton.jit(do_not_specialize=["stride_sn"])
 def _int4_gemv_mma_kernel(
     x_ptr,  # [1, K]
@@ -248,6 +339,7 @@ def _int4_gemv_mma_kernel(
     BLOCK_N: tl.constexpr,  # rows a program, two halves
     BLOCK_KW: tl.constexpr,  # words of a tile row, a multiple of 16
     ASM: tl.constexpr,
+    RING: tl.constexpr = 0,  # > 1: the tiles stream through a shared-memory ring this deep
     USE_PDL: tl.constexpr = False,
 ):
     H: tl.constexpr = BLOCK_N // 2
@@ -255,45 +347,41 @@ def _int4_gemv_mma_kernel(
     offs_lo = tl.program_id(0) * BLOCK_N + tl.arange(0, H)
     offs_hi = offs_lo + H
     offs_w = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_KW), 4), 4)
-    offs_p = tl.arange(0, P) * 4  # each element's first word
     mask_lo = offs_lo < N
     mask_hi = offs_hi < N
     rows_lo = qw_ptr + offs_lo[:, None].to(tl.int64) * KW
     rows_hi = qw_ptr + offs_hi[:, None].to(tl.int64) * KW
-    w_lo = _load_rows(rows_lo, offs_w, 0, mask_lo, KW)
-    w_hi = _load_rows(rows_hi, offs_w, 0, mask_hi, KW)
-    wait(USE_PDL)  # the first tiles are in flight; x comes from the kernel before
-    release(USE_PDL)
-    x32 = x_ptr.to(tl.pointer_type(tl.int32))
     # the scales' rows, clamped; times a runtime 1, so the scale loads keep the tile's
     # layout (Triton would lay contiguous rows across the lanes, and convert)
     rows_s_lo = tl.minimum(offs_lo, N - 1) * stride_sn
     rows_s_hi = tl.minimum(offs_hi, N - 1) * stride_sn
-    last_g = (KW * 8 - 1) // GROUP
     acc_lo = tl.zeros([H, P], tl.float32)
     acc_hi = tl.zeros([H, P], tl.float32)
-    for k0 in range(0, KW, BLOCK_KW):
-        next_lo = _load_rows(rows_lo, offs_w, k0 + BLOCK_KW, mask_lo, KW)
-        next_hi = _load_rows(rows_hi, offs_w, k0 + BLOCK_KW, mask_hi, KW)
-        kw = k0 + offs_p
-        mask_p = kw < KW
-        g = (kw * 8) // GROUP
-        lo = _split4(w_lo, H, P)
-        hi = _split4(w_hi, H, P)
-        if ASM:
-            xb = _x_b(x32, kw, mask_p)
-            xs = xb[16]
-            chain_lo, chain_hi = _mma_pair(lo, hi, xb)
-        else:
-            k = kw * 8
-            xs = _emu_xsum(x_ptr, k, mask_p)
-            chain_lo = _emu_chain(lo, x_ptr, k, mask_p)
-            chain_hi = _emu_chain(hi, x_ptr, k, mask_p)
-        g = tl.minimum(g, last_g)
-        acc_lo = _group_epilogue(acc_lo, chain_lo, xs, s_ptr, z_ptr, g, rows_s_lo, N)
-        acc_hi = _group_epilogue(acc_hi, chain_hi, xs, s_ptr, z_ptr, g, rows_s_hi, N)
-        w_lo = next_lo
-        w_hi = next_hi
+    if RING > 1:  # Triton's pipeliner: cp.async into RING stages, registers for one tile
+        if USE_PDL:
+            for t in tl.static_range(RING - 1):
+                nxt = tl.minimum(t * BLOCK_KW + offs_w, KW - 1)[None, :]
+                _l2_prefetch(tl.where(mask_lo[:, None], rows_lo, qw_ptr) + nxt)
+                _l2_prefetch(tl.where(mask_hi[:, None], rows_hi, qw_ptr) + nxt)
+        wait(USE_PDL)
+        release(USE_PDL)
+        for k0 in tl.range(0, KW, BLOCK_KW, num_stages=RING):
+            w_lo = _load_rows(rows_lo, offs_w, k0, mask_lo, KW)
+            w_hi = _load_rows(rows_hi, offs_w, k0, mask_hi, KW)
+            acc_lo, acc_hi = _step(acc_lo, acc_hi, w_lo, w_hi, k0, x_ptr, s_ptr, z_ptr,
+                                   rows_s_lo, rows_s_hi, N, KW, GROUP, H, P, ASM, RING)  # fmt: skip
+    else:  # the next tile in flight in registers
+        w_lo = _load_rows(rows_lo, offs_w, 0, mask_lo, KW)
+        w_hi = _load_rows(rows_hi, offs_w, 0, mask_hi, KW)
+        wait(USE_PDL)  # the first tiles are in flight; x comes from the kernel before
+        release(USE_PDL)
+        for k0 in range(0, KW, BLOCK_KW):
+            next_lo = _load_rows(rows_lo, offs_w, k0 + BLOCK_KW, mask_lo, KW)
+            next_hi = _load_rows(rows_hi, offs_w, k0 + BLOCK_KW, mask_hi, KW)
+            acc_lo, acc_hi = _step(acc_lo, acc_hi, w_lo, w_hi, k0, x_ptr, s_ptr, z_ptr,
+                                   rows_s_lo, rows_s_hi, N, KW, GROUP, H, P, ASM, RING)  # fmt: skip
+            w_lo = next_lo
+            w_hi = next_hi
     y_lo = tl.sum(acc_lo, axis=1)
     y_hi = tl.sum(acc_hi, axis=1)
     if HAS_BIAS:
@@ -318,14 +406,17 @@ def launch_int4_mma(
     block_n: int,
     block_k: int,
     num_warps: int,
+    ring: int = 0,
 ) -> torch.Tensor:
     """``x [1, K] @ dequant(qweight)^T (+ bias) -> [1, N]`` in ``x``'s dtype
-    (``int4_mma_fits``); ``block_n`` rows a program (even), ``block_k`` K a tile row."""
+    (``int4_mma_fits``); ``block_n`` rows a program (even), ``block_k`` K a tile row;
+    ``ring`` > 1: the tiles stream through a shared-memory ring of that many stages."""
     assert int4_mma_fits(x, qweight, group, zeros is not None), (tuple(x.shape), group)
     assert block_n % 2 == 0 and block_k % 128 == 0, (block_n, block_k)
     kw, n = qweight.shape
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     block_kw = max(16, min(block_k // 8, triton.next_power_of_2(kw)))
+    ring = ring if x.data_ptr() % 16 == 0 else 0  # the ring's PTX reads x 16 bytes at a time
     _int4_gemv_mma_kernel[(triton.cdiv(n, block_n),)](
         x,
         qweight.t(),  # [N, K / 8], contiguous
@@ -341,7 +432,9 @@ def launch_int4_mma(
         BLOCK_N=block_n,
         BLOCK_KW=block_kw,
         ASM=_ptx(x),
+        RING=ring,
         num_warps=num_warps,
+        **({"num_stages": ring} if ring > 1 else {}),
         **launch_options(x.device),
     )
     return y

@@ -278,9 +278,10 @@ def weight_gemm(
     if cfg.h2 and not h2_fits(x, bits, group, cfg.block_k, zeros is not None):
         cfg = choose_config(m, n, k, _num_sms(x.device))
     if cfg.nk and bits == 4:
-        return (launch_int4_mma if cfg.mma else launch_int4_nk)(
-            x, qweight, scales, zeros, group, bias, cfg.block_n, cfg.block_k, cfg.num_warps
-        )  # type: ignore[arg-type]
+        args = (x, qweight, scales, zeros, group, bias, cfg.block_n, cfg.block_k, cfg.num_warps)
+        if cfg.mma:
+            return launch_int4_mma(*args, cfg.num_stages if cfg.ring else 0)  # type: ignore[arg-type]
+        return launch_int4_nk(*args)  # type: ignore[arg-type]
     if cfg.nk:
         return launch_int8_nk(
             x, qweight, scales, bias, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.rows, cfg.biased
