@@ -23,8 +23,8 @@ import triton
 from tokenloom.plugins.models import tuning_cache
 from tokenloom.plugins.quant.kernels.gemm_config import (  # noqa: F401  (re-exported)
     INT4_NK,
+    INT4_NK_EXPERIMENTAL,
     INT4_NK_MMA,
-    INT4_NK_RING,
     NK,
     NK_ROWS,
 )
@@ -210,7 +210,7 @@ def candidates(
     tilings do not fit it (``gemv_fits``)."""
     gemv, gemv_rows = (NK, NK_ROWS) if nk else (GEMV, GEMV_ROWS)
     if nk and bits == 4:
-        gemv, gemv_rows = (INT4_NK + INT4_NK_MMA + ring_offered() if index == 0 else []), []
+        gemv, gemv_rows = (INT4_NK + INT4_NK_MMA + experimental_offered() if index == 0 else []), []
     pools = (
         gemv + SKINNY + KMAJOR_SKINNY,
         gemv + gemv_rows + SKINNY + KMAJOR_SKINNY,
@@ -252,9 +252,11 @@ DEQUANT = GemmConfig(0, 0, 0, dequant=True)
 DEQUANT_MAX_ELEMENTS = 1 << 28
 
 
-def ring_offered() -> list[GemmConfig]:
-    """``int4_gemv_mma``'s ring tilings, with ``TOKENLOOM_INT4_RING=1`` (unmeasured)."""
-    return INT4_NK_RING if os.environ.get("TOKENLOOM_INT4_RING", "0") == "1" else []
+def experimental_offered() -> list[GemmConfig]:
+    """The unmeasured one-row int4 tilings (ring, persistent), with
+    ``TOKENLOOM_INT4_EXPERIMENTAL=1``."""
+    flag = os.environ.get("TOKENLOOM_INT4_EXPERIMENTAL", "0") == "1"
+    return INT4_NK_EXPERIMENTAL if flag else []
 
 
 def dequant_offered() -> bool:
@@ -323,7 +325,7 @@ def choose_configs(
         f"triton {triton.__version__}|int{bits} g{group}|{n}x{k}|{dtype}|zeros {zeros is not None}"
         f"{' fractional' if fractional else ''}"
         f"|kernels v{KERNELS_VERSION}{' dequant' if dequant_offered() else ''}"
-        f"{' h2' if h2 else ''}{' nk' if nk else ''}{' ring' if ring_offered() else ''}"
+        f"{' h2' if h2 else ''}{' nk' if nk else ''}{' experimental' if experimental_offered() else ''}"
     )
     if key not in _DECIDED:
         stored = _load().get(key)

@@ -32,6 +32,7 @@ class GemmConfig:
     biased: bool = False  # nk: weights as 2^15 + 128 + q, the bias taken off per word
     mma: bool = False  # nk int4: the products on the tensor cores (int4_gemv_mma)
     ring: bool = False  # mma: the tiles through a shared-memory ring of num_stages stages
+    persist: int = 0  # mma: a persistent grid of this many programs an SM
 
     def kmajor_fits(self, bits: int, group: int) -> bool:
         return self.kmajor and bits == 4 and group > 0 and group % self.block_k == 0
@@ -121,13 +122,20 @@ INT4_NK_MMA = [
     GemmConfig(1, 16, 2048, 1, 2, 3, nk=True, mma=True),
     GemmConfig(1, 8, 4096, 1, 4, 3, nk=True, mma=True),
 ]
-# int4_gemv_mma streaming its tiles through a shared-memory ring (Triton's cp.async
-# pipeliner; x read by the PTX): registers for one tile, not two, so more programs an SM
-# and num_stages - 1 tiles in flight each. Offline sm_90 (Triton 3.6): 32 x 1024 / 4,
-# 3 stages: 104 registers, 35 KB, loop 3.2 instructions a weight; 16 x 1024 / 4, 4
-# stages: 82, 26 KB, 3.5. Not yet measured: offered only with TOKENLOOM_INT4_RING=1.
-INT4_NK_RING = [
+# Unmeasured (session 19), offered only with TOKENLOOM_INT4_EXPERIMENTAL=1:
+# - int4_gemv_mma streaming its tiles through a shared-memory ring (Triton's cp.async
+#   pipeliner, x read by the PTX): registers for one tile, not two. Offline sm_90 (Triton
+#   3.6): 32 x 1024 / 4, 3 stages: 104 registers, 35 KB, loop 3.2 instructions a weight;
+#   16 x 1024 / 4, 4 stages: 82, 26 KB, 3.5.
+# - int4_gemv_persistent: `persist` programs an SM walk their row blocks with the next
+#   tile in flight across them. 16 x 4096 / 4: 168 registers, loop 2.4 (the row block's
+#   reduction and store included); 8 x 4096 / 4: 122, 2.8.
+INT4_NK_EXPERIMENTAL = [
     GemmConfig(1, 32, 1024, 1, 4, 3, nk=True, mma=True, ring=True),
     GemmConfig(1, 16, 1024, 1, 4, 4, nk=True, mma=True, ring=True),
     GemmConfig(1, 16, 2048, 1, 2, 3, nk=True, mma=True, ring=True),
+    GemmConfig(1, 16, 4096, 1, 4, 3, nk=True, mma=True, persist=3),
+    GemmConfig(1, 16, 4096, 1, 4, 3, nk=True, mma=True, persist=2),
+    GemmConfig(1, 16, 2048, 1, 2, 3, nk=True, mma=True, persist=6),
+    GemmConfig(1, 8, 4096, 1, 4, 3, nk=True, mma=True, persist=4),
 ]

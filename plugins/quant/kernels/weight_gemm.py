@@ -48,6 +48,7 @@ from tokenloom.plugins.quant.kernels.gemm_config import (  # noqa: F401  (re-exp
 from tokenloom.plugins.quant.kernels.int4_gemv_h2 import h2_fits, launch_h2
 from tokenloom.plugins.quant.kernels.int4_gemv_mma import launch_int4_mma
 from tokenloom.plugins.quant.kernels.int4_gemv_nk import int4_nk_fits, launch_int4_nk
+from tokenloom.plugins.quant.kernels.int4_gemv_persistent import launch_int4_persistent
 from tokenloom.plugins.quant.kernels.int4_tiles import (
     dequant_asm_ok,
     int4_row_major,
@@ -263,8 +264,7 @@ def weight_gemm(
         cfg.nk and not ((nk_ok or nk4_ok) and cfg.fits(bits, group))
     ):
         cfg = choose_config(m, n, k, _num_sms(x.device), nk_ok)
-        # the gather tile, 64 K deep and 3 stages at most (256 x 4: 483 KB of shared memory)
-        if row4:
+        if row4:  # the gather tile, 64 K deep and 3 stages at most (256 x 4 stages: 483 KB)
             cfg = replace(cfg, expand=False, block_k=min(cfg.block_k, 64), num_stages=3)
     if cfg.dequant and cfg.fits(bits, group):
         from tokenloom.plugins.quant.kernels.dequant import dequantize_into
@@ -279,9 +279,10 @@ def weight_gemm(
         cfg = choose_config(m, n, k, _num_sms(x.device))
     if cfg.nk and bits == 4:
         args = (x, qweight, scales, zeros, group, bias, cfg.block_n, cfg.block_k, cfg.num_warps)
-        if cfg.mma:
-            return launch_int4_mma(*args, cfg.num_stages if cfg.ring else 0)  # type: ignore[arg-type]
-        return launch_int4_nk(*args)  # type: ignore[arg-type]
+        if cfg.persist:  # (the arguments' types: int4_nk_fits)
+            return launch_int4_persistent(*args, cfg.persist)  # type: ignore[arg-type]
+        ring = cfg.num_stages if cfg.ring else 0
+        return launch_int4_mma(*args, ring) if cfg.mma else launch_int4_nk(*args)  # type: ignore[arg-type]
     if cfg.nk:
         return launch_int8_nk(
             x, qweight, scales, bias, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.rows, cfg.biased
