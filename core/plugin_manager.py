@@ -163,8 +163,14 @@ class PluginManager:
         raise PluginError("\n".join(lines))
 
     def build(self, kind: str, name: str, *args: Any, **kwargs: Any) -> Any:
-        """Build component ``kind``/``name`` with its factory's arguments."""
-        return self.component(kind, name).factory(*args, **kwargs)
+        """Build component ``kind``/``name`` with its factory's arguments. A component
+        that builds others (its class declares ``plugins = None``: ``QuantMethod``,
+        ``Proposer``) gets this manager there, so what it builds comes from the engine's
+        plugins, not from ``PluginManager.default()``."""
+        component = self.component(kind, name).factory(*args, **kwargs)
+        if "plugins" in dir(type(component)) and getattr(component, "plugins", 0) is None:
+            component.plugins = self
+        return component
 
     def check_config(self, config: Any) -> None:
         """Validate, before anything heavy is built, what the config asks of plugins:

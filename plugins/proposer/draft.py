@@ -101,7 +101,7 @@ class DraftProposer(Proposer):
         # the target's per-step staging buffers, which the executor rewinds each step.
         self.device = torch.device(target.device)
         dtype = getattr(torch, self.dtype_name)
-        plugins = PluginManager.default()
+        plugins = self.plugins or PluginManager.default()  # the engine's, where it built us
         # The draft's own weight method: the target's config with the draft's ``quant``.
         draft_config = msgspec.structs.replace(config, quant=self.quant_name)
         quant = plugins.build("quant", self.quant_name, draft_config)

@@ -98,7 +98,8 @@ class WeightQuantMethod(QuantMethod):
         elif head is not None:  # another method's format (int4's head: int8)
             from tokenloom.plugin_manager import PluginManager
 
-            other = PluginManager.default().build("quant", head, self.config)
+            plugins = self.plugins or PluginManager.default()  # the engine's, where it built us
+            other = plugins.build("quant", head, self.config)
             if not isinstance(other, WeightQuantMethod):
                 raise ValueError(f"{self.name}: the LM head's method {head} is no weight method")
             quantize_lm_head(other, model)

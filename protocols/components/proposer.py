@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tokenloom.protocols.components.model import ModelInfo
@@ -26,6 +26,9 @@ class Proposer(ABC):
     """
 
     name: str
+    # The PluginManager that built this proposer (``PluginManager.build`` sets it): where
+    # a draft model's weight method comes from. None: built directly.
+    plugins: Any = None
 
     def bind(self, target: ModelInfo) -> None:  # noqa: B027
         """Called once by the executor after the target model loaded: a proposer

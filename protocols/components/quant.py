@@ -43,6 +43,10 @@ class QuantMethod(ABC):
     # each linear layer's dense weight allocated only when its tensors load.
     streams_layers: bool = False
 
+    # The PluginManager that built this method (``PluginManager.build`` sets it): where a
+    # method finds another one by name (int4's LM head in int8). None: built directly.
+    plugins: Any = None
+
     def prepare_model(self, model: torch.nn.Module, hf_config: dict[str, Any]) -> None:  # noqa: B027
         """Before loading: adapt the model to the checkpoint's format (default: nothing)."""
 

@@ -173,3 +173,25 @@ def test_quant_lm_head_needs_a_weight_method():
 
     with pytest.raises(ConfigError, match="quant_lm_head"):
         EngineConfig(quant_lm_head=True)
+
+
+def test_int4_builds_its_int8_head_from_the_engine_s_plugins(tiny_model_factory, monkeypatch):
+    # the head's method comes from the manager that built the engine's components (a
+    # plugin set without the defaults, or with a user's, is the one asked), not from a
+    # fresh PluginManager.default()
+    from tokenloom import LLM
+    from tokenloom.plugin_manager import PluginManager
+
+    built = []
+    build = PluginManager.build
+
+    def spy(self, kind, name, *args, **kwargs):
+        component = build(self, kind, name, *args, **kwargs)
+        built.append((id(self), kind, name, getattr(component, "plugins", None) is self))
+        return component
+
+    monkeypatch.setattr(PluginManager, "build", spy)
+    LLM(str(tiny_model_factory("llama")), dtype="float32", quant="int4")
+    quant = [(manager, name, bound) for manager, kind, name, bound in built if kind == "quant"]
+    assert [name for _, name, _ in quant] == ["int4", "int8"]
+    assert quant[0][0] == quant[1][0] and all(bound for _, _, bound in quant)
