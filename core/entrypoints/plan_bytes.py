@@ -93,7 +93,8 @@ def weight_bytes(
     """One rank's weights: its q/k/v/o and MLP shards (quantized), its rows of the
     vocab-parallel embedding and LM head (the vocabulary padded to a multiple of the
     ranks) and the norms, in the model dtype; with ``lm_head`` (a method's name) the head's
-    rows as that method stores them (a tied embedding keeps its 16-bit rows besides)."""
+    rows as that method stores them (a tied embedding keeps its 16-bit rows besides,
+    unless the head's format serves its lookups: int8, ``LinearKernel.rows``)."""
     h, d = shape.hidden_size, shape.head_dim
     q = rank_heads(shape.num_heads, tp) * d
     kv = rank_heads(shape.num_kv_heads, tp) * d
@@ -108,7 +109,8 @@ def weight_bytes(
     )
     vocab_rows = -(-shape.vocab_size // tp)
     if lm_head is not None and lm_head != "none":
-        embeddings = vocab_rows * h * element + linear_bytes(vocab_rows, h, lm_head, element)
+        table = 0 if shape.tie_word_embeddings and lm_head == "int8" else vocab_rows * h * element
+        embeddings = table + linear_bytes(vocab_rows, h, lm_head, element)
     else:
         embeddings = (1 if shape.tie_word_embeddings else 2) * vocab_rows * h * element
     return shape.num_layers * per_layer + embeddings + h * element

@@ -219,6 +219,9 @@ class Embedding(nn.Module):
     # from its own quantized copy of this rank's rows (the 16-bit weight then serves
     # only lookups, and is released when the head is not tied to the embedding).
     logits_kernel: LinearKernel | None = None
+    # Tied to the embedding with a head format that serves rows (``LinearKernel.rows``:
+    # int8): the lookups read that copy and the 16-bit table is released.
+    lookups_from_kernel: bool = False
     # The one-row GEMV's config for the LM head (``skinny_gemm.gemv``), where it measured
     # faster than cuBLAS at one row: batch-1 decode's logits.
     gemv: tuple[int, int, int] | None = None
@@ -237,12 +240,17 @@ class Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not self._sharded:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         start, stop = self.vocab_range
         outside = (ids < start) | (ids >= stop)
         local = torch.where(outside, 0, ids - start)
-        hidden = F.embedding(local, self.weight).masked_fill_(outside.unsqueeze(-1), 0.0)
+        hidden = self._lookup(local).masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.group.all_reduce(hidden)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.lookups_from_kernel:
+            return self.logits_kernel.rows(ids, self.weight.dtype)  # type: ignore[union-attr]
+        return F.embedding(ids, self.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, dim] -> logits [N, num_embeddings] in the model dtype (through the

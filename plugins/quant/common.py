@@ -108,14 +108,19 @@ class WeightQuantMethod(QuantMethod):
 def quantize_lm_head(method: WeightQuantMethod, model: nn.Module) -> None:
     """The LM head's rows quantized at load with ``method.make_kernel`` (a
     checkpoint's quantized head is not read: none of the formats here stores one).
-    Tied to the embedding, the 16-bit rows stay for the lookups; otherwise they go."""
+    The 16-bit rows go, unless the head is tied to the embedding and its format serves
+    no lookups (``LinearKernel.rows``: int8 does, so int8's and int4's default heads
+    free a tied model's 16-bit table)."""
     head = getattr(model, "lm_head", None)
     if not isinstance(head, Embedding):
         raise ValueError(f"quant_lm_head: {type(model).__name__} has no Embedding lm_head")
     inner = getattr(model, "model", model)
     tied = head is getattr(inner, "embed_tokens", None)
-    head.logits_kernel = method.make_kernel(head)  # type: ignore[arg-type]  # .weight is all it reads
-    if not tied:
+    kernel = head.logits_kernel = method.make_kernel(head)  # type: ignore[arg-type]
+    if tied:
+        probe = torch.zeros(1, dtype=torch.long, device=head.weight.device)
+        head.lookups_from_kernel = kernel.rows(probe, head.weight.dtype) is not None
+    if not tied or head.lookups_from_kernel:
         head.weight.data = torch.empty(0, dtype=head.weight.dtype, device=head.weight.device)
 
 

@@ -68,6 +68,11 @@ class Int8Kernel(LinearKernel):
         """Dequantize, then ``F.linear`` (the CPU path and the GPU kernel's oracle)."""
         return F.linear(x, dequantize_int8(self.qweight, self.scales, x.dtype), bias)
 
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` as ``q * scale`` (one scale a row): a tied embedding's lookups."""
+        q = self.qweight.t()[ids]  # [*ids, K] int8, from the [N, K] storage
+        return (q.to(torch.float32) * self.scales[0, ids].unsqueeze(-1)).to(dtype)
+
 
 class Int8Quant(WeightQuantMethod):
     name = "int8"

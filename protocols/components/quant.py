@@ -23,6 +23,12 @@ class LinearKernel(ABC):
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [T, in] -> x W^T (+ bias) [T, out]`` in ``x``'s dtype."""
 
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """The weight's rows ``ids`` (output channels) dequantized, ``[*ids.shape, in]``
+        in ``dtype``: the lookups of an embedding tied to a quantized LM head, which then
+        needs no 16-bit table. None (the default): this format does not serve them."""
+        return None
+
 
 class QuantMethod(ABC):
     """Weight and KV-cache quantization. Constructed as ``factory(config: EngineConfig)``.

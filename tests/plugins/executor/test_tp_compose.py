@@ -55,8 +55,9 @@ def _run(model_dir, max_tokens: int, **options):
     return runs, counters
 
 
-def test_int8_at_tp2_gives_int8_tp1_tokens(tiny_model_factory):
-    model = tiny_model_factory("llama")
+@pytest.mark.parametrize("tied", [False, True])  # tied: the lookups read each rank's int8 rows
+def test_int8_at_tp2_gives_int8_tp1_tokens(tiny_model_factory, tied):
+    model = tiny_model_factory("llama", tie_word_embeddings=tied)
     single, (_, _, kernels_1) = _run(model, 12, quant="int8")
     parallel, (_, _, kernels_2) = _run(model, 12, quant="int8", tensor_parallel_size=2)
     assert kernels_1 == kernels_2 == {"Int8Kernel"}  # rank 0's layers really run int8

@@ -134,9 +134,16 @@ def test_quant_lm_head_computes_the_logits_from_a_quantized_copy(method, tied, t
     head = model.lm_head
     assert head.logits_kernel is not None and dense.lm_head.logits_kernel is None
     assert (head is model.model.embed_tokens) == tied
-    # untied: the 16-bit rows are freed; tied: they stay for the lookups
-    assert (head.weight.numel() == 0) != tied
-    hidden = torch.randn(5, model.model.embed_tokens.weight.shape[1])
+    # untied: the 16-bit rows are freed; tied: they stay for the lookups, unless the
+    # head's format serves them (int8: then the lookups read its rows)
+    assert head.lookups_from_kernel == (tied and method == "int8")
+    assert (head.weight.numel() == 0) == (not tied or method == "int8")
+    table = dense.model.embed_tokens.weight
+    ids = torch.tensor([[0, 5, 9], [2, 33, 1]])
+    lookups = model.model.embed_tokens(ids)
+    err = float((lookups - table[ids]).norm() / table[ids].norm())
+    assert lookups.shape == (2, 3, table.shape[1]) and err < (0.01 if tied else 1e-7)
+    hidden = torch.randn(5, table.shape[1])
     got = model.compute_logits(hidden)
     expected = dense.compute_logits(hidden)
     assert got.shape == expected.shape
