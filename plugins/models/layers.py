@@ -215,12 +215,10 @@ class Embedding(nn.Module):
     logits ``[N, num_embeddings]`` (the padding columns are cut off, never sampled).
     """
 
-    # Set by a weight quant method under ``quant_lm_head``: the LM head's projection
-    # from its own quantized copy of this rank's rows (the 16-bit weight then serves
-    # only lookups, and is released when the head is not tied to the embedding).
+    # Set by a weight quant method under ``quant_lm_head``: the LM head's projection from
+    # its quantized copy of this rank's rows (``quantize_lm_head``); with
+    # ``lookups_from_kernel`` (tied, int8) the lookups read it too, the 16-bit table gone.
     logits_kernel: LinearKernel | None = None
-    # Tied to the embedding with a head format that serves rows (``LinearKernel.rows``:
-    # int8): the lookups read that copy and the 16-bit table is released.
     lookups_from_kernel: bool = False
     # The one-row GEMV's config for the LM head (``skinny_gemm.gemv``), where it measured
     # faster than cuBLAS at one row: batch-1 decode's logits.
@@ -239,18 +237,16 @@ class Embedding(nn.Module):
         self._sharded = group.size > 1
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if not self._sharded:
-            return self._lookup(ids)
         start, stop = self.vocab_range
-        outside = (ids < start) | (ids >= stop)
-        local = torch.where(outside, 0, ids - start)
-        hidden = self._lookup(local).masked_fill_(outside.unsqueeze(-1), 0.0)
-        return self.group.all_reduce(hidden)
-
-    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.lookups_from_kernel:
-            return self.logits_kernel.rows(ids, self.weight.dtype)  # type: ignore[union-attr]
-        return F.embedding(ids, self.weight)
+        outside = (ids < start) | (ids >= stop) if self._sharded else None
+        local = ids if outside is None else torch.where(outside, 0, ids - start)
+        if self.lookups_from_kernel:  # the int8 head's rows (LinearKernel.rows)
+            hidden = self.logits_kernel.rows(local, self.weight.dtype)  # type: ignore[union-attr]
+        else:
+            hidden = F.embedding(local, self.weight)
+        if outside is None:
+            return hidden
+        return self.group.all_reduce(hidden.masked_fill_(outside.unsqueeze(-1), 0.0))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, dim] -> logits [N, num_embeddings] in the model dtype (through the
