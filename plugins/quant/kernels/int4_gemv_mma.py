@@ -47,37 +47,21 @@ import triton.language as tl
 
 from tokenloom.plugins.models.pdl import launch_options, release, wait
 from tokenloom.plugins.quant.kernels.h2_common import _ptx
-from tokenloom.plugins.quant.kernels.int4_gemv_nk import _split4, int4_nk_fits
+from tokenloom.plugins.quant.kernels.int4_gemv_nk import (
+    _emu_word,
+    _emu_xsum,
+    _split4,
+    int4_nk_fits,
+)
 from tokenloom.plugins.quant.kernels.int4_mma_asm import _mma_pair, _x_b, _x_b_loaded
 
 
 @triton.jit
 def _emu_chain(w, x_ptr, k, mask):
-    """Interpreter: one element's sum of ``(128 + q) x`` over its 32 K values (fp32)."""
+    """Interpreter: an element's four words, ``sum (q - 8) x`` (``int4_gemv_nk``'s)."""
     w0, w1, w2, w3 = w
-    part = tl.zeros(w0.shape, tl.float32)
-    for j in tl.static_range(8):
-        part += (((w0 >> (4 * j)) & 0xF) + 128).to(tl.float32) * tl.load(
-            x_ptr + k + j, mask=mask, other=0.0
-        ).to(tl.float32)[None, :]
-        part += (((w1 >> (4 * j)) & 0xF) + 128).to(tl.float32) * tl.load(
-            x_ptr + k + 8 + j, mask=mask, other=0.0
-        ).to(tl.float32)[None, :]
-        part += (((w2 >> (4 * j)) & 0xF) + 128).to(tl.float32) * tl.load(
-            x_ptr + k + 16 + j, mask=mask, other=0.0
-        ).to(tl.float32)[None, :]
-        part += (((w3 >> (4 * j)) & 0xF) + 128).to(tl.float32) * tl.load(
-            x_ptr + k + 24 + j, mask=mask, other=0.0
-        ).to(tl.float32)[None, :]
-    return part
-
-
-@triton.jit
-def _emu_xsum(x_ptr, k, mask):
-    xs = tl.zeros(k.shape, tl.float32)
-    for j in tl.static_range(32):
-        xs += tl.load(x_ptr + k + j, mask=mask, other=0.0).to(tl.float32)
-    return xs
+    chain = _emu_word(w0, x_ptr, k, mask) + _emu_word(w1, x_ptr, k + 8, mask)
+    return chain + _emu_word(w2, x_ptr, k + 16, mask) + _emu_word(w3, x_ptr, k + 24, mask)
 
 
 @triton.jit
@@ -117,10 +101,10 @@ def _step(acc_lo, acc_hi, w_lo, w_hi, k0, x_ptr, s_ptr, z_ptr, rows_s_lo, rows_s
         xs = xb[16]
         chain_lo, chain_hi = _mma_pair(lo, hi, xb)
     else:
-        k = kw * 8
+        k = kw * 8  # each element's own chain of (128 + q) x: sum (q - 8) x + 136 sum x
         xs = _emu_xsum(x_ptr, k, mask_p)
-        chain_lo = _emu_chain(lo, x_ptr, k, mask_p)
-        chain_hi = _emu_chain(hi, x_ptr, k, mask_p)
+        chain_lo = _emu_chain(lo, x_ptr, k, mask_p) + 136.0 * xs[None, :]
+        chain_hi = _emu_chain(hi, x_ptr, k, mask_p) + 136.0 * xs[None, :]
     acc_lo = _group_epilogue(acc_lo, chain_lo, xs, s_ptr, z_ptr, g, rows_s_lo, N)
     acc_hi = _group_epilogue(acc_hi, chain_hi, xs, s_ptr, z_ptr, g, rows_s_hi, N)
     return acc_lo, acc_hi
@@ -214,7 +198,8 @@ def int4_mma_fits(x: torch.Tensor, qweight: torch.Tensor, group: int, has_zeros:
     return group % 128 == 0 and int4_nk_fits(x, qweight, group, has_zeros)
 
 
-def launch_int4_mma(
+def launch_rows(
+    kernel: triton.JITFunction,
     x: torch.Tensor,
     qweight: torch.Tensor,  # the logical [K / 8, N]: a view of [N, K / 8] storage
     scales: torch.Tensor,
@@ -224,18 +209,18 @@ def launch_int4_mma(
     block_n: int,
     block_k: int,
     num_warps: int,
-    ring: int = 0,
+    programs: int = 0,
+    **options: object,
 ) -> torch.Tensor:
-    """``x [1, K] @ dequant(qweight)^T (+ bias) -> [1, N]`` in ``x``'s dtype
-    (``int4_mma_fits``); ``block_n`` rows a program (even), ``block_k`` K a tile row;
-    ``ring`` > 1: the tiles stream through a shared-memory ring of that many stages."""
+    """The launch the int4 tensor-core GEMVs share (``int4_mma_fits``): ``x [1, K] @
+    dequant(qweight)^T (+ bias) -> [1, N]`` in ``x``'s dtype; ``block_n`` rows a row block
+    (even), ``block_k`` K a tile row; ``programs`` (0: one a row block); ``options``: the
+    kernel's other constexprs and launch keywords."""
     assert int4_mma_fits(x, qweight, group, zeros is not None), (tuple(x.shape), group)
     assert block_n % 2 == 0 and block_k % 128 == 0, (block_n, block_k)
     kw, n = qweight.shape
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    block_kw = max(16, min(block_k // 8, triton.next_power_of_2(kw)))
-    ring = ring if x.data_ptr() % 16 == 0 else 0  # the ring's PTX reads x 16 bytes at a time
-    _int4_gemv_mma_kernel[(triton.cdiv(n, block_n),)](
+    kernel[(programs or triton.cdiv(n, block_n),)](
         x,
         qweight.t(),  # [N, K / 8], contiguous
         scales,
@@ -248,11 +233,32 @@ def launch_int4_mma(
         GROUP=group,
         HAS_BIAS=bias is not None,
         BLOCK_N=block_n,
-        BLOCK_KW=block_kw,
+        BLOCK_KW=max(16, min(block_k // 8, triton.next_power_of_2(kw))),
         ASM=_ptx(x),
-        RING=ring,
         num_warps=num_warps,
-        **({"num_stages": ring} if ring > 1 else {}),
+        **options,
         **launch_options(x.device),
     )
     return y
+
+
+def launch_int4_mma(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group: int,
+    bias: torch.Tensor | None,
+    block_n: int,
+    block_k: int,
+    num_warps: int,
+    ring: int = 0,
+) -> torch.Tensor:
+    """``launch_rows`` of ``_int4_gemv_mma_kernel``; ``ring`` > 1: the tiles stream
+    through a shared-memory ring of that many stages."""
+    ring = ring if x.data_ptr() % 16 == 0 else 0  # the ring's PTX reads x 16 bytes at a time
+    stages = {"num_stages": ring} if ring > 1 else {}
+    return launch_rows(
+        _int4_gemv_mma_kernel, x, qweight, scales, zeros, group, bias, block_n, block_k,
+        num_warps, RING=ring, **stages,
+    )  # fmt: skip

@@ -21,9 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenloom.plugins.models.pdl import launch_options, release, wait
-from tokenloom.plugins.quant.kernels.h2_common import _ptx
-from tokenloom.plugins.quant.kernels.int4_gemv_mma import _load_rows, _step, int4_mma_fits
+from tokenloom.plugins.models.pdl import release, wait
+from tokenloom.plugins.quant.kernels.int4_gemv_mma import _load_rows, _step, launch_rows
 
 
 @triton.jit
@@ -110,29 +109,10 @@ def launch_int4_persistent(
 ) -> torch.Tensor:
     """``launch_int4_mma``'s product with ``per_sm`` programs an SM (at most one a row
     block), each walking its row blocks."""
-    assert int4_mma_fits(x, qweight, group, zeros is not None), (tuple(x.shape), group)
-    assert block_n % 2 == 0 and block_k % 128 == 0 and per_sm >= 1, (block_n, block_k)
-    kw, n = qweight.shape
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    block_kw = max(16, min(block_k // 8, triton.next_power_of_2(kw)))
+    assert per_sm >= 1, per_sm
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-    programs = min(triton.cdiv(n, block_n), sms * per_sm)
-    _int4_gemv_persistent_kernel[(programs,)](
-        x,
-        qweight.t(),  # [N, K / 8], contiguous
-        scales,
-        zeros,
-        bias if bias is not None else scales,
-        y,
-        n,
-        kw,
-        1,
-        GROUP=group,
-        HAS_BIAS=bias is not None,
-        BLOCK_N=block_n,
-        BLOCK_KW=block_kw,
-        ASM=_ptx(x),
-        num_warps=num_warps,
-        **launch_options(x.device),
-    )
-    return y
+    programs = min(triton.cdiv(qweight.shape[1], block_n), sms * per_sm)
+    return launch_rows(
+        _int4_gemv_persistent_kernel, x, qweight, scales, zeros, group, bias, block_n,
+        block_k, num_warps, programs,
+    )  # fmt: skip
