@@ -226,6 +226,12 @@ def decode_preset(kv: str, values: list[int]) -> tuple[Any, dict, dict, list[str
     strides = ["stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head", "stride_bt",
                "stride_cache_block", "stride_cache_tok", "stride_cache_head",
                "stride_scale_block"]  # fmt: skip
+    # the rope arguments (unused: ROPE off, as below 64 requests), in the kernel's order
+    rope = {"k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+            "q_norm_ptr": "*bf16", "k_norm_ptr": "*bf16", "slot_ptr": "*i64",
+            "stride_kn_tok": "i32", "stride_kn_head": "i32", "stride_vn_tok": "i32",
+            "stride_vn_head": "i32", "stride_cos": "i32", "eps": "fp32"}  # fmt: skip
+    sig.update(rope)
     sig.update({n: "i32" for n in strides})
     sig.update({"scale_log2": "fp32", "num_splits": "i32", "min_split": "i32"})
     consts = dict(
@@ -243,7 +249,13 @@ def decode_preset(kv: str, values: list[int]) -> tuple[Any, dict, dict, list[str
         P_LIFT=512.0 if kv == "fp8" else 128.0,
         KV_ASM=kv != "bf16" and os.environ.get("KV_ASM", "1") == "1",
         HEADS_FIRST=True,
+        ROPE=False,
+        HAS_NORM=False,
+        HALF=64,
+        USE_PDL=True,
     )
+    if os.environ.get("PREFETCH"):  # session 20: the first tile read before the PDL wait
+        consts["PREFETCH"] = os.environ["PREFETCH"] == "1"
     divisible = [n for n in sig if n.endswith("_ptr")] + [n for n in strides if n != "stride_bt"]
     kv_bytes = block_n * 128 * 2 * (1 if kv != "bf16" else 2) / (warps * 32)
     return _decode_kernel, sig, consts, divisible, warps, stages, kv_bytes

@@ -15,7 +15,8 @@ Settings (``[plugin.triton]`` in the config, or keyword arguments), defaults in
 ``__init__``: ``max_num_splits``, ``decode_block_n``, ``decode_num_stages``,
 ``decode_programs_per_sm``, ``decode_min_split_tokens``, ``decode_num_warps``,
 ``decode_kv_asm`` (an 8-bit cache converted by PTX helpers), ``decode_rope_min_batch``
-(rope inside the decode kernel from this batch up), ``decode_heads_first``
+(rope inside the decode kernel from this batch up), ``decode_prefetch_max_batch`` (the
+first KV tile read before the PDL wait up to this batch), ``decode_heads_first``
 (grid order), ``decode_maxnreg`` (register cap), ``prefill_block_m``,
 ``prefill_block_n``, ``prefill_num_warps``, ``prefill_num_stages``. An 8-bit cache's
 decode takes ``QUANT_DECODE`` for the stages and register cap unless they are set.
@@ -57,6 +58,7 @@ SETTINGS = (
     "decode_heads_first",
     "decode_maxnreg",
     "decode_rope_min_batch",
+    "decode_prefetch_max_batch",
     "prefill_block_m",
     "prefill_block_n",
     "prefill_num_warps",
@@ -78,6 +80,7 @@ class TritonSettings(msgspec.Struct, forbid_unknown_fields=True):
     decode_heads_first: int | None = None
     decode_maxnreg: int | None = None
     decode_rope_min_batch: int | None = None
+    decode_prefetch_max_batch: int | None = None
     prefill_block_m: int | None = None
     prefill_block_n: int | None = None
     prefill_num_warps: int | None = None
@@ -96,6 +99,7 @@ INTERPRETER_DEFAULTS = {
     "decode_heads_first": 0,
     "decode_maxnreg": 0,
     "decode_rope_min_batch": 1,
+    "decode_prefetch_max_batch": 0,  # tested directly (nothing overlaps in the interpreter)
     "prefill_block_m": 16,
     "prefill_block_n": 16,
     "prefill_num_warps": 4,
@@ -122,6 +126,9 @@ def cuda_defaults(head_dim: int) -> dict[str, int]:
         # (+4.1% qwen3, +0.5% llama at 100-256 running); 64 is a guess between the two
         # (two KV splits or fewer from there for 8 KV heads), not a measured crossover
         "decode_rope_min_batch": 64,
+        # the first KV tile before the PDL wait (decode_tile.py): measured at batch 1 only
+        # (session 20); above, more registers per program may cost more than it saves
+        "decode_prefetch_max_batch": 8,
         "prefill_block_m": 64,
         "prefill_block_n": 32 if big_head else 64,
         "prefill_num_warps": 4,
@@ -192,6 +199,7 @@ class TritonAttention(AttentionBackend):
         self.decode_heads_first = bool(defaults["decode_heads_first"])
         self.decode_maxnreg = int(defaults["decode_maxnreg"])
         self.decode_rope_min_batch = int(defaults["decode_rope_min_batch"])
+        self.decode_prefetch_max_batch = int(defaults["decode_prefetch_max_batch"])
         # QUANT_DECODE where it was measured (CUDA, head_dim <= 128, 16-bit queries) and
         # the user set neither of its keys: a cap on its own, with two stages, only spills
         measured = not interpreted and self.head_dim <= 128 and model_info.dtype != torch.float32
@@ -340,6 +348,7 @@ class TritonAttention(AttentionBackend):
                 heads_first=self.decode_heads_first,
                 maxnreg=self.quant_decode_maxnreg if quantized else self.decode_maxnreg,
                 rope=decode_rope,
+                prefetch=num_decodes <= self.decode_prefetch_max_batch and decode_rope is None,
             )
         if num_decodes < num_seqs:
             prefill_attention(

@@ -14,8 +14,12 @@ The contract of a kernel that takes part (a ``USE_PDL`` constexpr):
   (activations, metadata, counters, caches) and before its first store (a buffer it
   writes may still be read by the kernel before it). Only weights, which no kernel of
   a step writes, may be read before it.
-- ``release(USE_PDL)`` anywhere: it only lets the next kernel start; that kernel
-  waits for this one to finish before it reads.
+- ``release(USE_PDL)`` after the wait: it only lets the next kernel start; that kernel
+  waits for this one to finish before it reads. Releasing after the wait means that
+  when a kernel starts, every kernel but the one before it has finished, so what those
+  wrote may be read before the wait too: the decode attention reads its first KV tile
+  there, all but the token the kernel before it writes (``decode_tile.py``).
+  ``tests/plugins/models/test_pdl.py`` checks every kernel's order.
 A kernel without the flag (torch's, cuBLAS's) runs as before; a PDL kernel after it
 starts when it ends. CUDA-graph capture records the launches as programmatic edges.
 

@@ -7,7 +7,8 @@
 # Prepare here:   git archive REV > .snap/before.tar  (the BEFORE tree; .snap/ git-ignored)
 #                 ../shared/tools/gpu-wheels .whl
 # On the device:  bash scripts/gpu/int4_ab.sh STEP...   (carry [".snap", ".whl"])
-# Steps: lat (int4 before/after/kn alternated twice, --runs 3), latbf16, exp and latexp
+# Steps: lat (int4 before/after/kn alternated twice, --runs 3), latbf16, latab and thrab
+# (bf16 and int4, before/after), gpu20, sample and prof (session 20), exp and latexp
 # (TOKENLOOM_INT4_EXPERIMENTAL=1: tests, GEMVs, engine), thr (int4
 # before/after/kn, one pass each), tests (int4 GPU tests), gputests (every GPU test under
 # tests/plugins/quant and tests/plugins/models), gemv4 (gemv_bench nk layout), ncu. Each call must end within 600 s: lat alone takes about 8 minutes with tuning.
@@ -95,6 +96,23 @@ for step in "$@"; do
       echo "ncu rc=$?"
       grep -E "Duration|Throughput|Executed Ipc|Stall|Registers|Achieved Occupancy|Warp Cycles" \
         "$OUT/ncu.log" | head -80 ;;
+    latab)  # session 20 (decode prefetch, greedy argmax): bf16 and int4, alternated
+      for r in 1 2; do
+        for q in none int4; do lat "$q-before$r" before $q; lat "$q-after$r" after $q; done
+      done ;;
+    thrab) for q in none int4; do thr "$q-before" before $q; thr "$q-after" after $q; done ;;
+    gpu20)  # the GPU tests of what session 20 touched
+      PYTHONPATH=/tmp/after:/tmp/site timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/plugins/attention tests/plugins/executor/sampling tests/plugins/models/test_pdl.py \
+        tests/plugins/executor/test_gpu_modes.py > "$OUT/gpu-tests-20.log" 2>&1
+      echo "gpu20 rc=$?"; tail -n 3 "$OUT/gpu-tests-20.log" ;;
+    sample)
+      OUT=$OUT PYTHONPATH=/tmp/after:/tmp/site timeout 120 python3 scripts/gpu/sample_bench.py \
+        --batches 1,8,64,256 2>&1 | grep argmax ;;
+    prof)
+      OUT=$OUT PYTHONPATH=/tmp/after:/tmp/site:scripts timeout 200 python3 scripts/profile_gpu.py \
+        llama-3-8b graphs quant=int4 > "$OUT/prof-int4-after.log" 2>&1
+      grep -A14 "critical path per step" "$OUT/prof-int4-after.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -50,6 +50,22 @@ def bench_batch(batch: int, sms: int) -> dict:
         for _ in range(20):
             fused_call()
     row["fused_default_graph_us"] = median_cuda_us(graph.replay, iters=20) / 20
+    # greedy rows: torch's argmax against the kernel's (session 20), kernels alone
+    for name, fn in (
+        ("torch", lambda: logits.argmax(dim=-1)),
+        ("greedy", lambda: fused.greedy_argmax(logits)),
+    ):
+        fn()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(20):
+                fn()
+        row[f"argmax_{name}_graph_us"] = median_cuda_us(g.replay, iters=20) / 20
+    print(
+        f"B={batch:4d}: argmax torch {row['argmax_torch_graph_us']:6.1f} us, "
+        f"greedy kernel {row['argmax_greedy_graph_us']:6.1f} us",
+        flush=True,
+    )
     best = min((v, k) for k, v in row.items() if k.startswith("fused_") and "graph" not in k)
     row["best"] = best[1]
     print(

@@ -39,6 +39,13 @@ from tokenloom.plugins.attention.triton_kernels.decode_rope import (
     check_supported,
     rope_query_store_kv,
 )
+from tokenloom.plugins.attention.triton_kernels.decode_tile import (
+    kv_slice,
+    kv_tokens,
+    softmax_step,
+    tile_scores,
+    value_step,
+)
 from tokenloom.plugins.models.pdl import launch_options, release, wait
 
 # p * v_scale enters the second dot in f16, multiplied by this (undone after the loop):
@@ -46,51 +53,6 @@ from tokenloom.plugins.models.pdl import launch_options, release, wait
 # value row whose absolute maximum is above 448 * 65504 / 512 = 57k (fp8) or
 # 127 * 65504 / 128 = 65k (int8).
 P_LIFT = {torch.float8_e4m3fn: 512.0, torch.int8: 128.0}
-
-
-@triton.jit
-def _split_length(seq_len, num_splits, min_split, BLOCK_N: tl.constexpr):
-    # Splits are whole BLOCK_N tiles so that no tile straddles two programs, and at
-    # least ``min_split`` tokens (a multiple of BLOCK_N): a short KV stays in fewer
-    # programs, which skips the partials and the merge.
-    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, min_split)
-
-
-# fp8 e4m3 -> f16, four values: two hardware conversions of two values each.
-_FP8X4_TO_F16 = tl.constexpr(
-    "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
-    "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }"
-)
-# int8 -> f16, four values: each byte, offset by 128, becomes the low byte of the f16
-# 1024 + (b + 128) (a byte permute with 0x64 as high byte), then 1,152 is subtracted
-# from both halves at once. Exact: f16 holds every integer below 2,048.
-_INT8X4_TO_F16 = tl.constexpr(
-    "{ .reg .b32 t, lo, hi, c; xor.b32 t, $2, 0x80808080; "
-    "prmt.b32 lo, t, 0x64646464, 0x4140; prmt.b32 hi, t, 0x64646464, 0x4342; "
-    "mov.b32 c, 0x64806480; sub.f16x2 $0, lo, c; sub.f16x2 $1, hi, c; }"
-)
-
-
-# Four 8-bit values (one 32-bit register) to four f16 (two registers) through ``ASM``.
-# Not marked pure on purpose: Triton moves a layout change above a pure elementwise op
-# to the narrower type, which for an 8-bit tile means one 1-byte shared-memory load per
-# value (``LDS.U8``). Opaque, the tile is converted in the layout it was loaded in and
-# reaches the dot as f16, through 16-byte stores and ``ldmatrix`` like a 16-bit cache.
-@triton.jit
-def _x4_to_f16(x, ASM: tl.constexpr):
-    return tl.inline_asm_elementwise(
-        asm=ASM, constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=False, pack=4
-    )
-
-
-@triton.jit
-def _kv_to_f16(x, KV_ASM: tl.constexpr):
-    """An 8-bit KV tile as f16 dot operands (exact for e4m3 and int8 values)."""
-    if KV_ASM:
-        if x.dtype == tl.int8:
-            return _x4_to_f16(x, _INT8X4_TO_F16)
-        return _x4_to_f16(x.to(tl.uint8, bitcast=True), _FP8X4_TO_F16)
-    return x.to(tl.float16)
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -149,9 +111,8 @@ def _decode_kernel(
     HAS_NORM: tl.constexpr,
     HALF: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr = False,  # the first tile before the wait (decode_tile.py)
 ):
-    wait(USE_PDL)  # the query, lengths and cache come from the kernels before
-    release(USE_PDL)
     if HEADS_FIRST:  # a request's KV heads run side by side: whole token rows from DRAM
         kv_head = tl.program_id(0)
         seq = tl.program_id(1)
@@ -159,28 +120,48 @@ def _decode_kernel(
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    table = block_tables_ptr + seq * stride_bt
+    head_off = kv_head * stride_cache_head
+    if PREFETCH:  # every token's key and value but the new one's: final before the wait
+        seq_len, num_active, kv_start, kv_end = kv_slice(
+            seq_lens_ptr, seq, split, num_splits, min_split, BLOCK_N
+        )
+        offs_n0 = kv_start + tl.arange(0, BLOCK_N)
+        mask_n0 = offs_n0 < kv_end
+        old0 = offs_n0 < tl.minimum(kv_end, seq_len - 1)
+        tok0, s_off0 = kv_tokens(
+            table, offs_n0, mask_n0, head_off, kv_head, stride_cache_block, stride_cache_tok,
+            stride_scale_block, PAGE_SIZE, NUM_KV_HEADS,
+        )  # fmt: skip
+        kp0 = k_cache_ptr + tok0[None, :] + offs_d[:, None]
+        vp0 = v_cache_ptr + tok0[:, None] + offs_d[None, :]
+        ksp0 = k_scale_ptr + s_off0
+        vsp0 = v_scale_ptr + s_off0
+        k0 = tl.load(kp0, mask=old0[None, :] & mask_d[:, None], other=0.0)
+        v0 = tl.load(vp0, mask=old0[:, None] & mask_d[None, :], other=0.0)
+        ks0 = tl.load(ksp0, mask=old0, other=0.0) if KV_QUANT else seq_len
+        vs0 = tl.load(vsp0, mask=old0, other=0.0) if KV_QUANT else seq_len
+    wait(USE_PDL)  # the query, lengths and cache come from the kernels before
+    release(USE_PDL)
 
     offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + offs_h
     mask_h = offs_h < GROUP
-    mask_d = offs_d < HEAD_DIM
     mask_hd = mask_h[:, None] & mask_d[None, :]
     out_offs = seq * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :]
 
-    seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = _split_length(seq_len, num_splits, min_split, BLOCK_N)
-    num_active = tl.cdiv(seq_len, tl.maximum(split_len, 1))
-    kv_start = split * split_len
-    kv_end = tl.minimum(kv_start + split_len, seq_len)
+    if not PREFETCH:
+        seq_len, num_active, kv_start, kv_end = kv_slice(
+            seq_lens_ptr, seq, split, num_splits, min_split, BLOCK_N
+        )
     if kv_start >= kv_end:
         if seq_len == 0 and split == 0:  # a padding row: zeros, not garbage
             zeros = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
             tl.store(out_ptr + out_offs, zeros.to(out_ptr.dtype.element_ty), mask=mask_hd)
         return
 
-    table = block_tables_ptr + seq * stride_bt
-    head_off = kv_head * stride_cache_head
     if ROPE:  # the query's halves rotated here; the last split stores the new key/value
         offs_half = tl.arange(0, HALF)
         q1, q2 = rope_query_store_kv(
@@ -203,11 +184,27 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for n0 in range(kv_start, kv_end, BLOCK_N):
+    dtype = q_ptr.dtype.element_ty
+    first = kv_start
+    if PREFETCH:  # the new token's key and value, written by the kernel before
+        new0 = offs_n0 == seq_len - 1
+        k0 = tl.where(new0[None, :], tl.load(kp0, mask=new0[None, :] & mask_d[:, None]), k0)
+        v0 = tl.where(new0[:, None], tl.load(vp0, mask=new0[:, None] & mask_d[None, :]), v0)
+        qk = tile_scores(q, k0, row_scale, scale_log2, KV_F16, KV_ASM, DOT_PRECISION)
+        if KV_QUANT:
+            qk = qk * tl.where(new0, tl.load(ksp0, mask=new0), ks0)[None, :]
+            vs0 = tl.where(new0, tl.load(vsp0, mask=new0), vs0)
+        p, alpha, m_i, l_i = softmax_step(qk, mask_n0, m_i, l_i)
+        acc = value_step(acc, p, alpha, v0, vs0, dtype, KV_QUANT, KV_F16, P_LIFT, KV_ASM,
+                         DOT_PRECISION)  # fmt: skip
+        first = kv_start + BLOCK_N
+    for n0 in range(first, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < kv_end
-        block = tl.load(table + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
-        tok = block * stride_cache_block + (offs_n % PAGE_SIZE) * stride_cache_tok + head_off
+        tok, s_off = kv_tokens(
+            table, offs_n, mask_n, head_off, kv_head, stride_cache_block, stride_cache_tok,
+            stride_scale_block, PAGE_SIZE, NUM_KV_HEADS,
+        )  # fmt: skip
         if ROPE:  # the two halves of the head, each against its half of the keys
             k_half = k_cache_ptr + tok[None, :] + offs_half[:, None]
             k1 = tl.load(k_half, mask=mask_n[None, :], other=0.0)  # [HALF, BLOCK_N]
@@ -220,37 +217,20 @@ def _decode_kernel(
                 mask=mask_n[None, :] & mask_d[:, None],
                 other=0.0,
             )  # [BLOCK_D, BLOCK_N]
-            if KV_F16:
-                qk = tl.dot(q, _kv_to_f16(k, KV_ASM)) * row_scale[:, None]
-            else:
-                qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
+            qk = tile_scores(q, k, row_scale, scale_log2, KV_F16, KV_ASM, DOT_PRECISION)
         if KV_QUANT:
-            s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * NUM_KV_HEADS + kv_head
             qk = qk * tl.load(k_scale_ptr + s_off, mask=mask_n, other=0.0)[None, :]
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))  # [BLOCK_H, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = softmax_step(qk, mask_n, m_i, l_i)
         v = tl.load(
             v_cache_ptr + tok[:, None] + offs_d[None, :],
             mask=mask_n[:, None] & mask_d[None, :],
             other=0.0,
         )  # [BLOCK_N, BLOCK_D]
+        v_scale = l_i  # unread without KV_QUANT
         if KV_QUANT:
-            s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * NUM_KV_HEADS + kv_head
             v_scale = tl.load(v_scale_ptr + s_off, mask=mask_n, other=0.0)
-            if KV_F16:  # p * scale in f16, lifted into its normal range (undone below)
-                p = p * (v_scale * P_LIFT)[None, :]
-            else:
-                p = p * v_scale[None, :]
-        if KV_F16:
-            pv = tl.dot(p.to(tl.float16), _kv_to_f16(v, KV_ASM))
-        else:
-            dtype = q_ptr.dtype.element_ty
-            pv = tl.dot(p.to(dtype), v.to(dtype), input_precision=DOT_PRECISION)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        acc = value_step(acc, p, alpha, v, v_scale, dtype, KV_QUANT, KV_F16, P_LIFT, KV_ASM,
+                         DOT_PRECISION)  # fmt: skip
     if KV_F16:
         acc = acc * (1.0 / P_LIFT)
 
@@ -314,6 +294,7 @@ def decode_attention(
     heads_first: bool = False,
     maxnreg: int = 0,
     rope: DecodeRope | None = None,
+    prefetch: bool = False,
 ) -> None:
     """Launch the kernel. No host sync; the grid depends only on shapes and
     ``num_splits``, so a captured graph replays with new values in the same tensors.
@@ -324,7 +305,10 @@ def decode_attention(
     per thread (more programs per SM, at the price of spills; 0: none). ``rope``: the
     query and this step's keys arrive un-rotated; the kernel applies the per-head norm
     and rotary embedding and stores the new keys and values in the cache (a 16-bit or
-    fp32 cache, head size a power of two: ``DecodeRope``)."""
+    fp32 cache, head size a power of two: ``DecodeRope``). ``prefetch``: each program reads
+    its first tile before the PDL wait, all but the new token (``decode_tile.py``; not
+    with ``rope``, whose kernel writes that token itself)."""
+    assert not (prefetch and rope is not None), "prefetch reads the cache the rope kernel writes"
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -380,6 +364,7 @@ def decode_attention(
         ROPE=rope is not None,
         HAS_NORM=rope is not None and rope.has_norm,
         HALF=head_dim // 2,
+        PREFETCH=prefetch,
         num_warps=num_warps,
         num_stages=num_stages,
         **({"maxnreg": maxnreg} if maxnreg else {}),

@@ -136,7 +136,7 @@ class Sampler:
         elif batch.needs_processing:
             token_ids = self._draw(self._process(logits, batch), batch)
         else:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = self._argmax(logits)
         if batch.max_logprobs < 0:
             return SampleResult(token_ids)
         raw = logits.log_softmax(dim=-1)  # [B, V]
@@ -229,6 +229,15 @@ class Sampler:
         logits = torch.zeros(1, self.vocab_size, dtype=torch.float32, device=self.device)
         one = torch.ones(1, dtype=torch.float32, device=self.device)
         fused_sample.fused_sample(logits, one, fused_sample.host_seed())
+        fused_sample.greedy_argmax(logits)
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy ids: the fused kernel's split argmax where the fused draw runs (a GPU)."""
+        if not self.use_fused_sample:
+            return logits.argmax(dim=-1)
+        from tokenloom.plugins.executor.sampling import fused_sample  # Triton, imported late
+
+        return fused_sample.greedy_argmax(logits)
 
     def _takes_fused_draw(self, batch: SamplingBatch) -> bool:
         """True when temperature is all the processing after the penalties: no filter
@@ -329,7 +338,7 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.all_greedy:
-            return logits.argmax(dim=-1)
+            return self._argmax(logits)
         probs = logits.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_()  # unseeded rows share this draw
         for row, generator in batch.seeded_rows:

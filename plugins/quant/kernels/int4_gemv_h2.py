@@ -251,7 +251,6 @@ def _int4_gemv_h2_kernel(
     GUARD: tl.constexpr = True,  # False: a fixed 2^-4 (unsafe; gemv_h2_check.py ablate only)
     SPLIT: tl.constexpr = 1,  # REDUCE: the number of splits
 ):
-    release(USE_PDL)
     CW: tl.constexpr = BLOCK_N // 2
     RW: tl.constexpr = BLOCK_K // 16
     pid_n = tl.program_id(0)
@@ -276,6 +275,7 @@ def _int4_gemv_h2_kernel(
         s_ptr, z_ptr, k_begin // GROUP, c0, c1, m0 & first, m1 & first, N
     )
     wait(USE_PDL)
+    release(USE_PDL)  # after the wait, as every PDL kernel (pdl.py)
     x32 = x_ptr.to(tl.pointer_type(tl.int32))
     if ASM:  # in flight while the guard reads its split
         pa0, pa1, pa2, pa3 = _x_words(x32, ka, ka < lim)

@@ -78,6 +78,7 @@ def _gemv_loop(
     # latency otherwise.
     tile = first_tile(qw_ptr, k_begin, k_end, offs_n, mask_n, N, BLOCK_K)
     wait(USE_PDL)  # the first weight tile is in flight; x comes from the kernel before
+    release(USE_PDL)  # after the wait, as every PDL kernel (pdl.py)
     for k0 in range(k_begin, k_end, BLOCK_K):
         kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         mask_kw = kw < k_end // 8
@@ -149,7 +150,6 @@ def _weight_gemv_kernel(
     SPLIT: tl.constexpr = 1,  # REDUCE: the number of splits (the grid's second axis)
 ):
     tl.static_assert(BITS == 4, "the GEMV serves int4 only")
-    release(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     row = tl.program_id(2)

@@ -219,3 +219,48 @@ def test_plugin_registers_triton_attention_component():
 def test_unknown_plugin_setting_is_refused():
     with pytest.raises(ValueError, match="block_q"):
         backends(4, 2, 32, torch.float32, block_q=8)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("min_split", [0, 1000])
+def test_the_first_tile_read_before_the_wait_gives_the_same_bits(kv_dtype, min_split):
+    """``decode_prefetch_max_batch``: each program's first tile is read before the PDL
+    wait without the new token, which is read after it (the last position of each
+    request: in a first tile at 1, 5, 16 and 17 tokens, in a later one at 150). The same
+    bits come out as the loop alone, with and without the splits' merge, over a 16-bit
+    or a quantized cache, and a padding row stays zero."""
+    from test_kv_quant import quantized_copy
+
+    from tokenloom.plugins.attention.torch_backend import write_kv_cache
+
+    batch = make_batch([1] * 5, [150, 17, 1, 16, 5], num_heads=8, num_kv_heads=2,
+                       head_dim=32, dtype=torch.float16, padding_rows=1, device=DEVICE)  # fmt: skip
+    caches = (batch.k_cache, batch.v_cache)
+    if kv_dtype is not None:
+        caches = quantized_copy(batch, kv_dtype)
+        write_kv_cache(batch.k, batch.v, *caches, batch.meta.slot_mapping)
+    outs = []
+    for prefetch_batch in (0, 6):
+        attn, _ = backends(8, 2, 32, torch.float16, max_num_splits=4,
+                           decode_min_split_tokens=min_split,
+                           decode_prefetch_max_batch=prefetch_batch)  # fmt: skip
+        attn.prepare(batch.meta)
+        outs.append(attn.forward(batch.q, batch.k, batch.v, *caches, batch.meta, batch.scale,
+                                 kv_written=kv_dtype is not None))  # fmt: skip
+    assert torch.equal(outs[0], outs[1])
+    assert torch.all(outs[1][5:] == 0)
+    bound = TOLERANCE[torch.float16] if kv_dtype is None else 0.1
+    assert relative_error(outs[1][:5], dense_reference(batch)[:5]) < bound
+
+
+def test_the_prefetch_reaches_the_kernel_only_up_to_its_batch_and_without_rope(monkeypatch):
+    seen = []
+    real = triton_backend.decode_attention
+    monkeypatch.setattr(triton_backend, "decode_attention",
+                        lambda *a, **kw: seen.append(kw["prefetch"]) or real(*a, **kw))  # fmt: skip
+    for batch_size, expected in ((2, True), (3, False)):
+        batch = make_batch([1] * batch_size, [9] * batch_size, device=DEVICE)
+        attn, _ = backends(4, 2, 32, torch.float32, decode_prefetch_max_batch=2)
+        out = forward(attn, batch)
+        assert seen[-1] is expected
+        assert relative_error(out, dense_reference(batch)) < TOLERANCE[torch.float32]

@@ -72,3 +72,37 @@ def test_pdl_chain_in_a_graph_gives_the_bits_of_the_plain_launches(monkeypatch):
         static_r.copy_(r)
         graph.replay()
         torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_every_pdl_kernel_releases_only_after_its_wait():
+    """The contract the decode attention's prefetch relies on (``pdl.py``): a kernel
+    that calls ``release(USE_PDL)`` calls ``wait(USE_PDL)`` on an earlier line, so that
+    when a kernel starts, every kernel but the one before it has finished."""
+    import ast
+    from pathlib import Path
+
+    import tokenloom
+    import tokenloom.contrib
+    import tokenloom.plugins
+
+    roots = {Path(m.__file__).parent for m in (tokenloom, tokenloom.plugins, tokenloom.contrib)}
+    files = sorted({path.resolve() for root in roots for path in root.rglob("*.py")})
+    checked = 0
+    for path in files:
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, ast.FunctionDef):
+                continue
+            lines: dict[str, list[int]] = {"wait": [], "release": []}
+            for node in ast.walk(fn):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Name)
+                    and node.func.id in lines
+                    and [getattr(a, "id", None) for a in node.args] == ["USE_PDL"]
+                ):
+                    lines[node.func.id].append(node.lineno)
+            if lines["release"]:
+                checked += 1
+                assert lines["wait"], f"{path.name}:{fn.name} releases without a wait"
+                assert min(lines["release"]) > min(lines["wait"]), f"{path.name}:{fn.name}"
+    assert checked >= 15  # the decode path's kernels (18 in session 20)

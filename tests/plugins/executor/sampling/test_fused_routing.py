@@ -103,11 +103,15 @@ def test_seeded_or_filtered_rows_keep_the_unfused_draw_bit_for_bit(spy, params) 
     assert all(torch.equal(a, b) for a, b in zip(*draws, strict=True))
 
 
-def test_a_greedy_only_batch_takes_the_plain_argmax(spy: Spy) -> None:
+def test_a_greedy_only_batch_takes_the_kernel_s_noiseless_argmax(spy: Spy) -> None:
     sampler = fused_sampler({f"g{i}": SamplingParams(temperature=0.0) for i in range(3)})
     logits = torch.randn(3, 32, device=DEVICE)
     assert torch.equal(sampler.sample(logits, ["g0", "g1", "g2"]).token_ids, logits.argmax(-1))
-    assert spy.calls == []
+    assert len(spy.calls) == 1 and spy.calls[0][1] is None  # no temperature: no noise
+    unfused = fused_sampler({"g": SamplingParams(temperature=0.0)})
+    unfused.use_fused_sample = False  # the CPU default: torch's argmax
+    assert torch.equal(unfused.sample(logits[:1], ["g"]).token_ids, logits[:1].argmax(-1))
+    assert len(spy.calls) == 1
 
 
 def test_the_fused_draw_is_off_by_default_on_the_cpu() -> None:
@@ -120,14 +124,15 @@ def test_warm_up_compiles_the_fused_draw_for_the_vocabulary_once(spy: Spy) -> No
     sampler = Sampler(40, DEVICE)
     sampler.use_fused_sample = True
     sampler.warm_up()
-    assert len(spy.calls) == 1
+    assert len(spy.calls) == 2  # the draw and the greedy argmax
     logits, temperature, _ = spy.calls[0]
     assert logits.shape == (1, 40) and logits.dtype == torch.float32
     assert temperature.tolist() == [1.0]
+    assert spy.calls[1][1] is None
     unfused = Sampler(40, DEVICE)
     unfused.use_fused_sample = False
     unfused.warm_up()
-    assert len(spy.calls) == 1
+    assert len(spy.calls) == 2
 
 
 def test_the_executor_warms_the_sampler_up_at_load(monkeypatch, tiny_model_factory) -> None:

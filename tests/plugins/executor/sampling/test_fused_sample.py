@@ -78,6 +78,30 @@ def test_greedy_rows_take_the_argmax_and_masked_tokens_never_win() -> None:
     assert len({tuple(t.tolist()) for t in sampled}) > 1  # T = 5 rows do vary
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_greedy_kernel_is_torch_s_argmax_ties_to_the_lowest_index(dtype) -> None:
+    # temperature None: no noise at all (the all-greedy batch), whatever the split
+    torch.manual_seed(3)
+    rows, vocab = 5, 61
+    logits = torch.randint(-3, 4, (rows, vocab)).to(dtype)  # many ties per row
+    logits[1, :] = float("-inf")  # all masked: index 0, as torch
+    logits[2, 60] = 9.0  # the last element, in a partial block
+    logits[3, 17] = logits[3, 40] = 9.0  # a tie across splits
+    logits = logits.to(DEVICE)
+    expected = logits.float().argmax(dim=-1)
+    assert expected.tolist()[1:4] == [0, 60, 17]
+    for splits in (1, 2, 4):
+        got = fused_sample(logits, None, 2**32, num_splits=splits, block=16)
+        assert torch.equal(got, expected), (splits, got.tolist(), expected.tolist())
+    assert torch.equal(fused.greedy_argmax(logits), expected)
+
+
+def test_the_greedy_kernel_skips_a_nan_which_torch_s_argmax_picks() -> None:
+    logits = torch.tensor([[0.0, float("nan"), 2.0, 1.0]], device=DEVICE)
+    assert fused.greedy_argmax(logits).tolist() == [2]
+    assert logits.argmax(dim=-1).tolist() == [1]
+
+
 @pytest.mark.parametrize("vocab", [64, 61])
 def test_splitting_a_row_across_programs_gives_the_same_ids(vocab: int) -> None:
     torch.manual_seed(1)
@@ -154,6 +178,17 @@ def test_gpu_draws_follow_the_softmax(temperature: float) -> None:
     temps = torch.full((rows,), temperature, device="cuda")
     tokens = fused_sample(logits, temps, host_seed())
     assert chi_square(tokens, (ROW / temperature).softmax(-1)) < 2 * CHI2_DF7_P001
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_greedy_argmax_is_torch_s_at_the_full_vocabulary(rows: int, dtype) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    logits = torch.randint(-50, 50, (rows, BIG_VOCAB), device="cuda", generator=gen).to(dtype)
+    logits[0, 5] = logits[0, BIG_VOCAB - 1] = 60  # a tie at both ends of the row
+    assert torch.equal(fused.greedy_argmax(logits), logits.argmax(dim=-1))
+    assert fused.greedy_argmax(logits)[0].item() == 5
 
 
 @pytest.mark.gpu
