@@ -103,7 +103,7 @@ def test_decode_ptx_conversion_of_every_8_bit_value_is_exact(kv_dtype):
     import triton
     import triton.language as tl
 
-    from tokenloom.plugins.attention.triton_kernels.decode import _kv_to_f16
+    from tokenloom.plugins.attention.triton_kernels.decode_tile import _kv_to_f16
 
     @triton.jit
     def convert(x_ptr, y_ptr, N: tl.constexpr):
