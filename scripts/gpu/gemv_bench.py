@@ -48,7 +48,7 @@ def _kind(c) -> str:
     if c.h2:
         return "h2"
     if c.nk:
-        return "persist" if c.persist else "ring" if c.ring else "mma" if c.mma else "nk"
+        return "mma" if c.mma else "nk"
     return "dequant" if c.dequant else "kmajor" if c.kmajor else "gemv" if c.gemv else "dot"
 
 

@@ -8,8 +8,7 @@
 #                 ../shared/tools/gpu-wheels .whl
 # On the device:  bash scripts/gpu/int4_ab.sh STEP...   (carry [".snap", ".whl"])
 # Steps: lat (int4 before/after/kn alternated twice, --runs 3), latbf16, latab and thrab
-# (bf16 and int4, before/after), gpu20, sample and prof (session 20), exp and latexp
-# (TOKENLOOM_INT4_EXPERIMENTAL=1: tests, GEMVs, engine), thr (int4
+# (bf16 and int4, before/after), gpu20, sample and prof (session 20), thr (int4
 # before/after/kn, one pass each), tests (int4 GPU tests), gputests (every GPU test under
 # tests/plugins/quant and tests/plugins/models), gemv4 (gemv_bench nk layout), ncu. Each call must end within 600 s: lat alone takes about 8 minutes with tuning.
 # Output: $OUT/lat-*.json, thr-*.json, *.log; the "lat" / "thr" lines are the table.
@@ -72,18 +71,6 @@ for step in "$@"; do
       PYTHONPATH=/tmp/after:/tmp/site timeout 470 python3 -m pytest -q -m gpu -p no:cacheprovider --maxfail=20 \
         tests/plugins/quant tests/plugins/models > "$OUT/gpu-tests-all.log" 2>&1
       echo "gputests rc=$?"; tail -n 6 "$OUT/gpu-tests-all.log" ;;
-    exp)  # session 19's unmeasured ring and persistent int4 tilings: GPU tests, then the GEMVs
-      PYTHONPATH=/tmp/after:/tmp/site timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
-        tests/plugins/quant/test_int4_gemv_mma.py > "$OUT/gpu-tests-exp.log" 2>&1
-      echo "exp tests rc=$?"; tail -n 2 "$OUT/gpu-tests-exp.log"
-      TOKENLOOM_INT4_EXPERIMENTAL=1 PYTHONPATH=/tmp/after:/tmp/site timeout 300 python3 scripts/gpu/gemv_bench.py \
-        --bits 4 --rows 1 --cold --json "$OUT/gemv4-exp.json" > "$OUT/gemv4-exp.log" 2>&1
-      grep -E "per layer|^  " "$OUT/gemv4-exp.log" | grep -v skip | tail -8 ;;
-    latexp)
-      for r in 1 2; do
-        lat "mma$r" after int4
-        lat "exp$r" after int4 TOKENLOOM_INT4_EXPERIMENTAL=1
-      done ;;
     gemv4)
       PYTHONPATH=/tmp/after:/tmp/site timeout 300 python3 scripts/gpu/gemv_bench.py --bits 4 \
         --rows 1 --cold --int4-layout nk --json "$OUT/gemv4-nk.json" > "$OUT/gemv4-nk.log" 2>&1

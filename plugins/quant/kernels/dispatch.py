@@ -23,7 +23,6 @@ import triton
 from tokenloom.plugins.models import tuning_cache
 from tokenloom.plugins.quant.kernels.gemm_config import (  # noqa: F401  (re-exported)
     INT4_NK,
-    INT4_NK_EXPERIMENTAL,
     INT4_NK_MMA,
     NK,
     NK_ROWS,
@@ -210,7 +209,7 @@ def candidates(
     tilings do not fit it (``gemv_fits``)."""
     gemv, gemv_rows = (NK, NK_ROWS) if nk else (GEMV, GEMV_ROWS)
     if nk and bits == 4:
-        gemv, gemv_rows = (INT4_NK + INT4_NK_MMA + experimental_offered() if index == 0 else []), []
+        gemv, gemv_rows = (INT4_NK + INT4_NK_MMA if index == 0 else []), []
     pools = (
         gemv + SKINNY + KMAJOR_SKINNY,
         gemv + gemv_rows + SKINNY + KMAJOR_SKINNY,
@@ -252,13 +251,6 @@ DEQUANT = GemmConfig(0, 0, 0, dequant=True)
 DEQUANT_MAX_ELEMENTS = 1 << 28
 
 
-def experimental_offered() -> list[GemmConfig]:
-    """The unmeasured one-row int4 tilings (ring, persistent), with
-    ``TOKENLOOM_INT4_EXPERIMENTAL=1``."""
-    flag = os.environ.get("TOKENLOOM_INT4_EXPERIMENTAL", "0") == "1"
-    return INT4_NK_EXPERIMENTAL if flag else []
-
-
 def dequant_offered() -> bool:
     return os.environ.get("TOKENLOOM_WEIGHT_DEQUANT", "1") != "0"
 
@@ -286,7 +278,10 @@ CACHE_NAME = "weight-gemm.json"
 # v14: int4 stored [N, K / 8] only where int4_gemv_nk serves the layer (bf16, sm_90+); a
 # rerouted call over that storage takes the gather tile (exact for fractional zero points);
 # the int8 GEMVs over [K, N] removed.
-KERNELS_VERSION = 15
+# v15: int4_gemv_mma (the one-row int4 GEMV on the tensor cores) offered with int4_gemv_nk.
+# v16: its shared-memory ring and persistent grid removed (a stored choice would name
+# GemmConfig fields that are gone).
+KERNELS_VERSION = 16
 
 
 def _load() -> dict[str, Any]:
@@ -325,7 +320,7 @@ def choose_configs(
         f"triton {triton.__version__}|int{bits} g{group}|{n}x{k}|{dtype}|zeros {zeros is not None}"
         f"{' fractional' if fractional else ''}"
         f"|kernels v{KERNELS_VERSION}{' dequant' if dequant_offered() else ''}"
-        f"{' h2' if h2 else ''}{' nk' if nk else ''}{' experimental' if experimental_offered() else ''}"
+        f"{' h2' if h2 else ''}{' nk' if nk else ''}"
     )
     if key not in _DECIDED:
         stored = _load().get(key)

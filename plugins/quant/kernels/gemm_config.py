@@ -31,8 +31,6 @@ class GemmConfig:
     nk: bool = False  # stored [N, K]: int8_gemv_nk (``rows`` rows of x), int4_gemv_nk
     biased: bool = False  # nk: weights as 2^15 + 128 + q, the bias taken off per word
     mma: bool = False  # nk int4: the products on the tensor cores (int4_gemv_mma)
-    ring: bool = False  # mma: the tiles through a shared-memory ring of num_stages stages
-    persist: int = 0  # mma: a persistent grid of this many programs an SM
 
     def kmajor_fits(self, bits: int, group: int) -> bool:
         return self.kmajor and bits == 4 and group > 0 and group % self.block_k == 0
@@ -122,20 +120,7 @@ INT4_NK_MMA = [
     GemmConfig(1, 16, 2048, 1, 2, 3, nk=True, mma=True),
     GemmConfig(1, 8, 4096, 1, 4, 3, nk=True, mma=True),
 ]
-# Unmeasured (session 19), offered only with TOKENLOOM_INT4_EXPERIMENTAL=1:
-# - int4_gemv_mma streaming its tiles through a shared-memory ring (Triton's cp.async
-#   pipeliner, x read by the PTX): registers for one tile, not two. Offline sm_90 (Triton
-#   3.6): 32 x 1024 / 4, 3 stages: 104 registers, 35 KB, loop 3.2 instructions a weight;
-#   16 x 1024 / 4, 4 stages: 82, 26 KB, 3.5.
-# - int4_gemv_persistent: `persist` programs an SM walk their row blocks with the next
-#   tile in flight across them. 16 x 4096 / 4: 168 registers, loop 2.4 (the row block's
-#   reduction and store included); 8 x 4096 / 4: 122, 2.8.
-INT4_NK_EXPERIMENTAL = [
-    GemmConfig(1, 32, 1024, 1, 4, 3, nk=True, mma=True, ring=True),
-    GemmConfig(1, 16, 1024, 1, 4, 4, nk=True, mma=True, ring=True),
-    GemmConfig(1, 16, 2048, 1, 2, 3, nk=True, mma=True, ring=True),
-    GemmConfig(1, 16, 4096, 1, 4, 3, nk=True, mma=True, persist=3),
-    GemmConfig(1, 16, 4096, 1, 4, 3, nk=True, mma=True, persist=2),
-    GemmConfig(1, 16, 2048, 1, 2, 3, nk=True, mma=True, persist=6),
-    GemmConfig(1, 8, 4096, 1, 4, 3, nk=True, mma=True, persist=4),
-]
+# Session 20 (H200, cold us a Llama-3-8B layer; nk / mma / persistent grid / shared-memory
+# ring): qkv 6.5 / 6.9 / 7.3 / 11.0, o 5.4 / 5.5 / 6.1 / 8.9, gate/up 24.3 / 23.6 / 24.5 /
+# 32.4, down 16.6 / 16.7 / 16.8 / 25.3. Neither gained: the int4 one-row GEMV is not bound
+# by bytes in flight either. Both were removed (kernels v16).

@@ -12,7 +12,9 @@ fewer instructions, about the same time: qkv 6.8, o 5.6, gate/up 23.5, down 16.9
 against ``int4_gemv_nk``'s 6.6, 5.4, 24.4, 16.8. The tuner takes it for gate/up. So the
 one-row int4 GEMVs are not bound by their instruction count; a variant reading the scales
 packed ``[N, G]`` (one 4-byte load a row and group, 4d5a482) measured the same too, so
-not by the scale gathers either (docs/quantization.md, session 19).
+not by the scale gathers either (docs/quantization.md, session 19). Nor by bytes in
+flight: the tiles through a shared-memory ring, and a persistent grid with the next tile
+in flight across row blocks, measured no faster and went (session 20, ``gemm_config``).
 
 The idea. One ``mma.sync.m16n8k16`` (bf16 in, fp32 sums) used as a 4-lane dot product. In
 its fragments lane ``4g + j`` holds ``A[g][2j..2j+1]``, ``A[g][2j+8..]`` (A's registers 0
@@ -53,7 +55,7 @@ from tokenloom.plugins.quant.kernels.int4_gemv_nk import (
     _split4,
     int4_nk_fits,
 )
-from tokenloom.plugins.quant.kernels.int4_mma_asm import _mma_pair, _x_b, _x_b_loaded
+from tokenloom.plugins.quant.kernels.int4_mma_asm import _mma_pair, _x_b
 
 
 @triton.jit
@@ -83,8 +85,7 @@ def _group_epilogue(acc, chain, xs, s_ptr, z_ptr, g, rows, N):
 
 @triton.jit
 def _step(acc_lo, acc_hi, w_lo, w_hi, k0, x_ptr, s_ptr, z_ptr, rows_s_lo, rows_s_hi, N, KW,
-          GROUP: tl.constexpr, H: tl.constexpr, P: tl.constexpr, ASM: tl.constexpr,
-          RING: tl.constexpr):  # fmt: skip
+          GROUP: tl.constexpr, H: tl.constexpr, P: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
     """One tile of ``BLOCK_KW`` words of the program's rows: the products and the group
     epilogue."""
     kw = k0 + tl.arange(0, P) * 4  # each element's first word
@@ -92,11 +93,7 @@ def _step(acc_lo, acc_hi, w_lo, w_hi, k0, x_ptr, s_ptr, z_ptr, rows_s_lo, rows_s
     g = tl.minimum((kw * 8) // GROUP, (KW * 8 - 1) // GROUP)
     lo = _split4(w_lo, H, P)
     hi = _split4(w_hi, H, P)
-    if ASM and RING > 1:
-        xb = _x_b_loaded(x_ptr.to(tl.pointer_type(tl.int32)), kw, mask_p)
-        xs = xb[16]
-        chain_lo, chain_hi = _mma_pair(lo, hi, xb)
-    elif ASM:
+    if ASM:
         xb = _x_b(x_ptr.to(tl.pointer_type(tl.int32)), kw, mask_p)
         xs = xb[16]
         chain_lo, chain_hi = _mma_pair(lo, hi, xb)
@@ -108,21 +105,6 @@ def _step(acc_lo, acc_hi, w_lo, w_hi, k0, x_ptr, s_ptr, z_ptr, rows_s_lo, rows_s
     acc_lo = _group_epilogue(acc_lo, chain_lo, xs, s_ptr, z_ptr, g, rows_s_lo, N)
     acc_hi = _group_epilogue(acc_hi, chain_hi, xs, s_ptr, z_ptr, g, rows_s_hi, N)
     return acc_lo, acc_hi
-
-
-@triton.jit
-def _l2_prefetch(ptrs):
-    """Start reading ``ptrs``' lines into L2 (no registers held): before ``wait`` the
-    ring's first tiles are read while the kernel before still runs, as the register
-    prefetch's first tile is."""
-    return tl.inline_asm_elementwise(
-        asm="prefetch.global.L2 [$1]; mov.u32 $0, 0;",
-        constraints="=r,l",
-        args=[ptrs],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
 
 
 @triton.jit(do_not_specialize=["stride_sn"])
@@ -141,7 +123,6 @@ def _int4_gemv_mma_kernel(
     BLOCK_N: tl.constexpr,  # rows a program, two halves
     BLOCK_KW: tl.constexpr,  # words of a tile row, a multiple of 16
     ASM: tl.constexpr,
-    RING: tl.constexpr = 0,  # > 1: the tiles stream through a shared-memory ring this deep
     USE_PDL: tl.constexpr = False,
 ):
     H: tl.constexpr = BLOCK_N // 2
@@ -159,31 +140,18 @@ def _int4_gemv_mma_kernel(
     rows_s_hi = tl.minimum(offs_hi, N - 1) * stride_sn
     acc_lo = tl.zeros([H, P], tl.float32)
     acc_hi = tl.zeros([H, P], tl.float32)
-    if RING > 1:  # Triton's pipeliner: cp.async into RING stages, registers for one tile
-        if USE_PDL:
-            for t in tl.static_range(RING - 1):
-                nxt = tl.minimum(t * BLOCK_KW + offs_w, KW - 1)[None, :]
-                _l2_prefetch(tl.where(mask_lo[:, None], rows_lo, qw_ptr) + nxt)
-                _l2_prefetch(tl.where(mask_hi[:, None], rows_hi, qw_ptr) + nxt)
-        wait(USE_PDL)
-        release(USE_PDL)
-        for k0 in tl.range(0, KW, BLOCK_KW, num_stages=RING):
-            w_lo = _load_rows(rows_lo, offs_w, k0, mask_lo, KW)
-            w_hi = _load_rows(rows_hi, offs_w, k0, mask_hi, KW)
-            acc_lo, acc_hi = _step(acc_lo, acc_hi, w_lo, w_hi, k0, x_ptr, s_ptr, z_ptr,
-                                   rows_s_lo, rows_s_hi, N, KW, GROUP, H, P, ASM, RING)  # fmt: skip
-    else:  # the next tile in flight in registers
-        w_lo = _load_rows(rows_lo, offs_w, 0, mask_lo, KW)
-        w_hi = _load_rows(rows_hi, offs_w, 0, mask_hi, KW)
-        wait(USE_PDL)  # the first tiles are in flight; x comes from the kernel before
-        release(USE_PDL)
-        for k0 in range(0, KW, BLOCK_KW):
-            next_lo = _load_rows(rows_lo, offs_w, k0 + BLOCK_KW, mask_lo, KW)
-            next_hi = _load_rows(rows_hi, offs_w, k0 + BLOCK_KW, mask_hi, KW)
-            acc_lo, acc_hi = _step(acc_lo, acc_hi, w_lo, w_hi, k0, x_ptr, s_ptr, z_ptr,
-                                   rows_s_lo, rows_s_hi, N, KW, GROUP, H, P, ASM, RING)  # fmt: skip
-            w_lo = next_lo
-            w_hi = next_hi
+    # the next tile in flight in registers
+    w_lo = _load_rows(rows_lo, offs_w, 0, mask_lo, KW)
+    w_hi = _load_rows(rows_hi, offs_w, 0, mask_hi, KW)
+    wait(USE_PDL)  # the first tiles are in flight; x comes from the kernel before
+    release(USE_PDL)
+    for k0 in range(0, KW, BLOCK_KW):
+        next_lo = _load_rows(rows_lo, offs_w, k0 + BLOCK_KW, mask_lo, KW)
+        next_hi = _load_rows(rows_hi, offs_w, k0 + BLOCK_KW, mask_hi, KW)
+        acc_lo, acc_hi = _step(acc_lo, acc_hi, w_lo, w_hi, k0, x_ptr, s_ptr, z_ptr,
+                               rows_s_lo, rows_s_hi, N, KW, GROUP, H, P, ASM)  # fmt: skip
+        w_lo = next_lo
+        w_hi = next_hi
     y_lo = tl.sum(acc_lo, axis=1)
     y_hi = tl.sum(acc_hi, axis=1)
     if HAS_BIAS:
@@ -198,8 +166,7 @@ def int4_mma_fits(x: torch.Tensor, qweight: torch.Tensor, group: int, has_zeros:
     return group % 128 == 0 and int4_nk_fits(x, qweight, group, has_zeros)
 
 
-def launch_rows(
-    kernel: triton.JITFunction,
+def launch_int4_mma(
     x: torch.Tensor,
     qweight: torch.Tensor,  # the logical [K / 8, N]: a view of [N, K / 8] storage
     scales: torch.Tensor,
@@ -209,18 +176,14 @@ def launch_rows(
     block_n: int,
     block_k: int,
     num_warps: int,
-    programs: int = 0,
-    **options: object,
 ) -> torch.Tensor:
-    """The launch the int4 tensor-core GEMVs share (``int4_mma_fits``): ``x [1, K] @
-    dequant(qweight)^T (+ bias) -> [1, N]`` in ``x``'s dtype; ``block_n`` rows a row block
-    (even), ``block_k`` K a tile row; ``programs`` (0: one a row block); ``options``: the
-    kernel's other constexprs and launch keywords."""
+    """``x [1, K] @ dequant(qweight)^T (+ bias) -> [1, N]`` in ``x``'s dtype
+    (``int4_mma_fits``); ``block_n`` rows a program (even), ``block_k`` K a tile row."""
     assert int4_mma_fits(x, qweight, group, zeros is not None), (tuple(x.shape), group)
     assert block_n % 2 == 0 and block_k % 128 == 0, (block_n, block_k)
     kw, n = qweight.shape
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    kernel[(programs or triton.cdiv(n, block_n),)](
+    _int4_gemv_mma_kernel[(triton.cdiv(n, block_n),)](
         x,
         qweight.t(),  # [N, K / 8], contiguous
         scales,
@@ -236,29 +199,6 @@ def launch_rows(
         BLOCK_KW=max(16, min(block_k // 8, triton.next_power_of_2(kw))),
         ASM=_ptx(x),
         num_warps=num_warps,
-        **options,
         **launch_options(x.device),
     )
     return y
-
-
-def launch_int4_mma(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
-    group: int,
-    bias: torch.Tensor | None,
-    block_n: int,
-    block_k: int,
-    num_warps: int,
-    ring: int = 0,
-) -> torch.Tensor:
-    """``launch_rows`` of ``_int4_gemv_mma_kernel``; ``ring`` > 1: the tiles stream
-    through a shared-memory ring of that many stages."""
-    ring = ring if x.data_ptr() % 16 == 0 else 0  # the ring's PTX reads x 16 bytes at a time
-    stages = {"num_stages": ring} if ring > 1 else {}
-    return launch_rows(
-        _int4_gemv_mma_kernel, x, qweight, scales, zeros, group, bias, block_n, block_k,
-        num_warps, RING=ring, **stages,
-    )  # fmt: skip

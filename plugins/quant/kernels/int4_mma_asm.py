@@ -1,6 +1,6 @@
-"""The PTX of ``int4_gemv_mma`` (session 19): x's B registers and sum, with or without its
-own loads, and the MMA pair over two weight rows (the module docstring of
-``int4_gemv_mma`` says how the diagonal of a lane quad makes ``mma.sync`` a dot product)."""
+"""The PTX of ``int4_gemv_mma`` (session 19): x's B registers and sum, and the MMA pair
+over two weight rows (the module docstring of ``int4_gemv_mma`` says how the diagonal of
+a lane quad makes ``mma.sync`` a dot product)."""
 
 from __future__ import annotations
 
@@ -23,22 +23,6 @@ for _w in range(4):
 _XB_LINES.append(" mov.f32 $16, s; }")
 _XB_ASM = tl.constexpr("\n".join(_XB_LINES))
 _XB_CONSTRAINTS = tl.constexpr("=r," * 16 + "=f," + ",".join(["r"] * 16))
-# the same, loading x itself ($17: the element's 16-byte-aligned address, $18: 0 past K):
-# opaque to Triton's pipeliner, which would stage each 4-byte x word through shared memory
-_XL_LINES = [
-    "{ .reg .b32 x<16>; .reg .pred p; setp.ne.b32 p, $18, 0;",
-    *(f" mov.b32 x{i}, 0;" for i in range(16)),
-    *(
-        f" @p ld.global.nc.v4.b32 {{x{4 * v}, x{4 * v + 1}, x{4 * v + 2}, x{4 * v + 3}}},"
-        f" [$17+{16 * v}];"
-        for v in range(4)
-    ),
-]
-_XL_BODY = "\n".join(_XB_LINES)
-for _i in reversed(range(16)):  # $17.. -> x0..; high numbers first ($27 before $17)
-    _XL_BODY = _XL_BODY.replace(f"${17 + _i}", f"x{_i}")
-_XL_ASM = tl.constexpr("\n".join(_XL_LINES) + "\n" + _XL_BODY + " }")
-_XL_CONSTRAINTS = tl.constexpr("=r," * 16 + "=f,l,r")
 
 # rows r ($2..$5) and r' ($6..$9): four words each, K-aligned; B registers $10..$25 ->
 # $0, $1: quad sums of (128 + q) x for r and r' on the diagonal lane, 0 on the others
@@ -70,19 +54,6 @@ _W_LINES += [
 ]
 _W_ASM = tl.constexpr("\n".join(_W_LINES))
 _W_CONSTRAINTS = tl.constexpr("=f,=f," + ",".join(["r"] * 24))
-
-
-@triton.jit
-def _x_b_loaded(x32, kw, mask):
-    """``_x_b`` with x loaded by the PTX (16-byte loads; x 16-byte aligned)."""
-    return tl.inline_asm_elementwise(
-        asm=_XL_ASM,
-        constraints=_XL_CONSTRAINTS,
-        args=[x32 + kw * 4, mask.to(tl.int32)],
-        dtype=(tl.int32,) * 16 + (tl.float32,),
-        is_pure=False,
-        pack=1,
-    )
 
 
 @triton.jit

@@ -48,7 +48,6 @@ from tokenloom.plugins.quant.kernels.gemm_config import (  # noqa: F401  (re-exp
 from tokenloom.plugins.quant.kernels.int4_gemv_h2 import h2_fits, launch_h2
 from tokenloom.plugins.quant.kernels.int4_gemv_mma import launch_int4_mma
 from tokenloom.plugins.quant.kernels.int4_gemv_nk import int4_nk_fits, launch_int4_nk
-from tokenloom.plugins.quant.kernels.int4_gemv_persistent import launch_int4_persistent
 from tokenloom.plugins.quant.kernels.int4_tiles import (
     dequant_asm_ok,
     int4_row_major,
@@ -278,11 +277,9 @@ def weight_gemm(
     if cfg.h2 and not h2_fits(x, bits, group, cfg.block_k, zeros is not None):
         cfg = choose_config(m, n, k, _num_sms(x.device))
     if cfg.nk and bits == 4:
-        args = (x, qweight, scales, zeros, group, bias, cfg.block_n, cfg.block_k, cfg.num_warps)
-        if cfg.persist:  # (the arguments' types: int4_nk_fits)
-            return launch_int4_persistent(*args, cfg.persist)  # type: ignore[arg-type]
-        ring = cfg.num_stages if cfg.ring else 0
-        return launch_int4_mma(*args, ring) if cfg.mma else launch_int4_nk(*args)  # type: ignore[arg-type]
+        return (launch_int4_mma if cfg.mma else launch_int4_nk)(
+            x, qweight, scales, zeros, group, bias, cfg.block_n, cfg.block_k, cfg.num_warps
+        )  # type: ignore[arg-type]
     if cfg.nk:
         return launch_int8_nk(
             x, qweight, scales, bias, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.rows, cfg.biased

@@ -11,9 +11,8 @@ import torch
 from test_int4_gemv_h2 import _rel_err, _x
 from test_int4_gemv_nk import _layer
 
-from tokenloom.plugins.quant.kernels.dispatch import INT4_NK_EXPERIMENTAL, INT4_NK_MMA, candidates
+from tokenloom.plugins.quant.kernels.dispatch import INT4_NK_MMA, candidates
 from tokenloom.plugins.quant.kernels.int4_gemv_mma import int4_mma_fits, launch_int4_mma
-from tokenloom.plugins.quant.kernels.int4_gemv_persistent import launch_int4_persistent
 from tokenloom.plugins.quant.kernels.weight_gemm import weight_gemm
 
 CUDA = torch.cuda.is_available()
@@ -33,12 +32,11 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 4e-3}
     ],
 )
 @pytest.mark.parametrize("fractional", [False, True])
-@pytest.mark.parametrize("ring", [0, 3])  # the next tile in registers; a shared-memory ring
-def test_matches_the_dequantized_reference(dtype, n, k, block_n, block_k, fractional, ring):
+def test_matches_the_dequantized_reference(dtype, n, k, block_n, block_k, fractional):
     qweight, scales, zeros, ref = _layer(n, k, 128, fractional)
     x = _x(k, dtype)
     bias = torch.randn(n).to(DEVICE, dtype)
-    y = launch_int4_mma(x, qweight, scales, zeros, 128, bias, block_n, block_k, 4, ring)
+    y = launch_int4_mma(x, qweight, scales, zeros, 128, bias, block_n, block_k, 4)
     assert y.shape == (1, n) and y.dtype == dtype
     assert _rel_err(y, x, ref, bias) < TOL[dtype]
     y0 = launch_int4_mma(x, qweight, scales, zeros, 128, None, block_n, block_k, 4)
@@ -57,30 +55,7 @@ def test_serves_groups_of_128_only_and_the_tuner_offers_it_there():
     assert set(INT4_NK_MMA) <= set(offered)
 
 
-@pytest.mark.parametrize("per_sm", [1, 2])
-def test_the_persistent_grid_walks_several_row_blocks(per_sm):
-    # 13 row blocks of 16 over 4 (CPU) or 132 x per_sm programs; K in 3 tiles, the last
-    # partial: each program's tile sequence crosses row blocks, its sums reset per block
-    qweight, scales, zeros, ref = _layer(200, 640, 128, True, seed=2)
-    x = _x(640, DTYPES[0])
-    bias = torch.randn(200).to(DEVICE, DTYPES[0])
-    y = launch_int4_persistent(x, qweight, scales, zeros, 128, bias, 16, 256, 4, per_sm)
-    assert _rel_err(y, x, ref, bias) < TOL[DTYPES[0]]
-
-
-def test_the_experimental_tilings_are_offered_only_when_asked(monkeypatch):
-    offered = candidates(0, 4096, 4096, 4, 128, 132, nk=True)
-    assert not any(c.ring or c.persist for c in offered)
-    monkeypatch.setenv("TOKENLOOM_INT4_EXPERIMENTAL", "1")
-    offered = candidates(0, 4096, 4096, 4, 128, 132, nk=True)
-    assert set(INT4_NK_EXPERIMENTAL) <= set(offered) and all(
-        c.fits(4, 128) for c in INT4_NK_EXPERIMENTAL
-    )
-
-
-@pytest.mark.parametrize(
-    "cfg", [*INT4_NK_MMA[:2], INT4_NK_EXPERIMENTAL[0], INT4_NK_EXPERIMENTAL[3]]
-)
+@pytest.mark.parametrize("cfg", INT4_NK_MMA[:2])
 def test_weight_gemm_runs_it_for_its_tilings(cfg):
     qweight, scales, zeros, ref = _layer(24, 512, 128, True)
     x = _x(512, DTYPES[0])
@@ -91,7 +66,7 @@ def test_weight_gemm_runs_it_for_its_tilings(cfg):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
-@pytest.mark.parametrize("cfg", INT4_NK_MMA + INT4_NK_EXPERIMENTAL)
+@pytest.mark.parametrize("cfg", INT4_NK_MMA)
 @pytest.mark.parametrize(("outlier", "scale"), [(0.0, 1.0), (3e3, 1.0), (0.0, 1e-6), (0.0, 1e4)])
 def test_gpu_llama_shapes(n, k, cfg, outlier, scale):
     qweight, scales, zeros, ref = _layer(n, k)
@@ -103,7 +78,7 @@ def test_gpu_llama_shapes(n, k, cfg, outlier, scale):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
-@pytest.mark.parametrize("cfg", INT4_NK_MMA + INT4_NK_EXPERIMENTAL)
+@pytest.mark.parametrize("cfg", INT4_NK_MMA)
 @pytest.mark.parametrize(("n", "k"), [(1000, 1152), (37, 384), (4099, 2944)])
 def test_gpu_partial_tiles_fractional_zeros_and_bias(n, k, cfg):
     qweight, scales, zeros, ref = _layer(n, k, 128, True, seed=3)
