@@ -52,6 +52,25 @@ def _kind(c) -> str:
     return "dequant" if c.dequant else "kmajor" if c.kmajor else "gemv" if c.gemv else "dot"
 
 
+def same_bytes(cold: bool) -> None:
+    """Per int4 shape: the best bf16 one-row GEMV over ``[N, K / 4]`` bf16, cold as the
+    int4 rows are timed (the int4 weight's bytes, without its scales and zero points)."""
+    from tokenloom.plugins.models.skinny_gemm import GEMV_CONFIGS, gemv
+
+    peak = copy_bandwidth() / 1e9
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k // 4, device="cuda", dtype=torch.bfloat16)
+        ws = [w] + [w.clone() for _ in range(-(-COLD_BYTES // w.nbytes) - 1 if cold else 0)]
+        x = torch.randn(1, k // 4, device="cuda", dtype=torch.bfloat16)
+        best = min(
+            (time_graph(lambda c=c, x=x, ws=ws: [gemv(x, w_, c) for w_ in ws]) / len(ws), c)
+            for c in GEMV_CONFIGS
+        )
+        gbs = w.nbytes / best[0] / 1e3
+        print(f"same bytes, bf16 GEMV {name:8s} {n}x{k // 4}: {best[0]:6.1f} us {gbs:6.0f} GB/s "
+              f"{100 * gbs / peak:5.1f}%  {best[1]}")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,4")
@@ -71,8 +90,17 @@ def main() -> None:
         default="nk",
         help="int4 storage: [N, K / 8] as the engine keeps it since session 17, or [K / 8, N]",
     )
+    ap.add_argument(
+        "--same-bytes",
+        action="store_true",
+        help="also the bf16 one-row GEMV (skinny_gemm.gemv) over [N, K / 4] bf16: the int4 "
+        "weight's bytes in rows of the same length, with one FMA a weight (session 20: is "
+        "the int4 GEMV's 44-62%% of the copy bandwidth its rows' geometry or its arithmetic?)",
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.same_bytes:
+        same_bytes(args.cold)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     peak = copy_bandwidth() / 1e9  # the latency bench's roofline bandwidth, GB/s
     print(f"copy bandwidth {peak:.0f} GB/s")
