@@ -17,6 +17,10 @@ Each request's split length is derived on the device from ``seq_lens``; programs
 whose slice is empty exit at once, so the launch depends only on tensor shapes and the
 path is CUDA-graph capturable. Padding rows (seq_len 0) produce zeros.
 
+At small batches (``PREFETCH``) each program reads its first KV tile before the PDL
+wait, all but this step's token, which it reads after (``decode_tile.py`` says why
+that is safe): the length, block-table and cache reads no longer follow the wait.
+
 A quantized cache (``KV_QUANT``, a compile-time switch: the unquantized kernel is
 unchanged) is dequantized on the fly with its per-token-head scales: the raw fp8 /
 int8 values enter both dots as f16 (exact; ``KV_F16``, for 16-bit queries; an fp32
