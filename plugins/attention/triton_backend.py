@@ -38,6 +38,7 @@ from tokenloom.plugins.attention.triton_kernels.decode_rope import DecodeRope
 from tokenloom.plugins.attention.triton_kernels.kv_write import write_kv
 from tokenloom.plugins.attention.triton_kernels.prefill import prefill_attention
 from tokenloom.plugins.models import fused_ops
+from tokenloom.plugins.models.pdl import pdl_on
 from tokenloom.protocols.components.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -200,6 +201,12 @@ class TritonAttention(AttentionBackend):
         self.decode_maxnreg = int(defaults["decode_maxnreg"])
         self.decode_rope_min_batch = int(defaults["decode_rope_min_batch"])
         self.decode_prefetch_max_batch = int(defaults["decode_prefetch_max_batch"])
+        if (
+            not interpreted
+            and not pdl_on(self.device)
+            and "decode_prefetch_max_batch" not in settings
+        ):
+            self.decode_prefetch_max_batch = 0  # nothing to overlap: only its registers
         # QUANT_DECODE where it was measured (CUDA, head_dim <= 128, 16-bit queries) and
         # the user set neither of its keys: a cap on its own, with two stages, only spills
         measured = not interpreted and self.head_dim <= 128 and model_info.dtype != torch.float32
@@ -237,6 +244,14 @@ class TritonAttention(AttentionBackend):
         if self.head_dim <= 128 and self.num_splits(batch) >= self.max_num_splits:
             return 64
         return 32
+
+    def _prefetch(self, num_decodes: int, quantized: bool, rope: DecodeRope | None) -> bool:
+        """Whether the decode kernel reads its first KV tile before the PDL wait
+        (``decode_tile.py``): up to ``decode_prefetch_max_batch`` requests, never with rope
+        inside the kernel (which writes the new token itself), and over a 16-bit cache
+        only, where it was measured: an 8-bit cache's tile spills under ``QUANT_DECODE``'s
+        register cap (33 spill instructions on sm_90, Triton 3.6)."""
+        return num_decodes <= self.decode_prefetch_max_batch and not quantized and rope is None
 
     def _scratch_rows(self, max_batch: int) -> int:
         # Rows of [num_heads, head_dim] partials the largest batch needs.
@@ -348,7 +363,7 @@ class TritonAttention(AttentionBackend):
                 heads_first=self.decode_heads_first,
                 maxnreg=self.quant_decode_maxnreg if quantized else self.decode_maxnreg,
                 rope=decode_rope,
-                prefetch=num_decodes <= self.decode_prefetch_max_batch and decode_rope is None,
+                prefetch=self._prefetch(num_decodes, quantized, decode_rope),
             )
         if num_decodes < num_seqs:
             prefill_attention(

@@ -14,6 +14,7 @@ The contract of a kernel that takes part (a ``USE_PDL`` constexpr):
   (activations, metadata, counters, caches) and before its first store (a buffer it
   writes may still be read by the kernel before it). Only weights, which no kernel of
   a step writes, may be read before it.
+- no ``return`` before the wait (a program that exits counts as released).
 - ``release(USE_PDL)`` after the wait: it only lets the next kernel start; that kernel
   waits for this one to finish before it reads. Releasing after the wait means that
   when a kernel starts, every kernel but the one before it has finished, so what those

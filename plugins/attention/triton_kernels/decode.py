@@ -192,8 +192,10 @@ def _decode_kernel(
     first = kv_start
     if PREFETCH:  # the new token's key and value, written by the kernel before
         new0 = offs_n0 == seq_len - 1
-        k0 = tl.where(new0[None, :], tl.load(kp0, mask=new0[None, :] & mask_d[:, None]), k0)
-        v0 = tl.where(new0[:, None], tl.load(vp0, mask=new0[:, None] & mask_d[None, :]), v0)
+        k_new = tl.load(kp0, mask=new0[None, :] & mask_d[:, None], other=0.0)
+        v_new = tl.load(vp0, mask=new0[:, None] & mask_d[None, :], other=0.0)
+        k0 = tl.where(new0[None, :], k_new, k0)  # a padded head dim stays 0
+        v0 = tl.where(new0[:, None], v_new, v0)
         qk = tile_scores(q, k0, row_scale, scale_log2, KV_F16, KV_ASM, DOT_PRECISION)
         if KV_QUANT:
             qk = qk * tl.where(new0, tl.load(ksp0, mask=new0), ks0)[None, :]

@@ -223,7 +223,7 @@ def test_unknown_plugin_setting_is_refused():
 
 @pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn, torch.int8])
 @pytest.mark.parametrize("min_split", [0, 1000])
-def test_the_first_tile_read_before_the_wait_gives_the_same_bits(kv_dtype, min_split):
+def test_the_first_tile_read_before_the_wait_gives_the_same_bits(kv_dtype, min_split, monkeypatch):
     """``decode_prefetch_max_batch``: each program's first tile is read before the PDL
     wait without the new token, which is read after it (the last position of each
     request: in a first tile at 1, 5, 16 and 17 tokens, in a later one at 150). The same
@@ -233,6 +233,9 @@ def test_the_first_tile_read_before_the_wait_gives_the_same_bits(kv_dtype, min_s
 
     from tokenloom.plugins.attention.torch_backend import write_kv_cache
 
+    # the kernel serves 8-bit caches too, though the backend offers it 16-bit ones only
+    monkeypatch.setattr(TritonAttention, "_prefetch",
+                        lambda self, n, quantized, rope: n <= self.decode_prefetch_max_batch)  # fmt: skip
     batch = make_batch([1] * 5, [150, 17, 1, 16, 5], num_heads=8, num_kv_heads=2,
                        head_dim=32, dtype=torch.float16, padding_rows=1, device=DEVICE)  # fmt: skip
     caches = (batch.k_cache, batch.v_cache)
@@ -264,3 +267,17 @@ def test_the_prefetch_reaches_the_kernel_only_up_to_its_batch_and_without_rope(m
         out = forward(attn, batch)
         assert seen[-1] is expected
         assert relative_error(out, dense_reference(batch)) < TOLERANCE[torch.float32]
+
+
+def test_the_backend_prefetches_over_16_bit_caches_without_rope_up_to_its_batch():
+    attn, _ = backends(4, 2, 32, torch.float32, decode_prefetch_max_batch=4)
+    assert attn._prefetch(4, False, None)
+    assert not attn._prefetch(5, False, None)
+    assert not attn._prefetch(4, True, None)  # an 8-bit tile spills under QUANT_DECODE's cap
+    assert not attn._prefetch(4, False, object())  # rope in the kernel writes the new token
+    assert backends(4, 2, 32, torch.float32)[0].decode_prefetch_max_batch == 0  # interpreter
+
+
+def test_the_first_tile_before_the_wait_with_a_padded_head_dim():
+    # head_dim 48 pads to 64 in the kernel: the new token's padded dims must read 0
+    check_against_references([1, 1], [23, 5], head_dim=48, decode_prefetch_max_batch=2)

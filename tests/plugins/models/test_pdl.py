@@ -76,8 +76,9 @@ def test_pdl_chain_in_a_graph_gives_the_bits_of_the_plain_launches(monkeypatch):
 
 def test_every_pdl_kernel_releases_only_after_its_wait():
     """The contract the decode attention's prefetch relies on (``pdl.py``): a kernel
-    that calls ``release(USE_PDL)`` calls ``wait(USE_PDL)`` on an earlier line, so that
-    when a kernel starts, every kernel but the one before it has finished."""
+    that calls ``release(USE_PDL)`` calls ``wait(USE_PDL)`` on an earlier line, and none
+    returns before its wait (an exited program counts as released), so that when a
+    kernel starts, every kernel but the one before it has finished."""
     import ast
     from pathlib import Path
 
@@ -105,4 +106,7 @@ def test_every_pdl_kernel_releases_only_after_its_wait():
                 checked += 1
                 assert lines["wait"], f"{path.name}:{fn.name} releases without a wait"
                 assert min(lines["release"]) > min(lines["wait"]), f"{path.name}:{fn.name}"
-    assert checked >= 15  # the decode path's kernels (18 in session 20)
+            if lines["wait"]:  # a program that exits counts as released: none before its wait
+                returns = [n.lineno for n in ast.walk(fn) if isinstance(n, ast.Return)]
+                assert all(r > min(lines["wait"]) for r in returns), f"{path.name}:{fn.name}"
+    assert checked >= 15  # the decode path's kernels (15 in session 20)

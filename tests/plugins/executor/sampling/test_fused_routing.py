@@ -114,6 +114,20 @@ def test_a_greedy_only_batch_takes_the_kernel_s_noiseless_argmax(spy: Spy) -> No
     assert len(spy.calls) == 1
 
 
+def test_a_greedy_batch_with_penalties_takes_the_noiseless_argmax_of_the_processed_logits(
+    spy: Spy,
+) -> None:
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.5)
+    sampler = fused_sampler({"p": params, "q": params})
+    logits = torch.randn(2, 32, device=DEVICE) * 0.1
+    logits[:, 5] = 1.0
+    logits[:, 2] = 1.2  # token 2 is in the prompt: 1.2 / 1.5 falls below token 5
+    expected = sampler._process(logits, sampler._batch_for(["p", "q"])).argmax(-1)
+    assert expected.tolist() == [5, 5] and logits.argmax(-1).tolist() == [2, 2]
+    assert torch.equal(sampler.sample(logits, ["p", "q"]).token_ids, expected)
+    assert len(spy.calls) == 1 and spy.calls[0][1] is None
+
+
 def test_the_fused_draw_is_off_by_default_on_the_cpu() -> None:
     assert not Sampler(32, "cpu").use_fused_sample
 
