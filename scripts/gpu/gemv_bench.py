@@ -35,13 +35,17 @@ from tokenloom.bench.latency import copy_bandwidth
 from tokenloom.plugins.models.cuda_timing import time_graph
 from tokenloom.plugins.quant.int4 import dequantize_int4, quantize_int4
 from tokenloom.plugins.quant.int8 import dequantize_int8, quantize_int8
-from tokenloom.plugins.quant.kernels.dispatch import bucket, candidates, h2_candidates
+from tokenloom.plugins.quant.kernels.dispatch import (  # COLD_BYTES: 3x an H200's L2
+    COLD_BYTES,
+    bucket,
+    candidates,
+    h2_candidates,
+)
 from tokenloom.plugins.quant.kernels.int4_tiles import int4_row_major
 from tokenloom.plugins.quant.kernels.int8_gemv_nk import row_major
 from tokenloom.plugins.quant.kernels.weight_gemm import weight_gemm
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-COLD_BYTES = 150 << 20  # --cold: 3x an H200's L2
 
 
 def _kind(c) -> str:

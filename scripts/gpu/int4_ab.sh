@@ -10,7 +10,8 @@
 # Steps: lat (int4 before/after/kn alternated twice, --runs 3), latbf16, latab and thrab
 # (bf16 and int4, before/after), gpu20, sample and prof (session 20), thr (int4
 # before/after/kn, one pass each), tests (int4 GPU tests), gputests (every GPU test under
-# tests/plugins/quant and tests/plugins/models), gemv4 (gemv_bench nk layout), samebytes (the bf16 GEMV over the same bytes), ncu. Each call must end within 600 s: lat alone takes about 8 minutes with tuning.
+# tests/plugins/quant and tests/plugins/models), gemv4 (gemv_bench nk layout), samebytes (the bf16 GEMV over the same bytes), latcold (the tuner timed cold),
+# ncu. Each call must end within 600 s: lat alone takes about 8 minutes with tuning.
 # Output: $OUT/lat-*.json, thr-*.json, *.log; the "lat" / "thr" lines are the table.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
@@ -71,6 +72,8 @@ for step in "$@"; do
       PYTHONPATH=/tmp/after:/tmp/site timeout 470 python3 -m pytest -q -m gpu -p no:cacheprovider --maxfail=20 \
         tests/plugins/quant tests/plugins/models > "$OUT/gpu-tests-all.log" 2>&1
       echo "gputests rc=$?"; tail -n 6 "$OUT/gpu-tests-all.log" ;;
+    latcold)  # TOKENLOOM_TUNE_COLD=1 (unmeasured): the tuner timing over HBM, not L2
+      for r in 1 2; do lat "hot$r" after int4; lat "cold$r" after int4 TOKENLOOM_TUNE_COLD=1; done ;;
     samebytes)  # the bf16 GEMV over the int4 weight's bytes in rows of its length (unrun)
       PYTHONPATH=/tmp/after:/tmp/site timeout 300 python3 scripts/gpu/gemv_bench.py --bits 4 \
         --rows 1 --cold --same-bytes --json "$OUT/gemv4-same-bytes.json" > "$OUT/gemv4-sb.log" 2>&1

@@ -255,6 +255,15 @@ def dequant_offered() -> bool:
     return os.environ.get("TOKENLOOM_WEIGHT_DEQUANT", "1") != "0"
 
 
+def tune_cold() -> bool:
+    """``TOKENLOOM_TUNE_COLD=1`` (unmeasured, session 20): each candidate timed over copies
+    of the weights (``COLD_BYTES`` in all) read from HBM, as in a decode step. Hot, qkv, o
+    and down stay in an H200's 50 MB L2, and int4 down's choice moved between starts
+    (int4_gemv_mma, 18.7 us on the step's critical path; int4_gemv_nk, 16.9)."""
+    return os.environ.get("TOKENLOOM_TUNE_COLD", "0") == "1"
+
+
+COLD_BYTES = 150 << 20  # 3x an H200's L2
 CACHE_NAME = "weight-gemm.json"
 # Part of every cache key: bump it when a kernel, the buckets or the candidate lists
 # change, so that no machine keeps a choice measured on code that is gone.
@@ -320,7 +329,7 @@ def choose_configs(
         f"triton {triton.__version__}|int{bits} g{group}|{n}x{k}|{dtype}|zeros {zeros is not None}"
         f"{' fractional' if fractional else ''}"
         f"|kernels v{KERNELS_VERSION}{' dequant' if dequant_offered() else ''}"
-        f"{' h2' if h2 else ''}{' nk' if nk else ''}"
+        f"{' h2' if h2 else ''}{' nk' if nk else ''}{' cold' if tune_cold() else ''}"
     )
     if key not in _DECIDED:
         stored = _load().get(key)
@@ -346,6 +355,13 @@ def _measure(qweight, scales, zeros, bits, group, dtype, reference, fractional=F
     k = qweight.shape[0] * (8 if bits == 4 else 1)
     num_sms = torch.cuda.get_device_properties(qweight.device).multi_processor_count
     chosen: list[GemmConfig] = []
+    copies = [(qweight, scales, zeros)]
+    if tune_cold():  # clones keep the strides ([N, K / 8] storage stays so)
+        nbytes = sum(t.nbytes for t in (qweight, scales, zeros) if t is not None)
+        copies += [
+            (qweight.clone(), scales.clone(), None if zeros is None else zeros.clone())
+            for _ in range(-(-COLD_BYTES // nbytes) - 1)
+        ]
     for index, (_, rows) in enumerate(BUCKETS):
         xs = [torch.randn(m, k, dtype=dtype, device=qweight.device) for m in rows]
         expected = [reference(x).float() for x in xs]
@@ -364,12 +380,13 @@ def _measure(qweight, scales, zeros, bits, group, dtype, reference, fractional=F
                         raise ValueError("disagrees with the dequantized reference")
                 t = sum(
                     time_graph(
-                        lambda x=x, c=cfg: weight_gemm(
-                            x, qweight, scales, zeros, bits, group, None, c
-                        )
+                        lambda x=x, c=cfg: [
+                            weight_gemm(x, q_, s_, z_, bits, group, None, c)
+                            for q_, s_, z_ in copies
+                        ]
                     )
                     for x in xs
-                )
+                ) / len(copies)
             except Exception as err:  # a tile this GPU or Triton cannot run
                 log.debug("weight GEMM %s skipped on %dx%d: %s", cfg, n, k, err)
                 continue

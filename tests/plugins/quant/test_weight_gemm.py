@@ -358,3 +358,26 @@ def test_the_in_kernel_split_sum_adds_in_split_order_bit_for_bit_as_the_split_su
     monkeypatch.setattr(module, "reduce_counters", lambda device, needed: None)
     launched = weight_gemm(x, qweight, scales, zeros, 4, group, None, cfg)
     assert torch.equal(fused, launched)
+
+
+@pytest.mark.gpu
+def test_gpu_cold_tuning_keeps_its_choices_apart_and_correct(monkeypatch, tmp_path):
+    """``TOKENLOOM_TUNE_COLD=1`` times the candidates over copies of the weights (read
+    from HBM, not L2): the choices are stored under their own key and every bucket's
+    tiling still agrees with the dequantized reference."""
+    from tokenloom.plugins.quant.kernels import dispatch
+
+    monkeypatch.setenv("TOKENLOOM_CACHE", str(tmp_path))
+    monkeypatch.setenv("TOKENLOOM_TUNE_COLD", "1")
+    monkeypatch.setattr(dispatch, "_DECIDED", {})
+    w = torch.randn(4096, 4096, device="cuda") / 64  # o's shape: 8 MB in int4, cached hot
+    qw, s, z = quantize_int4(w.to(torch.bfloat16), 128)
+    qw = qw.t().contiguous().t()  # [N, K / 8], as the engine stores it on sm_90
+    ref = dequantize_int4(qw, s, z, 128, torch.bfloat16)
+    configs = dispatch.choose_configs(qw, s, z, 4, 128, torch.bfloat16, lambda x: F.linear(x, ref))
+    assert len(configs) == len(BUCKETS) and all(" cold" in key for key in dispatch._DECIDED)
+    for config, (_, rows) in zip(configs, BUCKETS, strict=True):
+        x = torch.randn(rows[-1], 4096, device="cuda", dtype=torch.bfloat16)
+        y = weight_gemm(x, qw, s, z, 4, 128, None, config).float()
+        expected = F.linear(x.float(), ref.float())
+        assert float((y - expected).norm() / expected.norm()) < 2e-2, config
