@@ -128,7 +128,6 @@ def cuda_defaults(head_dim: int) -> dict[str, int]:
         # (two KV splits or fewer from there for 8 KV heads), not a measured crossover
         "decode_rope_min_batch": 64,
         # the first KV tile before the PDL wait (decode_tile.py): measured at batch 1 only
-        # (session 20); above, more registers per program may cost more than it saves
         "decode_prefetch_max_batch": 8,
         "prefill_block_m": 64,
         "prefill_block_n": 32 if big_head else 64,
@@ -246,11 +245,9 @@ class TritonAttention(AttentionBackend):
         return 32
 
     def _prefetch(self, num_decodes: int, quantized: bool, rope: DecodeRope | None) -> bool:
-        """Whether the decode kernel reads its first KV tile before the PDL wait
-        (``decode_tile.py``): up to ``decode_prefetch_max_batch`` requests, never with rope
-        inside the kernel (which writes the new token itself), and over a 16-bit cache
-        only, where it was measured: an 8-bit cache's tile spills under ``QUANT_DECODE``'s
-        register cap (33 spill instructions on sm_90, Triton 3.6)."""
+        """The decode kernel's first KV tile before the PDL wait (``decode_tile.py``): up to
+        ``decode_prefetch_max_batch`` requests, no rope in the kernel (it writes the new
+        token), 16-bit caches (an 8-bit tile spills under ``QUANT_DECODE``'s cap)."""
         return num_decodes <= self.decode_prefetch_max_batch and not quantized and rope is None
 
     def _scratch_rows(self, max_batch: int) -> int:
