@@ -11,7 +11,7 @@
 # (bf16 and int4, before/after), gpu20, sample and prof (session 20), thr (int4
 # before/after/kn, one pass each), tests (int4 GPU tests), gputests (every GPU test under
 # tests/plugins/quant and tests/plugins/models), gemv4 (gemv_bench nk layout), samebytes (the bf16 GEMV over the same bytes), latcold (the tuner timed cold),
-# ncu. Each call must end within 600 s: lat alone takes about 8 minutes with tuning.
+# ncu, ncustall (stall reasons: int4 against int8). Each call must end within 600 s: lat alone takes about 8 minutes with tuning.
 # Output: $OUT/lat-*.json, thr-*.json, *.log; the "lat" / "thr" lines are the table.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
@@ -72,6 +72,15 @@ for step in "$@"; do
       PYTHONPATH=/tmp/after:/tmp/site timeout 470 python3 -m pytest -q -m gpu -p no:cacheprovider --maxfail=20 \
         tests/plugins/quant tests/plugins/models > "$OUT/gpu-tests-all.log" 2>&1
       echo "gputests rc=$?"; tail -n 6 "$OUT/gpu-tests-all.log" ;;
+    ncustall)  # what the warps stall on: int4 nk and mma against int8 nk (unrun; the
+      # stall metrics' names are the WarpStateStats section's, not checked on this host)
+      PYTHONPATH=/tmp/after:/tmp/site timeout 500 ncu --clock-control none \
+        -k "regex:int4_gemv_nk|int4_gemv_mma|int8_gemv_nk" -c 16 --section SpeedOfLight \
+        --section WarpStateStats --section Occupancy \
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+        python3 scripts/gpu/int4_nk_once.py --all > "$OUT/ncu-stall.log" 2>&1
+      echo "ncustall rc=$?"
+      grep -E "gemv_.*_kernel|Duration|DRAM Throughput|issue_stalled" "$OUT/ncu-stall.log" | head -150 ;;
     latcold)  # TOKENLOOM_TUNE_COLD=1 (unmeasured): the tuner timing over HBM, not L2
       for r in 1 2; do lat "hot$r" after int4; lat "cold$r" after int4 TOKENLOOM_TUNE_COLD=1; done ;;
     samebytes)  # the bf16 GEMV over the int4 weight's bytes in rows of its length (unrun)
