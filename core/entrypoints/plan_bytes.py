@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tokenloom.config import EngineConfig
 
@@ -94,7 +95,7 @@ def weight_bytes(
     vocab-parallel embedding and LM head (the vocabulary padded to a multiple of the
     ranks) and the norms, in the model dtype; with ``lm_head`` (a method's name) the head's
     rows as that method stores them (a tied embedding keeps its 16-bit rows besides,
-    unless the head's format serves its lookups: int8, ``LinearKernel.rows``)."""
+    unless the head's format serves its lookups: ``QuantMethod.serves_rows``)."""
     h, d = shape.hidden_size, shape.head_dim
     q = rank_heads(shape.num_heads, tp) * d
     kv = rank_heads(shape.num_kv_heads, tp) * d
@@ -109,7 +110,9 @@ def weight_bytes(
     )
     vocab_rows = -(-shape.vocab_size // tp)
     if lm_head is not None and lm_head != "none":
-        table = 0 if shape.tie_word_embeddings and lm_head == "int8" else vocab_rows * h * element
+        table = vocab_rows * h * element
+        if shape.tie_word_embeddings and quant_method(lm_head).serves_rows:
+            table = 0
         embeddings = table + linear_bytes(vocab_rows, h, lm_head, element)
     else:
         embeddings = (1 if shape.tie_word_embeddings else 2) * vocab_rows * h * element
@@ -156,13 +159,18 @@ def activation_bytes(shape: ModelShape, config: EngineConfig, element: int) -> i
     return max(forward, logits)
 
 
+def quant_method(name: str) -> Any:
+    """The class of the quant method registered as ``name``."""
+    from tokenloom.plugin_manager import PluginManager
+
+    return PluginManager.default().component("quant", name).factory
+
+
 def lm_head_method(config: EngineConfig) -> str | None:
     """The engine's choice of the LM head's format: ``quant_lm_head`` where set, else the
     method's default (None: 16-bit)."""
-    from tokenloom.plugin_manager import PluginManager
     from tokenloom.protocols.components.quant import lm_head_method
 
     if config.quant == "none":
         return None
-    method = PluginManager.default().component("quant", config.quant).factory
-    return lm_head_method(config, method)
+    return lm_head_method(config, quant_method(config.quant))

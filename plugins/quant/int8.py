@@ -80,6 +80,7 @@ class Int8Quant(WeightQuantMethod):
     # without (the 1% bound), and -0.11 ms of a 2.94 ms Llama-3-8B step on the H200
     # (docs/quantization.md, "The LM head"); ``--no-quant-lm-head`` keeps it 16-bit.
     lm_head_default = True
+    serves_rows = True  # Int8Kernel.rows: a tied embedding's lookups
 
     def make_kernel(self, layer: Linear) -> LinearKernel:
         qweight, scales = quantize_int8(layer.weight.data)

@@ -45,6 +45,11 @@ class QuantMethod(ABC):
     # bound (int8: True; int4: "int8"; docs/quantization.md, "The LM head").
     lm_head_default: bool | str = False
 
+    # True: this method's kernels implement ``LinearKernel.rows``, so an embedding tied to
+    # the LM head it quantizes reads its lookups there and keeps no 16-bit table (what
+    # ``tokenloom plan`` counts; a test holds every method to it).
+    serves_rows: bool = False
+
     # True: the executor loads the model with ``layer_loaded`` as the loader's callback,
     # each linear layer's dense weight allocated only when its tensors load.
     streams_layers: bool = False

@@ -136,8 +136,11 @@ def test_quant_lm_head_computes_the_logits_from_a_quantized_copy(method, tied, t
     assert (head is model.model.embed_tokens) == tied
     # untied: the 16-bit rows are freed; tied: they stay for the lookups, unless the
     # head's format serves them (int8: then the lookups read its rows)
-    assert head.lookups_from_kernel == (tied and method == "int8")
-    assert (head.weight.numel() == 0) == (not tied or method == "int8")
+    # (QuantMethod.serves_rows declares it: int8's kernel has rows, the others' none)
+    serves = METHODS[method].serves_rows
+    assert serves == (method == "int8")
+    assert head.lookups_from_kernel == (tied and serves)
+    assert (head.weight.numel() == 0) == (not tied or serves)
     table = dense.model.embed_tokens.weight
     ids = torch.tensor([[0, 5, 9], [2, 33, 1]])
     lookups = model.model.embed_tokens(ids)
