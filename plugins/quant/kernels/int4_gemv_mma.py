@@ -47,13 +47,13 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenloom.plugins.models.pdl import launch_options, release, wait
-from tokenloom.plugins.quant.kernels.h2_common import _ptx
+from tokenloom.plugins.models.pdl import release, wait
 from tokenloom.plugins.quant.kernels.int4_gemv_nk import (
     _emu_word,
     _emu_xsum,
     _split4,
     int4_nk_fits,
+    launch_int4_rows,
 )
 from tokenloom.plugins.quant.kernels.int4_mma_asm import _mma_pair, _x_b
 
@@ -181,24 +181,8 @@ def launch_int4_mma(
     (``int4_mma_fits``); ``block_n`` rows a program (even), ``block_k`` K a tile row."""
     assert int4_mma_fits(x, qweight, group, zeros is not None), (tuple(x.shape), group)
     assert block_n % 2 == 0 and block_k % 128 == 0, (block_n, block_k)
-    kw, n = qweight.shape
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _int4_gemv_mma_kernel[(triton.cdiv(n, block_n),)](
-        x,
-        qweight.t(),  # [N, K / 8], contiguous
-        scales,
-        zeros,
-        bias if bias is not None else scales,
-        y,
-        n,
-        kw,
-        1,
-        GROUP=group,
-        HAS_BIAS=bias is not None,
-        BLOCK_N=block_n,
-        BLOCK_KW=max(16, min(block_k // 8, triton.next_power_of_2(kw))),
-        ASM=_ptx(x),
-        num_warps=num_warps,
-        **launch_options(x.device),
-    )
-    return y
+    block_kw = max(16, min(block_k // 8, triton.next_power_of_2(qweight.shape[0])))
+    return launch_int4_rows(
+        _int4_gemv_mma_kernel, x, qweight, scales, zeros, bias, block_n, block_kw, num_warps,
+        1, GROUP=group,
+    )  # fmt: skip

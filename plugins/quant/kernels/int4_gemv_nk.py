@@ -301,6 +301,45 @@ def int4_nk_serves(dtype: torch.dtype, device: torch.device, group: int, k: int)
     return dtype in (torch.float16, torch.float32, torch.bfloat16)
 
 
+def launch_int4_rows(
+    kernel: triton.JITFunction,
+    x: torch.Tensor,
+    qweight: torch.Tensor,  # the logical [K / 8, N]: a view of [N, K / 8] storage
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    bias: torch.Tensor | None,
+    block_n: int,
+    block_kw: int,
+    num_warps: int,
+    *extra: object,
+    **constexprs: object,
+) -> torch.Tensor:
+    """The launch the one-row int4 GEMVs over ``[N, K / 8]`` share (this one and
+    ``int4_gemv_mma``): ``y [1, N]`` in ``x``'s dtype; ``extra`` the kernel's runtime
+    arguments after ``KW``, ``constexprs`` its own."""
+    kw, n = qweight.shape
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    kernel[(triton.cdiv(n, block_n),)](
+        x,
+        qweight.t(),  # [N, K / 8], contiguous
+        scales,
+        zeros,
+        bias if bias is not None else scales,
+        y,
+        n,
+        kw,
+        *extra,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=block_n,
+        BLOCK_KW=block_kw,
+        ASM=_ptx(x),
+        num_warps=num_warps,
+        **constexprs,
+        **launch_options(x.device),
+    )
+    return y
+
+
 def launch_int4_nk(
     x: torch.Tensor,
     qweight: torch.Tensor,  # the logical [K / 8, N]: a view of [N, K / 8] storage
@@ -315,24 +354,8 @@ def launch_int4_nk(
     """``x [1, K] @ dequant(qweight)^T (+ bias) -> [1, N]`` in ``x``'s dtype
     (``int4_nk_fits``); ``block_k`` K values a tile row."""
     assert int4_nk_fits(x, qweight, group, zeros is not None), (tuple(x.shape), group)
-    kw, n = qweight.shape
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    block_kw = max(4, min(block_k // 8, triton.next_power_of_2(kw)))
-    _int4_gemv_nk_kernel[(triton.cdiv(n, block_n),)](
-        x,
-        qweight.t(),  # [N, K / 8], contiguous
-        scales,
-        zeros,
-        bias if bias is not None else scales,
-        y,
-        n,
-        kw,
+    block_kw = max(4, min(block_k // 8, triton.next_power_of_2(qweight.shape[0])))
+    return launch_int4_rows(
+        _int4_gemv_nk_kernel, x, qweight, scales, zeros, bias, block_n, block_kw, num_warps,
         GROUP=group,
-        HAS_BIAS=bias is not None,
-        BLOCK_N=block_n,
-        BLOCK_KW=block_kw,
-        ASM=_ptx(x),
-        num_warps=num_warps,
-        **launch_options(x.device),
-    )
-    return y
+    )  # fmt: skip

@@ -55,6 +55,26 @@ def check_against_references(query_lens, seq_lens, *, num_heads=4, num_kv_heads=
 # --------------------------------------------------------------------------- decode
 
 
+def decode_outputs(batch, kv_dtype, settings_list):
+    """The decode output of ``batch`` (8 heads on 2, head size 32, fp16, four splits)
+    over a 16-bit cache or a copy quantized to ``kv_dtype``, once per backend settings."""
+    from test_kv_quant import quantized_copy
+
+    from tokenloom.plugins.attention.torch_backend import write_kv_cache
+
+    caches = (batch.k_cache, batch.v_cache)
+    if kv_dtype is not None:
+        caches = quantized_copy(batch, kv_dtype)
+        write_kv_cache(batch.k, batch.v, *caches, batch.meta.slot_mapping)
+    outs = []
+    for settings in settings_list:
+        attn, _ = backends(8, 2, 32, torch.float16, max_num_splits=4, **settings)
+        attn.prepare(batch.meta)
+        outs.append(attn.forward(batch.q, batch.k, batch.v, *caches, batch.meta, batch.scale,
+                                 kv_written=kv_dtype is not None))  # fmt: skip
+    return outs
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
 def test_decode_matches_references_for_gqa_groups_1_2_4(num_kv_heads, dtype):
@@ -75,22 +95,9 @@ def test_head_dim_that_is_not_a_power_of_two_is_masked_correctly():
 def test_decode_grid_in_either_order_gives_the_same_output(kv_dtype):
     """``decode_heads_first`` only reorders the programs: the same bits come out,
     over a 16-bit or a quantized cache, with the splits merged."""
-    from test_kv_quant import quantized_copy
-
-    from tokenloom.plugins.attention.torch_backend import write_kv_cache
-
     batch = make_batch([1, 1, 1, 1], [150, 17, 1, 64], num_heads=8, num_kv_heads=2,
                        head_dim=32, dtype=torch.float16, device=DEVICE)  # fmt: skip
-    caches = (batch.k_cache, batch.v_cache)
-    if kv_dtype is not None:
-        caches = quantized_copy(batch, kv_dtype)
-        write_kv_cache(batch.k, batch.v, *caches, batch.meta.slot_mapping)
-    outs = []
-    for first in (0, 1):
-        attn, _ = backends(8, 2, 32, torch.float16, max_num_splits=4, decode_heads_first=first)
-        attn.prepare(batch.meta)
-        outs.append(attn.forward(batch.q, batch.k, batch.v, *caches, batch.meta, batch.scale,
-                                 kv_written=kv_dtype is not None))  # fmt: skip
+    outs = decode_outputs(batch, kv_dtype, [dict(decode_heads_first=f) for f in (0, 1)])
     assert torch.equal(outs[0], outs[1])
     bound = TOLERANCE[torch.float16] if kv_dtype is None else 0.1
     assert relative_error(outs[1], dense_reference(batch)) < bound
@@ -229,27 +236,15 @@ def test_the_first_tile_read_before_the_wait_gives_the_same_bits(kv_dtype, min_s
     request: in a first tile at 1, 5, 16 and 17 tokens, in a later one at 150). The same
     bits come out as the loop alone, with and without the splits' merge, over a 16-bit
     or a quantized cache, and a padding row stays zero."""
-    from test_kv_quant import quantized_copy
-
-    from tokenloom.plugins.attention.torch_backend import write_kv_cache
-
     # the kernel serves 8-bit caches too, though the backend offers it 16-bit ones only
     monkeypatch.setattr(TritonAttention, "_prefetch",
                         lambda self, n, quantized, rope: n <= self.decode_prefetch_max_batch)  # fmt: skip
     batch = make_batch([1] * 5, [150, 17, 1, 16, 5], num_heads=8, num_kv_heads=2,
                        head_dim=32, dtype=torch.float16, padding_rows=1, device=DEVICE)  # fmt: skip
-    caches = (batch.k_cache, batch.v_cache)
-    if kv_dtype is not None:
-        caches = quantized_copy(batch, kv_dtype)
-        write_kv_cache(batch.k, batch.v, *caches, batch.meta.slot_mapping)
-    outs = []
-    for prefetch_batch in (0, 6):
-        attn, _ = backends(8, 2, 32, torch.float16, max_num_splits=4,
-                           decode_min_split_tokens=min_split,
-                           decode_prefetch_max_batch=prefetch_batch)  # fmt: skip
-        attn.prepare(batch.meta)
-        outs.append(attn.forward(batch.q, batch.k, batch.v, *caches, batch.meta, batch.scale,
-                                 kv_written=kv_dtype is not None))  # fmt: skip
+    settings = [
+        dict(decode_min_split_tokens=min_split, decode_prefetch_max_batch=b) for b in (0, 6)
+    ]
+    outs = decode_outputs(batch, kv_dtype, settings)
     assert torch.equal(outs[0], outs[1])
     assert torch.all(outs[1][5:] == 0)
     bound = TOLERANCE[torch.float16] if kv_dtype is None else 0.1
