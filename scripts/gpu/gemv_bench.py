@@ -52,7 +52,7 @@ def _kind(c) -> str:
     if c.h2:
         return "h2"
     if c.nk:
-        return "mma" if c.mma else "nk"
+        return "mma" if c.mma else "dp4a" if getattr(c, "dp4a", False) else "nk"
     return "dequant" if c.dequant else "kmajor" if c.kmajor else "gemv" if c.gemv else "dot"
 
 
@@ -187,6 +187,7 @@ def main() -> None:
                         pct=100 * gbs / peak,
                         config=asdict(cfg),
                         top5=[(round(tt, 2), asdict(c)) for tt, c in results[:5]],
+                        every=[(round(tt, 2), asdict(c)) for tt, c in results],
                         best_by_kind=kinds,
                     )
                 )

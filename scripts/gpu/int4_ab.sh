@@ -75,18 +75,36 @@ for step in "$@"; do
     ncustall)  # what the warps stall on: int4 nk and mma against int8 nk (unrun; the
       # stall metrics' names are the WarpStateStats section's, not checked on this host)
       PYTHONPATH=/tmp/after:/tmp/site timeout 500 ncu --clock-control none \
-        -k "regex:int4_gemv_nk|int4_gemv_mma|int8_gemv_nk" -c 16 --section SpeedOfLight \
+        -k "regex:int4_gemv_nk|int4_gemv_mma|int8_gemv_nk" -c 24 --section SpeedOfLight \
         --section WarpStateStats --section Occupancy \
         --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
         python3 scripts/gpu/int4_nk_once.py --all > "$OUT/ncu-stall.log" 2>&1
       echo "ncustall rc=$?"
-      grep -E "gemv_.*_kernel|Duration|DRAM Throughput|issue_stalled" "$OUT/ncu-stall.log" | head -150 ;;
+      grep -E "gemv_.*_kernel|Duration|DRAM Throughput" "$OUT/ncu-stall.log" | head -80 ;;
     latcold)  # TOKENLOOM_TUNE_COLD=1 (unmeasured): the tuner timing over HBM, not L2
       for r in 1 2; do lat "hot$r" after int4; lat "cold$r" after int4 TOKENLOOM_TUNE_COLD=1; done ;;
     samebytes)  # the bf16 GEMV over the int4 weight's bytes in rows of its length (unrun)
       PYTHONPATH=/tmp/after:/tmp/site timeout 300 python3 scripts/gpu/gemv_bench.py --bits 4 \
         --rows 1 --cold --same-bytes --json "$OUT/gemv4-same-bytes.json" > "$OUT/gemv4-sb.log" 2>&1
       grep -E "same bytes|per layer|^int4" "$OUT/gemv4-sb.log" | tail -12 ;;
+    lat4)  # session 21: int4 before/after alternated twice, bf16 once each
+      for r in 1 2; do lat "int4-before$r" before int4; lat "int4-after$r" after int4; done
+      lat bf16-before before none; lat bf16-after after none ;;
+    thr4) thr int4-before before int4; thr int4-after after int4 ;;
+    t21)  # session 21: the int4 one-row GEMV's GPU tests (dp4a, the register cap)
+      PYTHONPATH=/tmp/after:/tmp/site timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/plugins/quant/test_int4_gemv_nk.py > "$OUT/gpu-tests-21.log" 2>&1
+      echo "t21 rc=$?"; tail -n 2 "$OUT/gpu-tests-21.log" ;;
+    gemvafter)
+      PYTHONPATH=/tmp/after:/tmp/site timeout 280 python3 scripts/gpu/gemv_bench.py --bits 4 \
+        --rows 1 --cold --json "$OUT/gemv4-after.json" > "$OUT/gemv4-after.log" 2>&1
+      echo "gemv after rc=$?"; grep -E "WRONG|m=1:" "$OUT/gemv4-after.log" | head -12 ;;
+    gemvab)  # session 21: int4 one-row GEMVs, the BEFORE tree against this one (dp4a, one tile)
+      for tree in before after; do
+        PYTHONPATH=/tmp/$tree:/tmp/site timeout 280 python3 scripts/gpu/gemv_bench.py --bits 4 \
+          --rows 1 --cold --json "$OUT/gemv4-$tree.json" > "$OUT/gemv4-$tree.log" 2>&1
+        echo "gemv $tree rc=$?"; grep -E "WRONG|skip|m=1:" "$OUT/gemv4-$tree.log" | head -12
+      done ;;
     gemv4)
       PYTHONPATH=/tmp/after:/tmp/site timeout 300 python3 scripts/gpu/gemv_bench.py --bits 4 \
         --rows 1 --cold --int4-layout nk --json "$OUT/gemv4-nk.json" > "$OUT/gemv4-nk.log" 2>&1

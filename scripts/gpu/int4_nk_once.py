@@ -42,6 +42,9 @@ def main() -> None:
         for block_n, block_k, warps in TILINGS:
             y = launch_int4_nk(x, qweight, scales, zeros, 128, None, block_n, block_k, warps)
             check(f"int4 nk {n}x{k} {block_n}x{block_k}/{warps}", y, expected)
+        for block_n, block_k, warps in TILINGS:  # session 21: the integer products
+            y = launch_int4_nk(x, qweight, scales, zeros, 128, None, block_n, block_k, warps, True)
+            check(f"int4 dp4a {n}x{k} {block_n}x{block_k}/{warps}", y, expected)
         if not every:
             continue
         y = launch_int4_mma(x, qweight, scales, zeros, 128, None, *MMA_TILING)

@@ -22,11 +22,8 @@ import triton
 
 from tokenloom.plugins.models import tuning_cache
 from tokenloom.plugins.quant.kernels.gemm_config import (  # noqa: F401  (re-exported)
-    INT4_NK,
-    INT4_NK_MMA,
-    NK,
-    NK_ROWS,
-)
+    INT4_NK, INT4_NK_DP4A, INT4_NK_MMA, NK, NK_ROWS,
+)  # fmt: skip
 from tokenloom.plugins.quant.kernels.int4_gemv_h2 import h2_offered
 from tokenloom.plugins.quant.kernels.int4_tiles import int4_row_major
 from tokenloom.plugins.quant.kernels.int8_gemv_nk import row_major
@@ -209,7 +206,7 @@ def candidates(
     tilings do not fit it (``gemv_fits``)."""
     gemv, gemv_rows = (NK, NK_ROWS) if nk else (GEMV, GEMV_ROWS)
     if nk and bits == 4:
-        gemv, gemv_rows = (INT4_NK + INT4_NK_MMA if index == 0 else []), []
+        gemv, gemv_rows = (INT4_NK + INT4_NK_MMA + INT4_NK_DP4A if index == 0 else []), []
     pools = (
         gemv + SKINNY + KMAJOR_SKINNY,
         gemv + gemv_rows + SKINNY + KMAJOR_SKINNY,
@@ -288,9 +285,9 @@ CACHE_NAME = "weight-gemm.json"
 # rerouted call over that storage takes the gather tile (exact for fractional zero points);
 # the int8 GEMVs over [K, N] removed.
 # v15: int4_gemv_mma (the one-row int4 GEMV on the tensor cores) offered with int4_gemv_nk.
-# v16: its shared-memory ring and persistent grid removed (a stored choice would name
-# GemmConfig fields that are gone).
-KERNELS_VERSION = 16
+# v16: its ring and persistent grid removed (stored choices named fields that are gone).
+# v17: int4_gemv_nk's integer products (dp4a) offered; a one-tile row holds no next tile.
+KERNELS_VERSION = 17
 
 
 def _load() -> dict[str, Any]:

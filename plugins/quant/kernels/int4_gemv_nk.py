@@ -41,6 +41,7 @@ import triton.language as tl
 
 from tokenloom.plugins.models.pdl import launch_options, release, wait
 from tokenloom.plugins.quant.kernels.h2_common import _ptx, ptx_bf16_ok
+from tokenloom.plugins.quant.kernels.int4_dp4a_asm import _dp4a_chain, _x_bytes
 from tokenloom.plugins.quant.kernels.int4_tiles import int4_row_major
 
 # x: 16 bf16x2 words ($18..$33: x0..x31 in pairs) -> 16 f16x2 pairs ($0..$15: word w's
@@ -211,6 +212,16 @@ def _emu_xsum(x_ptr, k, mask):
 
 
 @triton.jit
+def _group_params(s_ptr, z_ptr, kw, offs_n, mask_n, N, KW, GROUP: tl.constexpr):
+    """The scales and ``z - 8`` of the elements starting at words ``kw`` (``[P]``) of the
+    rows ``offs_n``, as ``[BLOCK_N, P]`` fp32."""
+    sz = ((kw * 8) // GROUP)[None, :] * N + offs_n[:, None]
+    mask_e = mask_n[:, None] & (kw < KW)[None, :]
+    s = tl.load(s_ptr + sz, mask=mask_e, other=0.0).to(tl.float32)
+    return s, tl.load(z_ptr + sz, mask=mask_e, other=8.0).to(tl.float32) - 8.0
+
+
+@triton.jit
 def _split4(w, BLOCK_N: tl.constexpr, P: tl.constexpr):
     """``[BLOCK_N, 4 P]`` words -> four ``[BLOCK_N, P]``: words ``4p``, ``4p+1``, ``4p+2``,
     ``4p+3`` of each element (the split keeps a thread's four words in its registers)."""
@@ -236,6 +247,8 @@ def _int4_gemv_nk_kernel(
     BLOCK_KW: tl.constexpr,  # words of a tile row, a multiple of 4
     ASM: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    DP4A: tl.constexpr = False,  # the products on the integer unit (int4_dp4a_asm)
+    ONE_TILE: tl.constexpr = False,  # KW <= BLOCK_KW: no next tile to hold in registers
 ):
     P: tl.constexpr = BLOCK_KW // 4
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -249,17 +262,21 @@ def _int4_gemv_nk_kernel(
     x32 = x_ptr.to(tl.pointer_type(tl.int32))
     acc = tl.zeros([BLOCK_N, P], tl.float32)
     for k0 in range(0, KW, BLOCK_KW):
-        nxt = k0 + BLOCK_KW + offs_w
-        w_next = tl.load(w_rows + nxt[None, :], mask=mask_n[:, None] & (nxt < KW)[None, :], other=0)
+        w_next = w
+        if not ONE_TILE:
+            nxt = k0 + BLOCK_KW + offs_w
+            nxt_mask = mask_n[:, None] & (nxt < KW)[None, :]
+            w_next = tl.load(w_rows + nxt[None, :], mask=nxt_mask, other=0)
         kw = k0 + offs_p
         mask_p = kw < KW
-        g = (kw * 8) // GROUP
-        sz = g[None, :] * N + offs_n[:, None]
-        mask_e = mask_n[:, None] & mask_p[None, :]
-        s = tl.load(s_ptr + sz, mask=mask_e, other=0.0).to(tl.float32)
-        z8 = tl.load(z_ptr + sz, mask=mask_e, other=8.0).to(tl.float32) - 8.0
+        s, z8 = _group_params(s_ptr, z_ptr, kw, offs_n, mask_n, N, KW, GROUP)
         w0, w1, w2, w3 = _split4(w, BLOCK_N, P)
-        if ASM:
+        if ASM and DP4A:  # sum q v exactly, x in 16-bit fixed point: (q - z) = q - 8 - z8
+            xo = _x_bytes(x32, kw, mask_p)
+            chain = _dp4a_chain(w0, w1, w2, w3, xo)
+            up = xo[16][None, :]
+            acc += s * (chain * up - (z8 + 8.0) * (xo[17] * xo[16])[None, :])
+        elif ASM:
             xo = _x_pairs(x32, kw, mask_p)
             chain = _chain(w0, w1, w2, w3, xo)
             up = xo[16][None, :]
@@ -350,12 +367,14 @@ def launch_int4_nk(
     block_n: int,
     block_k: int,
     num_warps: int,
+    dp4a: bool = False,
 ) -> torch.Tensor:
     """``x [1, K] @ dequant(qweight)^T (+ bias) -> [1, N]`` in ``x``'s dtype
-    (``int4_nk_fits``); ``block_k`` K values a tile row."""
+    (``int4_nk_fits``); ``block_k`` K values a tile row; ``dp4a``: the integer products
+    (``int4_dp4a_asm``; the interpreter runs the same fp32 emulation either way)."""
     assert int4_nk_fits(x, qweight, group, zeros is not None), (tuple(x.shape), group)
     block_kw = max(4, min(block_k // 8, triton.next_power_of_2(qweight.shape[0])))
     return launch_int4_rows(
         _int4_gemv_nk_kernel, x, qweight, scales, zeros, bias, block_n, block_kw, num_warps,
-        GROUP=group,
+        GROUP=group, DP4A=dp4a, ONE_TILE=qweight.shape[0] <= block_kw,
     )  # fmt: skip

@@ -11,7 +11,7 @@ import torch
 from test_int4_gemv_h2 import _rel_err, _x
 
 from tokenloom.plugins.quant.int4 import dequantize_int4, quantize_int4
-from tokenloom.plugins.quant.kernels.dispatch import INT4_NK, INT4_NK_MMA, candidates
+from tokenloom.plugins.quant.kernels.dispatch import INT4_NK, INT4_NK_DP4A, INT4_NK_MMA, candidates
 from tokenloom.plugins.quant.kernels.int4_gemv_nk import (
     int4_nk_fits,
     int4_nk_serves,
@@ -75,7 +75,7 @@ def test_serves_only_the_calls_it_fits():
 
 def test_the_tuner_offers_it_at_one_row_for_row_major_words_only():
     one, few = (candidates(i, 4096, 4096, 4, 128, 132, nk=True) for i in (0, 1))
-    assert {c for c in one if c.nk} == set(INT4_NK + INT4_NK_MMA)
+    assert {c for c in one if c.nk} == set(INT4_NK + INT4_NK_MMA + INT4_NK_DP4A)
     assert not any(c.nk for c in few)
     assert not any(c.gemv or c.h2 for c in one + few)  # they read [K / 8, N] storage
     dense = candidates(0, 4096, 4096, 4, 128, 132)
@@ -137,11 +137,14 @@ def test_an_engine_whose_layers_it_cannot_serve_keeps_the_gemvs_layout(tiny_mode
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
 @pytest.mark.parametrize(("block_n", "block_k", "warps"), [(8, 4096, 4), (16, 2048, 2)])
 @pytest.mark.parametrize(("outlier", "scale"), [(0.0, 1.0), (3e3, 1.0), (0.0, 1e-6), (0.0, 1e4)])
-def test_gpu_llama_shapes(n, k, block_n, block_k, warps, outlier, scale):
+@pytest.mark.parametrize("dp4a", [False, True])
+def test_gpu_llama_shapes(n, k, block_n, block_k, warps, outlier, scale, dp4a):
     # the range guard: Llama's massive activations (an outlier of thousands), tiny
-    # activations (scaled up, not lost in f16's subnormals) and large ones (no overflow)
+    # activations (scaled up, not lost in f16's subnormals) and large ones (no overflow);
+    # with dp4a, x's 16-bit fixed point over the same ranges
     qweight, scales, zeros, ref = _layer(n, k)
     x = _x(k, torch.bfloat16, outlier * scale, scale=scale)
-    y = launch_int4_nk(x, qweight, scales, zeros, 128, None, block_n, block_k, warps)
+    y = launch_int4_nk(x, qweight, scales, zeros, 128, None, block_n, block_k, warps, dp4a)
     assert torch.isfinite(y).all()
     assert _rel_err(y, x, ref) < TOL[torch.bfloat16]
+
