@@ -22,8 +22,12 @@ import triton
 
 from tokenloom.plugins.models import tuning_cache
 from tokenloom.plugins.quant.kernels.gemm_config import (  # noqa: F401  (re-exported)
-    INT4_NK, INT4_NK_DP4A, INT4_NK_MMA, NK, NK_ROWS,
-)  # fmt: skip
+    INT4_NK,
+    INT4_NK_DP4A,
+    INT4_NK_MMA,
+    NK,
+    NK_ROWS,
+)
 from tokenloom.plugins.quant.kernels.int4_gemv_h2 import h2_offered
 from tokenloom.plugins.quant.kernels.int4_tiles import int4_row_major
 from tokenloom.plugins.quant.kernels.int8_gemv_nk import row_major
@@ -264,12 +268,9 @@ COLD_BYTES = 150 << 20  # 3x an H200's L2
 CACHE_NAME = "weight-gemm.json"
 # Part of every cache key: bump it when a kernel, the buckets or the candidate lists
 # change, so that no machine keeps a choice measured on code that is gone.
-# v2: buckets 1 / 16 / 64 / any with the one-row GEMV (weight_gemv), its single reduction.
-# v3: the GEMV's shift-free nibbles and register prefetch, one split-sum launch, more splits,
-# a GEMV over several rows per program.
-# v4: the int4 dot kernel converts nibbles through the mantissa of 2^23 (no I2F).
-# v5: a bucket for 65-256 rows; the int4 dot kernel's K-major tile (PTX dequantization),
-# also with the product transposed (swap).
+# v2-v5 (session 7-9): buckets 1 / 16 / 64 / 65-256 / any; the one-row GEMV (weight_gemv),
+# its shift-free nibbles, prefetch and rows per program; the int4 dot kernel's 2^23
+# conversion and K-major tile (PTX dequantization), also swapped.
 # v6: the swapped tiles offered from 1 row, K split up to 256 rows (capped by its bytes).
 # v7: the one-row GEMV's PTX conversions (int8 words of four weights, int4 biased nibbles).
 # v8: the one-row GEMV sums its K splits in the kernel (the last split of a tile).

@@ -10,14 +10,21 @@ eight nibbles costs three bit operations and four ``dp4a``: ~0.9 a weight.
 x as 16-bit fixed point. Per 32 values (an element: four words of a row) x is scaled by a
 power of two so that its largest magnitude lies in [2^14, 2^15), then rounded to an int16
 ``v`` (exact for every value within 2^7 of the largest: a bf16 has 8 significant bits;
-smaller ones are rounded at 2^-15 of the largest, finer than bf16's own 2^-9), split as
+smaller ones are rounded to a step of 2^-15 of the largest, so a value 2^-12 of an outlier
+keeps ~3 bits and one below 2^-16 of it is lost: the error of the dot product is at most
+2^-16 max|x| sum|q - z|, below the f16x2 chain's rounding), split as
 ``v = 256 hi + lo`` (``hi`` a signed byte, ``lo`` an unsigned one). The sum over an element
 ``sum_j q_j v_j = 256 dp(q, hi) + dp(q, lo)`` is then exact in int32 (at most 15 x 32,640 x
 32 < 2^24, so exact in fp32 too), where the f16x2 chain rounds to f16 as it adds.
 
 Byte order: a word holds K values ``k .. k + 7`` as nibbles 0..7, so ``w & 0x0F0F0F0F``
 gives the bytes of ``q_k, q_k+2, q_k+4, q_k+6`` and ``(w >> 4) & 0x0F0F0F0F`` the odd ones;
-x's bytes are packed in the same order (``_X4_ASM``)."""
+x's bytes are packed in the same order (``_X4_ASM``).
+
+A NaN or an infinity among the 32 values makes the scale's inverse a NaN, so that the
+output is NaN, as the f16x2 path and torch propagate it (the fixed point would otherwise
+turn it into a finite value). ``tests/plugins/quant/test_int4_dp4a_ptx.py`` runs this PTX
+in an emulator on the CPU."""
 
 from __future__ import annotations
 
@@ -29,15 +36,17 @@ import triton.language as tl
 # $16 = 2^-s (the scale's inverse, f32), $17 = sum v (f32, exact)
 _X4_LINES = [
     "{ .reg .b32 m, t, e, sc, sh, sl, k, ones, r0, r1, r2, r3, r4, r5, r6, r7, u0, u1;",
+    " .reg .pred bad;",
     " and.b32 m, $18, 0x7FFF7FFF;",
 ]
 _X4_LINES += [f" and.b32 t, ${18 + i}, 0x7FFF7FFF; max.u16x2 m, m, t;" for i in range(1, 16)]
 _X4_LINES += [
     # e: the biased exponent of the largest |x|; the scale 2^(141 - e) (f32 exponent field
-    # 268 - e, kept in [1, 253]: all-zero x gives 253) puts it in [2^14, 2^15)
+    # 268 - e, kept at most 253: all-zero x gives 253) puts it in [2^14, 2^15); e = 255 (a
+    # NaN or an infinity): the inverse NaN
     " shr.u32 t, m, 16; and.b32 m, m, 0xFFFF; max.u32 m, m, t; shr.u32 e, m, 7;",
-    " sub.s32 e, 268, e; min.s32 e, e, 253; max.s32 e, e, 1;",
-    " shl.b32 sc, e, 23; sub.s32 t, 254, e; shl.b32 $16, t, 23;",
+    " setp.eq.u32 bad, e, 255; sub.s32 e, 268, e; min.s32 e, e, 253;",
+    " shl.b32 sc, e, 23; sub.s32 t, 254, e; shl.b32 t, t, 23; selp.b32 $16, 0x7FFFFFFF, t, bad;",
     # 1.5 x 2^23: x 2^s + k has v's two's complement in its low 16 bits (|v| < 2^22)
     " mov.b32 k, 0x4B400000; mov.b32 ones, 0x01010101; mov.b32 sh, 0; mov.b32 sl, 0;",
 ]
@@ -104,9 +113,24 @@ def _x_bytes(x32, kw, mask):
             tl.load(p + 15, mask=mask, other=0),
         ],  # fmt: skip
         dtype=(
-            tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32,
-            tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32,
-            tl.float32, tl.float32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.float32,
+            tl.float32,
         ),  # fmt: skip
         is_pure=True,
         pack=1,
@@ -120,11 +144,26 @@ def _dp4a_chain(w0, w1, w2, w3, xo):
         asm=_DP4A_ASM,
         constraints=_DP4A_CONSTRAINTS,
         args=[
-            w0, w1, w2, w3,
-            xo[0][None, :], xo[1][None, :], xo[2][None, :], xo[3][None, :],
-            xo[4][None, :], xo[5][None, :], xo[6][None, :], xo[7][None, :],
-            xo[8][None, :], xo[9][None, :], xo[10][None, :], xo[11][None, :],
-            xo[12][None, :], xo[13][None, :], xo[14][None, :], xo[15][None, :],
+            w0,
+            w1,
+            w2,
+            w3,
+            xo[0][None, :],
+            xo[1][None, :],
+            xo[2][None, :],
+            xo[3][None, :],
+            xo[4][None, :],
+            xo[5][None, :],
+            xo[6][None, :],
+            xo[7][None, :],
+            xo[8][None, :],
+            xo[9][None, :],
+            xo[10][None, :],
+            xo[11][None, :],
+            xo[12][None, :],
+            xo[13][None, :],
+            xo[14][None, :],
+            xo[15][None, :],
         ],  # fmt: skip
         dtype=tl.float32,
         is_pure=True,

@@ -1,8 +1,9 @@
 """The one-row int4 GEMV over row-major words (``int4_gemv_nk``) equals the dequantized
 reference: its structure (indexing, masks, the group epilogue) in fp32 in the interpreter
 on the CPU, its PTX on the GPU (bf16) at the Llama-3-8B shapes, where the range guard per
-32 values keeps the f16 chains finite and precise under any activation; it serves only
-the calls it fits."""
+32 values keeps the f16 chains finite and precise under any activation, and the integer
+path (``dp4a``) the same; it serves only the calls it fits. The integer path's PTX is also
+run on the CPU, in an emulator (``test_int4_dp4a_ptx.py``)."""
 
 from __future__ import annotations
 
@@ -46,15 +47,16 @@ def _layer(n, k, group=128, fractional=False, seed=0):
     ],
 )
 @pytest.mark.parametrize("fractional", [False, True])
-def test_matches_the_dequantized_reference(dtype, n, k, group, block_n, block_k, fractional):
+@pytest.mark.parametrize("dp4a", [False, True])  # the PTX on a GPU (the interpreter: fp32)
+def test_matches_the_dequantized_reference(dtype, n, k, group, block_n, block_k, fractional, dp4a):
     qweight, scales, zeros, ref = _layer(n, k, group, fractional)
     assert int4_row_major(qweight)
     x = _x(k, dtype)
     bias = torch.randn(n).to(DEVICE, dtype)
-    y = launch_int4_nk(x, qweight, scales, zeros, group, bias, block_n, block_k, 4)
+    y = launch_int4_nk(x, qweight, scales, zeros, group, bias, block_n, block_k, 4, dp4a)
     assert y.shape == (1, n) and y.dtype == dtype
     assert _rel_err(y, x, ref, bias) < TOL[dtype]
-    y0 = launch_int4_nk(x, qweight, scales, zeros, group, None, block_n, block_k, 4)
+    y0 = launch_int4_nk(x, qweight, scales, zeros, group, None, block_n, block_k, 4, dp4a)
     assert _rel_err(y0, x, ref) < TOL[dtype]
 
 
@@ -148,3 +150,13 @@ def test_gpu_llama_shapes(n, k, block_n, block_k, warps, outlier, scale, dp4a):
     assert torch.isfinite(y).all()
     assert _rel_err(y, x, ref) < TOL[torch.bfloat16]
 
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("dp4a", [False, True])
+def test_gpu_a_nan_in_x_reaches_the_output(dp4a):
+    qweight, scales, zeros, _ = _layer(4096, 4096)
+    x = _x(4096, torch.bfloat16)
+    x[0, 100] = float("nan")
+    y = launch_int4_nk(x, qweight, scales, zeros, 128, None, 16, 4096, 4, dp4a)
+    assert torch.isnan(y).all()
