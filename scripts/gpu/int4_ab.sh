@@ -95,6 +95,12 @@ for step in "$@"; do
       PYTHONPATH=/tmp/after:/tmp/site timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
         tests/plugins/quant/test_int4_gemv_nk.py > "$OUT/gpu-tests-21.log" 2>&1
       echo "t21 rc=$?"; tail -n 2 "$OUT/gpu-tests-21.log" ;;
+    t22)  # session 22: the one-row int4 GEMVs' GPU tests (nk: K a constant, even tiles; mma)
+      PYTHONPATH=/tmp/after:/tmp/site timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/plugins/quant/test_int4_gemv_nk.py tests/plugins/quant/test_int4_gemv_mma.py \
+        tests/plugins/quant/test_int4_row_major.py > "$OUT/gpu-tests-22.log" 2>&1
+      echo "t22 rc=$?"; grep -E "^FAILED|Error" "$OUT/gpu-tests-22.log" | head -8
+      tail -n 2 "$OUT/gpu-tests-22.log" ;;
     gemvafter)
       PYTHONPATH=/tmp/after:/tmp/site timeout 280 python3 scripts/gpu/gemv_bench.py --bits 4 \
         --rows 1 --cold --json "$OUT/gemv4-after.json" > "$OUT/gemv4-after.log" 2>&1

@@ -288,7 +288,8 @@ CACHE_NAME = "weight-gemm.json"
 # v15: int4_gemv_mma (the one-row int4 GEMV on the tensor cores) offered with int4_gemv_nk.
 # v16: its ring and persistent grid removed (stored choices named fields that are gone).
 # v17: int4_gemv_nk's integer products (dp4a) offered; a one-tile row holds no next tile.
-KERNELS_VERSION = 17
+# v18: int4_gemv_nk with K a constant and unmasked even tiles; dp4a at 32 rows offered.
+KERNELS_VERSION = 18
 
 
 def _load() -> dict[str, Any]:

@@ -87,51 +87,37 @@ _DP4A_CONSTRAINTS = tl.constexpr("=f," + ",".join(["r"] * 20))
 
 
 @triton.jit
+def _x_quad(x32, kw, i: tl.constexpr, mask):
+    """Words ``kw + 4 i .. + 3`` of x (``[P]`` each), read as one 16-byte load a lane."""
+    q = tl.load(
+        x32 + (kw * 4 + 4 * i)[:, None] + tl.arange(0, 4)[None, :], mask=mask[:, None], other=0
+    )
+    a, b = tl.split(tl.reshape(q, [q.shape[0], 2, 2]))
+    w0, w2 = tl.split(a)
+    w1, w3 = tl.split(b)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _x_words(x32, kw, mask):
+    """x's 16 words from word ``kw`` (a multiple of 4) of each element (``[P]``), in four
+    16-byte loads a lane: the arguments of the one-row int4 GEMVs' x preparations."""
+    a0, a1, a2, a3 = _x_quad(x32, kw, 0, mask)
+    b0, b1, b2, b3 = _x_quad(x32, kw, 1, mask)
+    c0, c1, c2, c3 = _x_quad(x32, kw, 2, mask)
+    d0, d1, d2, d3 = _x_quad(x32, kw, 3, mask)
+    return [a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3]
+
+
+@triton.jit
 def _x_bytes(x32, kw, mask):
     """x's 32 values from word ``kw`` (a multiple of 4) of each element as fixed-point
     bytes (``_X4_ASM``): 16 words, the scale's inverse and the sum of the integers."""
-    p = x32 + kw * 4
     return tl.inline_asm_elementwise(
         asm=_X4_ASM,
         constraints=_X4_CONSTRAINTS,
-        args=[
-            tl.load(p + 0, mask=mask, other=0),
-            tl.load(p + 1, mask=mask, other=0),
-            tl.load(p + 2, mask=mask, other=0),
-            tl.load(p + 3, mask=mask, other=0),
-            tl.load(p + 4, mask=mask, other=0),
-            tl.load(p + 5, mask=mask, other=0),
-            tl.load(p + 6, mask=mask, other=0),
-            tl.load(p + 7, mask=mask, other=0),
-            tl.load(p + 8, mask=mask, other=0),
-            tl.load(p + 9, mask=mask, other=0),
-            tl.load(p + 10, mask=mask, other=0),
-            tl.load(p + 11, mask=mask, other=0),
-            tl.load(p + 12, mask=mask, other=0),
-            tl.load(p + 13, mask=mask, other=0),
-            tl.load(p + 14, mask=mask, other=0),
-            tl.load(p + 15, mask=mask, other=0),
-        ],  # fmt: skip
-        dtype=(
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.float32,
-            tl.float32,
-        ),  # fmt: skip
+        args=_x_words(x32, kw, mask),
+        dtype=(tl.int32,) * 16 + (tl.float32, tl.float32),
         is_pure=True,
         pack=1,
     )

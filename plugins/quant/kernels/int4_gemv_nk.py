@@ -47,7 +47,7 @@ import triton.language as tl
 
 from tokenloom.plugins.models.pdl import launch_options, release, wait
 from tokenloom.plugins.quant.kernels.h2_common import _ptx, ptx_bf16_ok
-from tokenloom.plugins.quant.kernels.int4_dp4a_asm import _dp4a_chain, _x_bytes
+from tokenloom.plugins.quant.kernels.int4_dp4a_asm import _dp4a_chain, _x_bytes, _x_words
 from tokenloom.plugins.quant.kernels.int4_tiles import int4_row_major
 
 # x: 16 bf16x2 words ($18..$33: x0..x31 in pairs) -> 16 f16x2 pairs ($0..$15: word w's
@@ -118,48 +118,11 @@ _CHAIN_CONSTRAINTS = tl.constexpr("=f," + ",".join(["r"] * 20))
 def _x_pairs(x32, kw, mask):
     """x's 32 values from word ``kw`` (a multiple of 4) of each element: 16 f16x2 pairs,
     the scale's inverse ``up`` and the scaled sum (``_X_ASM``)."""
-    p = x32 + kw * 4
     return tl.inline_asm_elementwise(
         asm=_X_ASM,
         constraints=_X_CONSTRAINTS,
-        args=[
-            tl.load(p + 0, mask=mask, other=0),
-            tl.load(p + 1, mask=mask, other=0),
-            tl.load(p + 2, mask=mask, other=0),
-            tl.load(p + 3, mask=mask, other=0),
-            tl.load(p + 4, mask=mask, other=0),
-            tl.load(p + 5, mask=mask, other=0),
-            tl.load(p + 6, mask=mask, other=0),
-            tl.load(p + 7, mask=mask, other=0),
-            tl.load(p + 8, mask=mask, other=0),
-            tl.load(p + 9, mask=mask, other=0),
-            tl.load(p + 10, mask=mask, other=0),
-            tl.load(p + 11, mask=mask, other=0),
-            tl.load(p + 12, mask=mask, other=0),
-            tl.load(p + 13, mask=mask, other=0),
-            tl.load(p + 14, mask=mask, other=0),
-            tl.load(p + 15, mask=mask, other=0),
-        ],  # fmt: skip
-        dtype=(
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.float32,
-            tl.float32,
-        ),  # fmt: skip
+        args=_x_words(x32, kw, mask),
+        dtype=(tl.int32,) * 16 + (tl.float32, tl.float32),
         is_pure=True,
         pack=1,
     )
@@ -218,13 +181,21 @@ def _emu_xsum(x_ptr, k, mask):
 
 
 @triton.jit
-def _group_params(s_ptr, z_ptr, kw, offs_n, mask_n, N, KW, GROUP: tl.constexpr):
-    """The scales and ``z - 8`` of the elements starting at words ``kw`` (``[P]``) of the
-    rows ``offs_n``, as ``[BLOCK_N, P]`` fp32."""
+def _group_params(s_ptr, z_ptr, kw, offs_n, mask_n, N, KW, GROUP: tl.constexpr,
+                  EVEN: tl.constexpr, ZB: tl.constexpr):  # fmt: skip
+    """The scales and ``z - ZB`` of the elements starting at words ``kw`` (``[P]``) of the
+    rows ``offs_n``, as ``[BLOCK_N, P]`` fp32 (``EVEN``: no masks)."""
     sz = ((kw * 8) // GROUP)[None, :] * N + offs_n[:, None]
-    mask_e = mask_n[:, None] & (kw < KW)[None, :]
-    s = tl.load(s_ptr + sz, mask=mask_e, other=0.0).to(tl.float32)
-    return s, tl.load(z_ptr + sz, mask=mask_e, other=8.0).to(tl.float32) - 8.0
+    if EVEN:
+        s = tl.load(s_ptr + sz).to(tl.float32)
+        z = tl.load(z_ptr + sz).to(tl.float32)
+    else:
+        mask_e = mask_n[:, None] & (kw < KW)[None, :]
+        s = tl.load(s_ptr + sz, mask=mask_e, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + sz, mask=mask_e, other=ZB).to(tl.float32)
+    if ZB != 0:
+        z = z - ZB
+    return s, z
 
 
 @triton.jit
@@ -246,7 +217,7 @@ def _int4_gemv_nk_kernel(
     b_ptr,
     y_ptr,  # [1, N]
     N,
-    KW,  # K / 8, a multiple of 4
+    KW: tl.constexpr,  # K / 8, a multiple of 4 (a constant: the rows' offsets fold into the loads)
     GROUP: tl.constexpr,  # a multiple of 32
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -255,14 +226,23 @@ def _int4_gemv_nk_kernel(
     USE_PDL: tl.constexpr = False,
     DP4A: tl.constexpr = False,  # the products on the integer unit (int4_dp4a_asm)
     ONE_TILE: tl.constexpr = False,  # KW <= BLOCK_KW: no next tile to hold in registers
+    EVEN: tl.constexpr = False,  # N % BLOCK_N == KW % BLOCK_KW == 0: no masks
 ):
     P: tl.constexpr = BLOCK_KW // 4
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_w = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_KW), 4), 4)
     offs_p = tl.arange(0, P) * 4  # each element's first word
     mask_n = offs_n < N
-    w_rows = qw_ptr + offs_n[:, None].to(tl.int64) * KW
-    w = tl.load(w_rows + offs_w[None, :], mask=mask_n[:, None] & (offs_w < KW)[None, :], other=0)
+    # one 64-bit base a program, the rows at 32-bit offsets from it (constants when KW is:
+    # the loads then take them as immediates)
+    w_rows = qw_ptr + (tl.program_id(0) * BLOCK_N).to(tl.int64) * KW
+    w_rows += tl.arange(0, BLOCK_N)[:, None] * KW
+    if EVEN:
+        w = tl.load(w_rows + offs_w[None, :])
+    else:
+        w = tl.load(
+            w_rows + offs_w[None, :], mask=mask_n[:, None] & (offs_w < KW)[None, :], other=0
+        )
     wait(USE_PDL)  # the first tile is in flight; x comes from the kernel before
     release(USE_PDL)
     x32 = x_ptr.to(tl.pointer_type(tl.int32))
@@ -274,24 +254,26 @@ def _int4_gemv_nk_kernel(
             nxt_mask = mask_n[:, None] & (nxt < KW)[None, :]
             w_next = tl.load(w_rows + nxt[None, :], mask=nxt_mask, other=0)
         kw = k0 + offs_p
-        mask_p = kw < KW
-        s, z8 = _group_params(s_ptr, z_ptr, kw, offs_n, mask_n, N, KW, GROUP)
+        mask_p = (kw < KW) | EVEN
         w0, w1, w2, w3 = _split4(w, BLOCK_N, P)
-        if ASM and DP4A:  # sum q v exactly, x in 16-bit fixed point: (q - z) = q - 8 - z8
+        if ASM and DP4A:  # sum (q - z) v exactly, x in 16-bit fixed point
+            s, z = _group_params(s_ptr, z_ptr, kw, offs_n, mask_n, N, KW, GROUP, EVEN, 0.0)
             xo = _x_bytes(x32, kw, mask_p)
             chain = _dp4a_chain(w0, w1, w2, w3, xo)
             up = xo[16][None, :]
-            acc += s * (chain * up - (z8 + 8.0) * (xo[17] * xo[16])[None, :])
-        elif ASM:
-            xo = _x_pairs(x32, kw, mask_p)
-            chain = _chain(w0, w1, w2, w3, xo)
-            up = xo[16][None, :]
-            acc += s * (chain * up - z8 * (xo[17] * xo[16])[None, :])
+            acc += s * (chain * up - z * (xo[17] * xo[16])[None, :])
         else:
-            k = kw * 8
-            chain = _emu_word(w0, x_ptr, k, mask_p) + _emu_word(w1, x_ptr, k + 8, mask_p)
-            chain += _emu_word(w2, x_ptr, k + 16, mask_p) + _emu_word(w3, x_ptr, k + 24, mask_p)
-            acc += s * (chain - z8 * _emu_xsum(x_ptr, k, mask_p)[None, :])
+            s, z8 = _group_params(s_ptr, z_ptr, kw, offs_n, mask_n, N, KW, GROUP, EVEN, 8.0)
+            if ASM:
+                xo = _x_pairs(x32, kw, mask_p)
+                chain = _chain(w0, w1, w2, w3, xo)
+                up = xo[16][None, :]
+                acc += s * (chain * up - z8 * (xo[17] * xo[16])[None, :])
+            else:
+                k = kw * 8
+                chain = _emu_word(w0, x_ptr, k, mask_p) + _emu_word(w1, x_ptr, k + 8, mask_p)
+                chain += _emu_word(w2, x_ptr, k + 16, mask_p) + _emu_word(w3, x_ptr, k + 24, mask_p)
+                acc += s * (chain - z8 * _emu_xsum(x_ptr, k, mask_p)[None, :])
         w = w_next
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -379,8 +361,10 @@ def launch_int4_nk(
     (``int4_nk_fits``); ``block_k`` K values a tile row; ``dp4a``: the integer products
     (``int4_dp4a_asm``; the interpreter runs the same fp32 emulation either way)."""
     assert int4_nk_fits(x, qweight, group, zeros is not None), (tuple(x.shape), group)
-    block_kw = max(4, min(block_k // 8, triton.next_power_of_2(qweight.shape[0])))
+    kw = qweight.shape[0]
+    block_kw = max(4, min(block_k // 8, triton.next_power_of_2(kw)))
     return launch_int4_rows(
         _int4_gemv_nk_kernel, x, qweight, scales, zeros, bias, block_n, block_kw, num_warps,
-        GROUP=group, DP4A=dp4a, ONE_TILE=qweight.shape[0] <= block_kw,
+        GROUP=group, DP4A=dp4a, ONE_TILE=kw <= block_kw,
+        EVEN=qweight.shape[1] % block_n == 0 and kw % block_kw == 0,
     )  # fmt: skip

@@ -7,6 +7,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tokenloom.plugins.quant.kernels.int4_dp4a_asm import _x_words
+
 # x: 16 bf16x2 words ($17..$32: (x0, x1) .. (x30, x31)) -> 16 B registers ($0..$15: word
 # w's (x0, x4) (x1, x5) (x2, x6) (x3, x7) at $4w..$4w+3) and $16 = the 32 values' fp32 sum
 _XB_LINES = ["{ .reg .b32 a, b; .reg .f32 s;", " mov.f32 s, 0f00000000;"]
@@ -59,28 +61,10 @@ _W_CONSTRAINTS = tl.constexpr("=f,=f," + ",".join(["r"] * 24))
 @triton.jit
 def _x_b(x32, kw, mask):
     """x's 32 values from word ``kw`` of each element: 16 B registers and their fp32 sum."""
-    p = x32 + kw * 4
     return tl.inline_asm_elementwise(
         asm=_XB_ASM,
         constraints=_XB_CONSTRAINTS,
-        args=[
-            tl.load(p + 0, mask=mask, other=0),
-            tl.load(p + 1, mask=mask, other=0),
-            tl.load(p + 2, mask=mask, other=0),
-            tl.load(p + 3, mask=mask, other=0),
-            tl.load(p + 4, mask=mask, other=0),
-            tl.load(p + 5, mask=mask, other=0),
-            tl.load(p + 6, mask=mask, other=0),
-            tl.load(p + 7, mask=mask, other=0),
-            tl.load(p + 8, mask=mask, other=0),
-            tl.load(p + 9, mask=mask, other=0),
-            tl.load(p + 10, mask=mask, other=0),
-            tl.load(p + 11, mask=mask, other=0),
-            tl.load(p + 12, mask=mask, other=0),
-            tl.load(p + 13, mask=mask, other=0),
-            tl.load(p + 14, mask=mask, other=0),
-            tl.load(p + 15, mask=mask, other=0),
-        ],  # fmt: skip
+        args=_x_words(x32, kw, mask),
         dtype=(tl.int32,) * 16 + (tl.float32,),
         is_pure=True,
         pack=1,

@@ -44,6 +44,8 @@ def _layer(n, k, group=128, fractional=False, seed=0):
         (40, 512, 128, 16, 256),  # K over two tiles
         (33, 576, 128, 8, 512),  # N off the block; a last tile and a last group partial
         (24, 96, 32, 8, 1024),  # groups of 32 (Q4_0/Q4_1); the tile wider than K
+        (32, 512, 128, 16, 256),  # even tiles (no masks), K over two
+        (16, 256, 128, 16, 256),  # one even tile
     ],
 )
 @pytest.mark.parametrize("fractional", [False, True])
@@ -137,7 +139,9 @@ def test_an_engine_whose_layers_it_cannot_serve_keeps_the_gemvs_layout(tiny_mode
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
-@pytest.mark.parametrize(("block_n", "block_k", "warps"), [(8, 4096, 4), (16, 2048, 2)])
+@pytest.mark.parametrize(
+    ("block_n", "block_k", "warps"), [(8, 4096, 4), (16, 2048, 2), (16, 4096, 4), (32, 4096, 4)]
+)
 @pytest.mark.parametrize(("outlier", "scale"), [(0.0, 1.0), (3e3, 1.0), (0.0, 1e-6), (0.0, 1e4)])
 @pytest.mark.parametrize("dp4a", [False, True])
 def test_gpu_llama_shapes(n, k, block_n, block_k, warps, outlier, scale, dp4a):
