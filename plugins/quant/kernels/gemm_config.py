@@ -131,11 +131,6 @@ INT4_NK_DP4A = [
     GemmConfig(1, 16, 4096, 1, 4, 3, nk=True, dp4a=True),
     GemmConfig(1, 16, 2048, 1, 2, 3, nk=True, dp4a=True),
     GemmConfig(1, 32, 4096, 1, 4, 3, nk=True, dp4a=True),
-    # K in chunks (the 4th field; whole tiles, else one), summed by the last program to
-    # finish: more programs for the narrow layers (o: 256 row blocks on 132 SMs)
-    GemmConfig(1, 16, 2048, 2, 2, 3, nk=True, dp4a=True),  # K = 4,096: 2 x 2,048
-    GemmConfig(1, 16, 1024, 4, 1, 3, nk=True, dp4a=True),  # K = 4,096: 4 x 1,024
-    GemmConfig(1, 16, 2048, 7, 2, 3, nk=True, dp4a=True),  # K = 14,336: 7 x 2,048
 ]
 # Session 20 (H200, cold us a Llama-3-8B layer; nk / mma / persistent grid / shared-memory
 # ring): qkv 6.5 / 6.9 / 7.3 / 11.0, o 5.4 / 5.5 / 6.1 / 8.9, gate/up 24.3 / 23.6 / 24.5 /

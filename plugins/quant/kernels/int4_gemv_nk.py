@@ -49,7 +49,6 @@ from tokenloom.plugins.models.pdl import launch_options, release, wait
 from tokenloom.plugins.quant.kernels.h2_common import _ptx, ptx_bf16_ok
 from tokenloom.plugins.quant.kernels.int4_dp4a_asm import _dp4a_chain, _x_bytes, _x_words
 from tokenloom.plugins.quant.kernels.int4_tiles import int4_row_major
-from tokenloom.plugins.quant.kernels.weight_gemv import _reduce_splits, reduce_counters
 
 # x: 16 bf16x2 words ($18..$33: x0..x31 in pairs) -> 16 f16x2 pairs ($0..$15: word w's
 # (x_j, x_{j+4}) at $4w+j), $16 = 2^e the scale undoes (f32), $17 = the scaled sum (f32)
@@ -219,8 +218,6 @@ def _int4_gemv_nk_kernel(
     y_ptr,  # [1, N]
     N,
     KW: tl.constexpr,  # K / 8, a multiple of 4 (a constant: the rows' offsets fold into the loads)
-    o_ptr,  # SPLIT > 1: the [1, N] output (y_ptr holds the [SPLIT, N] fp32 partial sums)
-    cnt_ptr,  # SPLIT > 1: the arrival counters of weight_gemv's _reduce_splits
     GROUP: tl.constexpr,  # a multiple of 32
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -229,12 +226,9 @@ def _int4_gemv_nk_kernel(
     USE_PDL: tl.constexpr = False,
     DP4A: tl.constexpr = False,  # the products on the integer unit (int4_dp4a_asm)
     ONE_TILE: tl.constexpr = False,  # KW <= BLOCK_KW: no next tile to hold in registers
-    EVEN: tl.constexpr = False,  # N % BLOCK_N == KC % BLOCK_KW == 0: no masks
-    SPLIT: tl.constexpr = 1,  # K in SPLIT chunks of KC words (the grid's second axis)
+    EVEN: tl.constexpr = False,  # N % BLOCK_N == KW % BLOCK_KW == 0: no masks
 ):
     P: tl.constexpr = BLOCK_KW // 4
-    KC: tl.constexpr = KW // SPLIT
-    k_lo = tl.program_id(1) * KC
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_w = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_KW), 4), 4)
     offs_p = tl.arange(0, P) * 4  # each element's first word
@@ -242,25 +236,25 @@ def _int4_gemv_nk_kernel(
     # one 64-bit base a program, the rows at 32-bit offsets from it (constants when KW is:
     # the loads then take them as immediates)
     w_rows = qw_ptr + (tl.program_id(0) * BLOCK_N).to(tl.int64) * KW
-    w_rows += tl.arange(0, BLOCK_N)[:, None] * KW + k_lo
+    w_rows += tl.arange(0, BLOCK_N)[:, None] * KW
     if EVEN:
         w = tl.load(w_rows + offs_w[None, :])
     else:
         w = tl.load(
-            w_rows + offs_w[None, :], mask=mask_n[:, None] & (offs_w < KC)[None, :], other=0
+            w_rows + offs_w[None, :], mask=mask_n[:, None] & (offs_w < KW)[None, :], other=0
         )
     wait(USE_PDL)  # the first tile is in flight; x comes from the kernel before
     release(USE_PDL)
     x32 = x_ptr.to(tl.pointer_type(tl.int32))
     acc = tl.zeros([BLOCK_N, P], tl.float32)
-    for k0 in range(0, KC, BLOCK_KW):
+    for k0 in range(0, KW, BLOCK_KW):
         w_next = w
         if not ONE_TILE:
             nxt = k0 + BLOCK_KW + offs_w
-            nxt_mask = mask_n[:, None] & (nxt < KC)[None, :]
+            nxt_mask = mask_n[:, None] & (nxt < KW)[None, :]
             w_next = tl.load(w_rows + nxt[None, :], mask=nxt_mask, other=0)
-        kw = k_lo + k0 + offs_p
-        mask_p = (kw < k_lo + KC) | EVEN
+        kw = k0 + offs_p
+        mask_p = (kw < KW) | EVEN
         w0, w1, w2, w3 = _split4(w, BLOCK_N, P)
         if ASM and DP4A:  # sum (q - z) v exactly, x in 16-bit fixed point
             s, z = _group_params(s_ptr, z_ptr, kw, offs_n, mask_n, N, KW, GROUP, EVEN, 0.0)
@@ -282,14 +276,9 @@ def _int4_gemv_nk_kernel(
                 acc += s * (chain - z8 * _emu_xsum(x_ptr, k, mask_p)[None, :])
         w = w_next
     y = tl.sum(acc, axis=1)
-    if SPLIT > 1:  # the last chunk to finish sums them (weight_gemv's, in chunk order)
-        tl.store(y_ptr + tl.program_id(1) * N + offs_n, y, mask=mask_n)
-        _reduce_splits(y_ptr, o_ptr, b_ptr, cnt_ptr, y, 0, tl.program_id(0), offs_n, mask_n,
-                       0, N, HAS_BIAS, SPLIT)  # fmt: skip
-    else:
-        if HAS_BIAS:
-            y += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
 
 
 def int4_nk_fits(x: torch.Tensor, qweight: torch.Tensor, group: int, has_zeros: bool) -> bool:
@@ -367,33 +356,15 @@ def launch_int4_nk(
     block_k: int,
     num_warps: int,
     dp4a: bool = False,
-    split: int = 1,
 ) -> torch.Tensor:
     """``x [1, K] @ dequant(qweight)^T (+ bias) -> [1, N]`` in ``x``'s dtype
     (``int4_nk_fits``); ``block_k`` K values a tile row; ``dp4a``: the integer products
-    (``int4_dp4a_asm``; the interpreter runs the same fp32 emulation either way); ``split``
-    chunks of K, each whole tiles (else one), summed by the last program to finish."""
+    (``int4_dp4a_asm``; the interpreter runs the same fp32 emulation either way)."""
     assert int4_nk_fits(x, qweight, group, zeros is not None), (tuple(x.shape), group)
-    kw, n = qweight.shape
-    block_kw = max(4, min(block_k // 8, triton.next_power_of_2(triton.cdiv(kw, split))))
-    counters = None
-    if split > 1 and kw % (split * block_kw) == 0:
-        counters = reduce_counters(x.device, triton.cdiv(n, block_n))
-    if counters is None:
-        split, block_kw = 1, max(4, min(block_k // 8, triton.next_power_of_2(kw)))
-    kc = kw // split
-    consts = dict(GROUP=group, DP4A=dp4a, ONE_TILE=kc <= block_kw, SPLIT=split)
-    consts["EVEN"] = n % block_n == 0 and kc % block_kw == 0
-    if split == 1:
-        return launch_int4_rows(
-            _int4_gemv_nk_kernel, x, qweight, scales, zeros, bias, block_n, block_kw, num_warps,
-            scales, scales, **consts,
-        )  # fmt: skip
-    part = torch.empty(split, n, dtype=torch.float32, device=x.device)
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _int4_gemv_nk_kernel[(triton.cdiv(n, block_n), split)](
-        x, qweight.t(), scales, zeros, bias if bias is not None else scales, part, n, kw, y,
-        counters, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_KW=block_kw, ASM=_ptx(x),
-        num_warps=num_warps, **consts, **launch_options(x.device),
+    kw = qweight.shape[0]
+    block_kw = max(4, min(block_k // 8, triton.next_power_of_2(kw)))
+    return launch_int4_rows(
+        _int4_gemv_nk_kernel, x, qweight, scales, zeros, bias, block_n, block_kw, num_warps,
+        GROUP=group, DP4A=dp4a, ONE_TILE=kw <= block_kw,
+        EVEN=qweight.shape[1] % block_n == 0 and kw % block_kw == 0,
     )  # fmt: skip
-    return y

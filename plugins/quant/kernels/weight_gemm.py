@@ -277,7 +277,7 @@ def weight_gemm(
     if cfg.h2 and not h2_fits(x, bits, group, cfg.block_k, zeros is not None):
         cfg = choose_config(m, n, k, _num_sms(x.device))
     if cfg.nk and bits == 4:
-        extra = {} if cfg.mma else {"dp4a": cfg.dp4a, "split": cfg.split_k}
+        extra = {} if cfg.mma else {"dp4a": cfg.dp4a}
         return (launch_int4_mma if cfg.mma else launch_int4_nk)(
             x, qweight, scales, zeros, group, bias, cfg.block_n, cfg.block_k, cfg.num_warps, **extra
         )  # type: ignore[arg-type]

@@ -164,31 +164,3 @@ def test_gpu_a_nan_in_x_reaches_the_output(dp4a):
     x[0, 100] = float("nan")
     y = launch_int4_nk(x, qweight, scales, zeros, 128, None, 16, 4096, 4, dp4a)
     assert torch.isnan(y).all()
-
-
-@pytest.mark.parametrize(
-    ("n", "k", "block_n", "block_k", "split"),
-    [
-        (32, 512, 16, 256, 2),  # two chunks of one even tile
-        (40, 1024, 16, 256, 4),  # N off the block: masked rows in every chunk
-        (24, 768, 8, 256, 3),  # three chunks
-        (16, 512, 16, 256, 3),  # chunks that would split a tile: one chunk instead
-        (16, 1024, 16, 128, 2),  # chunks of two tiles (the next tile held, not past the chunk)
-    ],
-)
-@pytest.mark.parametrize("dp4a", [False, True])
-def test_k_in_chunks_summed_by_the_last_program(n, k, block_n, block_k, split, dp4a):
-    from tokenloom.plugins.quant.kernels.weight_gemv import reduce_counters
-
-    qweight, scales, zeros, ref = _layer(n, k, fractional=True)
-    dtype = DTYPES[0]
-    x = _x(k, dtype)
-    bias = torch.randn(n).to(DEVICE, dtype)
-    y = launch_int4_nk(x, qweight, scales, zeros, 128, bias, block_n, block_k, 4, dp4a, split)
-    assert y.shape == (1, n) and y.dtype == dtype
-    assert _rel_err(y, x, ref, bias) < TOL[dtype]
-    # the same sums as one chunk, to the rounding of the partials' order
-    y1 = launch_int4_nk(x, qweight, scales, zeros, 128, bias, block_n, block_k, 4, dp4a)
-    assert torch.allclose(y.float(), y1.float(), rtol=TOL[dtype], atol=TOL[dtype])
-    # every arrival counter is back to zero for the next launch
-    assert int(reduce_counters(x.device, 1).abs().sum()) == 0
