@@ -124,33 +124,22 @@ def _x_bytes(x32, kw, mask):
 
 
 @triton.jit
+def _row_args(w0, w1, w2, w3, xo):
+    """The arguments of a one-row int4 GEMV's product PTX: an element's four words
+    (``[BLOCK_N, P]``) and x's 16 prepared words (``[P]``) broadcast over the rows."""
+    return [w0, w1, w2, w3, xo[0][None, :], xo[1][None, :], xo[2][None, :], xo[3][None, :],
+            xo[4][None, :], xo[5][None, :], xo[6][None, :], xo[7][None, :], xo[8][None, :],
+            xo[9][None, :], xo[10][None, :], xo[11][None, :], xo[12][None, :],
+            xo[13][None, :], xo[14][None, :], xo[15][None, :]]  # fmt: skip
+
+
+@triton.jit
 def _dp4a_chain(w0, w1, w2, w3, xo):
     """``_DP4A_ASM`` over ``[BLOCK_N, P]`` elements with ``_x_bytes``' ``xo`` (``[P]``)."""
     return tl.inline_asm_elementwise(
         asm=_DP4A_ASM,
         constraints=_DP4A_CONSTRAINTS,
-        args=[
-            w0,
-            w1,
-            w2,
-            w3,
-            xo[0][None, :],
-            xo[1][None, :],
-            xo[2][None, :],
-            xo[3][None, :],
-            xo[4][None, :],
-            xo[5][None, :],
-            xo[6][None, :],
-            xo[7][None, :],
-            xo[8][None, :],
-            xo[9][None, :],
-            xo[10][None, :],
-            xo[11][None, :],
-            xo[12][None, :],
-            xo[13][None, :],
-            xo[14][None, :],
-            xo[15][None, :],
-        ],  # fmt: skip
+        args=_row_args(w0, w1, w2, w3, xo),
         dtype=tl.float32,
         is_pure=True,
         pack=1,

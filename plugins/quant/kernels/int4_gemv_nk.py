@@ -50,7 +50,12 @@ import triton.language as tl
 
 from tokenloom.plugins.models.pdl import launch_options, release, wait
 from tokenloom.plugins.quant.kernels.h2_common import _ptx, ptx_bf16_ok
-from tokenloom.plugins.quant.kernels.int4_dp4a_asm import _dp4a_chain, _x_bytes, _x_words
+from tokenloom.plugins.quant.kernels.int4_dp4a_asm import (
+    _dp4a_chain,
+    _row_args,
+    _x_bytes,
+    _x_words,
+)
 from tokenloom.plugins.quant.kernels.int4_tiles import int4_row_major
 
 # x: 16 bf16x2 words ($18..$33: x0..x31 in pairs) -> 16 f16x2 pairs ($0..$15: word w's
@@ -137,28 +142,7 @@ def _chain(w0, w1, w2, w3, xo):
     return tl.inline_asm_elementwise(
         asm=_CHAIN_ASM,
         constraints=_CHAIN_CONSTRAINTS,
-        args=[
-            w0,
-            w1,
-            w2,
-            w3,
-            xo[0][None, :],
-            xo[1][None, :],
-            xo[2][None, :],
-            xo[3][None, :],
-            xo[4][None, :],
-            xo[5][None, :],
-            xo[6][None, :],
-            xo[7][None, :],
-            xo[8][None, :],
-            xo[9][None, :],
-            xo[10][None, :],
-            xo[11][None, :],
-            xo[12][None, :],
-            xo[13][None, :],
-            xo[14][None, :],
-            xo[15][None, :],
-        ],  # fmt: skip
+        args=_row_args(w0, w1, w2, w3, xo),
         dtype=tl.float32,
         is_pure=True,
         pack=1,
