@@ -188,8 +188,17 @@ def norm_and_project(
         residual, hidden = hidden, norm(hidden)
     else:
         hidden, residual = norm.add_and_norm(hidden, residual)
-    y = linear(hidden)
-    return (silu_and_mul(y) if silu else y), residual
+    return (project_silu(linear, hidden) if silu else linear(hidden)), residual
+
+
+def project_silu(linear: Linear, x: torch.Tensor) -> torch.Tensor:
+    """``silu_and_mul(linear(x))`` for a merged gate/up projection: inside the quantized
+    kernel's matmul where it offers that (``LinearKernel.apply_silu_and_mul``)."""
+    if linear.kernel is not None and linear.parallel != "row":
+        y = linear.kernel.apply_silu_and_mul(x, linear.bias)
+        if y is not None:
+            return y
+    return silu_and_mul(linear(x))
 
 
 def measure_fused(

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from tokenloom.plugins.models import parallel
-from tokenloom.plugins.models.fused_gemv import norm_and_project
+from tokenloom.plugins.models.fused_gemv import norm_and_project, project_silu
 from tokenloom.plugins.models.layers import (
     Embedding,
     Linear,
@@ -25,7 +25,6 @@ from tokenloom.plugins.models.layers import (
     Slots,
     apply_rotary,
     rope_parameters,
-    silu_and_mul,
     whole,
 )
 from tokenloom.protocols.components.attention import ForwardContext, RopeInputs
@@ -176,7 +175,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(inter, (shape.hidden_size,), False, dtype, "row")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+        return self.down_proj(project_silu(self.gate_up_proj, hidden))
 
     def slots(self, prefix: str) -> Slots:
         result = self.gate_up_proj.slots([f"{prefix}.gate_proj", f"{prefix}.up_proj"])

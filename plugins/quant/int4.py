@@ -130,6 +130,18 @@ class Int4Kernel(LinearKernel):
             return y.view(*x.shape[:-1], y.shape[-1])
         return self.reference(x, bias)
 
+    def apply_silu_and_mul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """One row on the GPU: ``int4_gemv_nk`` with SiLU-and-mul in its epilogue, where the
+        layer's tuned one-row tiling is that kernel (one launch less a layer)."""
+        if not (x.is_cuda and self.configs is not None) or x.numel() != x.shape[-1]:
+            return None
+        from tokenloom.plugins.quant.kernels.dispatch import bucket
+        from tokenloom.plugins.quant.kernels.int4_gemv_nk import int4_nk_silu
+
+        cfg = self.configs[bucket(1)]
+        y = int4_nk_silu(flat(x), self.qweight, self.scales, self.zeros, self.group, bias, cfg)
+        return None if y is None else y.view(*x.shape[:-1], y.shape[-1])
+
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Dequantize, then ``F.linear`` (the CPU path and the GPU kernel's oracle)."""
         w = dequantize_int4(self.qweight, self.scales, self.zeros, self.group, x.dtype)

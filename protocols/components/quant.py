@@ -23,6 +23,13 @@ class LinearKernel(ABC):
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [T, in] -> x W^T (+ bias) [T, out]`` in ``x``'s dtype."""
 
+    def apply_silu_and_mul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """For a merged gate/up projection (two equal halves of rows; the model declares
+        it, ``Linear.fusable == "norm+silu"``): ``silu(gate) * up [T, out / 2]``, with the
+        activation computed inside this kernel's matmul. None (the default): not fused
+        for this ``x``; the caller then runs ``apply`` and SiLU-and-mul apart."""
+        return None
+
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """The weight's rows ``ids`` (output channels) dequantized, ``[*ids.shape, in]``
         in ``dtype``: the lookups of an embedding tied to a quantized LM head, which then

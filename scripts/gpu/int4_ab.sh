@@ -91,6 +91,17 @@ for step in "$@"; do
       for r in 1 2; do lat "int4-before$r" before int4; lat "int4-after$r" after int4; done
       lat bf16-before before none; lat bf16-after after none ;;
     thr4) thr int4-before before int4; thr int4-after after int4 ;;
+    lat23a|lat23b)  # session 23: int4 before / after / after without the fused SiLU, bf16
+      r=${step: -1}
+      lat "int4-before-$r" before int4; lat "int4-after-$r" after int4
+      lat "int4-nosilu-$r" after int4 TOKENLOOM_INT4_FUSED_SILU=0
+      [ "$r" = a ] && lat bf16-after after none || lat bf16-before before none ;;
+    t23)  # session 23: the one-row int4 GEMV (SiLU in the epilogue, one stage) on the GPU
+      PYTHONPATH=/tmp/after:/tmp/site timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/plugins/quant/test_int4_gemv_nk.py tests/plugins/quant/test_int4_row_major.py \
+        tests/plugins/models/test_fused_gemv.py > "$OUT/gpu-tests-23.log" 2>&1
+      echo "t23 rc=$?"; grep -E "^FAILED|Error" "$OUT/gpu-tests-23.log" | head -8
+      tail -n 2 "$OUT/gpu-tests-23.log" ;;
     t21)  # session 21: the int4 one-row GEMV's GPU tests (dp4a, the register cap)
       PYTHONPATH=/tmp/after:/tmp/site timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
         tests/plugins/quant/test_int4_gemv_nk.py > "$OUT/gpu-tests-21.log" 2>&1

@@ -25,6 +25,7 @@ from tokenloom.plugins.quant.kernels.gemm_config import (  # noqa: F401  (re-exp
     INT4_NK,
     INT4_NK_DP4A,
     INT4_NK_MMA,
+    INT4_NK_WIDE,
     NK,
     NK_ROWS,
 )
@@ -210,7 +211,8 @@ def candidates(
     tilings do not fit it (``gemv_fits``)."""
     gemv, gemv_rows = (NK, NK_ROWS) if nk else (GEMV, GEMV_ROWS)
     if nk and bits == 4:
-        gemv, gemv_rows = (INT4_NK + INT4_NK_MMA + INT4_NK_DP4A if index == 0 else []), []
+        wide = INT4_NK_WIDE if k > 8192 else []
+        gemv, gemv_rows = (INT4_NK + INT4_NK_MMA + INT4_NK_DP4A + wide if index == 0 else []), []
     pools = (
         gemv + SKINNY + KMAJOR_SKINNY,
         gemv + gemv_rows + SKINNY + KMAJOR_SKINNY,
@@ -271,12 +273,10 @@ CACHE_NAME = "weight-gemm.json"
 # v2-v5 (session 7-9): buckets 1 / 16 / 64 / 65-256 / any; the one-row GEMV (weight_gemv),
 # its shift-free nibbles, prefetch and rows per program; the int4 dot kernel's 2^23
 # conversion and K-major tile (PTX dequantization), also swapped.
-# v6: the swapped tiles offered from 1 row, K split up to 256 rows (capped by its bytes).
-# v7: the one-row GEMV's PTX conversions (int8 words of four weights, int4 biased nibbles).
-# v8: the one-row GEMV sums its K splits in the kernel (the last split of a tile).
-# v9: the GEMVs serve int4 groups smaller than the tile (a group per word row).
-# v10: int4_gemv_h2 offered by default, with K split up to 16 (session 13's table: its
-# best tiling was the largest split offered, 8, on every layer).
+# v6: the swapped tiles from 1 row, K split up to 256 rows; v7: the one-row GEMV's PTX
+# conversions; v8: it sums its K splits itself; v9: groups smaller than the GEMVs' tile.
+# v10: int4_gemv_h2 offered by default, with K split up to 16 (its best tiling in session
+# 13 was the largest split offered, 8, on every layer).
 # v11: the int8 one-row GEMV's four sub-tiles share their accumulators (96 -> 64 registers
 # at 64 x 128), x one tile ahead; a 128 x 256 GEMV tiling with 8 warps; int8_gemv_h2.
 # v12: int8 stored [N, K] (int8_gemv_nk at one to sixteen rows; the dot tiles by strides).
@@ -285,11 +285,12 @@ CACHE_NAME = "weight-gemm.json"
 # v14: int4 stored [N, K / 8] only where int4_gemv_nk serves the layer (bf16, sm_90+); a
 # rerouted call over that storage takes the gather tile (exact for fractional zero points);
 # the int8 GEMVs over [K, N] removed.
-# v15: int4_gemv_mma (the one-row int4 GEMV on the tensor cores) offered with int4_gemv_nk.
-# v16: its ring and persistent grid removed (stored choices named fields that are gone).
+# v15: int4_gemv_mma (the one-row int4 GEMV on the tensor cores) offered; v16: its ring and
+# persistent grid removed (stored choices named fields that are gone).
 # v17: int4_gemv_nk's integer products (dp4a) offered; a one-tile row holds no next tile.
 # v18: int4_gemv_nk with K a constant and unmasked even tiles; dp4a at 32 rows offered.
-KERNELS_VERSION = 18
+# v19: int4_gemv_nk: whole rows over 16 warps; no tiling wider than K offered; SiLU fused.
+KERNELS_VERSION = 19
 
 
 def _load() -> dict[str, Any]:

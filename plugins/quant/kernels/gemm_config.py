@@ -132,6 +132,14 @@ INT4_NK_DP4A = [
     GemmConfig(1, 16, 2048, 1, 2, 3, nk=True, dp4a=True),
     GemmConfig(1, 32, 4096, 1, 4, 3, nk=True, dp4a=True),
 ]
+# Session 23, offered where K > 8,192: a whole row of up to 16,384 K in one tile over 16
+# warps, no next tile held. Llama's down (K = 14,336) holds one at 16 x 4096 / 4: 255
+# registers, two programs (8 warps) an SM. Offline: 128 registers at 16 rows (16 warps an
+# SM), 64 at 8 (32).
+INT4_NK_WIDE = [
+    GemmConfig(1, 16, 16384, 1, 16, 3, nk=True, dp4a=True),
+    GemmConfig(1, 8, 16384, 1, 16, 3, nk=True, dp4a=True),
+]
 # Session 20 (H200, cold us a Llama-3-8B layer; nk / mma / persistent grid / shared-memory
 # ring): qkv 6.5 / 6.9 / 7.3 / 11.0, o 5.4 / 5.5 / 6.1 / 8.9, gate/up 24.3 / 23.6 / 24.5 /
 # 32.4, down 16.6 / 16.7 / 16.8 / 25.3. Neither gained: the int4 one-row GEMV is not bound

@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from tokenloom.plugins.models.pdl import launch_options, release, wait
+from tokenloom.plugins.quant.kernels.gemm_config import GemmConfig
 from tokenloom.plugins.quant.kernels.h2_common import _ptx, ptx_bf16_ok
 from tokenloom.plugins.quant.kernels.int4_dp4a_asm import (
     _dp4a_chain,
@@ -214,16 +215,26 @@ def _int4_gemv_nk_kernel(
     DP4A: tl.constexpr = False,  # the products on the integer unit (int4_dp4a_asm)
     ONE_TILE: tl.constexpr = False,  # KW <= BLOCK_KW: no next tile to hold in registers
     EVEN: tl.constexpr = False,  # N % BLOCK_N == KW % BLOCK_KW == 0: no masks
+    SILU: tl.constexpr = False,  # merged gate/up [2 NH, K] -> silu(gate) * up [NH]
+    NH: tl.constexpr = 0,  # SILU: N / 2, a constant (the up rows' offsets immediates too)
 ):
     P: tl.constexpr = BLOCK_KW // 4
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    HALF: tl.constexpr = BLOCK_N // 2 if SILU else BLOCK_N  # outputs a program
     offs_w = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_KW), 4), 4)
     offs_p = tl.arange(0, P) * 4  # each element's first word
-    mask_n = offs_n < N
+    i = tl.arange(0, BLOCK_N)
+    if SILU:  # rows j and HALF + j: gate and up of output j (the halves NH rows apart)
+        offs_o = tl.program_id(0) * HALF + i % HALF
+        mask_n = offs_o < NH
+        offs_n = offs_o + (i // HALF) * NH
+        row_off = (i % HALF) * KW + (i // HALF) * (NH * KW)
+    else:
+        offs_n = tl.program_id(0) * BLOCK_N + i
+        mask_n = offs_n < N
+        row_off = i * KW
     # one 64-bit base a program, the rows at 32-bit offsets from it (constants when KW is:
     # the loads then take them as immediates)
-    w_rows = qw_ptr + (tl.program_id(0) * BLOCK_N).to(tl.int64) * KW
-    w_rows += tl.arange(0, BLOCK_N)[:, None] * KW
+    w_rows = qw_ptr + (tl.program_id(0) * HALF).to(tl.int64) * KW + row_off[:, None]
     if EVEN:
         w = tl.load(w_rows + offs_w[None, :])
     else:
@@ -265,7 +276,13 @@ def _int4_gemv_nk_kernel(
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+    if SILU:
+        gate, up = tl.split(tl.permute(tl.reshape(y, [2, HALF]), (1, 0)))
+        offs_h = tl.program_id(0) * HALF + tl.arange(0, HALF)
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(y_ptr + offs_h, act.to(y_ptr.dtype.element_ty), mask=offs_h < NH)
+    else:
+        tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
 
 
 def int4_nk_fits(x: torch.Tensor, qweight: torch.Tensor, group: int, has_zeros: bool) -> bool:
@@ -280,6 +297,30 @@ def int4_nk_fits(x: torch.Tensor, qweight: torch.Tensor, group: int, has_zeros: 
     if _ptx(x):
         return ptx_bf16_ok(x)
     return x.dtype in (torch.float16, torch.float32, torch.bfloat16)
+
+
+def int4_nk_silu(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group: int,
+    bias: torch.Tensor | None,
+    cfg: GemmConfig,
+) -> torch.Tensor | None:
+    """``silu(gate) * up`` of a merged gate/up layer at one row, SiLU-and-mul in the GEMV's
+    epilogue, where ``cfg`` (the layer's tuned one-row tiling) runs this kernel and fits
+    the call; None elsewhere, and with ``TOKENLOOM_INT4_FUSED_SILU=0``."""
+    if os.environ.get("TOKENLOOM_INT4_FUSED_SILU", "1") == "0" or qweight.shape[1] % 2:
+        return None
+    if not (cfg.nk and not cfg.mma and cfg.fits(4, group)):
+        return None
+    if not int4_nk_fits(x, qweight, group, zeros is not None):
+        return None
+    return launch_int4_nk(
+        x, qweight, scales, zeros, group, bias, cfg.block_n, cfg.block_k, cfg.num_warps,
+        cfg.dp4a, silu=True,
+    )  # fmt: skip
 
 
 def int4_nk_serves(dtype: torch.dtype, device: torch.device, group: int, k: int) -> bool:
@@ -308,10 +349,11 @@ def launch_int4_rows(
 ) -> torch.Tensor:
     """The launch the one-row int4 GEMVs over ``[N, K / 8]`` share (this one and
     ``int4_gemv_mma``): ``y [1, N]`` in ``x``'s dtype; ``extra`` the kernel's runtime
-    arguments after ``KW``, ``constexprs`` its own."""
+    arguments after ``KW``, ``constexprs`` its own (``SILU``: ``y [1, N / 2]``)."""
     kw, n = qweight.shape
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    kernel[(triton.cdiv(n, block_n),)](
+    outputs, per_program = (n // 2, block_n // 2) if constexprs.get("SILU") else (n, block_n)
+    y = torch.empty(1, outputs, dtype=x.dtype, device=x.device)
+    kernel[(triton.cdiv(outputs, per_program),)](
         x,
         qweight.t(),  # [N, K / 8], contiguous
         scales,
@@ -343,15 +385,19 @@ def launch_int4_nk(
     block_k: int,
     num_warps: int,
     dp4a: bool = False,
+    silu: bool = False,
 ) -> torch.Tensor:
     """``x [1, K] @ dequant(qweight)^T (+ bias) -> [1, N]`` in ``x``'s dtype
     (``int4_nk_fits``); ``block_k`` K values a tile row; ``dp4a``: the integer products
-    (``int4_dp4a_asm``; the interpreter runs the same fp32 emulation either way)."""
+    (``int4_dp4a_asm``; the interpreter runs the same fp32 emulation either way);
+    ``silu``: the rows are a merged gate/up projection, and the result is
+    ``silu(gate) * up`` ``[1, N / 2]``, SiLU-and-mul in the epilogue."""
     assert int4_nk_fits(x, qweight, group, zeros is not None), (tuple(x.shape), group)
-    kw = qweight.shape[0]
+    kw, n = qweight.shape
+    assert not silu or (n % 2 == 0 and block_n >= 2), (n, block_n)
     block_kw = max(4, min(block_k // 8, triton.next_power_of_2(kw)))
     return launch_int4_rows(
         _int4_gemv_nk_kernel, x, qweight, scales, zeros, bias, block_n, block_kw, num_warps,
-        GROUP=group, DP4A=dp4a, ONE_TILE=kw <= block_kw,
-        EVEN=qweight.shape[1] % block_n == 0 and kw % block_kw == 0,
+        GROUP=group, DP4A=dp4a, ONE_TILE=kw <= block_kw, SILU=silu, NH=n // 2 if silu else 0,
+        EVEN=n % block_n == 0 and kw % block_kw == 0,
     )  # fmt: skip

@@ -160,3 +160,37 @@ def test_tune_sets_each_layers_kernels_from_the_dispatch(tiny_model_factory, mon
     assert all(m.fused is None for m in linears if not m.fusable)  # o_proj, down_proj
     assert isinstance(model.lm_head, Embedding) and model.lm_head.gemv == (8, 64, 4)
     assert f"folded in for {len(fusable)} layers" in summary
+
+
+def test_a_quantized_gate_up_takes_the_kernels_fused_silu_where_it_offers_it():
+    from tokenloom.plugins.models.fused_gemv import project_silu
+    from tokenloom.protocols.components.quant import LinearKernel
+
+    torch.manual_seed(0)
+    w = torch.randn(8, 6)
+    linear = Linear(6, (4, 4), False, torch.float32)
+    linear.weight.data = w.clone()
+    x = torch.randn(1, 6)
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    torch.testing.assert_close(project_silu(linear, x), F.silu(gate) * up)
+
+    class Plain(LinearKernel):  # the contract's default: no fused SiLU
+        def apply(self, x, bias):
+            return F.linear(x, 2 * w, bias)
+
+    linear.kernel = Plain()
+    gate2, up2 = F.linear(x, 2 * w).chunk(2, dim=-1)
+    torch.testing.assert_close(project_silu(linear, x), F.silu(gate2) * up2)
+
+    fused = torch.full((1, 4), 7.0)
+
+    class Fused(Plain):
+        def apply_silu_and_mul(self, x, bias):
+            return fused
+
+    linear.kernel = Fused()
+    assert project_silu(linear, x) is fused
+    hidden, residual = torch.randn(1, 6), torch.randn(1, 6)
+    out, stream = norm_and_project(RMSNorm(6, 1e-6, torch.float32), linear, hidden, residual, True)
+    assert out is fused
+    torch.testing.assert_close(stream, hidden + residual)

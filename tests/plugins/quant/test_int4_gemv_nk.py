@@ -12,7 +12,13 @@ import torch
 from test_int4_gemv_h2 import _rel_err, _x
 
 from tokenloom.plugins.quant.int4 import dequantize_int4, quantize_int4
-from tokenloom.plugins.quant.kernels.dispatch import INT4_NK, INT4_NK_DP4A, INT4_NK_MMA, candidates
+from tokenloom.plugins.quant.kernels.dispatch import (
+    INT4_NK,
+    INT4_NK_DP4A,
+    INT4_NK_MMA,
+    INT4_NK_WIDE,
+    candidates,
+)
 from tokenloom.plugins.quant.kernels.int4_gemv_nk import (
     int4_nk_fits,
     int4_nk_serves,
@@ -62,6 +68,39 @@ def test_matches_the_dequantized_reference(dtype, n, k, group, block_n, block_k,
     assert _rel_err(y0, x, ref) < TOL[dtype]
 
 
+def _silu_err(y, x, ref, bias=None):
+    """Relative error of ``y`` against ``silu(gate) * up`` of the dequantized reference."""
+    full = x.double() @ ref.t()
+    if bias is not None:
+        full = full + bias.double()
+    gate, up = full.chunk(2, dim=1)
+    expected = torch.nn.functional.silu(gate) * up
+    return float((y.double() - expected).norm() / expected.norm())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("n", "k", "block_n", "block_k"),
+    [
+        (64, 512, 16, 256),  # even tiles, K over two: gate and up 32 rows apart
+        (44, 576, 8, 512),  # 22 outputs: the last program's masked; a partial last tile
+    ],
+)
+@pytest.mark.parametrize("dp4a", [False, True])
+def test_silu_in_the_epilogue_matches_silu_of_the_reference(dtype, n, k, block_n, block_k, dp4a):
+    qweight, scales, zeros, ref = _layer(n, k, fractional=True)
+    x = _x(k, dtype)
+    bias = torch.randn(n).to(DEVICE, dtype)
+    y = launch_int4_nk(x, qweight, scales, zeros, 128, bias, block_n, block_k, 4, dp4a, silu=True)
+    assert y.shape == (1, n // 2) and y.dtype == dtype
+    assert _silu_err(y, x, ref, bias) < TOL[dtype]
+    y0 = launch_int4_nk(x, qweight, scales, zeros, 128, None, block_n, block_k, 4, dp4a, silu=True)
+    assert _silu_err(y0, x, ref) < TOL[dtype]
+    # not the plain GEMV's first half: the gate rows meet their own up rows
+    plain = launch_int4_nk(x, qweight, scales, zeros, 128, None, block_n, block_k, 4, dp4a)
+    assert float((y0.double() - plain[:, : n // 2].double()).abs().max()) > 1e-3
+
+
 def test_serves_only_the_calls_it_fits():
     qweight, scales, zeros, _ = _layer(16, 256)
     x = _x(256, DTYPES[0])
@@ -79,7 +118,12 @@ def test_serves_only_the_calls_it_fits():
 
 def test_the_tuner_offers_it_at_one_row_for_row_major_words_only():
     one, few = (candidates(i, 4096, 4096, 4, 128, 132, nk=True) for i in (0, 1))
-    assert {c for c in one if c.nk} == set(INT4_NK + INT4_NK_MMA + INT4_NK_DP4A)
+    offered = set(INT4_NK + INT4_NK_MMA + INT4_NK_DP4A)
+    assert {c for c in one if c.nk} == offered
+    # whole rows over 16 warps where K is long (Llama's down) only
+    down = candidates(0, 4096, 14336, 4, 128, 132, nk=True)
+    assert {c for c in down if c.nk} == offered | set(INT4_NK_WIDE)
+    assert all(c.num_warps == 16 and c.block_k == 16384 for c in INT4_NK_WIDE)
     assert not any(c.nk for c in few)
     assert not any(c.gemv or c.h2 for c in one + few)  # they read [K / 8, N] storage
     dense = candidates(0, 4096, 4096, 4, 128, 132)
@@ -164,3 +208,48 @@ def test_gpu_a_nan_in_x_reaches_the_output(dp4a):
     x[0, 100] = float("nan")
     y = launch_int4_nk(x, qweight, scales, zeros, 128, None, 16, 4096, 4, dp4a)
     assert torch.isnan(y).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize(
+    ("block_n", "block_k", "warps"), [(8, 4096, 4), (16, 2048, 2), (16, 4096, 4), (32, 4096, 4)]
+)
+@pytest.mark.parametrize("dp4a", [False, True])
+def test_gpu_silu_in_the_epilogue_at_gate_up(block_n, block_k, warps, dp4a):
+    qweight, scales, zeros, ref = _layer(28672, 4096)
+    x = _x(4096, torch.bfloat16, 3e3)
+    y = launch_int4_nk(
+        x, qweight, scales, zeros, 128, None, block_n, block_k, warps, dp4a, silu=True
+    )
+    assert y.shape == (1, 14336) and torch.isfinite(y).all()
+    assert _silu_err(y, x, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize(("block_n", "block_k", "warps"), [(16, 16384, 16), (8, 16384, 16)])
+@pytest.mark.parametrize(("outlier", "scale"), [(0.0, 1.0), (3e3, 1.0), (0.0, 1e-6), (0.0, 1e4)])
+@pytest.mark.parametrize("dp4a", [False, True])
+def test_gpu_whole_rows_over_16_warps_at_down(block_n, block_k, warps, outlier, scale, dp4a):
+    qweight, scales, zeros, ref = _layer(4096, 14336)
+    x = _x(14336, torch.bfloat16, outlier * scale, scale=scale)
+    y = launch_int4_nk(x, qweight, scales, zeros, 128, None, block_n, block_k, warps, dp4a)
+    assert torch.isfinite(y).all()
+    assert _rel_err(y, x, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_gpu_the_int4_kernel_fuses_silu_at_one_row_only(monkeypatch):
+    from tokenloom.plugins.quant.int4 import Int4Kernel
+
+    qweight, scales, zeros, ref = _layer(28672, 4096)
+    kernel = Int4Kernel(qweight, scales.bfloat16(), zeros.bfloat16(), 128)
+    x = _x(4096, torch.bfloat16, 3e3)
+    y = kernel.apply_silu_and_mul(x, None)  # the tuner's one-row choice here: int4_gemv_nk
+    assert y is not None and y.shape == (1, 14336)
+    assert _silu_err(y, x, ref) < TOL[torch.bfloat16]
+    assert kernel.apply_silu_and_mul(torch.cat([x, x]), None) is None  # one row only
+    monkeypatch.setenv("TOKENLOOM_INT4_FUSED_SILU", "0")
+    assert kernel.apply_silu_and_mul(x, None) is None
