@@ -96,6 +96,15 @@ for step in "$@"; do
       lat "int4-before-$r" before int4; lat "int4-after-$r" after int4
       lat "int4-nosilu-$r" after int4 TOKENLOOM_INT4_FUSED_SILU=0
       [ "$r" = a ] && lat bf16-after after none || lat bf16-before before none ;;
+    attn23)  # session 23: the decode attention's knobs at batch 1 (int4, this tree)
+      for opt in none decode_block_n=32 decode_block_n=16 decode_num_warps=2 max_num_splits=8 \
+          decode_rope_min_batch=1; do
+        extra=(); [ "$opt" != none ] && extra=(--plugin-option "triton.$opt")
+        PYTHONPATH=/tmp/after:/tmp/site timeout 200 python3 -m tokenloom bench latency \
+          --model llama-3-8b --quant int4 --runs 3 "${extra[@]}" --out "$OUT/lat-attn-$opt.json" \
+          > "$OUT/lat-attn-$opt.log" 2>&1 || tail -3 "$OUT/lat-attn-$opt.log"
+        python3 -c "import json; print('attn $opt', round(json.load(open('$OUT/lat-attn-$opt.json'))['step_ms'], 4))"
+      done ;;
     t23)  # session 23: the one-row int4 GEMV (SiLU in the epilogue, one stage) on the GPU
       PYTHONPATH=/tmp/after:/tmp/site timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider \
         tests/plugins/quant/test_int4_gemv_nk.py tests/plugins/quant/test_int4_row_major.py \
