@@ -194,7 +194,8 @@ def norm_and_project(
 def project_silu(linear: Linear, x: torch.Tensor) -> torch.Tensor:
     """``silu_and_mul(linear(x))`` for a merged gate/up projection: inside the quantized
     kernel's matmul where it offers that (``LinearKernel.apply_silu_and_mul``)."""
-    if linear.kernel is not None and linear.parallel != "row":
+    halves = len(linear.output_sizes) == 2 and linear.output_sizes[0] == linear.output_sizes[1]
+    if linear.kernel is not None and linear.parallel != "row" and halves:
         y = linear.kernel.apply_silu_and_mul(x, linear.bias)
         if y is not None:
             return y

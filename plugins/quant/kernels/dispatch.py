@@ -211,7 +211,7 @@ def candidates(
     tilings do not fit it (``gemv_fits``)."""
     gemv, gemv_rows = (NK, NK_ROWS) if nk else (GEMV, GEMV_ROWS)
     if nk and bits == 4:
-        wide = INT4_NK_WIDE if k > 8192 else []
+        wide = INT4_NK_WIDE if 8192 < k <= 16384 else []  # one tile a row
         gemv, gemv_rows = (INT4_NK + INT4_NK_MMA + INT4_NK_DP4A + wide if index == 0 else []), []
     pools = (
         gemv + SKINNY + KMAJOR_SKINNY,
@@ -289,7 +289,7 @@ CACHE_NAME = "weight-gemm.json"
 # persistent grid removed (stored choices named fields that are gone).
 # v17: int4_gemv_nk's integer products (dp4a) offered; a one-tile row holds no next tile.
 # v18: int4_gemv_nk with K a constant and unmasked even tiles; dp4a at 32 rows offered.
-# v19: int4_gemv_nk: whole rows over 16 warps; no tiling wider than K offered; SiLU fused.
+# v19: int4_gemv_nk: whole rows of 8,192 < K <= 16,384 over 16 warps; SiLU fused.
 KERNELS_VERSION = 19
 
 

@@ -132,7 +132,7 @@ INT4_NK_DP4A = [
     GemmConfig(1, 16, 2048, 1, 2, 3, nk=True, dp4a=True),
     GemmConfig(1, 32, 4096, 1, 4, 3, nk=True, dp4a=True),
 ]
-# Session 23, offered where K > 8,192: a whole row of up to 16,384 K in one tile over 16
+# Session 23, offered where 8,192 < K <= 16,384: a whole row in one tile over 16
 # warps, no next tile held. Llama's down (K = 14,336) holds one at 16 x 4096 / 4: 255
 # registers, two programs (8 warps) an SM. Offline: 128 registers at 16 rows (16 warps an
 # SM), 64 at 8 (32).

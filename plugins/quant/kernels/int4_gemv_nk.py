@@ -310,7 +310,8 @@ def int4_nk_silu(
 ) -> torch.Tensor | None:
     """``silu(gate) * up`` of a merged gate/up layer at one row, SiLU-and-mul in the GEMV's
     epilogue, where ``cfg`` (the layer's tuned one-row tiling) runs this kernel and fits
-    the call; None elsewhere, and with ``TOKENLOOM_INT4_FUSED_SILU=0``."""
+    the call; None elsewhere, and with ``TOKENLOOM_INT4_FUSED_SILU=0`` (read at each call,
+    so fixed in a CUDA graph once captured)."""
     if os.environ.get("TOKENLOOM_INT4_FUSED_SILU", "1") == "0" or qweight.shape[1] % 2:
         return None
     if not (cfg.nk and not cfg.mma and cfg.fits(4, group)):

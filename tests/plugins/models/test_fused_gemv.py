@@ -190,6 +190,11 @@ def test_a_quantized_gate_up_takes_the_kernels_fused_silu_where_it_offers_it():
 
     linear.kernel = Fused()
     assert project_silu(linear, x) is fused
+    uneven = Linear(6, (5, 3), False, torch.float32)  # not a gate/up pair: never fused
+    uneven.weight.data = w.clone()
+    uneven.kernel = Fused()
+    gate3, up3 = F.linear(x, 2 * w).chunk(2, dim=-1)
+    torch.testing.assert_close(project_silu(uneven, x), F.silu(gate3) * up3)
     hidden, residual = torch.randn(1, 6), torch.randn(1, 6)
     out, stream = norm_and_project(RMSNorm(6, 1e-6, torch.float32), linear, hidden, residual, True)
     assert out is fused

@@ -101,6 +101,27 @@ def test_silu_in_the_epilogue_matches_silu_of_the_reference(dtype, n, k, block_n
     assert float((y0.double() - plain[:, : n // 2].double()).abs().max()) > 1e-3
 
 
+def test_the_fused_silu_serves_only_the_tuned_one_row_int4_gemv(monkeypatch):
+    from tokenloom.plugins.quant.kernels.gemm_config import GemmConfig
+    from tokenloom.plugins.quant.kernels.int4_gemv_nk import int4_nk_silu
+
+    dtype = DTYPES[0]
+    qweight, scales, zeros, ref = _layer(64, 512, fractional=True)
+    x = _x(512, dtype)
+    nk = next(c for c in INT4_NK_DP4A if c.block_n == 16)
+    y = int4_nk_silu(x, qweight, scales, zeros, 128, None, nk)
+    assert y is not None and y.shape == (1, 32) and _silu_err(y, x, ref) < TOL[dtype]
+    assert int4_nk_silu(x, qweight, scales, zeros, 128, None, INT4_NK_MMA[0]) is None
+    assert int4_nk_silu(x, qweight, scales, zeros, 128, None, GemmConfig(16, 64, 128)) is None
+    assert int4_nk_silu(torch.cat([x, x]), qweight, scales, zeros, 128, None, nk) is None
+    dense = qweight.contiguous()  # [K / 8, N] storage
+    assert int4_nk_silu(x, dense, scales, zeros, 128, None, nk) is None
+    odd, s_odd, z_odd, _ = _layer(63, 512)  # no two equal halves
+    assert int4_nk_silu(x, odd, s_odd, z_odd, 128, None, nk) is None
+    monkeypatch.setenv("TOKENLOOM_INT4_FUSED_SILU", "0")
+    assert int4_nk_silu(x, qweight, scales, zeros, 128, None, nk) is None
+
+
 def test_serves_only_the_calls_it_fits():
     qweight, scales, zeros, _ = _layer(16, 256)
     x = _x(256, DTYPES[0])
@@ -124,6 +145,8 @@ def test_the_tuner_offers_it_at_one_row_for_row_major_words_only():
     down = candidates(0, 4096, 14336, 4, 128, 132, nk=True)
     assert {c for c in down if c.nk} == offered | set(INT4_NK_WIDE)
     assert all(c.num_warps == 16 and c.block_k == 16384 for c in INT4_NK_WIDE)
+    longer = candidates(0, 4096, 32768, 4, 128, 132, nk=True)  # two tiles: not offered
+    assert not set(INT4_NK_WIDE) & set(longer)
     assert not any(c.nk for c in few)
     assert not any(c.gemv or c.h2 for c in one + few)  # they read [K / 8, N] storage
     dense = candidates(0, 4096, 4096, 4, 128, 132)
@@ -216,13 +239,14 @@ def test_gpu_a_nan_in_x_reaches_the_output(dp4a):
     ("block_n", "block_k", "warps"), [(8, 4096, 4), (16, 2048, 2), (16, 4096, 4), (32, 4096, 4)]
 )
 @pytest.mark.parametrize("dp4a", [False, True])
-def test_gpu_silu_in_the_epilogue_at_gate_up(block_n, block_k, warps, dp4a):
-    qweight, scales, zeros, ref = _layer(28672, 4096)
+@pytest.mark.parametrize("n", [28672, 2 * 4779])  # Llama-3-8B; a rank of three: masked
+def test_gpu_silu_in_the_epilogue_at_gate_up(block_n, block_k, warps, dp4a, n):
+    qweight, scales, zeros, ref = _layer(n, 4096)
     x = _x(4096, torch.bfloat16, 3e3)
     y = launch_int4_nk(
         x, qweight, scales, zeros, 128, None, block_n, block_k, warps, dp4a, silu=True
     )
-    assert y.shape == (1, 14336) and torch.isfinite(y).all()
+    assert y.shape == (1, n // 2) and torch.isfinite(y).all()
     assert _silu_err(y, x, ref) < TOL[torch.bfloat16]
 
 
@@ -247,7 +271,11 @@ def test_gpu_the_int4_kernel_fuses_silu_at_one_row_only(monkeypatch):
     qweight, scales, zeros, ref = _layer(28672, 4096)
     kernel = Int4Kernel(qweight, scales.bfloat16(), zeros.bfloat16(), 128)
     x = _x(4096, torch.bfloat16, 3e3)
-    y = kernel.apply_silu_and_mul(x, None)  # the tuner's one-row choice here: int4_gemv_nk
+    y = kernel.apply_silu_and_mul(x, None)
+    cfg = kernel.configs[0]  # the tuner's one-row choice: fused where it is int4_gemv_nk
+    if not (cfg.nk and not cfg.mma):
+        assert y is None
+        return
     assert y is not None and y.shape == (1, 14336)
     assert _silu_err(y, x, ref) < TOL[torch.bfloat16]
     assert kernel.apply_silu_and_mul(torch.cat([x, x]), None) is None  # one row only
