@@ -22,14 +22,6 @@ import torch
 import triton
 
 from tokenloom.plugins.models import tuning_cache
-from tokenloom.plugins.quant.kernels.gemm_config import (  # noqa: F401  (re-exported)
-    INT4_NK,
-    INT4_NK_DP4A,
-    INT4_NK_MMA,
-    INT4_NK_WIDE,
-    NK,
-    NK_ROWS,
-)
 from tokenloom.plugins.quant.kernels.int4_tiles import int4_row_major
 from tokenloom.plugins.quant.kernels.int8_gemv_nk import row_major
 from tokenloom.plugins.quant.kernels.offered import (  # noqa: F401  (re-exported)
@@ -39,11 +31,17 @@ from tokenloom.plugins.quant.kernels.offered import (  # noqa: F401  (re-exporte
     GEMV,
     GEMV_ROWS,
     H2,
+    INT4_NK,
+    INT4_NK_DP4A,
+    INT4_NK_MMA,
+    INT4_NK_WIDE,
     KMAJOR_LARGE,
     KMAJOR_MEDIUM,
     KMAJOR_SKINNY,
     LARGE,
     MEDIUM,
+    NK,
+    NK_ROWS,
     SKINNY,
     SPLIT_BYTES,
     bucket,

@@ -12,16 +12,75 @@ from dataclasses import asdict, replace
 import torch
 import triton
 
-from tokenloom.plugins.quant.kernels.gemm_config import (
-    INT4_NK,
-    INT4_NK_DP4A,
-    INT4_NK_MMA,
-    INT4_NK_WIDE,
-    NK,
-    NK_ROWS,
-)
 from tokenloom.plugins.quant.kernels.int4_gemv_h2 import h2_offered
 from tokenloom.plugins.quant.kernels.weight_gemm import SKINNY_ROWS, GemmConfig
+
+# int8_gemv_nk (session 16), int8 stored [N, K]: (BLOCK_N, BLOCK_K, warps) with BLOCK_K =
+# 256 x warps, where x's load takes the layout its FMAs need (no shared memory; offline
+# sm_90: 3.2-3.4 instructions per weight at one row, 40-127 registers). The weights are
+# read as 2^15 + 128 + q, the bias off per word (``biased``): on the H200 this beat the
+# exact conversion on every Llama-3-8B layer (59.4 against 62.9 us a layer; engine 2.62 ->
+# 2.57 ms a step) for ~1e-4 of the output (session 17). Several row blocks per program in
+# one stream never won, and went (docs/quantization.md, sessions 16-17).
+NK = [
+    GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, biased=True),
+    GemmConfig(1, 16, 1024, 1, 4, 3, nk=True, biased=True),
+    GemmConfig(1, 4, 1024, 1, 4, 3, nk=True, biased=True),
+    GemmConfig(1, 8, 2048, 1, 8, 3, nk=True, biased=True),
+    GemmConfig(1, 16, 2048, 1, 8, 3, nk=True, biased=True),
+]
+NK_ROWS = [  # two or four rows of x per program (bucket 2-16)
+    GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, rows=2, biased=True),
+    GemmConfig(1, 16, 1024, 1, 4, 3, nk=True, rows=2, biased=True),
+    GemmConfig(1, 4, 1024, 1, 4, 3, nk=True, rows=4, biased=True),
+    GemmConfig(1, 8, 1024, 1, 4, 3, nk=True, rows=4, biased=True),
+]
+
+# int4_gemv_nk (session 17), int4 stored [N, K / 8]: (BLOCK_N, BLOCK_K, warps) with BLOCK_K =
+# 1,024 x warps (four words, 16 bytes, a thread). Offline sm_90 at one row: 2.8
+# instructions per weight at 8 rows a program (72 registers), 2.5 at 16 (162), 3.5 at 4.
+INT4_NK = [
+    GemmConfig(1, 8, 4096, 1, 4, 3, nk=True),
+    GemmConfig(1, 16, 4096, 1, 4, 3, nk=True),
+    GemmConfig(1, 4, 4096, 1, 4, 3, nk=True),
+    GemmConfig(1, 8, 2048, 1, 2, 3, nk=True),
+    GemmConfig(1, 16, 2048, 1, 2, 3, nk=True),
+    GemmConfig(1, 8, 8192, 1, 8, 3, nk=True),
+]
+# int4_gemv_mma (session 19), the same storage, groups of a multiple of 128: (BLOCK_N,
+# BLOCK_K, warps), BLOCK_N rows in two halves, the warps along K (one element, 32 K, a
+# thread). Offline sm_90 loop: 1.77 instructions per weight at 16 x 2048 / 2 (int4_gemv_nk
+# 2.56). On the H200 (cold, us): qkv 6.8, o 5.6, gate/up 23.5, down 16.9 against
+# int4_gemv_nk's 6.6, 5.4, 24.4, 16.8; the warps along N (32 x 1024 / 4, 16 x 1024 / 4)
+# ran down in 33 us, and are not offered.
+INT4_NK_MMA = [
+    GemmConfig(1, 16, 4096, 1, 4, 3, nk=True, mma=True),
+    GemmConfig(1, 16, 2048, 1, 2, 3, nk=True, mma=True),
+    GemmConfig(1, 8, 4096, 1, 4, 3, nk=True, mma=True),
+]
+# int4_gemv_nk with its products on the integer unit (session 21, int4_dp4a_asm): x in
+# 16-bit fixed point per 32 values, dp4a over bytes, exact sums. Offline sm_90 (whole
+# kernel, K = 4,096 in one tile): 2.30 instructions a weight at 16 x 4096 / 4 against 3.06.
+# Session 22 (K a constant, no masks where the tiles divide the layer, x in 16-byte loads):
+# 1.86 at 16 x 4096 / 4 (96 registers, from 168), 1.54 at 32 x 4096 / 4 (177).
+INT4_NK_DP4A = [
+    GemmConfig(1, 8, 4096, 1, 4, 3, nk=True, dp4a=True),
+    GemmConfig(1, 16, 4096, 1, 4, 3, nk=True, dp4a=True),
+    GemmConfig(1, 16, 2048, 1, 2, 3, nk=True, dp4a=True),
+    GemmConfig(1, 32, 4096, 1, 4, 3, nk=True, dp4a=True),
+]
+# Session 23, offered where 8,192 < K <= 16,384: a whole row in one tile over 16
+# warps, no next tile held. Llama's down (K = 14,336) holds one at 16 x 4096 / 4: 255
+# registers, two programs (8 warps) an SM. Offline: 128 registers at 16 rows (16 warps an
+# SM), 64 at 8 (32).
+INT4_NK_WIDE = [
+    GemmConfig(1, 16, 16384, 1, 16, 3, nk=True, dp4a=True),
+    GemmConfig(1, 8, 16384, 1, 16, 3, nk=True, dp4a=True),
+]
+# Session 20 (H200, cold us a Llama-3-8B layer; nk / mma / persistent grid / shared-memory
+# ring): qkv 6.5 / 6.9 / 7.3 / 11.0, o 5.4 / 5.5 / 6.1 / 8.9, gate/up 24.3 / 23.6 / 24.5 /
+# 32.4, down 16.6 / 16.7 / 16.8 / 25.3. Neither gained: the int4 one-row GEMV is not bound
+# by bytes in flight either. Both were removed (kernels v16).
 
 # (largest row count of the bucket, row counts measured for it)
 # The decode batches of a busy server (65-256 rows) have their own bucket: the tiling
