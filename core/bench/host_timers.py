@@ -130,6 +130,8 @@ def stub_forward(engine: Any, timers: Timers, seed: int, stub: bool = True) -> N
     if stub:
         runner._forward = forward
     timers.wrap(runner, "_forward", "device_work")
+    if runner.graphs is not None:  # a GPU's decode steps: packed, then replayed
+        timers.wrap(runner.graphs, "run_pack", "device_work")
     timers.wrap(runner.model, "compute_logits", "device_work")
     sampler = runner.sampler
     timers.wrap(sampler, "_batch_for", "sampler_host")
@@ -141,16 +143,17 @@ def stub_forward(engine: Any, timers: Timers, seed: int, stub: bool = True) -> N
     step = timers.step
     clock = CLOCK[0]
 
-    def sample(logits: Any, request_ids: Any) -> Any:
+    def sample(logits: Any, request_ids: Any, store: Any = None) -> Any:
         started = clock()
         host_before = step["sampler_host"]
         try:
-            return inner_sample(logits, request_ids)
+            return inner_sample(logits, request_ids, store)
         finally:
             step["device_work"] += clock() - started - (step["sampler_host"] - host_before)
 
     sampler.sample = sample
     timers.wrap(runner.batches, "build", "input_prep")
+    timers.wrap(runner.batches, "pack_decode", "input_prep")
 
 
 def wrap_kv(engine: Any, timers: Timers) -> None:

@@ -40,6 +40,20 @@ class FlatBatch:
     num_seqs: int
 
 
+@dataclass
+class DecodePack:
+    """A decode-only step on the host: int32 ``[ids | positions | seq_lens | KV slots |
+    token slots]`` (``num`` each) then the block table ``[num, width]``, as
+    ``graph_inputs.scatter_decode_inputs`` reads it."""
+
+    host: torch.Tensor
+    num: int
+    width: int
+    placeholders: int  # ids that are PLACEHOLDER_TOKEN
+    seq_lens: list[int]
+    request_ids: list[str]
+
+
 class BatchBuilder:
     def __init__(self, block_size: int, device: torch.device, capacity: int = 64) -> None:
         self.block_size = block_size
@@ -77,10 +91,10 @@ class BatchBuilder:
             if slot is not None:
                 self._free.append(slot)
 
-    def store_sampled_tokens(self, batch: FlatBatch, token_ids: torch.Tensor) -> None:
-        """Keep the tokens just sampled (device, one per sampling row) for the
-        placeholders of later steps."""
-        self.last_tokens.index_copy_(0, batch.sample_slots, token_ids.to(torch.int32))
+    def store_sampled_tokens(self, token_slots: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Keep the tokens just sampled (device, one per sampling row, for the requests of
+        ``token_slots``) for the placeholders of later steps."""
+        self.last_tokens.index_copy_(0, token_slots.long(), token_ids.to(torch.int32))
 
     # ------------------------------------------------------------------ batches
 
@@ -90,9 +104,10 @@ class BatchBuilder:
         return self._arange[:n]
 
     def build(self, step: StepInput) -> FlatBatch:
+        pack = self._pack_decode(step)
+        if pack is not None:
+            return self._build_decode(pack)
         chunks = step.chunks
-        if chunks and all(c.sample and len(c.token_ids) == 1 for c in chunks):
-            return self._build_decode(step)
         slots = self._slots
         return self._build_general(step, not all(c.request_id in slots for c in chunks))
 
@@ -230,11 +245,16 @@ class BatchBuilder:
             sample_slots=d_slots.long(),
         )
 
-    def _build_decode(self, step: StepInput) -> FlatBatch:
-        """Every chunk is one token that samples: positions, slot mapping, sequence
-        lengths and the block table come from the host."""
+    def pack_decode(self, step: StepInput) -> DecodePack | None:
+        """A decode-only step (every chunk one token that samples) packed on the host for
+        one upload; None for any other step."""
+        return self._pack_decode(step)
+
+    def _pack_decode(self, step: StepInput) -> DecodePack | None:
         chunks = step.chunks
         slots = self._slots
+        if not chunks or not all(c.sample and len(c.token_ids) == 1 for c in chunks):
+            return None
         bs = self.block_size
         num = len(chunks)
         width = 0
@@ -267,14 +287,22 @@ class BatchBuilder:
         table = torch.frombuffer(self._table, dtype=torch.int32).view(-1, self._width)
         row_index = torch.frombuffer(rows, dtype=torch.int32)
         torch.index_select(table[:, :width], 0, row_index, out=host[5 * num :].view(num, width))
-        packed = upload(host, self.device)
+        return DecodePack(
+            host, num, width, placeholders, lens.tolist(), [c.request_id for c in chunks]
+        )
+
+    def _build_decode(self, pack: DecodePack) -> FlatBatch:
+        """Every chunk is one token that samples: positions, slot mapping, sequence
+        lengths and the block table come from the host."""
+        num, width = pack.num, pack.width
+        packed = upload(pack.host, self.device)
         d_ids, d_pos, d_lens, d_slot, d_rows, d_table = torch.split(
             packed, [num, num, num, num, num, num * width]
         )
         row_slots = d_rows.long()
-        if placeholders == num:
+        if pack.placeholders == num:
             d_ids = self.last_tokens.index_select(0, row_slots)
-        elif placeholders:
+        elif pack.placeholders:
             known = self.last_tokens.index_select(0, row_slots)
             d_ids = torch.where(d_ids == PLACEHOLDER_TOKEN, known, d_ids)
         meta = AttentionMetadata(
@@ -283,17 +311,17 @@ class BatchBuilder:
             seq_lens=d_lens,
             block_tables=d_table.view(num, width),
             max_query_len=1,
-            max_seq_len=max(lens),
+            max_seq_len=max(pack.seq_lens),
             decode_only=True,
             query_lens_cpu=[1] * num,
-            seq_lens_cpu=lens.tolist(),
+            seq_lens_cpu=pack.seq_lens,
         )
         return FlatBatch(
             input_ids=d_ids,
             positions=d_pos.long(),
             meta=meta,
             sample_index=None,
-            sample_request_ids=[c.request_id for c in chunks],
+            sample_request_ids=pack.request_ids,
             num_tokens=num,
             num_seqs=num,
             sample_slots=row_slots,

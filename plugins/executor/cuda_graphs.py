@@ -3,7 +3,9 @@
 Captured once at start-up, largest first, sharing one memory pool. A decode step
 of B sequences replays the smallest bucket >= B: its inputs are copied into static
 buffers, padding rows write nowhere (slot -1) and read one KV token, and the
-logits are computed outside the graph on the first B rows.
+logits are computed outside the graph on the first B rows. ``run_pack`` fills the
+inputs from one side-stream upload and one kernel (``graph_inputs``); ``run``, from a
+built batch's device tensors (the draft proposer's).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any
 
 import torch
 
+from tokenloom.plugins.executor.batch import DecodePack
+from tokenloom.plugins.executor.graph_inputs import SideUploads, scatter_decode_inputs
 from tokenloom.protocols.components.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -58,6 +62,8 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
+        self.token_slots = torch.zeros(n, dtype=torch.int32, device=device)  # run_pack's rows
+        self.uploads: SideUploads | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.metas: dict[int, AttentionMetadata] = {}
         self.capture_seconds = 0.0
@@ -105,6 +111,24 @@ class DecodeGraphs:
 
     def can_run(self, num_seqs: int, decode_only: bool) -> bool:
         return decode_only and num_seqs <= self.max_bs and bool(self.graphs)
+
+    def run_pack(
+        self, pack: DecodePack, last_tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the step of ``pack``: ``(hidden [num], token slots [num] int32)``; the
+        slots stay valid until the next replay's inputs are written."""
+        num = pack.num
+        bs = next(s for s in self.sizes if s >= num)
+        if self.uploads is None:
+            self.uploads = SideUploads(self.input_ids.device)
+        packed = self.uploads.upload(pack.host)
+        scatter_decode_inputs(
+            packed, num, pack.width, last_tokens, self.input_ids, self.positions,
+            self.seq_lens, self.slot_mapping, self.token_slots, self.block_tables, bs,
+        )  # fmt: skip
+        self.uploads.consumed()
+        self.graphs[bs].replay()
+        return self.hidden[:num], self.token_slots[:num]
 
     def run(
         self,

@@ -287,7 +287,7 @@ class ModelRunner(Executor):
                 self.info.hidden_size,
                 self.dtype,
                 self.device,
-            )
+            )  # fmt: skip
             for k in range(cfg.num_speculative_tokens, 0, -1)
         }
 
@@ -315,32 +315,46 @@ class ModelRunner(Executor):
                 self.spec.add_request(new)
         if not step.chunks:
             return DoneStep(StepOutput(step.step_id, [], []))
-        batch = batches.build(step)
-        hidden = self._forward(batch)
+        graphed = self._graph_decode(step)
+        if graphed is not None:
+            hidden, request_ids, token_slots = graphed
+            rows = hidden
+        else:
+            batch = batches.build(step)
+            hidden = self._forward(batch)
+            request_ids, token_slots = batch.sample_request_ids, batch.sample_slots
+            rows = hidden if batch.sample_index is None else hidden[batch.sample_index]
         if self.prompt_logprobs.wanted():
             self.prompt_logprobs.record(step.chunks, hidden, self.model.compute_logits)
-        request_ids = batch.sample_request_ids
         if not request_ids:
             return DoneStep(StepOutput(step.step_id, [], []))
-        rows = hidden if batch.sample_index is None else hidden[batch.sample_index]
         logits = self.model.compute_logits(rows)
         if self.spec is not None and self.spec.speculating(step.chunks):
             # verify drafts, then propose: host tokens (the engine runs this step alone)
             prompt_values = self.prompt_logprobs.take(step.chunks, request_ids)
             spec_output = self.spec.sample(
-                step.step_id,
-                step.chunks,
-                logits,
-                request_ids,
-                prompt_values,
-                lambda last: batches.store_sampled_tokens(batch, last),
-            )
+                step.step_id, step.chunks, logits, request_ids, prompt_values,
+                lambda last: batches.store_sampled_tokens(token_slots, last),
+            )  # fmt: skip
             return DoneStep(spec_output)
-        result = sampler.sample(logits, request_ids)
+        result = sampler.sample(logits, request_ids, (batches.last_tokens, token_slots.int()))
         sampler.count_sampled(request_ids, result)
-        batches.store_sampled_tokens(batch, result.token_ids)
+        if not result.stored:
+            batches.store_sampled_tokens(token_slots, result.token_ids)
         prompt_values = self.prompt_logprobs.take(step.chunks, request_ids)
         return result.copy_to_host(step.step_id, request_ids, prompt_values)
+
+    def _graph_decode(self, step: StepInput) -> tuple[torch.Tensor, list[str], torch.Tensor] | None:
+        """A decode-only step that a captured graph takes, run: ``(hidden, request ids,
+        token slots)``; None for any other step."""
+        graphs = self.graphs
+        if graphs is None or not graphs.can_run(len(step.chunks), True):
+            return None
+        pack = self.batches.pack_decode(step)
+        if pack is None:
+            return None
+        hidden, token_slots = graphs.run_pack(pack, self.batches.last_tokens)
+        return hidden, pack.request_ids, token_slots
 
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
         meta = batch.meta

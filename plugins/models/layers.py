@@ -321,8 +321,7 @@ class RotaryEmbedding(nn.Module):
     stored in the model dtype (as transformers casts it before use).
     """
 
-    cos: torch.Tensor
-    sin: torch.Tensor
+    cos_sin: torch.Tensor  # [P, 2, D/2]: a position's cos then its sin, one row
 
     def __init__(
         self,
@@ -334,13 +333,23 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, rope_params)  # [head_dim / 2]
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)  # [P, D/2]
-        self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)  # [P, D/2]
+        table = torch.stack((freqs.cos(), freqs.sin()), dim=1).to(dtype)
+        self.register_buffer("cos_sin", table, persistent=False)
+
+    @property
+    def cos(self) -> torch.Tensor:  # [P, D/2]
+        return self.cos_sin[:, 0]
+
+    @property
+    def sin(self) -> torch.Tensor:  # [P, D/2]
+        return self.cos_sin[:, 1]
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> (cos, sin), each [T, 1, D/2]; looked up once per forward
-        pass and shared by every layer."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """positions [T] -> (cos, sin), each [T, 1, D/2] (views of one ``[T, 2, D/2]``
+        gather: one kernel, not two, at the start of every forward pass); shared by
+        every layer."""
+        rows = self.cos_sin[positions]
+        return rows[:, 0:1], rows[:, 1:2]
 
 
 def apply_rotary(

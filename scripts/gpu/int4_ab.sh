@@ -7,7 +7,7 @@
 # Prepare here:   git archive REV > .snap/before.tar  (the BEFORE tree; .snap/ git-ignored)
 #                 ../shared/tools/gpu-wheels .whl
 # On the device:  bash scripts/gpu/int4_ab.sh STEP...   (carry [".snap", ".whl"])
-# Steps: lat (int4 before/after/kn alternated twice, --runs 3), latbf16, latab and thrab
+# Steps: t24, lat24a, lat24b, thr24 (session 24: the step's edges); lat (int4 before/after/kn alternated twice, --runs 3), latbf16, latab and thrab
 # (bf16 and int4, before/after), gpu20, sample and prof (session 20), thr (int4
 # before/after/kn, one pass each), tests (int4 GPU tests), gputests (every GPU test under
 # tests/plugins/quant and tests/plugins/models), gemv4 (gemv_bench nk layout), samebytes (the bf16 GEMV over the same bytes), latcold (the tuner timed cold),
@@ -100,6 +100,20 @@ for step in "$@"; do
       lat "int4-before-$r" before int4; lat "int4-after-$r" after int4
       lat "int4-nosilu-$r" after int4 TOKENLOOM_INT4_FUSED_SILU=0
       [ "$r" = a ] && lat bf16-after after none || lat bf16-before before none ;;
+    t24)  # session 24: the decode step's edges (graph inputs, token store, copies, rope)
+      PYTHONPATH=/tmp/after:/tmp/site timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/plugins/executor tests/plugins/attention tests/plugins/models/test_layers.py \
+        tests/plugins/models/test_fused_ops.py tests/plugins/quant/test_int4_gemv_nk.py \
+        > "$OUT/gpu-tests-24.log" 2>&1
+      echo "t24 rc=$?"; grep -E "^FAILED|^ERROR" "$OUT/gpu-tests-24.log" | head -8
+      tail -n 2 "$OUT/gpu-tests-24.log" ;;
+    lat24a|lat24b)  # session 24: int4 and bf16, before / after, alternated
+      r=${step: -1}
+      lat "int4-before-$r" before int4; lat "int4-after-$r" after int4
+      lat "bf16-before-$r" before none; lat "bf16-after-$r" after none ;;
+    thr24)  # session 24: offline throughput, bf16 and int4, before / after
+      thr bf16-before before none; thr bf16-after after none
+      thr int4-before before int4; thr int4-after after int4 ;;
     attn23)  # session 23: the decode attention's knobs at batch 1 (int4, this tree)
       for opt in none decode_block_n=32 decode_block_n=16 decode_num_warps=2 max_num_splits=8 \
           decode_rope_min_batch=1; do

@@ -38,6 +38,8 @@ import triton.language as tl
 # Measured on the H200 (scripts/gpu/sample_bench.py, V = 128,256): 16 programs per SM
 # and 2,048-element steps beat 4 and 1,024 by 9-14% at B = 128-256 (the kernel is
 # latency-bound at ~1 TB/s: more programs in flight, longer steps), same at B <= 32.
+Store = tuple[torch.Tensor, torch.Tensor]  # (tokens int32, slots [B] int32): see fused_sample
+
 DEFAULT_BLOCK = 2048  # elements per program per loop step; four Philox outputs per lane
 PROGRAMS_PER_SM = 16  # programs in flight per SM
 
@@ -91,8 +93,11 @@ def _gumbel_max_kernel(
     chunk,  # elements per split, a multiple of BLOCK
     counters_per_row,  # Philox counters a row uses: cdiv(V, BLOCK) * BLOCK / 4
     seed,
+    store_ptr,  # STORE: int32, the token goes to store_ptr[slots[row]]
+    slots_ptr,  # STORE: [B] int32
     BLOCK: tl.constexpr,
     GREEDY: tl.constexpr = False,  # the plain argmax: no noise (temperature_ptr unread)
+    STORE: tl.constexpr = False,  # also store the token (one split only)
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -131,6 +136,8 @@ def _gumbel_max_kernel(
     best, index = _lowest_argmax(best_val, best_idx)
     tl.store(part_val_ptr + row * num_splits + split, best)
     tl.store(part_idx_ptr + row * num_splits + split, index.to(tl.int64))
+    if STORE:
+        tl.store(store_ptr + tl.load(slots_ptr + row), index.to(tl.int32))
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -139,7 +146,10 @@ def _reduce_splits_kernel(
     part_idx_ptr,  # [B, S] int64
     out_ptr,  # [B] int64
     num_splits,
+    store_ptr,  # STORE: int32, the token goes to store_ptr[slots[row]]
+    slots_ptr,  # STORE: [B] int32
     BLOCK_S: tl.constexpr,
+    STORE: tl.constexpr = False,
 ):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_S)
@@ -150,6 +160,8 @@ def _reduce_splits_kernel(
     indices = tl.load(part_idx_ptr + row * num_splits + offs, mask=mask, other=2147483647)
     _, index = _lowest_argmax(values, indices)
     tl.store(out_ptr + row, index)
+    if STORE:
+        tl.store(store_ptr + tl.load(slots_ptr + row), index.to(tl.int32))
 
 
 def host_seed() -> int:
@@ -174,12 +186,12 @@ def default_num_splits(rows: int, vocab: int, device: torch.device, block: int) 
     return max(1, min(triton.cdiv(vocab, block), triton.cdiv(target, rows)))
 
 
-def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+def greedy_argmax(logits: torch.Tensor, store: Store | None = None) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` of ``[B, V]`` logits on a GPU, the vocabulary split over
     programs as in ``fused_sample``; ties go to the lowest index, and unlike torch a NaN
     never wins. torch's argmax of one 128k-vocabulary row cost 28 us on the critical path
     of a Llama-3-8B decode step on an H200 (session 20's profile)."""
-    return fused_sample(logits, None, 2**32)
+    return fused_sample(logits, None, 2**32, store=store)
 
 
 def fused_sample(
@@ -188,9 +200,13 @@ def fused_sample(
     seed: int,  # the Philox key (see host_seed)
     num_splits: int | None = None,  # programs per row; None = enough to fill the GPU
     block: int = DEFAULT_BLOCK,  # a power of two, at least 16
+    store: Store | None = None,
 ) -> torch.Tensor:  # [B] int64
     """One token per row, drawn from ``softmax(logits / temperature)`` (the argmax on
-    rows with temperature 0), in at most two launches; ``logits`` is not modified."""
+    rows with temperature 0), in at most two launches; ``logits`` is not modified.
+    ``store`` = ``(tokens, slots)``: also ``tokens[slots[row]] = id`` (int32), by the
+    launch that finds the id (the executor's next-step inputs, without two more
+    launches: a cast and an ``index_copy_``)."""
     rows, vocab = logits.shape
     greedy = temperature is None
     assert greedy or (temperature.shape == (rows,) and temperature.dtype == torch.float32)
@@ -211,6 +227,11 @@ def fused_sample(
     part_idx = (
         out.view(rows, 1) if num_splits == 1 else torch.empty_like(part_val, dtype=torch.int64)
     )
+    if store is not None:
+        tokens, slots = store
+        assert tokens.dtype == slots.dtype == torch.int32 and slots.shape == (rows,)
+    else:
+        tokens = slots = out
     _gumbel_max_kernel[(rows, num_splits)](
         logits,
         logits if greedy else temperature,
@@ -221,8 +242,11 @@ def fused_sample(
         blocks_per_split * block,
         counters_per_row,
         seed,
+        tokens,
+        slots,
         BLOCK=block,
         GREEDY=greedy,
+        STORE=store is not None and num_splits == 1,
         num_warps=4 if block >= 512 else 1,
     )
     if num_splits > 1:
@@ -231,9 +255,12 @@ def fused_sample(
             part_idx,
             out,
             num_splits,
+            tokens,
+            slots,
             # Sized by the vocabulary, not the split count (which follows the batch
             # size): one compile per model instead of one per split bracket mid-run.
             BLOCK_S=triton.next_power_of_2(blocks),
+            STORE=store is not None,
             num_warps=1,
         )
     return out

@@ -30,6 +30,7 @@ class SampleResult:
     top_ids: torch.Tensor | None = None  # [B, K] int64, K = largest k asked for
     top_logprobs: torch.Tensor | None = None  # [B, K] float32, descending
     num_logprobs: Sequence[int] = ()  # host, per row: k asked for (-1 = none)
+    stored: bool = False  # the draw also stored the ids for the next step (Sampler.sample)
 
     def copy_to_host(
         self,
@@ -60,6 +61,15 @@ class SampleResult:
         return self.copy_to_host(step_id, request_ids).result()
 
 
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]
+
+
 class PendingSample(PendingStep):
     """A launched step whose sampled ids are on their way to the host: what the
     engine holds while it builds the next step."""
@@ -81,11 +91,17 @@ class PendingSample(PendingStep):
         self._host = device_values  # on the CPU, the values are already on the host
         self._done: torch.cuda.Event | None = None
         if device_values.device.type == "cuda":
+            # On a side stream: the next step's work, queued next on the compute stream,
+            # does not wait for this copy (~8 us at batch 1 on an H200).
             host = torch.empty(device_values.shape, dtype=device_values.dtype, pin_memory=True)
-            host.copy_(device_values, non_blocking=True)
+            stream = _copy_stream(device_values.device)
+            stream.wait_stream(torch.cuda.current_stream(device_values.device))
+            with torch.cuda.stream(stream):
+                host.copy_(device_values, non_blocking=True)
+                self._done = torch.cuda.Event()
+                self._done.record(stream)
+            device_values.record_stream(stream)  # not reused before the copy is done
             self._host = host
-            self._done = torch.cuda.Event()
-            self._done.record()
 
     def result(self) -> StepOutput:
         """Wait for the copy and build the step's output: one token per request."""

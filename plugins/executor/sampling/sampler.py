@@ -39,6 +39,8 @@ from tokenloom.plugins.executor.sampling.sampling_batch import (
 from tokenloom.plugins.executor.staging import upload
 from tokenloom.protocols.step import NewRequestData
 
+Store = tuple[torch.Tensor, torch.Tensor]  # (tokens int32, slots [B] int32): see sample
+
 
 class Sampler:
     """Per-request sampling state plus the batched sampling of one step.
@@ -127,18 +129,25 @@ class Sampler:
 
     # ------------------------------------------------------------------ sampling
 
-    def sample(self, logits: torch.Tensor, request_ids: Sequence[str]) -> SampleResult:
+    def sample(
+        self, logits: torch.Tensor, request_ids: Sequence[str], store: Store | None = None
+    ) -> SampleResult:
         """One token per row. ``logits`` is ``[B, V]`` float32 on the device, row i
-        belonging to ``request_ids[i]``; it is not modified."""
+        belonging to ``request_ids[i]``; it is not modified. ``store`` = ``(tokens,
+        slots)``: where the fused kernels draw, they also write ``tokens[slots[i]]``
+        (int32), and the result says so (``stored``)."""
         batch = self._batch_for(request_ids)
+        stored = False
         if self._takes_fused_draw(batch):
-            token_ids = self._fused_draw(logits, batch)
+            token_ids, stored = self._fused_draw(logits, batch, store), store is not None
         elif batch.needs_processing:
             token_ids = self._draw(self._process(logits, batch), batch)
+        elif self.use_fused_sample:
+            token_ids, stored = self._argmax(logits, store), store is not None
         else:
             token_ids = self._argmax(logits)
         if batch.max_logprobs < 0:
-            return SampleResult(token_ids)
+            return SampleResult(token_ids, stored=stored)
         raw = logits.log_softmax(dim=-1)  # [B, V]
         top = raw.topk(batch.max_logprobs, dim=-1)  # [B, K] each
         return SampleResult(
@@ -147,6 +156,7 @@ class Sampler:
             top_ids=top.indices,
             top_logprobs=top.values,
             num_logprobs=batch.num_logprobs,
+            stored=stored,
         )
 
     def is_plain_argmax(self, request_ids: Sequence[str]) -> bool:
@@ -228,16 +238,20 @@ class Sampler:
 
         logits = torch.zeros(1, self.vocab_size, dtype=torch.float32, device=self.device)
         one = torch.ones(1, dtype=torch.float32, device=self.device)
-        fused_sample.fused_sample(logits, one, fused_sample.host_seed())
-        fused_sample.greedy_argmax(logits)
+        slots = torch.zeros(1, dtype=torch.int32, device=self.device)
+        store = (torch.zeros(1, dtype=torch.int32, device=self.device), slots)
+        for to in (None, store):  # the executor stores the token; the proposers do not
+            fused_sample.fused_sample(logits, one, fused_sample.host_seed(), store=to)
+            fused_sample.greedy_argmax(logits, store=to)
 
-    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """Greedy ids: the fused kernel's split argmax where the fused draw runs (a GPU)."""
+    def _argmax(self, logits: torch.Tensor, store: Store | None = None) -> torch.Tensor:
+        """Greedy ids: the fused kernel's split argmax where the fused draw runs (a GPU;
+        ``store`` as in ``sample``, ignored elsewhere)."""
         if not self.use_fused_sample:
             return logits.argmax(dim=-1)
         from tokenloom.plugins.executor.sampling import fused_sample  # Triton, imported late
 
-        return fused_sample.greedy_argmax(logits)
+        return fused_sample.greedy_argmax(logits, store)
 
     def _takes_fused_draw(self, batch: SamplingBatch) -> bool:
         """True when temperature is all the processing after the penalties: no filter
@@ -252,7 +266,9 @@ class Sampler:
             and batch.min_p is None
         )
 
-    def _fused_draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def _fused_draw(
+        self, logits: torch.Tensor, batch: SamplingBatch, store: Store | None = None
+    ) -> torch.Tensor:
         """Penalties and min_tokens mask, then the one-pass draw with each row's
         temperature: the raw logits go straight into the kernel when no row needs those."""
         from tokenloom.plugins.executor.sampling import fused_sample  # Triton, imported late
@@ -261,6 +277,7 @@ class Sampler:
             self._penalise(logits, batch),
             self._temperature_or_zero(batch),
             fused_sample.host_seed(),
+            store=store,
         )
 
     def _temperature_or_zero(self, batch: SamplingBatch) -> torch.Tensor:  # [B] float32

@@ -33,7 +33,7 @@ def test_decode_fast_path_matches_the_general_path() -> None:
     slots = torch.tensor([builder._slots[r] for r in ("a", "b", "c")])
     builder.last_tokens.index_copy_(0, slots, last)
     step = _decode_step()
-    fast, general = builder._build_decode(step), builder._build_general(step)
+    fast, general = builder.build(step), builder._build_general(step)
     assert fast.input_ids.tolist() == general.input_ids.tolist() == [101, 42, 303]
     assert fast.positions.tolist() == general.positions.tolist() == [9, 0, 4]
     assert fast.meta.slot_mapping.tolist() == general.meta.slot_mapping.tolist()
@@ -53,7 +53,7 @@ def test_stored_sampled_tokens_fill_the_next_steps_placeholders() -> None:
     builder = _builder()
     step = _decode_step()
     first = builder.build(step)
-    builder.store_sampled_tokens(first, torch.tensor([7, 8, 9]))
+    builder.store_sampled_tokens(first.sample_slots, torch.tensor([7, 8, 9]))
     again = builder.build(step)
     assert again.input_ids.tolist() == [7, 42, 9]
     builder.remove_requests(["a"])

@@ -10,7 +10,7 @@ import random
 
 import torch
 
-from tokenloom.plugins.executor.batch import BatchBuilder
+from tokenloom.plugins.executor.batch import BatchBuilder, DecodePack
 from tokenloom.protocols.step import ScheduledChunk, StepInput
 
 BS = 4
@@ -21,7 +21,7 @@ def _assert_same(builder: BatchBuilder, step: StepInput) -> None:
     token, the general path's rows otherwise) equal the from-scratch general path."""
     general = builder._build_general(step, from_scratch=True)
     if all(c.sample and len(c.token_ids) == 1 for c in step.chunks):
-        fast = builder._build_decode(step)
+        fast = builder.build(step)
     else:
         fast = builder._build_general(step, from_scratch=False)
         # As aligned as the fresh tensor the from-scratch path makes (Triton specializes
@@ -49,13 +49,13 @@ def test_replaced_and_shrunk_tables_leave_no_stale_blocks() -> None:
     _assert_same(builder, step)
     # a resumes after a preemption on other blocks, same length: every entry rewritten
     step = StepInput(2, [ScheduledChunk("a", [1], 17, [1, 2, 3, 4, 10])])
-    assert builder._build_decode(step).meta.block_tables.tolist() == [[1, 2, 3, 4, 10]]
+    assert builder.build(step).meta.block_tables.tolist() == [[1, 2, 3, 4, 10]]
     # a's slot goes to c, whose table is shorter: the row's tail reads as padding (0)
     builder.remove_requests(["a"])
     builder.add_request("c")
     step = StepInput(3, [ScheduledChunk("b", [2], 5, [3, 4]), ScheduledChunk("c", [5], 1, [11])])
     _assert_same(builder, step)
-    assert builder._build_decode(step).meta.block_tables.tolist() == [[3, 4], [11, 0]]
+    assert builder.build(step).meta.block_tables.tolist() == [[3, 4], [11, 0]]
 
 
 def test_random_histories_match_the_general_path() -> None:
@@ -118,9 +118,9 @@ def test_greedy_tokens_equal_those_of_the_general_path(tiny_model_factory, monke
     decoded = []
     original = BatchBuilder._build_decode
 
-    def counting(self: BatchBuilder, step: StepInput):  # type: ignore[no-untyped-def]
-        decoded.append(len(step.chunks))
-        return original(self, step)
+    def counting(self: BatchBuilder, pack: DecodePack):  # type: ignore[no-untyped-def]
+        decoded.append(pack.num)
+        return original(self, pack)
 
     monkeypatch.setattr(BatchBuilder, "_build_decode", counting)
     fast, preemptions = _greedy_tokens(model_dir)

@@ -21,10 +21,18 @@ class Spy:
 
     def __init__(self) -> None:
         self.calls: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self.stores: list[fused.Store | None] = []
 
-    def __call__(self, logits: torch.Tensor, temperature: torch.Tensor, seed: int) -> torch.Tensor:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        seed: int,
+        store: fused.Store | None = None,
+    ) -> torch.Tensor:
         self.calls.append((logits, temperature, seed))
-        return fused_sample(logits, temperature, seed, block=16)
+        self.stores.append(store)
+        return fused_sample(logits, temperature, seed, block=16, store=store)
 
 
 @pytest.fixture
@@ -138,15 +146,19 @@ def test_warm_up_compiles_the_fused_draw_for_the_vocabulary_once(spy: Spy) -> No
     sampler = Sampler(40, DEVICE)
     sampler.use_fused_sample = True
     sampler.warm_up()
-    assert len(spy.calls) == 2  # the draw and the greedy argmax
+    # the draw and the greedy argmax, each without and with the token store (two variants)
+    assert len(spy.calls) == 4
     logits, temperature, _ = spy.calls[0]
     assert logits.shape == (1, 40) and logits.dtype == torch.float32
     assert temperature.tolist() == [1.0]
-    assert spy.calls[1][1] is None
+    assert spy.calls[1][1] is None and spy.calls[3][1] is None
+    assert spy.stores[:2] == [None, None] and all(s is not None for s in spy.stores[2:])
+    store = spy.stores[2]
+    assert store is not None and store[0] is not store[1]  # a slot must not be a target
     unfused = Sampler(40, DEVICE)
     unfused.use_fused_sample = False
     unfused.warm_up()
-    assert len(spy.calls) == 2
+    assert len(spy.calls) == 4
 
 
 def test_the_executor_warms_the_sampler_up_at_load(monkeypatch, tiny_model_factory) -> None:
@@ -156,3 +168,23 @@ def test_the_executor_warms_the_sampler_up_at_load(monkeypatch, tiny_model_facto
     monkeypatch.setattr(Sampler, "warm_up", lambda self: warmed.append(self.vocab_size))
     llm = LLM(str(tiny_model_factory("llama")), dtype="float32")
     assert warmed == [llm.engine.executor.sampler.vocab_size]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_the_fused_kernels_store_the_token_for_the_next_step(temperature: float) -> None:
+    # The executor hands ``sample`` its next-step token buffer and the rows' slots there:
+    # the kernel that finds each id writes it (int32), and the result says so.
+    sampler = fused_sampler({r: SamplingParams(temperature=temperature) for r in "ab"})
+    logits = torch.randn(2, 32, device=DEVICE)
+    tokens = torch.full((6,), -7, dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([4, 1], dtype=torch.int32, device=DEVICE)
+    result = sampler.sample(logits, ["a", "b"], (tokens, slots))
+    assert result.stored
+    expected = [-7] * 6
+    expected[4], expected[1] = result.token_ids.tolist()
+    assert tokens.tolist() == expected
+    # off the fused path (a filter), nothing is stored and the executor does it
+    filtered = fused_sampler({"a": SamplingParams(temperature=0.8, top_k=3)})
+    before = tokens.clone()
+    assert not filtered.sample(logits[:1], ["a"], (tokens, slots[:1])).stored
+    assert torch.equal(tokens, before)

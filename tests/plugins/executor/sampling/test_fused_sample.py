@@ -112,6 +112,23 @@ def test_splitting_a_row_across_programs_gives_the_same_ids(vocab: int) -> None:
         assert torch.equal(fused_sample(logits, temperature, 99, num_splits=splits, block=16), one)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_the_store_writes_each_rows_id_at_its_slot(splits: int) -> None:
+    # one split: the draw's program stores; several: the reduction's
+    torch.manual_seed(2)
+    logits = torch.randn(3, 61, device=DEVICE)
+    temperature = torch.tensor([1.0, 0.0, 0.5], device=DEVICE)
+    plain = fused_sample(logits, temperature, 11, num_splits=splits, block=16)
+    tokens = torch.full((5,), -1, dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([3, 0, 2], dtype=torch.int32, device=DEVICE)
+    stored = fused_sample(
+        logits, temperature, 11, num_splits=splits, block=16, store=(tokens, slots)
+    )
+    assert torch.equal(stored, plain)
+    ids = plain.tolist()
+    assert tokens.tolist() == [ids[1], -1, ids[2], ids[0], -1]
+
+
 def test_the_split_reduction_compiles_once_whatever_the_split_count(monkeypatch) -> None:
     # The split count follows the batch size (default_num_splits): a block size tied to it
     # compiled a new reduction (seven on the H200's 128k vocabulary) each time a serving
