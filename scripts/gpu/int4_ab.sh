@@ -7,7 +7,7 @@
 # Prepare here:   git archive REV > .snap/before.tar  (the BEFORE tree; .snap/ git-ignored)
 #                 ../shared/tools/gpu-wheels .whl
 # On the device:  bash scripts/gpu/int4_ab.sh STEP...   (carry [".snap", ".whl"])
-# Steps: t24, lat24a, lat24b, thr24 (session 24: the step's edges); lat (int4 before/after/kn alternated twice, --runs 3), latbf16, latab and thrab
+# Steps: t24, lat24a, lat24b, lat24c, attn24, thr24 (session 24: the step's edges); lat (int4 before/after/kn alternated twice, --runs 3), latbf16, latab and thrab
 # (bf16 and int4, before/after), gpu20, sample and prof (session 20), thr (int4
 # before/after/kn, one pass each), tests (int4 GPU tests), gputests (every GPU test under
 # tests/plugins/quant and tests/plugins/models), gemv4 (gemv_bench nk layout), samebytes (the bf16 GEMV over the same bytes), latcold (the tuner timed cold),
@@ -111,6 +111,17 @@ for step in "$@"; do
       r=${step: -1}
       lat "int4-before-$r" before int4; lat "int4-after-$r" after int4
       lat "bf16-before-$r" before none; lat "bf16-after-$r" after none ;;
+    lat24c)  # session 24, second pass: int4 before / after (the graph output kept), twice
+      for r in 1 2; do lat "int4-before-c$r" before int4; lat "int4-after-c$r" after int4; done ;;
+    attn24)  # session 24: fewer decode KV splits at batch 1 (int4, this tree)
+      for opt in max_num_splits=1 max_num_splits=2 decode_min_split_tokens=128 \
+          decode_min_split_tokens=256; do
+        PYTHONPATH=/tmp/after:/tmp/site timeout 200 python3 -m tokenloom bench latency \
+          --model llama-3-8b --quant int4 --runs 3 --plugin-option "triton.$opt" \
+          --out "$OUT/lat-attn-$opt.json" > "$OUT/lat-attn-$opt.log" 2>&1 \
+          || tail -3 "$OUT/lat-attn-$opt.log"
+        python3 -c "import json; print('attn $opt', round(json.load(open('$OUT/lat-attn-$opt.json'))['step_ms'], 4))"
+      done ;;
     thr24)  # session 24: offline throughput, bf16 and int4, before / after
       thr bf16-before before none; thr bf16-after after none
       thr int4-before before int4; thr int4-after after int4 ;;
