@@ -41,6 +41,7 @@ import triton.language as tl
 
 from tokenloom.plugins.models.layers import Linear, RMSNorm, silu_and_mul
 from tokenloom.plugins.models.pdl import launch_options, release, wait
+from tokenloom.protocols.components.quant import QkvRope
 
 FUSED_VERSION = 1  # part of its tuning key: bump when the kernel or its configs change
 # (BLOCK_N, BLOCK_K, num_warps): wider tiles than the plain GEMV's, to amortize the row
@@ -184,11 +185,27 @@ def norm_and_project(
         return norm_gemv(
             hidden, residual, norm.weight, norm.eps, linear.weight, linear.fused, linear.bias, silu
         )
-    if residual is None:
-        residual, hidden = hidden, norm(hidden)
-    else:
-        hidden, residual = norm.add_and_norm(hidden, residual)
+    hidden, residual = add_norm(norm, hidden, residual)
     return (project_silu(linear, hidden) if silu else linear(hidden)), residual
+
+
+def add_norm(
+    norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(hidden + residual), hidden + residual)``; a None residual: the stream starts
+    at ``hidden``."""
+    if residual is None:
+        return norm(hidden), hidden
+    return norm.add_and_norm(hidden, residual)
+
+
+def project_rope(linear: Linear, x: torch.Tensor, rope: QkvRope) -> torch.Tensor | None:
+    """A merged q/k/v projection of one decode token with q and k rotated and k and v
+    stored in the cache inside the quantized kernel's matmul, where it offers that
+    (``LinearKernel.apply_qkv_rope``); None: not done (the caller projects, then rotates)."""
+    if linear.kernel is None or linear.parallel == "row":
+        return None
+    return linear.kernel.apply_qkv_rope(x, linear.bias, rope)
 
 
 def project_silu(linear: Linear, x: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,12 @@ import torch
 from torch import nn
 
 from tokenloom.plugins.models import parallel
-from tokenloom.plugins.models.fused_gemv import norm_and_project, project_silu
+from tokenloom.plugins.models.fused_gemv import (
+    add_norm,
+    norm_and_project,
+    project_rope,
+    project_silu,
+)
 from tokenloom.plugins.models.layers import (
     Embedding,
     Linear,
@@ -28,6 +33,7 @@ from tokenloom.plugins.models.layers import (
     whole,
 )
 from tokenloom.protocols.components.attention import ForwardContext, RopeInputs
+from tokenloom.protocols.components.quant import QkvRope
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) at the batch's positions, [T, 1, D/2]
 
@@ -126,8 +132,30 @@ class LlamaAttention(nn.Module):
     def forward(self, rope: Rope, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.attend(rope, self.qkv_proj(hidden), ctx)
 
-    def attend(self, rope: Rope, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """qkv [T, q_size + 2 * kv_size] (the projection's output) -> o_proj's output."""
+    def qkv_rope(self, rope: Rope, ctx: ForwardContext, hidden: torch.Tensor) -> QkvRope | None:
+        """What the q/k/v projection's kernel needs to rotate q and k and store k and v
+        itself (``QkvRope``): one decode token on a GPU, a quantized kernel, no per-head
+        norm, a 16-bit cache the backend lets the model write. None otherwise."""
+        if hidden.shape[0] != 1 or not hidden.is_cuda or self.qkv_proj.kernel is None:
+            return None
+        if self.q_norm is not None or not ctx.attn.accepts_written_kv or not ctx.meta.decode_only:
+            return None
+        k_cache, v_cache = ctx.kv_caches[self.layer_index]
+        if k_cache.dtype != hidden.dtype:
+            return None
+        half = self.head_dim // 2
+        cos, sin = (t.reshape(1, half) for t in rope)
+        return QkvRope(
+            cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
+            k_cache, v_cache, ctx.meta.slot_mapping,
+        )  # fmt: skip
+
+    def attend(
+        self, rope: Rope, qkv: torch.Tensor, ctx: ForwardContext, rotated: bool = False
+    ) -> torch.Tensor:
+        """qkv [T, q_size + 2 * kv_size] (the projection's output) -> o_proj's output;
+        ``rotated``: q and k already rotated, k and v already in the cache (the
+        projection's kernel did it: ``qkv_rope``)."""
         tokens = qkv.shape[0]
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
@@ -138,7 +166,9 @@ class LlamaAttention(nn.Module):
         norms = (self.q_norm, self.k_norm)
         q_w, k_w = (n.weight if n is not None else None for n in norms)
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
-        if q.is_cuda and ctx.attn.accepts_rope:
+        if rotated:
+            written["kv_written"] = True
+        elif q.is_cuda and ctx.attn.accepts_rope:
             # the backend norms, rotates and stores k/v (in its decode kernel: none here)
             written["rope"] = RopeInputs(*rope, q_w, k_w, eps)
         elif q.is_cuda:
@@ -208,8 +238,16 @@ class LlamaDecoderLayer(nn.Module):
         norms (and SiLU) run inside the projections' kernels where those take them
         (``norm_and_project``: one-row decode)."""
         attn, mlp = self.self_attn, self.mlp
-        qkv, residual = norm_and_project(self.input_layernorm, attn.qkv_proj, hidden, residual)
-        hidden = attn.attend(rope, qkv, ctx)
+        fused = attn.qkv_rope(rope, ctx, hidden)
+        if fused is None:
+            qkv, residual = norm_and_project(self.input_layernorm, attn.qkv_proj, hidden, residual)
+            rotated = False
+        else:  # the rotation and the cache stores in the projection's epilogue, if it can
+            hidden, residual = add_norm(self.input_layernorm, hidden, residual)
+            projected = project_rope(attn.qkv_proj, hidden, fused)
+            rotated = projected is not None
+            qkv = projected if projected is not None else attn.qkv_proj(hidden)
+        hidden = attn.attend(rope, qkv, ctx, rotated)
         act, residual = norm_and_project(
             self.post_attention_layernorm, mlp.gate_up_proj, hidden, residual, silu=True
         )

@@ -32,7 +32,7 @@ from tokenloom.config import EngineConfig, plugin_settings
 from tokenloom.plugins.models.gguf import SOURCE_KEY
 from tokenloom.plugins.models.layers import Linear
 from tokenloom.plugins.quant.common import WeightQuantMethod, flat, keep, quantization_config
-from tokenloom.protocols.components.quant import LinearKernel
+from tokenloom.protocols.components.quant import LinearKernel, QkvRope
 from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
 
@@ -133,13 +133,31 @@ class Int4Kernel(LinearKernel):
     def apply_silu_and_mul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """One row on the GPU: ``int4_gemv_nk`` with SiLU-and-mul in its epilogue, where the
         layer's tuned one-row tiling is that kernel (one launch less a layer)."""
+        return self._fused_one_row(x, bias, silu=True)
+
+    def apply_qkv_rope(
+        self, x: torch.Tensor, bias: torch.Tensor | None, rope: QkvRope
+    ) -> torch.Tensor | None:
+        """One row on the GPU: ``int4_gemv_nk`` with the rotation and the cache stores in
+        its epilogue, where the layer's tuned one-row tiling is that kernel and fits (off
+        unless ``TOKENLOOM_INT4_FUSED_ROPE=1``: ``int4_nk_fused``)."""
+        return self._fused_one_row(x, bias, rope=rope)
+
+    def _fused_one_row(
+        self,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        silu: bool = False,
+        rope: QkvRope | None = None,
+    ) -> torch.Tensor | None:
         if not (x.is_cuda and self.configs is not None) or x.numel() != x.shape[-1]:
             return None
         from tokenloom.plugins.quant.kernels.dispatch import bucket
-        from tokenloom.plugins.quant.kernels.int4_gemv_nk import int4_nk_silu
+        from tokenloom.plugins.quant.kernels.int4_gemv_nk import int4_nk_fused
 
         cfg = self.configs[bucket(1)]
-        y = int4_nk_silu(flat(x), self.qweight, self.scales, self.zeros, self.group, bias, cfg)
+        args = (flat(x), self.qweight, self.scales, self.zeros, self.group, bias, cfg)
+        y = int4_nk_fused(*args, silu=silu, rope=rope)
         return None if y is None else y.view(*x.shape[:-1], y.shape[-1])
 
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -10,10 +10,29 @@ two compose without knowing each other.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
+
+@dataclass(frozen=True)
+class QkvRope:
+    """What a merged q/k/v projection's kernel needs to finish one decode token's q, k and
+    v itself (``LinearKernel.apply_qkv_rope``): rotate q and k (rotate-half, no per-head
+    norm), rounded to the model dtype where transformers rounds, and store the rotated k
+    and v in a 16-bit paged cache at ``slot_mapping``. The rows are this rank's ``[q | k |
+    v]``: ``num_q_heads``, then ``num_kv_heads`` twice, of ``head_dim`` each."""
+
+    cos: torch.Tensor  # [1, D / 2]: the token's position (any row stride)
+    sin: torch.Tensor
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    k_cache: torch.Tensor  # [blocks, block_size, num_kv_heads, head_dim], contiguous
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # [1] int64; < 0: store nothing
 
 
 class LinearKernel(ABC):
@@ -28,6 +47,15 @@ class LinearKernel(ABC):
         it, ``Linear.fusable == "norm+silu"``): ``silu(gate) * up [T, out / 2]``, with the
         activation computed inside this kernel's matmul. None (the default): not fused
         for this ``x``; the caller then runs ``apply`` and SiLU-and-mul apart."""
+        return None
+
+    def apply_qkv_rope(
+        self, x: torch.Tensor, bias: torch.Tensor | None, rope: QkvRope
+    ) -> torch.Tensor | None:
+        """For a merged q/k/v projection at one decode token: ``x W^T (+ bias)`` with q and
+        k rotated and k and v stored in the cache, all inside this kernel (``QkvRope``).
+        None (the default): not done for this call; the caller projects with ``apply``
+        and rotates and stores apart."""
         return None
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:

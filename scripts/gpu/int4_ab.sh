@@ -7,7 +7,7 @@
 # Prepare here:   git archive REV > .snap/before.tar  (the BEFORE tree; .snap/ git-ignored)
 #                 ../shared/tools/gpu-wheels .whl
 # On the device:  bash scripts/gpu/int4_ab.sh STEP...   (carry [".snap", ".whl"])
-# Steps: t24, lat24a, lat24b, lat24c, attn24, thr24 (session 24: the step's edges); lat (int4 before/after/kn alternated twice, --runs 3), latbf16, latab and thrab
+# Steps: t24, lat24a, lat24b, lat24c, attn24, thr24, t24b, thr24b, latrope (session 24); lat (int4 before/after/kn alternated twice, --runs 3), latbf16, latab and thrab
 # (bf16 and int4, before/after), gpu20, sample and prof (session 20), thr (int4
 # before/after/kn, one pass each), tests (int4 GPU tests), gputests (every GPU test under
 # tests/plugins/quant and tests/plugins/models), gemv4 (gemv_bench nk layout), samebytes (the bf16 GEMV over the same bytes), latcold (the tuner timed cold),
@@ -121,6 +121,16 @@ for step in "$@"; do
           --out "$OUT/lat-attn-$opt.json" > "$OUT/lat-attn-$opt.log" 2>&1 \
           || tail -3 "$OUT/lat-attn-$opt.log"
         python3 -c "import json; print('attn $opt', round(json.load(open('$OUT/lat-attn-$opt.json'))['step_ms'], 4))"
+      done ;;
+    t24b)  # session 24: the q/k/v GEMV's rope epilogue on the GPU
+      PYTHONPATH=/tmp/after:/tmp/site timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/plugins/quant/test_int4_qkv_rope.py > "$OUT/gpu-tests-24b.log" 2>&1
+      echo "t24b rc=$?"; grep -E "^FAILED|^ERROR|Error" "$OUT/gpu-tests-24b.log" | head -8
+      tail -n 2 "$OUT/gpu-tests-24b.log" ;;
+    thr24b) thr int4-before before int4; thr int4-after after int4 ;;
+    latrope)  # the q/k/v GEMV's rope epilogue (off by default), on against off, this tree
+      for r in 1 2; do
+        lat "int4-rope-off-$r" after int4; lat "int4-rope-on-$r" after int4 TOKENLOOM_INT4_FUSED_ROPE=1
       done ;;
     thr24)  # session 24: offline throughput, bf16 and int4, before / after
       thr bf16-before before none; thr bf16-after after none

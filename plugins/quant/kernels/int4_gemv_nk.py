@@ -53,7 +53,9 @@ from tokenloom.plugins.quant.kernels.gemm_config import GemmConfig
 from tokenloom.plugins.quant.kernels.h2_common import _ptx, ptx_bf16_ok
 from tokenloom.plugins.quant.kernels.int4_dp4a_asm import _dp4a_chain, _x_bytes
 from tokenloom.plugins.quant.kernels.int4_h2_asm import _chain, _x_pairs
+from tokenloom.plugins.quant.kernels.int4_qkv_rope import _rope_epilogue, rope_fits
 from tokenloom.plugins.quant.kernels.int4_tiles import int4_row_major
+from tokenloom.protocols.components.quant import QkvRope
 
 
 @triton.jit
@@ -123,24 +125,43 @@ def _int4_gemv_nk_kernel(
     EVEN: tl.constexpr = False,  # N % BLOCK_N == KW % BLOCK_KW == 0: no masks
     SILU: tl.constexpr = False,  # merged gate/up [2 NH, K] -> silu(gate) * up [NH]
     NH: tl.constexpr = 0,  # SILU: N / 2, a constant (the up rows' offsets immediates too)
+    ROPE: tl.constexpr = False,  # merged q/k/v: rotate q and k, store k and v (int4_nk_fused)
+    HEAD_DIM: tl.constexpr = 0,  # ROPE: D
+    NUM_Q: tl.constexpr = 0,  # ROPE: q heads (rotated), then NUM_KV k heads (rotated,
+    NUM_KV: tl.constexpr = 0,  # stored), then NUM_KV v heads (stored)
+    cos_ptr=None,  # ROPE: [D / 2] at the token's position
+    sin_ptr=None,
+    k_cache_ptr=None,  # ROPE: [slots, NUM_KV, D] contiguous, in y's dtype
+    v_cache_ptr=None,
+    slot_ptr=None,  # ROPE: the token's slot (int64; < 0: store nothing)
 ):
     P: tl.constexpr = BLOCK_KW // 4
-    HALF: tl.constexpr = BLOCK_N // 2 if SILU else BLOCK_N  # outputs a program
+    HALF: tl.constexpr = BLOCK_N // 2 if (SILU or ROPE) else BLOCK_N  # outputs or pairs
     offs_w = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_KW), 4), 4)
     offs_p = tl.arange(0, P) * 4  # each element's first word
     i = tl.arange(0, BLOCK_N)
+    base = tl.program_id(0) * HALF  # first row (pair with ROPE, output with SILU) a program
     if SILU:  # rows j and HALF + j: gate and up of output j (the halves NH rows apart)
-        offs_o = tl.program_id(0) * HALF + i % HALF
+        offs_o = base + i % HALF
         mask_n = offs_o < NH
         offs_n = offs_o + (i // HALF) * NH
         row_off = (i % HALF) * KW + (i // HALF) * (NH * KW)
+    elif ROPE:  # rows j and D / 2 + j of one head: the pairs rotate-half rotates together
+        D2: tl.constexpr = HEAD_DIM // 2
+        base = (base // D2) * HEAD_DIM + base % D2  # HALF divides D / 2: one head a program
+        offs_n = base + i % HALF + (i // HALF) * D2
+        # runs of HALF rows, each from a multiple of HALF: the scale loads' layout (and the
+        # accumulator's, so the sums' order) stays the plain mapping's
+        offs_n = tl.max_contiguous(tl.multiple_of(offs_n, HALF), HALF)
+        mask_n = offs_n < N
+        row_off = ((i % HALF) + (i // HALF) * D2) * KW
     else:
         offs_n = tl.program_id(0) * BLOCK_N + i
         mask_n = offs_n < N
         row_off = i * KW
     # one 64-bit base a program, the rows at 32-bit offsets from it (constants when KW is:
     # the loads then take them as immediates)
-    w_rows = qw_ptr + (tl.program_id(0) * HALF).to(tl.int64) * KW + row_off[:, None]
+    w_rows = qw_ptr + base.to(tl.int64) * KW + row_off[:, None]
     if EVEN:
         w = tl.load(w_rows + offs_w[None, :])
     else:
@@ -187,6 +208,9 @@ def _int4_gemv_nk_kernel(
         offs_h = tl.program_id(0) * HALF + tl.arange(0, HALF)
         act = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(y_ptr + offs_h, act.to(y_ptr.dtype.element_ty), mask=offs_h < NH)
+    elif ROPE:
+        _rope_epilogue(y, y_ptr, offs_n, base, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
+                       slot_ptr, HALF, HEAD_DIM, NUM_Q, NUM_KV)  # fmt: skip
     else:
         tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
 
@@ -205,7 +229,7 @@ def int4_nk_fits(x: torch.Tensor, qweight: torch.Tensor, group: int, has_zeros: 
     return x.dtype in (torch.float16, torch.float32, torch.bfloat16)
 
 
-def int4_nk_silu(
+def int4_nk_fused(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scales: torch.Tensor,
@@ -213,20 +237,32 @@ def int4_nk_silu(
     group: int,
     bias: torch.Tensor | None,
     cfg: GemmConfig,
+    silu: bool = False,
+    rope: QkvRope | None = None,
 ) -> torch.Tensor | None:
-    """``silu(gate) * up`` of a merged gate/up layer at one row, SiLU-and-mul in the GEMV's
-    epilogue, where ``cfg`` (the layer's tuned one-row tiling) runs this kernel and fits
-    the call; None elsewhere, and with ``TOKENLOOM_INT4_FUSED_SILU=0`` (read at each call,
-    so fixed in a CUDA graph once captured)."""
-    if os.environ.get("TOKENLOOM_INT4_FUSED_SILU", "1") == "0" or qweight.shape[1] % 2:
-        return None
-    if not (cfg.nk and not cfg.mma and cfg.fits(4, group)):
+    """One row with an epilogue of the layer's own, where ``cfg`` (the layer's tuned
+    one-row tiling) runs this kernel and fits the call; None elsewhere (the caller then
+    runs the plain GEMV and the elementwise kernel after it). Switches, read at each
+    call (so fixed in a CUDA graph once captured):
+
+    - ``silu``: ``silu(gate) * up`` of a merged gate/up layer; ``TOKENLOOM_INT4_FUSED_SILU=0``
+      turns it off.
+    - ``rope``: a merged q/k/v layer with q and k rotated and k and v stored in the cache
+      (``int4_qkv_rope``); off unless ``TOKENLOOM_INT4_FUSED_ROPE=1``: this version has
+      not run on a GPU yet (session 24; docs/quantization.md)."""
+    if silu:
+        on = os.environ.get("TOKENLOOM_INT4_FUSED_SILU", "1") != "0" and qweight.shape[1] % 2 == 0
+    else:
+        on = rope is not None and os.environ.get("TOKENLOOM_INT4_FUSED_ROPE", "0") == "1"
+    if not (on and cfg.nk and not cfg.mma and cfg.fits(4, group)):
         return None
     if not int4_nk_fits(x, qweight, group, zeros is not None):
         return None
+    if rope is not None and not rope_fits(x, qweight.shape[1], cfg.block_n, rope):
+        return None
     return launch_int4_nk(
         x, qweight, scales, zeros, group, bias, cfg.block_n, cfg.block_k, cfg.num_warps,
-        cfg.dp4a, silu=True,
+        cfg.dp4a, silu=silu, rope=rope,
     )  # fmt: skip
 
 
@@ -293,18 +329,29 @@ def launch_int4_nk(
     num_warps: int,
     dp4a: bool = False,
     silu: bool = False,
+    rope: QkvRope | None = None,
 ) -> torch.Tensor:
     """``x [1, K] @ dequant(qweight)^T (+ bias) -> [1, N]`` in ``x``'s dtype
     (``int4_nk_fits``); ``block_k`` K values a tile row; ``dp4a``: the integer products
     (``int4_dp4a_asm``; the interpreter runs the same fp32 emulation either way);
     ``silu``: the rows are a merged gate/up projection, and the result is
-    ``silu(gate) * up`` ``[1, N / 2]``, SiLU-and-mul in the epilogue."""
+    ``silu(gate) * up`` ``[1, N / 2]``, SiLU-and-mul in the epilogue; ``rope``: the rows
+    are a merged q/k/v projection, q and k come out rotated and k and v are stored in the
+    cache (``rope_fits``)."""
     assert int4_nk_fits(x, qweight, group, zeros is not None), (tuple(x.shape), group)
     kw, n = qweight.shape
     assert not silu or (n % 2 == 0 and block_n >= 2), (n, block_n)
+    assert rope is None or rope_fits(x, n, block_n, rope)
     block_kw = max(4, min(block_k // 8, triton.next_power_of_2(kw)))
+    extra: dict[str, object] = {}
+    if rope is not None:
+        extra = dict(
+            ROPE=True, HEAD_DIM=rope.head_dim, NUM_Q=rope.num_q_heads, NUM_KV=rope.num_kv_heads,
+            cos_ptr=rope.cos, sin_ptr=rope.sin, k_cache_ptr=rope.k_cache,
+            v_cache_ptr=rope.v_cache, slot_ptr=rope.slot_mapping,
+        )  # fmt: skip
     return launch_int4_rows(
         _int4_gemv_nk_kernel, x, qweight, scales, zeros, bias, block_n, block_kw, num_warps,
         GROUP=group, DP4A=dp4a, ONE_TILE=kw <= block_kw, SILU=silu, NH=n // 2 if silu else 0,
-        EVEN=n % block_n == 0 and kw % block_kw == 0,
+        EVEN=n % block_n == 0 and kw % block_kw == 0, **extra,
     )  # fmt: skip

@@ -103,23 +103,28 @@ def test_silu_in_the_epilogue_matches_silu_of_the_reference(dtype, n, k, block_n
 
 def test_the_fused_silu_serves_only_the_tuned_one_row_int4_gemv(monkeypatch):
     from tokenloom.plugins.quant.kernels.gemm_config import GemmConfig
-    from tokenloom.plugins.quant.kernels.int4_gemv_nk import int4_nk_silu
+    from tokenloom.plugins.quant.kernels.int4_gemv_nk import int4_nk_fused
 
     dtype = DTYPES[0]
     qweight, scales, zeros, ref = _layer(64, 512, fractional=True)
     x = _x(512, dtype)
     nk = next(c for c in INT4_NK_DP4A if c.block_n == 16)
-    y = int4_nk_silu(x, qweight, scales, zeros, 128, None, nk)
+    y = int4_nk_fused(x, qweight, scales, zeros, 128, None, nk, silu=True)
     assert y is not None and y.shape == (1, 32) and _silu_err(y, x, ref) < TOL[dtype]
-    assert int4_nk_silu(x, qweight, scales, zeros, 128, None, INT4_NK_MMA[0]) is None
-    assert int4_nk_silu(x, qweight, scales, zeros, 128, None, GemmConfig(16, 64, 128)) is None
-    assert int4_nk_silu(torch.cat([x, x]), qweight, scales, zeros, 128, None, nk) is None
+    assert int4_nk_fused(x, qweight, scales, zeros, 128, None, INT4_NK_MMA[0], silu=True) is None
+    assert (
+        int4_nk_fused(x, qweight, scales, zeros, 128, None, GemmConfig(16, 64, 128), silu=True)
+        is None
+    )
+    assert (
+        int4_nk_fused(torch.cat([x, x]), qweight, scales, zeros, 128, None, nk, silu=True) is None
+    )
     dense = qweight.contiguous()  # [K / 8, N] storage
-    assert int4_nk_silu(x, dense, scales, zeros, 128, None, nk) is None
+    assert int4_nk_fused(x, dense, scales, zeros, 128, None, nk, silu=True) is None
     odd, s_odd, z_odd, _ = _layer(63, 512)  # no two equal halves
-    assert int4_nk_silu(x, odd, s_odd, z_odd, 128, None, nk) is None
+    assert int4_nk_fused(x, odd, s_odd, z_odd, 128, None, nk, silu=True) is None
     monkeypatch.setenv("TOKENLOOM_INT4_FUSED_SILU", "0")
-    assert int4_nk_silu(x, qweight, scales, zeros, 128, None, nk) is None
+    assert int4_nk_fused(x, qweight, scales, zeros, 128, None, nk, silu=True) is None
 
 
 def test_serves_only_the_calls_it_fits():
