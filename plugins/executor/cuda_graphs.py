@@ -100,6 +100,13 @@ class DecodeGraphs:
             if pool is None:
                 pool = graph.pool()
             self.graphs[bs] = graph
+        # Compile the inputs' scatter now (a padding-only batch: it writes what padding
+        # rows hold anyway), not on the first decode step.
+        packed = torch.zeros(5 + 1, dtype=torch.int32, device=self.input_ids.device)
+        scatter_decode_inputs(
+            packed, 0, 1, packed, self.input_ids, self.positions, self.seq_lens,
+            self.slot_mapping, self.token_slots, self.block_tables, 1,
+        )  # fmt: skip
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - started
         log.info(

@@ -34,7 +34,9 @@ from tokenloom.protocols.step import PLACEHOLDER_TOKEN
 FIELDS = 5  # per row: token id, position, sequence length, KV slot, token slot
 
 
-@triton.jit
+# One compile per process: sizes unspecialized (a value of 1 or a multiple of 16 would
+# each compile a variant, mid-serving, as a request's table grows); warmed up at capture.
+@triton.jit(do_not_specialize=["stride_table", "num", "width"])
 def _scatter_decode_inputs_kernel(
     packed_ptr,  # int32 [FIELDS * num + num * width]
     last_tokens_ptr,  # int32, by token slot

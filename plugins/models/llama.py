@@ -136,7 +136,10 @@ class LlamaAttention(nn.Module):
         """What the q/k/v projection's kernel needs to rotate q and k and store k and v
         itself (``QkvRope``): one decode token on a GPU, a quantized kernel, no per-head
         norm, a 16-bit cache the backend lets the model write. None otherwise."""
-        if hidden.shape[0] != 1 or not hidden.is_cuda or self.qkv_proj.kernel is None:
+        kernel = self.qkv_proj.kernel
+        if hidden.shape[0] != 1 or not hidden.is_cuda or kernel is None:
+            return None
+        if not kernel.offers_qkv_rope:
             return None
         if self.q_norm is not None or not ctx.attn.accepts_written_kv or not ctx.meta.decode_only:
             return None

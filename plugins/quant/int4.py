@@ -135,6 +135,12 @@ class Int4Kernel(LinearKernel):
         layer's tuned one-row tiling is that kernel (one launch less a layer)."""
         return self._fused_one_row(x, bias, silu=True)
 
+    @property
+    def offers_qkv_rope(self) -> bool:
+        from tokenloom.plugins.quant.kernels.int4_qkv_rope import rope_epilogue_on
+
+        return self.configs is not None and rope_epilogue_on()
+
     def apply_qkv_rope(
         self, x: torch.Tensor, bias: torch.Tensor | None, rope: QkvRope
     ) -> torch.Tensor | None:

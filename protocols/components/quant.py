@@ -49,6 +49,12 @@ class LinearKernel(ABC):
         for this ``x``; the caller then runs ``apply`` and SiLU-and-mul apart."""
         return None
 
+    @property
+    def offers_qkv_rope(self) -> bool:
+        """Whether ``apply_qkv_rope`` may do the work for some call: callers build no
+        ``QkvRope`` otherwise (a step's host work in eager mode). False by default."""
+        return False
+
     def apply_qkv_rope(
         self, x: torch.Tensor, bias: torch.Tensor | None, rope: QkvRope
     ) -> torch.Tensor | None:

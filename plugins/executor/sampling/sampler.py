@@ -243,6 +243,9 @@ class Sampler:
         for to in (None, store):  # the executor stores the token; the proposers do not
             fused_sample.fused_sample(logits, one, fused_sample.host_seed(), store=to)
             fused_sample.greedy_argmax(logits, store=to)
+        # The draw's own store (one split a row: batches of 16 rows an SM and up)
+        fused_sample.fused_sample(logits, one, fused_sample.host_seed(), 1, store=store)
+        fused_sample.fused_sample(logits, None, 2**32, 1, store=store)
 
     def _argmax(self, logits: torch.Tensor, store: Store | None = None) -> torch.Tensor:
         """Greedy ids: the fused kernel's split argmax where the fused draw runs (a GPU;

@@ -53,7 +53,11 @@ from tokenloom.plugins.quant.kernels.gemm_config import GemmConfig
 from tokenloom.plugins.quant.kernels.h2_common import _ptx, ptx_bf16_ok
 from tokenloom.plugins.quant.kernels.int4_dp4a_asm import _dp4a_chain, _x_bytes
 from tokenloom.plugins.quant.kernels.int4_h2_asm import _chain, _x_pairs
-from tokenloom.plugins.quant.kernels.int4_qkv_rope import _rope_epilogue, rope_fits
+from tokenloom.plugins.quant.kernels.int4_qkv_rope import (
+    _rope_epilogue,
+    rope_epilogue_on,
+    rope_fits,
+)
 from tokenloom.plugins.quant.kernels.int4_tiles import int4_row_major
 from tokenloom.protocols.components.quant import QkvRope
 
@@ -253,7 +257,7 @@ def int4_nk_fused(
     if silu:
         on = os.environ.get("TOKENLOOM_INT4_FUSED_SILU", "1") != "0" and qweight.shape[1] % 2 == 0
     else:
-        on = rope is not None and os.environ.get("TOKENLOOM_INT4_FUSED_ROPE", "0") == "1"
+        on = rope is not None and rope_epilogue_on()
     if not (on and cfg.nk and not cfg.mma and cfg.fits(4, group)):
         return None
     if not int4_nk_fits(x, qweight, group, zeros is not None):

@@ -21,6 +21,8 @@ it has not run on a GPU.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -69,6 +71,12 @@ def _rope_epilogue(y, y_ptr, offs_n, row, cos_ptr, sin_ptr, k_cache_ptr, v_cache
                 dst = v_cache_ptr + slot * (NUM_KV * HEAD_DIM) + (head - NUM_Q - NUM_KV) * HEAD_DIM
             tl.store(dst + cols, x1)
             tl.store(dst + D2 + cols, x2)
+
+
+def rope_epilogue_on() -> bool:
+    """``TOKENLOOM_INT4_FUSED_ROPE=1`` (read at each call: fixed in a CUDA graph once
+    captured); off by default until this version has run on a GPU."""
+    return os.environ.get("TOKENLOOM_INT4_FUSED_ROPE", "0") == "1"
 
 
 def rope_fits(x: torch.Tensor, n: int, block_n: int, rope: QkvRope) -> bool:

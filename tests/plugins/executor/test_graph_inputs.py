@@ -86,3 +86,20 @@ def test_gpu_an_upload_waits_for_the_buffer_s_last_reader() -> None:
     assert third.tolist() == [9] * 8 and second.tolist() == [7] * 8
     grown = uploads.upload(torch.arange(100, dtype=torch.int32))  # past the capacity
     assert grown.tolist() == list(range(100))
+
+
+@pytest.mark.gpu
+def test_gpu_the_token_copy_survives_the_allocator_reusing_its_memory() -> None:
+    # PendingSample copies on a side stream; record_stream keeps the ids' block from the
+    # compute stream's next allocation until that copy is done
+    from tokenloom.plugins.executor.sampling.result import PendingSample
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    torch.cuda._sleep(50_000_000)  # the compute stream busy: the copy waits behind it
+    values = torch.arange(4096, device="cuda")  # queued after the sleep
+    pending = PendingSample(0, ["r"] * 4096, values, 0, ())
+    del values
+    junk = torch.full((4096,), -1, dtype=torch.int64, device="cuda")  # may take its block
+    assert [t[0] for t in pending.result().token_ids] == list(range(4096))
+    assert junk.sum().item() == -4096

@@ -22,17 +22,20 @@ class Spy:
     def __init__(self) -> None:
         self.calls: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         self.stores: list[fused.Store | None] = []
+        self.splits: list[int | None] = []
 
     def __call__(
         self,
         logits: torch.Tensor,
         temperature: torch.Tensor,
         seed: int,
+        num_splits: int | None = None,
         store: fused.Store | None = None,
     ) -> torch.Tensor:
         self.calls.append((logits, temperature, seed))
         self.stores.append(store)
-        return fused_sample(logits, temperature, seed, block=16, store=store)
+        self.splits.append(num_splits)
+        return fused_sample(logits, temperature, seed, num_splits, block=16, store=store)
 
 
 @pytest.fixture
@@ -146,19 +149,21 @@ def test_warm_up_compiles_the_fused_draw_for_the_vocabulary_once(spy: Spy) -> No
     sampler = Sampler(40, DEVICE)
     sampler.use_fused_sample = True
     sampler.warm_up()
-    # the draw and the greedy argmax, each without and with the token store (two variants)
-    assert len(spy.calls) == 4
+    # the draw and the greedy argmax, each without and with the token store, and with the
+    # store in one split (the draw kernel's own STORE variant)
+    assert len(spy.calls) == 6
     logits, temperature, _ = spy.calls[0]
     assert logits.shape == (1, 40) and logits.dtype == torch.float32
     assert temperature.tolist() == [1.0]
-    assert spy.calls[1][1] is None and spy.calls[3][1] is None
+    assert [c[1] is None for c in spy.calls] == [False, True, False, True, False, True]
     assert spy.stores[:2] == [None, None] and all(s is not None for s in spy.stores[2:])
+    assert spy.splits[4:] == [1, 1]
     store = spy.stores[2]
     assert store is not None and store[0] is not store[1]  # a slot must not be a target
     unfused = Sampler(40, DEVICE)
     unfused.use_fused_sample = False
     unfused.warm_up()
-    assert len(spy.calls) == 4
+    assert len(spy.calls) == 6
 
 
 def test_the_executor_warms_the_sampler_up_at_load(monkeypatch, tiny_model_factory) -> None:
