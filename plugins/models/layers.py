@@ -336,18 +336,9 @@ class RotaryEmbedding(nn.Module):
         table = torch.stack((freqs.cos(), freqs.sin()), dim=1).to(dtype)
         self.register_buffer("cos_sin", table, persistent=False)
 
-    @property
-    def cos(self) -> torch.Tensor:  # [P, D/2]
-        return self.cos_sin[:, 0]
-
-    @property
-    def sin(self) -> torch.Tensor:  # [P, D/2]
-        return self.cos_sin[:, 1]
-
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> (cos, sin), each [T, 1, D/2] (views of one ``[T, 2, D/2]``
-        gather: one kernel, not two, at the start of every forward pass); shared by
-        every layer."""
+        """positions [T] -> (cos, sin), each [T, 1, D/2], views of one ``[T, 2, D/2]``
+        gather (one kernel a forward pass, not two); shared by every layer."""
         rows = self.cos_sin[positions]
         return rows[:, 0:1], rows[:, 1:2]
 
