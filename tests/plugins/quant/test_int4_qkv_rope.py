@@ -57,7 +57,7 @@ def _check(x, layer, group, bias, tiling, dp4a, rope):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tiling", [(16, 128, 4), (32, 256, 4), (8, 1024, 2)])
+@pytest.mark.parametrize("tiling", [(16, 128, 4), (32, 256, 4), (16, 1024, 2)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_epilogue_equals_the_gemv_then_the_rope_kernel(dtype, tiling, bias):
     hq, hkv, d, k = 4, 2, 32, 256  # a pair block of 4-16 rows: 1-4 programs a head
@@ -76,7 +76,7 @@ def test_a_padding_slot_stores_nothing_and_the_outputs_still_rotate():
     hq, hkv, d, k = 2, 1, 16, 128
     qweight, scales, zeros, _ = _layer((hq + 2 * hkv) * d, k)
     rope = _rope(DTYPES[0], hq, hkv, d, slot=-1)
-    _check(_x(k, DTYPES[0]), (qweight, scales, zeros), 128, None, (8, 128, 4), False, rope)
+    _check(_x(k, DTYPES[0]), (qweight, scales, zeros), 128, None, (16, 128, 4), False, rope)
     assert not rope.k_cache.any() and not rope.v_cache.any()
 
 
@@ -87,6 +87,7 @@ def test_it_serves_only_the_calls_it_fits(monkeypatch):
     n = qweight.shape[1]
     assert rope_fits(x, n, 16, rope) and rope_fits(x, n, 32, rope)
     assert not rope_fits(x, n, 64, rope)  # 32 pairs a program: more than a head's 16
+    assert not rope_fits(x, n, 8, rope)  # runs of 4 rows: another accumulator layout
     assert not rope_fits(x, n - d, 16, rope)  # rows that are not the heads'
     wide = QkvRope(
         rope.cos, rope.sin, hq + 1, hkv, d, rope.k_cache, rope.v_cache, rope.slot_mapping
@@ -108,7 +109,7 @@ def test_it_serves_only_the_calls_it_fits(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
-@pytest.mark.parametrize(("tiling"), [(8, 4096, 4), (16, 4096, 4), (32, 4096, 4), (16, 2048, 2)])
+@pytest.mark.parametrize(("tiling"), [(16, 4096, 4), (32, 4096, 4), (16, 2048, 2), (16, 1024, 4)])
 @pytest.mark.parametrize("dp4a", [False, True])
 def test_gpu_the_epilogue_at_llama_3_8b_equals_the_unfused_path(tiling, dp4a):
     hq, hkv, d, k = 32, 8, 128, 4096
