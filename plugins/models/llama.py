@@ -26,12 +26,10 @@ from tokenloom.plugins.models.layers import (
     Embedding,
     Linear,
     RMSNorm,
-    RotaryEmbedding,
     Slots,
-    apply_rotary,
-    rope_parameters,
     whole,
 )
+from tokenloom.plugins.models.rope import RotaryEmbedding, apply_rotary, rope_parameters
 from tokenloom.protocols.components.attention import ForwardContext, RopeInputs
 from tokenloom.protocols.components.quant import QkvRope
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tokenloom.plugins.models import fused_ops
-from tokenloom.plugins.models.layers import RMSNorm, apply_rotary
+from tokenloom.plugins.models.layers import RMSNorm
+from tokenloom.plugins.models.rope import apply_rotary
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])

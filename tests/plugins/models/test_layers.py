@@ -8,9 +8,8 @@ import math
 import pytest
 import torch
 
-from tokenloom.plugins.models.layers import (
-    Linear,
-    RMSNorm,
+from tokenloom.plugins.models.layers import Linear, RMSNorm
+from tokenloom.plugins.models.rope import (
     RotaryEmbedding,
     apply_rotary,
     rope_inv_freq,
