@@ -3,7 +3,7 @@ engine: weights, KV bytes per token, activations, the resulting KV blocks and th
 number of requests that fit at full length; a setting that cannot fit says what to
 change. A table, or ``--json``.
 
-It mirrors the engine's sizing rule (``ModelRunner._profile_num_blocks``): the KV
+It mirrors the engine's sizing rule (``plugins.executor.memory_profile``): the KV
 pool gets ``total * gpu_memory_utilization`` minus the weights, the activation peak
 of a forward pass at ``max_num_batched_tokens``, the memory outside torch's
 allocator (CUDA context, libraries) and the CUDA-graph reserve, divided by the bytes

@@ -25,6 +25,7 @@ from tokenloom.plugins.attention import kv_quant
 from tokenloom.plugins.executor import staging
 from tokenloom.plugins.executor.batch import BatchBuilder, FlatBatch
 from tokenloom.plugins.executor.cuda_graphs import DecodeGraphs
+from tokenloom.plugins.executor.memory_profile import profile_num_blocks
 from tokenloom.plugins.executor.parallel.symmetric import TensorParallelSettings
 from tokenloom.plugins.executor.prompt_logprobs import PromptLogprobs
 from tokenloom.plugins.executor.speculative import SpeculativeDecoder, speculation_configured
@@ -35,8 +36,7 @@ from tokenloom.protocols.components.executor import DoneStep, Executor, PendingS
 from tokenloom.protocols.components.model import ModelInfo
 from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
-from tokenloom.protocols.sampling import SamplingParams
-from tokenloom.protocols.step import NewRequestData, ScheduledChunk, StepInput, StepOutput
+from tokenloom.protocols.step import StepInput, StepOutput
 
 if TYPE_CHECKING:
     from tokenloom.plugin_manager import PluginManager
@@ -150,58 +150,7 @@ class ModelRunner(Executor):
         per_block = self.kv_bytes_per_block(block_size)
         if self.device.type != "cuda":
             return max(1, int(self.config.kv_cache_memory_gb * GiB) // per_block)
-        return self._profile_num_blocks(block_size, per_block)
-
-    @torch.inference_mode()
-    def _profile_num_blocks(self, block_size: int, per_block: int) -> int:
-        """Run a forward pass at the largest token budget, measure the peak, and give
-        the rest of ``gpu_memory_utilization`` to the KV pool."""
-        cfg = self.config
-        max_len = cfg.max_model_len or self.info.max_model_len
-        budget = cfg.max_num_batched_tokens
-        lengths: list[int] = []
-        while budget > 0 and len(lengths) < cfg.max_num_seqs:
-            lengths.append(min(budget, max_len))
-            budget -= lengths[-1]
-        blocks_needed = sum(-(-n // block_size) for n in lengths)
-        self.init_kv_cache(blocks_needed, block_size, capture=False)
-        chunks, next_block = [], 0
-        for i, n in enumerate(lengths):
-            nb = -(-n // block_size)
-            ids = list(range(next_block, next_block + nb))
-            next_block += nb
-            chunks.append(ScheduledChunk(f"profile-{i}", [1] * n, 0, ids))
-        new = [NewRequestData(c.request_id, [1], SamplingParams(temperature=1.0)) for c in chunks]
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        self.execute(StepInput(0, chunks, new, [], sum(lengths)))
-        self.execute(StepInput(1, [], [], [c.request_id for c in chunks], 0))
-        logits = torch.empty(cfg.max_num_seqs, self.info.vocab_size, device=self.device)
-        torch.softmax(logits, -1)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        profile_kv = blocks_needed * per_block
-        self.kv_caches = []
-        self._kv = None
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        other = total - free - torch.cuda.memory_reserved()
-        graph_reserve = 0 if cfg.enforce_eager else 512 * (1 << 20)
-        available = total * cfg.gpu_memory_utilization - (peak - profile_kv) - other
-        available -= graph_reserve
-        self.memory.update(
-            activations_gib=(peak - profile_kv) / GiB - self.memory.get("weights_gib", 0.0),
-            other_gib=other / GiB,
-            total_gib=total / GiB,
-        )
-        if available < per_block * -(-max_len // block_size):
-            raise RuntimeError(
-                f"not enough GPU memory for the KV cache: {available / GiB:.2f} GiB left after "
-                f"weights and activations ({peak / GiB:.2f} GiB peak) at "
-                f"gpu_memory_utilization={cfg.gpu_memory_utilization}; raise "
-                "gpu_memory_utilization, or lower max_num_batched_tokens / max_model_len"
-            )
-        return int(available // per_block)
+        return profile_num_blocks(self, block_size, per_block)
 
     def init_kv_cache(self, num_blocks: int, block_size: int, capture: bool = True) -> None:
         info = self.rank_info
