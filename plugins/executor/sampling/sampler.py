@@ -20,6 +20,7 @@ only when it needs the ids; see ``result``).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,7 +40,8 @@ from tokenloom.plugins.executor.sampling.sampling_batch import (
 from tokenloom.plugins.executor.staging import upload
 from tokenloom.protocols.step import NewRequestData
 
-Store = tuple[torch.Tensor, torch.Tensor]  # (tokens int32, slots [B] int32): see sample
+if TYPE_CHECKING:  # fused_sample imports Triton; the sampler imports it late
+    from tokenloom.plugins.executor.sampling.fused_sample import Store
 
 
 class Sampler:

@@ -34,17 +34,20 @@ import triton.language as tl
 # x: 16 bf16x2 words ($18..$33: (x0, x1) .. (x30, x31)) -> for word w of an element
 # ($4w..$4w+3): hi of the even values, hi of the odd ones, lo of the even, lo of the odd;
 # $16 = 2^-s (the scale's inverse, f32), $17 = sum v (f32, exact)
+# The 32 values' largest |x| as bf16 bits (m) and its biased exponent (e), from the 16
+# bf16x2 words $18..$33; registers m and t (b32) and e; shared with int4_h2_asm.
+ABSMAX_EXPONENT = (
+    [" and.b32 m, $18, 0x7FFF7FFF;"]
+    + [f" and.b32 t, ${18 + i}, 0x7FFF7FFF; max.u16x2 m, m, t;" for i in range(1, 16)]
+    + [" shr.u32 t, m, 16; and.b32 m, m, 0xFFFF; max.u32 m, m, t; shr.u32 e, m, 7;"]
+)
 _X4_LINES = [
     "{ .reg .b32 m, t, e, sc, sh, sl, k, ones, r0, r1, r2, r3, r4, r5, r6, r7, u0, u1;",
     " .reg .pred bad;",
-    " and.b32 m, $18, 0x7FFF7FFF;",
-]
-_X4_LINES += [f" and.b32 t, ${18 + i}, 0x7FFF7FFF; max.u16x2 m, m, t;" for i in range(1, 16)]
-_X4_LINES += [
-    # e: the biased exponent of the largest |x|; the scale 2^(141 - e) (f32 exponent field
-    # 268 - e, kept at most 253: all-zero x gives 253) puts it in [2^14, 2^15); e = 255 (a
-    # NaN or an infinity): the inverse NaN
-    " shr.u32 t, m, 16; and.b32 m, m, 0xFFFF; max.u32 m, m, t; shr.u32 e, m, 7;",
+    *ABSMAX_EXPONENT,
+    # e = 255 (a NaN or an infinity): the inverse NaN; else the scale 2^(141 - e) (f32
+    # exponent field 268 - e, kept at most 253: all-zero x gives 253) puts the largest
+    # |x| in [2^14, 2^15)
     " setp.eq.u32 bad, e, 255; sub.s32 e, 268, e; min.s32 e, e, 253;",
     " shl.b32 sc, e, 23; sub.s32 t, 254, e; shl.b32 t, t, 23; selp.b32 $16, 0x7FFFFFFF, t, bad;",
     # 1.5 x 2^23: x 2^s + k has v's two's complement in its low 16 bits (|v| < 2^22)

@@ -11,19 +11,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tokenloom.plugins.quant.kernels.int4_dp4a_asm import _row_args, _x_words
+from tokenloom.plugins.quant.kernels.int4_dp4a_asm import ABSMAX_EXPONENT, _row_args, _x_words
 
 # x: 16 bf16x2 words ($18..$33: x0..x31 in pairs) -> 16 f16x2 pairs ($0..$15: word w's
 # (x_j, x_{j+4}) at $4w+j), $16 = 2^e the scale undoes (f32), $17 = the scaled sum (f32)
 _X_LINES = [
     "{ .reg .b32 m, t, e, sc, p, q, sum; .reg .b16 lo, hi; .reg .f32 a, b, c, d, fl, fh;",
-    " and.b32 m, $18, 0x7FFF7FFF;",
-]
-_X_LINES += [f" and.b32 t, ${18 + i}, 0x7FFF7FFF; max.u16x2 m, m, t;" for i in range(1, 16)]
-_X_LINES += [
-    # the largest |x| (bf16 bits), its exponent e; the scale 2^(134 - e) as bf16 exponent
-    # b = 261 - e in [1, 253] (all-zero x: b = 253; up = 2^(127 - b) stays normal)
-    " shr.u32 t, m, 16; and.b32 m, m, 0xFFFF; max.u32 m, m, t; shr.u32 e, m, 7;",
+    *ABSMAX_EXPONENT,
+    # the scale 2^(134 - e) as bf16 exponent b = 261 - e in [1, 253] (all-zero x: b = 253;
+    # up = 2^(127 - b) stays normal)
     " sub.s32 e, 261, e; min.s32 e, e, 253; max.s32 e, e, 1;",
     " shl.b32 sc, e, 7; shl.b32 t, sc, 16; or.b32 sc, sc, t;",
     " sub.s32 t, 254, e; shl.b32 $16, t, 23;",
