@@ -11,13 +11,18 @@ quantizing them for an fp8 / int8 cache (``plugins.attention.kv_quant``).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from tokenloom.plugins.attention import kv_quant
 from tokenloom.plugins.attention.triton_kernels.kv_write import quantize_with, scale_of
-from tokenloom.plugins.models.pdl import launch_options, release, wait
+from tokenloom.plugins.models.pdl import launch_options, release, release_early, wait
+
+# PTX on CUDA; the interpreter runs no inline assembly (and its numpy never contracts)
+_CUDA_RN = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 
 @triton.jit
@@ -34,13 +39,20 @@ def _add_rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
+    # The next kernel (a projection: it reads only its weights before its wait) may start
+    # at once: at batch 1 its weight tiles then stream during the tail of the GEMV before
+    # this kernel, instead of only during this kernel (pdl.release_early).
+    if EARLY:
+        release_early(USE_PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait
     wait(USE_PDL)
-    release(USE_PDL)
+    if not EARLY:
+        release(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
@@ -58,7 +70,9 @@ def add_rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,  # [T, N]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(norm(x + residual), x + residual)``; without a residual, ``(norm(x), x)``."""
+    """``(norm(x + residual), x + residual)``; without a residual, ``(norm(x), x)``.
+    Under PDL the kernel lets the next one start at once (``pdl.release_early``);
+    ``TOKENLOOM_NORM_EARLY_RELEASE=0`` (read at each call) releases after the wait."""
     rows, cols = x.shape
     out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
     summed = torch.empty_like(out) if residual is not None else x
@@ -77,6 +91,7 @@ def add_rms_norm(
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
             num_warps=min(16, max(1, block // 256)),
+            EARLY=os.environ.get("TOKENLOOM_NORM_EARLY_RELEASE", "1") == "1",
             **launch_options(x.device),
         )
     return out, summed
@@ -161,11 +176,36 @@ def norm_rope(x1, x2, w_ptr, cos, sin, eps, HALF: tl.constexpr, HAS_NORM: tl.con
         w2 = tl.load(w_ptr + HALF + cols).to(tl.float32)
         x1 = ((f1 * inv[:, None]).to(dtype).to(tl.float32) * w1).to(dtype)
         x2 = ((f2 * inv[:, None]).to(dtype).to(tl.float32) * w2).to(dtype)
+    return rotate_half(x1, x2, cos, sin)
+
+
+@triton.jit
+def _mul_once(a, b):
+    """``a * b`` (fp32) rounded once and never contracted into an FMA with a later add:
+    PTX's ``mul.rn.f32``, opaque to LLVM (libdevice's ``mul_rn`` flushes subnormals)."""
+    if _CUDA_RN:
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return a * b
+
+
+@triton.jit
+def rotate_half(x1, x2, cos, sin):
+    """The rotate-half rotary embedding of a head's halves ``x1, x2`` (model dtype) by
+    ``cos``/``sin`` (fp32): ``(x1 cos - x2 sin, x2 cos + x1 sin)``, each product rounded
+    to the model dtype, then the sum, as transformers' eager ops round. Without
+    ``_mul_once``, LLVM folded a product and the add into one ``fma.rn.bf16`` (skipping
+    that product's rounding), and which product it folded depended on the kernel: the
+    int4 q/k/v GEMV's epilogue and the rope kernel differed in the last bit (session 25,
+    read in the sm_90 PTX)."""
+    dtype = x1.dtype
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    a = (f1 * cos).to(dtype).to(tl.float32)
-    b = (f2 * sin).to(dtype).to(tl.float32)
-    c = (f2 * cos).to(dtype).to(tl.float32)
-    d = (f1 * sin).to(dtype).to(tl.float32)
+    a = _mul_once(f1, cos).to(dtype).to(tl.float32)
+    b = _mul_once(f2, sin).to(dtype).to(tl.float32)
+    c = _mul_once(f2, cos).to(dtype).to(tl.float32)
+    d = _mul_once(f1, sin).to(dtype).to(tl.float32)
     return (a - b).to(dtype), (c + d).to(dtype)
 
 

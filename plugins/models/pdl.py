@@ -20,7 +20,9 @@ The contract of a kernel that takes part (a ``USE_PDL`` constexpr):
   when a kernel starts, every kernel but the one before it has finished, so what those
   wrote may be read before the wait too: the decode attention reads its first KV tile
   there, all but the token the kernel before it writes (``decode_tile.py``).
-  ``tests/plugins/models/test_pdl.py`` checks every kernel's order.
+  ``tests/plugins/models/test_pdl.py`` checks every kernel's order. The one exception,
+  ``release_early``, is the RMSNorm kernel's: its successor is a projection, which reads
+  nothing but weights before its wait, so it may start during the GEMV before the norm.
 A kernel without the flag (torch's, cuBLAS's) runs as before; a PDL kernel after it
 starts when it ends. CUDA-graph capture records the launches as programmatic edges.
 
@@ -77,5 +79,16 @@ def wait(USE_PDL: tl.constexpr):
 @triton.jit
 def release(USE_PDL: tl.constexpr):
     """Let the next kernel in the stream start (a no-op without PDL)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def release_early(USE_PDL: tl.constexpr):
+    """``release`` before the wait: the next kernel may start while the one before this
+    one still runs. Only in the RMSNorm kernel (``fused_ops._add_rms_norm_kernel``),
+    whose successor is always a projection that reads only its weights before its own
+    wait (never the decode attention, which relies on the kernel before it releasing
+    after its wait); ``tests/plugins/models/test_pdl.py`` holds it to that."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()

@@ -145,8 +145,8 @@ class Int4Kernel(LinearKernel):
         self, x: torch.Tensor, bias: torch.Tensor | None, rope: QkvRope
     ) -> torch.Tensor | None:
         """One row on the GPU: ``int4_gemv_nk`` with the rotation and the cache stores in
-        its epilogue, where the layer's tuned one-row tiling is that kernel and fits (off
-        unless ``TOKENLOOM_INT4_FUSED_ROPE=1``: ``int4_nk_fused``)."""
+        its epilogue, where the layer's tuned one-row tiling is that kernel and fits
+        (``TOKENLOOM_INT4_FUSED_ROPE=0`` turns it off: ``int4_nk_fused``)."""
         return self._fused_one_row(x, bias, rope=rope)
 
     def _fused_one_row(

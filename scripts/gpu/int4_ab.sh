@@ -7,7 +7,7 @@
 # Prepare here:   git archive REV > .snap/before.tar  (the BEFORE tree; .snap/ git-ignored)
 #                 ../shared/tools/gpu-wheels .whl
 # On the device:  bash scripts/gpu/int4_ab.sh STEP...   (carry [".snap", ".whl"])
-# Steps: t24, lat24a, lat24b, lat24c, attn24, thr24, t24b, thr24b, latrope (session 24); lat (int4 before/after/kn alternated twice, --runs 3), latbf16, latab and thrab
+# Steps: t25, lat25a, lat25b, lat25c (session 25); t24, lat24a, lat24b, lat24c, attn24, thr24, t24b, thr24b, latrope (session 24); lat (int4 before/after/kn alternated twice, --runs 3), latbf16, latab and thrab
 # (bf16 and int4, before/after), gpu20, sample and prof (session 20), thr (int4
 # before/after/kn, one pass each), tests (int4 GPU tests), gputests (every GPU test under
 # tests/plugins/quant and tests/plugins/models), gemv4 (gemv_bench nk layout), samebytes (the bf16 GEMV over the same bytes), latcold (the tuner timed cold),
@@ -128,6 +128,27 @@ for step in "$@"; do
       echo "t24b rc=$?"; grep -E "^FAILED|^ERROR|Error" "$OUT/gpu-tests-24b.log" | head -8
       tail -n 2 "$OUT/gpu-tests-24b.log" ;;
     thr24b) thr int4-before before int4; thr int4-after after int4 ;;
+    t25)  # session 25: the rotation rounded once (both rope kernels), the norm's early release
+      PYTHONPATH=/tmp/after:/tmp/site timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/plugins/quant/test_int4_qkv_rope.py tests/plugins/models/test_pdl.py \
+        tests/plugins/models/test_fused_ops.py tests/plugins/models/test_llama_cuda.py \
+        tests/plugins/executor/test_gpu_modes.py > "$OUT/gpu-tests-25.log" 2>&1
+      echo "t25 rc=$?"; grep -E "^FAILED|^ERROR" "$OUT/gpu-tests-25.log" | head -8
+      tail -n 2 "$OUT/gpu-tests-25.log" ;;
+    lat25a)  # session 25: int4 before / after / after with the rope epilogue
+      lat int4-before before int4; lat int4-after after int4
+      lat int4-after-rope after int4 TOKENLOOM_INT4_FUSED_ROPE=1 ;;
+    lat25c)  # session 25: the norm's early release on / off (rope epilogue on), bf16 too
+      for r in 1 2; do
+        lat "int4-rope-early0-$r" after int4 TOKENLOOM_INT4_FUSED_ROPE=1 TOKENLOOM_NORM_EARLY_RELEASE=0
+        lat "int4-rope-early1-$r" after int4 TOKENLOOM_INT4_FUSED_ROPE=1
+        lat "int4-before-$r" before int4
+      done
+      lat bf16-before before none; lat bf16-early0 after none TOKENLOOM_NORM_EARLY_RELEASE=0
+      lat bf16-early1 after none ;;
+    lat25b)  # session 25: bf16 before / after, int4 again
+      lat bf16-before before none; lat bf16-after after none
+      lat int4-before-b before int4; lat int4-after-b after int4 ;;
     latrope)  # the q/k/v GEMV's rope epilogue (off by default), on against off, this tree
       for r in 1 2; do
         lat "int4-rope-off-$r" after int4; lat "int4-rope-on-$r" after int4 TOKENLOOM_INT4_FUSED_ROPE=1

@@ -252,8 +252,8 @@ def int4_nk_fused(
     - ``silu``: ``silu(gate) * up`` of a merged gate/up layer; ``TOKENLOOM_INT4_FUSED_SILU=0``
       turns it off.
     - ``rope``: a merged q/k/v layer with q and k rotated and k and v stored in the cache
-      (``int4_qkv_rope``); off unless ``TOKENLOOM_INT4_FUSED_ROPE=1``: this version has
-      not run on a GPU yet (session 24; docs/quantization.md)."""
+      (``int4_qkv_rope``); on by default since session 25, ``TOKENLOOM_INT4_FUSED_ROPE=0``
+      turns it off (docs/quantization.md)."""
     if silu:
         on = os.environ.get("TOKENLOOM_INT4_FUSED_SILU", "1") != "0" and qweight.shape[1] % 2 == 0
     else:

@@ -11,12 +11,15 @@ rotate-half rotates together), so it can finish them itself. Only heads without 
 per-head norm (that needs the whole head in one program) and 16-bit caches (an 8-bit
 one needs a whole head for its scale).
 
-Status (session 24): off unless ``TOKENLOOM_INT4_FUSED_ROPE=1``. A first version ran on
-the H200: -12 us a Llama-3-8B step (1.727 -> 1.714 ms, against the -50 us the rope
-kernels cost), but not bit-exact against the unfused path, because its row mapping made
-Triton lay out the accumulator differently (another order of the sums). This version's
-hints keep the plain kernel's layout (the TTGIR up to the reduction is the same, offline);
-it has not run on a GPU.
+Status: on by default since session 25 (``TOKENLOOM_INT4_FUSED_ROPE=0`` turns it off).
+Session 24's first version was not bit-exact against the unfused path: its row mapping
+made Triton lay out the accumulator differently (another order of the sums); the hints
+below keep the plain kernel's layout. Its second version was still off by one bf16 ulp in
+the heads' second halves on the H200: LLVM had folded one product of the rotation and
+the add into an ``fma.rn.bf16``, a different product here than in the rope kernel.
+``fused_ops.rotate_half`` (one rotation for both) rounds every product once. Measured
+(session 25, H200, Llama-3-8B, alternated twice): 1.713 -> 1.695 ms a step with the
+norm's early release, -16 to -17 us; the GPU tests pass bit for bit.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenloom.plugins.models.fused_ops import rotate_half
 from tokenloom.protocols.components.quant import QkvRope
 
 
@@ -53,12 +57,7 @@ def _rope_epilogue(y, y_ptr, offs_n, row, cos_ptr, sin_ptr, k_cache_ptr, v_cache
     if head < NUM_Q + NUM_KV:
         cos = tl.load(cos_ptr + cols).to(tl.float32)
         sin = tl.load(sin_ptr + cols).to(tl.float32)
-        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        a = (f1 * cos).to(dtype).to(tl.float32)
-        b = (f2 * sin).to(dtype).to(tl.float32)
-        c = (f2 * cos).to(dtype).to(tl.float32)
-        d = (f1 * sin).to(dtype).to(tl.float32)
-        x1, x2 = (a - b).to(dtype), (c + d).to(dtype)
+        x1, x2 = rotate_half(x1, x2, cos, sin)
         tl.debug_barrier()  # every thread has read the unrotated pair before it is replaced
         tl.store(first, x1)
         tl.store(first + D2, x2)
@@ -74,9 +73,10 @@ def _rope_epilogue(y, y_ptr, offs_n, row, cos_ptr, sin_ptr, k_cache_ptr, v_cache
 
 
 def rope_epilogue_on() -> bool:
-    """``TOKENLOOM_INT4_FUSED_ROPE=1`` (read at each call: fixed in a CUDA graph once
-    captured); off by default until this version has run on a GPU."""
-    return os.environ.get("TOKENLOOM_INT4_FUSED_ROPE", "0") == "1"
+    """On unless ``TOKENLOOM_INT4_FUSED_ROPE=0`` (read at each call: fixed in a CUDA graph
+    once captured); on by default since session 25 (bit-exact and -16 us a Llama-3-8B
+    step on the H200)."""
+    return os.environ.get("TOKENLOOM_INT4_FUSED_ROPE", "1") == "1"
 
 
 def rope_fits(x: torch.Tensor, n: int, block_n: int, rope: QkvRope) -> bool:

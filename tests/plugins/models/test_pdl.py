@@ -78,7 +78,9 @@ def test_every_pdl_kernel_releases_only_after_its_wait():
     """The contract the decode attention's prefetch relies on (``pdl.py``): a kernel
     that calls ``release(USE_PDL)`` calls ``wait(USE_PDL)`` on an earlier line, and none
     returns before its wait (an exited program counts as released), so that when a
-    kernel starts, every kernel but the one before it has finished."""
+    kernel starts, every kernel but the one before it has finished. The exception
+    (``release_early``, before the wait) is the RMSNorm kernel's alone: its successor is
+    a projection, which reads only weights before its wait."""
     import ast
     from pathlib import Path
 
@@ -89,11 +91,12 @@ def test_every_pdl_kernel_releases_only_after_its_wait():
     roots = {Path(m.__file__).parent for m in (tokenloom, tokenloom.plugins, tokenloom.contrib)}
     files = sorted({path.resolve() for root in roots for path in root.rglob("*.py")})
     checked = 0
+    early: list[str] = []
     for path in files:
         for fn in ast.walk(ast.parse(path.read_text())):
             if not isinstance(fn, ast.FunctionDef):
                 continue
-            lines: dict[str, list[int]] = {"wait": [], "release": []}
+            lines: dict[str, list[int]] = {"wait": [], "release": [], "release_early": []}
             for node in ast.walk(fn):
                 if (
                     isinstance(node, ast.Call)
@@ -102,6 +105,9 @@ def test_every_pdl_kernel_releases_only_after_its_wait():
                     and [getattr(a, "id", None) for a in node.args] == ["USE_PDL"]
                 ):
                     lines[node.func.id].append(node.lineno)
+            if lines["release_early"]:  # only the norm, whose successor reads only weights
+                early.append(fn.name)
+                assert lines["wait"], f"{path.name}:{fn.name}"
             if lines["release"]:
                 checked += 1
                 assert lines["wait"], f"{path.name}:{fn.name} releases without a wait"
@@ -110,3 +116,4 @@ def test_every_pdl_kernel_releases_only_after_its_wait():
                 returns = [n.lineno for n in ast.walk(fn) if isinstance(n, ast.Return)]
                 assert all(r > min(lines["wait"]) for r in returns), f"{path.name}:{fn.name}"
     assert checked >= 15  # the decode path's kernels (15 in session 20)
+    assert early == ["_add_rms_norm_kernel"]

@@ -96,7 +96,7 @@ def test_it_serves_only_the_calls_it_fits(monkeypatch):
     nk = GemmConfig(1, 16, 256, 1, 4, 3, nk=True)
     args = (x, qweight, scales, zeros, 128, None)
     monkeypatch.delenv("TOKENLOOM_INT4_FUSED_ROPE", raising=False)
-    assert int4_nk_fused(*args, nk, rope=rope) is None  # off by default until measured on a GPU
+    assert int4_nk_fused(*args, nk, rope=rope) is not None  # on by default (session 25)
     monkeypatch.setenv("TOKENLOOM_INT4_FUSED_ROPE", "1")
     assert int4_nk_fused(*args, nk, rope=rope) is not None
     assert (
