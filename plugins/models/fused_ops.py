@@ -21,8 +21,11 @@ from tokenloom.plugins.attention import kv_quant
 from tokenloom.plugins.attention.triton_kernels.kv_write import quantize_with, scale_of
 from tokenloom.plugins.models.pdl import launch_options, release, release_early, wait
 
-# PTX on CUDA; the interpreter runs no inline assembly (and its numpy never contracts)
-_CUDA_RN = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+# PTX on NVIDIA's CUDA; the interpreter runs no inline assembly (and its numpy never
+# contracts); a ROCm build of torch (whose GPUs are "cuda" devices too) takes no PTX
+_CUDA_RN = tl.constexpr(
+    os.environ.get("TRITON_INTERPRET", "0") != "1" and torch.version.cuda is not None
+)
 
 
 @triton.jit
