@@ -1,6 +1,6 @@
 """Where the int4 q/k/v GEMV's rope epilogue differs from the GEMV then the rope kernel
 on the GPU (session 25 diagnostic): per segment (q, k, v), mismatches and the largest
-difference, and whether the epilogue's outputs equal the rotation of the plain GEMV's.
+difference; whether its v rows equal the plain GEMV's; whether the caches match.
 Run from the repository root on a CUDA machine: python scripts/gpu/rope_diag.py"""
 
 import sys

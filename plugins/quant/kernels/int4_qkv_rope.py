@@ -18,8 +18,8 @@ below keep the plain kernel's layout. Its second version was still off by one bf
 the heads' second halves on the H200: LLVM had folded one product of the rotation and
 the add into an ``fma.rn.bf16``, a different product here than in the rope kernel.
 ``fused_ops.rotate_half`` (one rotation for both) rounds every product once. Measured
-(session 25, H200, Llama-3-8B, alternated twice): 1.713 -> 1.695 ms a step with the
-norm's early release, -16 to -17 us; the GPU tests pass bit for bit.
+(session 25, H200, Llama-3-8B, alternated twice): 1.729 -> 1.713 ms a step (-16 us); the
+GPU tests pass bit for bit.
 """
 
 from __future__ import annotations
