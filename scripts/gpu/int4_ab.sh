@@ -7,7 +7,7 @@
 # Prepare here:   git archive REV > .snap/before.tar  (the BEFORE tree; .snap/ git-ignored)
 #                 ../shared/tools/gpu-wheels .whl
 # On the device:  bash scripts/gpu/int4_ab.sh STEP...   (carry [".snap", ".whl"])
-# Steps: t25, lat25a, lat25b, lat25c (session 25); t24, lat24a, lat24b, lat24c, attn24, thr24, t24b, thr24b, latrope (session 24); lat (int4 before/after/kn alternated twice, --runs 3), latbf16, latab and thrab
+# Steps: t26, lat26a, lat26b (session 26); t25, lat25a, lat25b, lat25c (session 25); t24, lat24a, lat24b, lat24c, attn24, thr24, t24b, thr24b, latrope (session 24); lat (int4 before/after/kn alternated twice, --runs 3), latbf16, latab and thrab
 # (bf16 and int4, before/after), gpu20, sample and prof (session 20), thr (int4
 # before/after/kn, one pass each), tests (int4 GPU tests), gputests (every GPU test under
 # tests/plugins/quant and tests/plugins/models), gemv4 (gemv_bench nk layout), samebytes (the bf16 GEMV over the same bytes), latcold (the tuner timed cold),
@@ -128,6 +128,20 @@ for step in "$@"; do
       echo "t24b rc=$?"; grep -E "^FAILED|^ERROR|Error" "$OUT/gpu-tests-24b.log" | head -8
       tail -n 2 "$OUT/gpu-tests-24b.log" ;;
     thr24b) thr int4-before before int4; thr int4-after after int4 ;;
+    t26)  # session 26: the add+norm in the int4 GEMV's prologue; the paths around it
+      PYTHONPATH=/tmp/after:/tmp/site timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/plugins/quant/test_int4_add_norm.py tests/plugins/quant/test_int4_qkv_rope.py \
+        tests/plugins/quant/test_int4_gemv_nk.py tests/plugins/models/test_pdl.py \
+        tests/plugins/models/test_fused_gemv.py tests/plugins/models/test_llama_cuda.py \
+        tests/plugins/executor/test_gpu_modes.py > "$OUT/gpu-tests-26.log" 2>&1
+      echo "t26 rc=$?"; grep -E "^FAILED|^ERROR" "$OUT/gpu-tests-26.log" | head -8
+      tail -n 2 "$OUT/gpu-tests-26.log" ;;
+    lat26a|lat26b)  # session 26: int4 before, then the norms folded: none, q/k/v's, gate/up's, both
+      r=${step: -1}
+      lat "int4-before-$r" before int4
+      for fold in 0 qkv gate_up 1; do
+        lat "int4-fold-$fold-$r" after int4 TOKENLOOM_INT4_FUSED_NORM=$fold
+      done ;;
     t25)  # session 25: the rotation rounded once (both rope kernels), the norm's early release
       PYTHONPATH=/tmp/after:/tmp/site timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
         tests/plugins/quant/test_int4_qkv_rope.py tests/plugins/models/test_pdl.py \
