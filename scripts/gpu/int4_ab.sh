@@ -142,6 +142,12 @@ for step in "$@"; do
       for fold in 0 qkv gate_up 1; do
         lat "int4-fold-$fold-$r" after int4 TOKENLOOM_INT4_FUSED_NORM=$fold
       done ;;
+    lat26c)  # session 26: both norms folded over wider tiles; a control; before
+      lat int4-fold-1-t32w8 after int4 TOKENLOOM_INT4_NORM_TILE=32,4096,8
+      lat int4-fold-1-t32w4 after int4 TOKENLOOM_INT4_NORM_TILE=32,4096,4
+      lat int4-fold-0-c after int4 TOKENLOOM_INT4_FUSED_NORM=0
+      lat int4-before-c before int4 ;;
+    thr26) thr int4-before before int4; thr int4-after after int4 TOKENLOOM_INT4_FUSED_NORM=0 ;;
     t25)  # session 25: the rotation rounded once (both rope kernels), the norm's early release
       PYTHONPATH=/tmp/after:/tmp/site timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
         tests/plugins/quant/test_int4_qkv_rope.py tests/plugins/models/test_pdl.py \

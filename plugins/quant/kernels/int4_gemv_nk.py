@@ -268,15 +268,18 @@ def int4_nk_fused(
         return None
     if not int4_nk_fits(x, qweight, group, zeros is not None):
         return None
-    if rope is not None and not rope_fits(x, qweight.shape[1], cfg.block_n, rope):
+    block_n, block_k, warps = cfg.block_n, cfg.block_k, cfg.num_warps
+    if norm is not None and os.environ.get("TOKENLOOM_INT4_NORM_TILE"):  # an experiment's
+        block_n, block_k, warps = map(int, os.environ["TOKENLOOM_INT4_NORM_TILE"].split(","))
+    if rope is not None and not rope_fits(x, qweight.shape[1], block_n, rope):
         return None
-    one_tile = qweight.shape[0] <= _block_kw(cfg.block_k, qweight.shape[0])
+    one_tile = qweight.shape[0] <= _block_kw(block_k, qweight.shape[0])
     layer = "qkv" if rope is not None else "gate_up"
     if norm is not None and not (add_norm_on(layer) and add_norm_fits(x, norm, one_tile)):
         return None
     return launch_int4_nk(
-        x, qweight, scales, zeros, group, bias, cfg.block_n, cfg.block_k, cfg.num_warps,
-        cfg.dp4a, silu=silu, rope=rope, norm=norm,
+        x, qweight, scales, zeros, group, bias, block_n, block_k, warps, cfg.dp4a, silu=silu,
+        rope=rope, norm=norm,
     )  # fmt: skip
 
 
