@@ -41,7 +41,7 @@ import triton.language as tl
 
 from tokenloom.plugins.models.layers import Linear, RMSNorm, silu_and_mul
 from tokenloom.plugins.models.pdl import launch_options, release, wait
-from tokenloom.protocols.components.quant import AddNorm, QkvRope
+from tokenloom.protocols.components.quant import QkvRope
 
 FUSED_VERSION = 1  # part of its tuning key: bump when the kernel or its configs change
 # (BLOCK_N, BLOCK_K, num_warps): wider tiles than the plain GEMV's, to amortize the row
@@ -185,10 +185,6 @@ def norm_and_project(
         return norm_gemv(
             hidden, residual, norm.weight, norm.eps, linear.weight, linear.fused, linear.bias, silu
         )
-    if silu:
-        done = project_normed(norm, linear, hidden, residual, silu=True)
-        if done is not None:
-            return done
     hidden, residual = add_norm(norm, hidden, residual)
     return (project_silu(linear, hidden) if silu else linear(hidden)), residual
 
@@ -201,31 +197,6 @@ def add_norm(
     if residual is None:
         return norm(hidden), hidden
     return norm.add_and_norm(hidden, residual)
-
-
-def project_normed(
-    norm: RMSNorm,
-    linear: Linear,
-    hidden: torch.Tensor,
-    residual: torch.Tensor | None,
-    silu: bool = False,
-    rope: QkvRope | None = None,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``norm_and_project`` (with ``silu``) or the q/k/v projection with ``rope`` of one
-    decode token, the residual add and the norm inside the quantized kernel too, where it
-    offers that (``LinearKernel.offers_add_norm``): ``(output, hidden + residual)``.
-    None: not done (the caller norms, then projects)."""
-    kernel = linear.kernel
-    if kernel is None or residual is None or linear.parallel == "row" or hidden.shape[0] != 1:
-        return None
-    if not kernel.offers_add_norm:
-        return None
-    add = AddNorm(residual, norm.weight, norm.eps, torch.empty_like(hidden))
-    if rope is not None:
-        y = kernel.apply_qkv_rope(hidden, linear.bias, rope, norm=add)
-    else:
-        y = kernel.apply_silu_and_mul(hidden, linear.bias, norm=add) if silu else None
-    return None if y is None else (y, add.summed)
 
 
 def project_rope(linear: Linear, x: torch.Tensor, rope: QkvRope) -> torch.Tensor | None:

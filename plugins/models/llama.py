@@ -19,7 +19,6 @@ from tokenloom.plugins.models import parallel
 from tokenloom.plugins.models.fused_gemv import (
     add_norm,
     norm_and_project,
-    project_normed,
     project_rope,
     project_silu,
 )
@@ -244,9 +243,6 @@ class LlamaDecoderLayer(nn.Module):
         if fused is None:
             qkv, residual = norm_and_project(self.input_layernorm, attn.qkv_proj, hidden, residual)
             rotated = False
-        elif (done := project_normed(self.input_layernorm, attn.qkv_proj, hidden, residual,
-                                     rope=fused)) is not None:  # fmt: skip
-            (qkv, residual), rotated = done, True  # the add+norm in its prologue too
         else:  # the rotation and the cache stores in the projection's epilogue, if it can
             hidden, residual = add_norm(self.input_layernorm, hidden, residual)
             projected = project_rope(attn.qkv_proj, hidden, fused)

@@ -32,7 +32,7 @@ from tokenloom.config import EngineConfig, plugin_settings
 from tokenloom.plugins.models.gguf import SOURCE_KEY
 from tokenloom.plugins.models.layers import Linear
 from tokenloom.plugins.quant.common import WeightQuantMethod, flat, keep, quantization_config
-from tokenloom.protocols.components.quant import AddNorm, LinearKernel, QkvRope
+from tokenloom.protocols.components.quant import LinearKernel, QkvRope
 from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
 
@@ -130,19 +130,10 @@ class Int4Kernel(LinearKernel):
             return y.view(*x.shape[:-1], y.shape[-1])
         return self.reference(x, bias)
 
-    def apply_silu_and_mul(
-        self, x: torch.Tensor, bias: torch.Tensor | None, norm: AddNorm | None = None
-    ) -> torch.Tensor | None:
+    def apply_silu_and_mul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """One row on the GPU: ``int4_gemv_nk`` with SiLU-and-mul in its epilogue, where the
-        layer's tuned one-row tiling is that kernel (one launch less a layer), and with
-        ``norm`` the add+norm in its prologue (``int4_add_norm``: one more)."""
-        return self._fused_one_row(x, bias, silu=True, norm=norm)
-
-    @property
-    def offers_add_norm(self) -> bool:
-        from tokenloom.plugins.quant.kernels.int4_add_norm import add_norm_on
-
-        return self.configs is not None and add_norm_on()
+        layer's tuned one-row tiling is that kernel (one launch less a layer)."""
+        return self._fused_one_row(x, bias, silu=True)
 
     @property
     def offers_qkv_rope(self) -> bool:
@@ -151,17 +142,12 @@ class Int4Kernel(LinearKernel):
         return self.configs is not None and rope_epilogue_on()
 
     def apply_qkv_rope(
-        self,
-        x: torch.Tensor,
-        bias: torch.Tensor | None,
-        rope: QkvRope,
-        norm: AddNorm | None = None,
+        self, x: torch.Tensor, bias: torch.Tensor | None, rope: QkvRope
     ) -> torch.Tensor | None:
         """One row on the GPU: ``int4_gemv_nk`` with the rotation and the cache stores in
         its epilogue, where the layer's tuned one-row tiling is that kernel and fits
-        (``TOKENLOOM_INT4_FUSED_ROPE=0`` turns it off: ``int4_nk_fused``); with ``norm``
-        the add+norm in its prologue."""
-        return self._fused_one_row(x, bias, rope=rope, norm=norm)
+        (``TOKENLOOM_INT4_FUSED_ROPE=0`` turns it off: ``int4_nk_fused``)."""
+        return self._fused_one_row(x, bias, rope=rope)
 
     def _fused_one_row(
         self,
@@ -169,7 +155,6 @@ class Int4Kernel(LinearKernel):
         bias: torch.Tensor | None,
         silu: bool = False,
         rope: QkvRope | None = None,
-        norm: AddNorm | None = None,
     ) -> torch.Tensor | None:
         if not (x.is_cuda and self.configs is not None) or x.numel() != x.shape[-1]:
             return None
@@ -178,7 +163,7 @@ class Int4Kernel(LinearKernel):
 
         cfg = self.configs[bucket(1)]
         args = (flat(x), self.qweight, self.scales, self.zeros, self.group, bias, cfg)
-        y = int4_nk_fused(*args, silu=silu, rope=rope, norm=norm)
+        y = int4_nk_fused(*args, silu=silu, rope=rope)
         return None if y is None else y.view(*x.shape[:-1], y.shape[-1])
 
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

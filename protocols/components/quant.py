@@ -35,21 +35,6 @@ class QkvRope:
     slot_mapping: torch.Tensor  # [1] int64; < 0: store nothing
 
 
-@dataclass(frozen=True)
-class AddNorm:
-    """The residual add and RMSNorm before a projection, for the projection's kernel to do
-    itself at one decode token (``LinearKernel.offers_add_norm``): the call's ``x`` is the
-    residual stream's update, the kernel's input is ``norm(x + residual) * weight``
-    (RMSNorm, rounded to the model dtype where ``fused_ops.add_rms_norm`` rounds), and it
-    stores ``x + residual`` (rounded) into ``summed``, a buffer of its own (the next
-    residual)."""
-
-    residual: torch.Tensor  # [1, in]
-    weight: torch.Tensor  # [in]
-    eps: float
-    summed: torch.Tensor  # [1, in]: written
-
-
 class LinearKernel(ABC):
     """One linear layer's quantized weight and the matmul that reads it."""
 
@@ -57,21 +42,12 @@ class LinearKernel(ABC):
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [T, in] -> x W^T (+ bias) [T, out]`` in ``x``'s dtype."""
 
-    def apply_silu_and_mul(
-        self, x: torch.Tensor, bias: torch.Tensor | None, norm: AddNorm | None = None
-    ) -> torch.Tensor | None:
+    def apply_silu_and_mul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """For a merged gate/up projection (two equal halves of rows; the model declares
         it, ``Linear.fusable == "norm+silu"``): ``silu(gate) * up [T, out / 2]``, with the
-        activation computed inside this kernel's matmul; with ``norm`` (passed only where
-        ``offers_add_norm``), of ``x``'s add and norm too. None (the default): not fused
-        for this call; the caller then runs the norm, ``apply`` and SiLU-and-mul apart."""
+        activation computed inside this kernel's matmul. None (the default): not fused
+        for this ``x``; the caller then runs ``apply`` and SiLU-and-mul apart."""
         return None
-
-    @property
-    def offers_add_norm(self) -> bool:
-        """Whether ``apply_silu_and_mul`` and ``apply_qkv_rope`` take an ``AddNorm`` (and
-        may do the norm for some call): callers pass none otherwise. False by default."""
-        return False
 
     @property
     def offers_qkv_rope(self) -> bool:
@@ -80,15 +56,10 @@ class LinearKernel(ABC):
         return False
 
     def apply_qkv_rope(
-        self,
-        x: torch.Tensor,
-        bias: torch.Tensor | None,
-        rope: QkvRope,
-        norm: AddNorm | None = None,
+        self, x: torch.Tensor, bias: torch.Tensor | None, rope: QkvRope
     ) -> torch.Tensor | None:
         """For a merged q/k/v projection at one decode token: ``x W^T (+ bias)`` with q and
-        k rotated and k and v stored in the cache, all inside this kernel (``QkvRope``);
-        with ``norm`` (passed only where ``offers_add_norm``), of ``x``'s add and norm.
+        k rotated and k and v stored in the cache, all inside this kernel (``QkvRope``).
         None (the default): not done for this call; the caller projects with ``apply``
         and rotates and stores apart."""
         return None

@@ -7,7 +7,7 @@
 # Prepare here:   git archive REV > .snap/before.tar  (the BEFORE tree; .snap/ git-ignored)
 #                 ../shared/tools/gpu-wheels .whl
 # On the device:  bash scripts/gpu/int4_ab.sh STEP...   (carry [".snap", ".whl"])
-# Steps: t26, lat26a, lat26b (session 26); t25, lat25a, lat25b, lat25c (session 25); t24, lat24a, lat24b, lat24c, attn24, thr24, t24b, thr24b, latrope (session 24); lat (int4 before/after/kn alternated twice, --runs 3), latbf16, latab and thrab
+# Steps: t26, lat26a, lat26b, lat26c, thr26, prof26 (session 26, on a71c5eb's tree); t25, lat25a, lat25b, lat25c (session 25); t24, lat24a, lat24b, lat24c, attn24, thr24, t24b, thr24b, latrope (session 24); lat (int4 before/after/kn alternated twice, --runs 3), latbf16, latab and thrab
 # (bf16 and int4, before/after), gpu20, sample and prof (session 20), thr (int4
 # before/after/kn, one pass each), tests (int4 GPU tests), gputests (every GPU test under
 # tests/plugins/quant and tests/plugins/models), gemv4 (gemv_bench nk layout), samebytes (the bf16 GEMV over the same bytes), latcold (the tuner timed cold),
@@ -128,6 +128,16 @@ for step in "$@"; do
       echo "t24b rc=$?"; grep -E "^FAILED|^ERROR|Error" "$OUT/gpu-tests-24b.log" | head -8
       tail -n 2 "$OUT/gpu-tests-24b.log" ;;
     thr24b) thr int4-before before int4; thr int4-after after int4 ;;
+    # t26, lat26a/b/c, thr26 and prof26: session 26's experiment, the add+norm folded into
+    # the int4 GEMV's prologue (TOKENLOOM_INT4_FUSED_NORM, TOKENLOOM_INT4_NORM_TILE), measured
+    # slower and removed: they need its tree, `git checkout a71c5eb` (docs/quantization.md)
+    prof26)  # the int4 step's profile with the norms folded and without
+      for fold in 1 0; do
+        TOKENLOOM_INT4_FUSED_NORM=$fold OUT=$OUT PYTHONPATH=/tmp/after:/tmp/site:scripts \
+          timeout 200 python3 scripts/profile_gpu.py llama-3-8b graphs quant=int4 \
+          > "$OUT/prof-int4-fold$fold.log" 2>&1
+        grep -A12 "critical path per step" "$OUT/prof-int4-fold$fold.log"
+      done ;;
     t26)  # session 26: the add+norm in the int4 GEMV's prologue; the paths around it
       PYTHONPATH=/tmp/after:/tmp/site timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider \
         tests/plugins/quant/test_int4_add_norm.py tests/plugins/quant/test_int4_qkv_rope.py \

@@ -113,13 +113,13 @@ def _x_words(x32, kw, mask):
 
 
 @triton.jit
-def _x_bytes(words):
-    """An element's 32 values of x (its 16 bf16x2 words, ``_x_words``) as fixed-point
+def _x_bytes(x32, kw, mask):
+    """x's 32 values from word ``kw`` (a multiple of 4) of each element as fixed-point
     bytes (``_X4_ASM``): 16 words, the scale's inverse and the sum of the integers."""
     return tl.inline_asm_elementwise(
         asm=_X4_ASM,
         constraints=_X4_CONSTRAINTS,
-        args=words,
+        args=_x_words(x32, kw, mask),
         dtype=(tl.int32,) * 16 + (tl.float32, tl.float32),
         is_pure=True,
         pack=1,

@@ -51,14 +51,6 @@ import triton.language as tl
 from tokenloom.plugins.models.pdl import launch_options, release, wait
 from tokenloom.plugins.quant.kernels.gemm_config import GemmConfig
 from tokenloom.plugins.quant.kernels.h2_common import _ptx, ptx_bf16_ok
-from tokenloom.plugins.quant.kernels.int4_add_norm import (
-    _emu_word,
-    _emu_xsum,
-    _norm_inv,
-    _x_in,
-    add_norm_fits,
-    add_norm_on,
-)
 from tokenloom.plugins.quant.kernels.int4_dp4a_asm import _dp4a_chain, _x_bytes
 from tokenloom.plugins.quant.kernels.int4_h2_asm import _chain, _x_pairs
 from tokenloom.plugins.quant.kernels.int4_qkv_rope import (
@@ -67,7 +59,25 @@ from tokenloom.plugins.quant.kernels.int4_qkv_rope import (
     rope_fits,
 )
 from tokenloom.plugins.quant.kernels.int4_tiles import int4_row_major
-from tokenloom.protocols.components.quant import AddNorm, QkvRope
+from tokenloom.protocols.components.quant import QkvRope
+
+
+@triton.jit
+def _emu_word(w, x_ptr, k, mask):
+    """Interpreter: one word's 8 products ``(q - 8) x`` at K offset ``k`` (fp32)."""
+    part = tl.zeros(w.shape, tl.float32)
+    for j in tl.static_range(8):
+        xj = tl.load(x_ptr + k + j, mask=mask, other=0.0).to(tl.float32)
+        part += (((w >> (4 * j)) & 0xF) - 8).to(tl.float32) * xj[None, :]
+    return part
+
+
+@triton.jit
+def _emu_xsum(x_ptr, k, mask):
+    xs = tl.zeros(k.shape, tl.float32)
+    for j in tl.static_range(32):
+        xs += tl.load(x_ptr + k + j, mask=mask, other=0.0).to(tl.float32)
+    return xs
 
 
 @triton.jit
@@ -128,11 +138,6 @@ def _int4_gemv_nk_kernel(
     k_cache_ptr=None,  # ROPE: [slots, NUM_KV, D] contiguous, in y's dtype
     v_cache_ptr=None,
     slot_ptr=None,  # ROPE: the token's slot (int64; < 0: store nothing)
-    NORM: tl.constexpr = False,  # x is a residual update: normed first (int4_add_norm)
-    r_ptr=None,  # NORM: the residual [1, K]
-    nw_ptr=None,  # NORM: the norm's weight [K]
-    sum_ptr=None,  # NORM: x + residual, stored by program 0 [1, K]
-    eps=0.0,
 ):
     P: tl.constexpr = BLOCK_KW // 4
     HALF: tl.constexpr = BLOCK_N // 2 if (SILU or ROPE) else BLOCK_N  # outputs or pairs
@@ -169,9 +174,6 @@ def _int4_gemv_nk_kernel(
         )
     wait(USE_PDL)  # the first tile is in flight; x comes from the kernel before
     release(USE_PDL)
-    inv = 1.0
-    if NORM:  # ONE_TILE: the whole row in this program
-        inv = _norm_inv(x_ptr, r_ptr, sum_ptr, eps, KW * 8, BLOCK_KW * 8)
     x32 = x_ptr.to(tl.pointer_type(tl.int32))
     acc = tl.zeros([BLOCK_N, P], tl.float32)
     for k0 in range(0, KW, BLOCK_KW):
@@ -185,27 +187,22 @@ def _int4_gemv_nk_kernel(
         w0, w1, w2, w3 = _split4(w, BLOCK_N, P)
         if ASM and DP4A:  # sum (q - z) v exactly, x in 16-bit fixed point
             s, z = _group_params(s_ptr, z_ptr, kw, offs_n, mask_n, N, KW, GROUP, EVEN, 0.0)
-            xo = _x_bytes(_x_in(x32, kw, mask_p, r_ptr, nw_ptr, inv, NORM))
+            xo = _x_bytes(x32, kw, mask_p)
             chain = _dp4a_chain(w0, w1, w2, w3, xo)
             up = xo[16][None, :]
             acc += s * (chain * up - z * (xo[17] * xo[16])[None, :])
         else:
             s, z8 = _group_params(s_ptr, z_ptr, kw, offs_n, mask_n, N, KW, GROUP, EVEN, 8.0)
             if ASM:
-                xo = _x_pairs(_x_in(x32, kw, mask_p, r_ptr, nw_ptr, inv, NORM))
+                xo = _x_pairs(x32, kw, mask_p)
                 chain = _chain(w0, w1, w2, w3, xo)
                 up = xo[16][None, :]
                 acc += s * (chain * up - z8 * (xo[17] * xo[16])[None, :])
             else:
                 k = kw * 8
-                m, r, nw = mask_p, r_ptr, nw_ptr
-                chain = _emu_word(w0, x_ptr, k, m, r, nw, inv, NORM) + _emu_word(
-                    w1, x_ptr, k + 8, m, r, nw, inv, NORM
-                )
-                chain += _emu_word(w2, x_ptr, k + 16, m, r, nw, inv, NORM) + _emu_word(
-                    w3, x_ptr, k + 24, m, r, nw, inv, NORM
-                )
-                acc += s * (chain - z8 * _emu_xsum(x_ptr, k, m, r, nw, inv, NORM)[None, :])
+                chain = _emu_word(w0, x_ptr, k, mask_p) + _emu_word(w1, x_ptr, k + 8, mask_p)
+                chain += _emu_word(w2, x_ptr, k + 16, mask_p) + _emu_word(w3, x_ptr, k + 24, mask_p)
+                acc += s * (chain - z8 * _emu_xsum(x_ptr, k, mask_p)[None, :])
         w = w_next
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -246,11 +243,8 @@ def int4_nk_fused(
     cfg: GemmConfig,
     silu: bool = False,
     rope: QkvRope | None = None,
-    norm: AddNorm | None = None,
 ) -> torch.Tensor | None:
-    """One row with an epilogue of the layer's own (and with ``norm`` the add+norm before
-    it: ``int4_add_norm``, where the row is one tile; ``TOKENLOOM_INT4_FUSED_NORM=0``
-    turns it off), where ``cfg`` (the layer's tuned
+    """One row with an epilogue of the layer's own, where ``cfg`` (the layer's tuned
     one-row tiling) runs this kernel and fits the call; None elsewhere (the caller then
     runs the plain GEMV and the elementwise kernel after it). Switches, read at each
     call (so fixed in a CUDA graph once captured):
@@ -268,23 +262,12 @@ def int4_nk_fused(
         return None
     if not int4_nk_fits(x, qweight, group, zeros is not None):
         return None
-    block_n, block_k, warps = cfg.block_n, cfg.block_k, cfg.num_warps
-    if norm is not None and os.environ.get("TOKENLOOM_INT4_NORM_TILE"):  # an experiment's
-        block_n, block_k, warps = map(int, os.environ["TOKENLOOM_INT4_NORM_TILE"].split(","))
-    if rope is not None and not rope_fits(x, qweight.shape[1], block_n, rope):
-        return None
-    one_tile = qweight.shape[0] <= _block_kw(block_k, qweight.shape[0])
-    layer = "qkv" if rope is not None else "gate_up"
-    if norm is not None and not (add_norm_on(layer) and add_norm_fits(x, norm, one_tile)):
+    if rope is not None and not rope_fits(x, qweight.shape[1], cfg.block_n, rope):
         return None
     return launch_int4_nk(
-        x, qweight, scales, zeros, group, bias, block_n, block_k, warps, cfg.dp4a, silu=silu,
-        rope=rope, norm=norm,
+        x, qweight, scales, zeros, group, bias, cfg.block_n, cfg.block_k, cfg.num_warps,
+        cfg.dp4a, silu=silu, rope=rope,
     )  # fmt: skip
-
-
-def _block_kw(block_k: int, kw: int) -> int:
-    return max(4, min(block_k // 8, triton.next_power_of_2(kw)))
 
 
 def int4_nk_serves(dtype: torch.dtype, device: torch.device, group: int, k: int) -> bool:
@@ -351,7 +334,6 @@ def launch_int4_nk(
     dp4a: bool = False,
     silu: bool = False,
     rope: QkvRope | None = None,
-    norm: AddNorm | None = None,
 ) -> torch.Tensor:
     """``x [1, K] @ dequant(qweight)^T (+ bias) -> [1, N]`` in ``x``'s dtype
     (``int4_nk_fits``); ``block_k`` K values a tile row; ``dp4a``: the integer products
@@ -359,23 +341,18 @@ def launch_int4_nk(
     ``silu``: the rows are a merged gate/up projection, and the result is
     ``silu(gate) * up`` ``[1, N / 2]``, SiLU-and-mul in the epilogue; ``rope``: the rows
     are a merged q/k/v projection, q and k come out rotated and k and v are stored in the
-    cache (``rope_fits``); ``norm``: ``x`` is a residual update, normed first
-    (``add_norm_fits``)."""
+    cache (``rope_fits``)."""
     assert int4_nk_fits(x, qweight, group, zeros is not None), (tuple(x.shape), group)
     kw, n = qweight.shape
     assert not silu or (n % 2 == 0 and block_n >= 2), (n, block_n)
     assert rope is None or rope_fits(x, n, block_n, rope)
-    block_kw = _block_kw(block_k, kw)
-    assert norm is None or add_norm_fits(x, norm, kw <= block_kw)
+    block_kw = max(4, min(block_k // 8, triton.next_power_of_2(kw)))
     extra: dict[str, object] = {}
-    if norm is not None:
-        extra = dict(NORM=True, r_ptr=norm.residual, nw_ptr=norm.weight, sum_ptr=norm.summed,
-                     eps=norm.eps)  # fmt: skip
     if rope is not None:
         extra = dict(
             ROPE=True, HEAD_DIM=rope.head_dim, NUM_Q=rope.num_q_heads, NUM_KV=rope.num_kv_heads,
             cos_ptr=rope.cos, sin_ptr=rope.sin, k_cache_ptr=rope.k_cache,
-            v_cache_ptr=rope.v_cache, slot_ptr=rope.slot_mapping, **extra,
+            v_cache_ptr=rope.v_cache, slot_ptr=rope.slot_mapping,
         )  # fmt: skip
     return launch_int4_rows(
         _int4_gemv_nk_kernel, x, qweight, scales, zeros, bias, block_n, block_kw, num_warps,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tokenloom.plugins.quant.kernels.int4_dp4a_asm import ABSMAX_EXPONENT, _row_args
+from tokenloom.plugins.quant.kernels.int4_dp4a_asm import ABSMAX_EXPONENT, _row_args, _x_words
 
 # x: 16 bf16x2 words ($18..$33: x0..x31 in pairs) -> 16 f16x2 pairs ($0..$15: word w's
 # (x_j, x_{j+4}) at $4w+j), $16 = 2^e the scale undoes (f32), $17 = the scaled sum (f32)
@@ -74,13 +74,13 @@ _CHAIN_CONSTRAINTS = tl.constexpr("=f," + ",".join(["r"] * 20))
 
 
 @triton.jit
-def _x_pairs(words):
-    """An element's 32 values of x (its 16 bf16x2 words, ``_x_words``): 16 f16x2 pairs,
+def _x_pairs(x32, kw, mask):
+    """x's 32 values from word ``kw`` (a multiple of 4) of each element: 16 f16x2 pairs,
     the scale's inverse ``up`` and the scaled sum (``_X_ASM``)."""
     return tl.inline_asm_elementwise(
         asm=_X_ASM,
         constraints=_X_CONSTRAINTS,
-        args=words,
+        args=_x_words(x32, kw, mask),
         dtype=(tl.int32,) * 16 + (tl.float32, tl.float32),
         is_pure=True,
         pack=1,
