@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenloom.plugins.models import parallel
+from tokenloom.plugins.models import parallel, pdl
 from tokenloom.plugins.models.fused_gemv import (
     add_norm,
     norm_and_project,
@@ -186,7 +186,8 @@ class LlamaAttention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, k, *rope)
         out = ctx.attn.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale, **written)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        with pdl.next_reads_weights_first():  # the add+norm follows
+            return self.o_proj(out.reshape(tokens, self.q_size))
 
     def slots(self, prefix: str) -> Slots:
         result = self.qkv_proj.slots([f"{prefix}.{p}" for p in ("q_proj", "k_proj", "v_proj")])

@@ -37,8 +37,11 @@ sm_90 it is always off.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -46,6 +49,27 @@ import triton
 import triton.language as tl
 
 ENABLED = os.environ.get("TOKENLOOM_PDL", "1") != "0"
+_NEXT_READS_WEIGHTS = contextvars.ContextVar("tokenloom_pdl_next_reads_weights", default=False)
+
+
+@contextlib.contextmanager
+def next_reads_weights_first() -> Iterator[None]:
+    """Around a projection whose next kernel reads only weights before its wait (the
+    attention's o projection: the add+norm follows it): the projection's one-row GEMV
+    (int4's ``int4_gemv_nk``, bf16's ``skinny_gemm.gemv``) then releases before its wait
+    (``release_early``), so the norm, and through its own early release the gate/up GEMV,
+    start during the decode attention and stream their first weight tiles there.
+    ``TOKENLOOM_O_EARLY_RELEASE=0`` (read at each use) keeps the release after the wait."""
+    token = _NEXT_READS_WEIGHTS.set(os.environ.get("TOKENLOOM_O_EARLY_RELEASE", "1") != "0")
+    try:
+        yield
+    finally:
+        _NEXT_READS_WEIGHTS.reset(token)
+
+
+def early_release() -> bool:
+    """Whether the GEMV launched now may release early (``next_reads_weights_first``)."""
+    return _NEXT_READS_WEIGHTS.get()
 
 
 @functools.cache
@@ -86,9 +110,11 @@ def release(USE_PDL: tl.constexpr):
 @triton.jit
 def release_early(USE_PDL: tl.constexpr):
     """``release`` before the wait: the next kernel may start while the one before this
-    one still runs. Only in the RMSNorm kernel (``fused_ops._add_rms_norm_kernel``),
-    whose successor is always a projection that reads only its weights before its own
+    one still runs. Only where the successor reads nothing but weights before its own
     wait (never the decode attention, which relies on the kernel before it releasing
-    after its wait); ``tests/plugins/models/test_pdl.py`` holds it to that."""
+    after its wait): the RMSNorm kernel (``fused_ops._add_rms_norm_kernel``), whose
+    successor is always a projection, and the one-row GEMVs under
+    ``next_reads_weights_first`` (the o projection, followed by the add+norm);
+    ``tests/plugins/models/test_pdl.py`` holds it to those."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()

@@ -26,7 +26,14 @@ import triton.language as tl
 
 from tokenloom.plugins.models import tuning_cache
 from tokenloom.plugins.models.cuda_timing import fastest_config, time_graph
-from tokenloom.plugins.models.pdl import launch_options, pdl_on, release, wait
+from tokenloom.plugins.models.pdl import (
+    early_release,
+    launch_options,
+    pdl_on,
+    release,
+    release_early,
+    wait,
+)
 
 log = logging.getLogger("tokenloom.models")
 
@@ -142,19 +149,23 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
+    EARLY: tl.constexpr = False,  # release before the wait (pdl.next_reads_weights_first)
 ):
     """``y = w @ x`` for one row ``x [K]``: each program streams ``[BLOCK_N, K]`` of the
     weight with plain FMAs into ``[BLOCK_N, BLOCK_K]`` fp32 partial sums (reduced once,
     at the end), the next tile loaded before this one's FMAs (a register double
     buffer). No padding of the row to 16 for ``tl.dot``; with PDL the first tile
     streams while the kernel before finishes."""
+    if EARLY:
+        release_early(USE_PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n[:, None] < N
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     w = tl.load(w_rows + offs_k[None, :], mask=mask_n & (offs_k[None, :] < K), other=0.0)
     wait(USE_PDL)
-    release(USE_PDL)
+    if not EARLY:
+        release(USE_PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
@@ -193,6 +204,7 @@ def gemv(
         BLOCK_N=block_n,
         BLOCK_K=min(block_k, triton.next_power_of_2(k)),
         num_warps=warps,
+        EARLY=early_release(),
         **launch_options(x.device),
     )
     return y

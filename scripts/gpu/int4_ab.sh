@@ -7,7 +7,7 @@
 # Prepare here:   git archive REV > .snap/before.tar  (the BEFORE tree; .snap/ git-ignored)
 #                 ../shared/tools/gpu-wheels .whl
 # On the device:  bash scripts/gpu/int4_ab.sh STEP...   (carry [".snap", ".whl"])
-# Steps: t26, lat26a, lat26b, lat26c, thr26, prof26 (session 26, on a71c5eb's tree); t25, lat25a, lat25b, lat25c (session 25); t24, lat24a, lat24b, lat24c, attn24, thr24, t24b, thr24b, latrope (session 24); lat (int4 before/after/kn alternated twice, --runs 3), latbf16, latab and thrab
+# Steps: t26o, lat26o (session 26); t26, lat26a, lat26b, lat26c, thr26, prof26 (session 26, on a71c5eb's tree); t25, lat25a, lat25b, lat25c (session 25); t24, lat24a, lat24b, lat24c, attn24, thr24, t24b, thr24b, latrope (session 24); lat (int4 before/after/kn alternated twice, --runs 3), latbf16, latab and thrab
 # (bf16 and int4, before/after), gpu20, sample and prof (session 20), thr (int4
 # before/after/kn, one pass each), tests (int4 GPU tests), gputests (every GPU test under
 # tests/plugins/quant and tests/plugins/models), gemv4 (gemv_bench nk layout), samebytes (the bf16 GEMV over the same bytes), latcold (the tuner timed cold),
@@ -128,6 +128,18 @@ for step in "$@"; do
       echo "t24b rc=$?"; grep -E "^FAILED|^ERROR|Error" "$OUT/gpu-tests-24b.log" | head -8
       tail -n 2 "$OUT/gpu-tests-24b.log" ;;
     thr24b) thr int4-before before int4; thr int4-after after int4 ;;
+    t26o)  # session 26: the o projection's GEMV releasing before its wait
+      PYTHONPATH=/tmp/after:/tmp/site timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/plugins/models/test_pdl.py tests/plugins/models/test_llama_cuda.py \
+        tests/plugins/executor/test_gpu_modes.py tests/plugins/models/test_skinny_gemm.py \
+        > "$OUT/gpu-tests-26o.log" 2>&1
+      echo "t26o rc=$?"; grep -E "^FAILED|^ERROR" "$OUT/gpu-tests-26o.log" | head -8
+      tail -n 2 "$OUT/gpu-tests-26o.log" ;;
+    lat26o)  # session 26: the o projection's early release on / off, int4 twice, bf16
+      for r in 1 2; do
+        lat "int4-o1-$r" after int4; lat "int4-o0-$r" after int4 TOKENLOOM_O_EARLY_RELEASE=0
+      done
+      lat bf16-o1 after none; lat bf16-o0 after none TOKENLOOM_O_EARLY_RELEASE=0 ;;
     # t26, lat26a/b/c, thr26 and prof26: session 26's experiment, the add+norm folded into
     # the int4 GEMV's prologue (TOKENLOOM_INT4_FUSED_NORM, TOKENLOOM_INT4_NORM_TILE), measured
     # slower and removed: they need its tree, `git checkout a71c5eb` (docs/quantization.md)

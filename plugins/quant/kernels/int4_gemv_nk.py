@@ -48,7 +48,13 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenloom.plugins.models.pdl import launch_options, release, wait
+from tokenloom.plugins.models.pdl import (
+    early_release,
+    launch_options,
+    release,
+    release_early,
+    wait,
+)
 from tokenloom.plugins.quant.kernels.gemm_config import GemmConfig
 from tokenloom.plugins.quant.kernels.h2_common import _ptx, ptx_bf16_ok
 from tokenloom.plugins.quant.kernels.int4_dp4a_asm import _dp4a_chain, _x_bytes
@@ -138,7 +144,10 @@ def _int4_gemv_nk_kernel(
     k_cache_ptr=None,  # ROPE: [slots, NUM_KV, D] contiguous, in y's dtype
     v_cache_ptr=None,
     slot_ptr=None,  # ROPE: the token's slot (int64; < 0: store nothing)
+    EARLY: tl.constexpr = False,  # release before the wait (pdl.next_reads_weights_first)
 ):
+    if EARLY:
+        release_early(USE_PDL)
     P: tl.constexpr = BLOCK_KW // 4
     HALF: tl.constexpr = BLOCK_N // 2 if (SILU or ROPE) else BLOCK_N  # outputs or pairs
     offs_w = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_KW), 4), 4)
@@ -173,7 +182,8 @@ def _int4_gemv_nk_kernel(
             w_rows + offs_w[None, :], mask=mask_n[:, None] & (offs_w < KW)[None, :], other=0
         )
     wait(USE_PDL)  # the first tile is in flight; x comes from the kernel before
-    release(USE_PDL)
+    if not EARLY:
+        release(USE_PDL)
     x32 = x_ptr.to(tl.pointer_type(tl.int32))
     acc = tl.zeros([BLOCK_N, P], tl.float32)
     for k0 in range(0, KW, BLOCK_KW):
@@ -357,5 +367,5 @@ def launch_int4_nk(
     return launch_int4_rows(
         _int4_gemv_nk_kernel, x, qweight, scales, zeros, bias, block_n, block_kw, num_warps,
         GROUP=group, DP4A=dp4a, ONE_TILE=kw <= block_kw, SILU=silu, NH=n // 2 if silu else 0,
-        EVEN=n % block_n == 0 and kw % block_kw == 0, **extra,
+        EVEN=n % block_n == 0 and kw % block_kw == 0, EARLY=early_release(), **extra,
     )  # fmt: skip
