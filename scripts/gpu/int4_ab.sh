@@ -128,8 +128,10 @@ for step in "$@"; do
       echo "t24b rc=$?"; grep -E "^FAILED|^ERROR|Error" "$OUT/gpu-tests-24b.log" | head -8
       tail -n 2 "$OUT/gpu-tests-24b.log" ;;
     thr24b) thr int4-before before int4; thr int4-after after int4 ;;
-    t26o)  # session 26: the o projection's GEMV releasing before its wait
-      PYTHONPATH=/tmp/after:/tmp/site timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    t26o)  # session 26: the o projection's GEMV releasing before its wait (the next session
+      # runs it first: the early release stays off by default until it passes)
+      TOKENLOOM_O_EARLY_RELEASE=1 PYTHONPATH=/tmp/after:/tmp/site timeout 300 python3 -m pytest \
+        -q -m gpu -p no:cacheprovider \
         tests/plugins/models/test_pdl.py tests/plugins/models/test_llama_cuda.py \
         tests/plugins/executor/test_gpu_modes.py tests/plugins/models/test_skinny_gemm.py \
         > "$OUT/gpu-tests-26o.log" 2>&1
@@ -137,9 +139,11 @@ for step in "$@"; do
       tail -n 2 "$OUT/gpu-tests-26o.log" ;;
     lat26o)  # session 26: the o projection's early release on / off, int4 twice, bf16
       for r in 1 2; do
-        lat "int4-o1-$r" after int4; lat "int4-o0-$r" after int4 TOKENLOOM_O_EARLY_RELEASE=0
+        lat "int4-o1-$r" after int4 TOKENLOOM_O_EARLY_RELEASE=1
+        lat "int4-o0-$r" after int4 TOKENLOOM_O_EARLY_RELEASE=0
       done
-      lat bf16-o1 after none; lat bf16-o0 after none TOKENLOOM_O_EARLY_RELEASE=0 ;;
+      lat bf16-o1 after none TOKENLOOM_O_EARLY_RELEASE=1
+      lat bf16-o0 after none TOKENLOOM_O_EARLY_RELEASE=0 ;;
     # t26, lat26a/b/c, thr26 and prof26: session 26's experiment, the add+norm folded into
     # the int4 GEMV's prologue (TOKENLOOM_INT4_FUSED_NORM, TOKENLOOM_INT4_NORM_TILE), measured
     # slower and removed: they need its tree, `git checkout a71c5eb` (docs/quantization.md)

@@ -1,10 +1,11 @@
 """Programmatic dependent launch (``plugins/models/pdl.py``): off on the CPU and when
 turned off; on an H200, a chain of the decode path's PDL kernels (norm, int4 GEMVs
-with their in-kernel split sums, one releasing before its wait as the o projection's
-does, SiLU, fp8 quantization and GEMV, the bf16 skinny
-GEMM and one-row GEMV) replayed in a CUDA graph gives, replay after replay with new inputs, the
-bits of the same kernels launched without PDL: a kernel that read or wrote before its
-wait would race with the one before it and differ."""
+with their in-kernel split sums, SiLU, fp8 quantization and GEMV, the bf16 skinny GEMM
+and one-row GEMV; an int4 and a bf16 one-row GEMV releasing before their waits as the
+o projection's do, each followed by a norm) replayed in a CUDA graph gives, replay after
+replay with new inputs, the bits of the same kernels launched without PDL: a kernel that
+read or wrote before its wait would race with the one before it and differ. An int4
+model decodes the same tokens with the o projection's early release as without."""
 
 from __future__ import annotations
 
@@ -34,21 +35,32 @@ def _chain(x, res, norm_w, gate_up, down, w8, ws8, w16):
     h2, _ = add_rms_norm(y, norm_w, 1e-6, summed)
     q, s = per_token_fp8(h2)
     z = fp8_gemv(q, s, w8, ws8, None, torch.bfloat16)
-    return gemv(skinny_gemm(z, w16, (32, 256, 4, 4)), w16.t().contiguous(), (8, 512, 4))
+    with pdl.next_reads_weights_first():  # the bf16 GEMV releasing early, a norm next
+        g = gemv(skinny_gemm(z, w16, (32, 256, 4, 4)), w16.t().contiguous(), (8, 512, 4))
+    return add_rms_norm(g, norm_w[: g.shape[1]], 1e-6)[0]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_pdl_chain_in_a_graph_gives_the_bits_of_the_plain_launches(monkeypatch):
+    from tokenloom.plugins.models import skinny_gemm
     from tokenloom.plugins.quant.int4 import Int4Kernel, quantize_int4
+    from tokenloom.plugins.quant.kernels import int4_gemv_nk
+    from tokenloom.plugins.quant.kernels.dispatch import bucket
+    from tokenloom.plugins.quant.kernels.gemm_config import GemmConfig
 
     if not pdl.pdl_on(torch.device("cuda")):
         pytest.skip("PDL needs sm_90 (and TOKENLOOM_PDL not 0)")
+    monkeypatch.setenv("TOKENLOOM_O_EARLY_RELEASE", "1")
+    early = _spy_early(monkeypatch, int4_gemv_nk, skinny_gemm)
     torch.manual_seed(0)
     dev, dim, inter = "cuda", 4096, 4096
     norm_w = torch.rand(dim, device=dev, dtype=torch.bfloat16) + 0.5
     gate_up = Int4Kernel(*quantize_int4(torch.randn(2 * inter, dim, device=dev).bfloat16()), 128)
-    down = Int4Kernel(*quantize_int4(torch.randn(dim, inter, device=dev).bfloat16() / 8), 128)
+    qw, sc, zr = quantize_int4(torch.randn(dim, inter, device=dev).bfloat16() / 8)
+    down = Int4Kernel(qw.t().contiguous().t(), sc, zr, 128)  # [N, K / 8], as int4_kernel stores
+    nk = GemmConfig(1, 16, 4096, 1, 4, 3, nk=True, dp4a=True)  # int4_gemv_nk, one row
+    down.configs = tuple(nk if i == bucket(1) else c for i, c in enumerate(down.configs))
     w8 = (torch.randn(1024, dim, device=dev) * 64).to(torch.float8_e4m3fn)
     ws8 = torch.rand(1024, 1, device=dev) / 1000
     w16 = torch.randn(512, 1024, device=dev).bfloat16() / 32
@@ -74,15 +86,78 @@ def test_pdl_chain_in_a_graph_gives_the_bits_of_the_plain_launches(monkeypatch):
         static_r.copy_(r)
         graph.replay()
         torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert {int4_gemv_nk.__name__, skinny_gemm.__name__} <= set(early)  # both GEMVs took it
+
+
+def _spy_early(monkeypatch, *modules):  # type: ignore[no-untyped-def]
+    """The modules whose launches asked ``pdl.early_release`` and got True, in order."""
+    early: list[str] = []
+    for module in modules:
+
+        def spy(real=module.early_release, name=module.__name__) -> bool:  # type: ignore[no-untyped-def]
+            on = real()
+            if on:
+                early.append(name)
+            return on
+
+        monkeypatch.setattr(module, "early_release", spy)
+    return early
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("eager", [True, False])
+def test_gpu_an_int4_llama_decodes_the_same_tokens_with_the_o_gemv_releasing_early(
+    tiny_model_factory, monkeypatch, eager
+):
+    # eager: every o projection's one-row tiling forced to int4_gemv_nk, so the early
+    # release runs whatever the tuner chose; graphs: as tuned, captured. The release
+    # changes no arithmetic: any difference is a race.
+    from tokenloom import LLM, SamplingParams
+    from tokenloom.plugins.quant.kernels import int4_gemv_nk
+    from tokenloom.plugins.quant.kernels.dispatch import bucket
+    from tokenloom.plugins.quant.kernels.gemm_config import GemmConfig
+
+    if not pdl.pdl_on(torch.device("cuda")):
+        pytest.skip("PDL needs sm_90 (and TOKENLOOM_PDL not 0)")
+    model = str(tiny_model_factory("llama", hidden_size=1024, intermediate_size=2048,
+                                   num_heads=8, num_kv_heads=2))  # fmt: skip
+    early = _spy_early(monkeypatch, int4_gemv_nk)
+
+    def tokens() -> list[list[int]]:
+        llm = LLM(model, dtype="bfloat16", device="cuda", quant="int4", max_num_seqs=1,
+                  enforce_eager=eager)  # fmt: skip
+        if eager:
+            nk = GemmConfig(1, 16, 1024, 1, 4, 3, nk=True, dp4a=True)
+            for layer in llm.engine.executor.model.model.layers:
+                kernel = layer.self_attn.o_proj.kernel
+                kernel.configs = tuple(
+                    nk if i == bucket(1) else c for i, c in enumerate(kernel.configs)
+                )
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+            outs = llm.generate([[5, 6, 7, 8], [9, 10, 11]], params, use_tqdm=False)
+            return [list(o.outputs[0].token_ids) for o in outs]
+        finally:
+            llm.engine.shutdown()
+
+    monkeypatch.setenv("TOKENLOOM_O_EARLY_RELEASE", "1")
+    with_early = tokens()
+    assert early or not eager  # forced: the o GEMVs took it
+    monkeypatch.setenv("TOKENLOOM_O_EARLY_RELEASE", "0")
+    assert tokens() == with_early
 
 
 def test_every_pdl_kernel_releases_only_after_its_wait():
     """The contract the decode attention's prefetch relies on (``pdl.py``): a kernel
     that calls ``release(USE_PDL)`` calls ``wait(USE_PDL)`` on an earlier line, and none
     returns before its wait (an exited program counts as released), so that when a
-    kernel starts, every kernel but the one before it has finished. The exception
-    (``release_early``, before the wait) is the RMSNorm kernel's alone: its successor is
-    a projection, which reads only weights before its wait."""
+    kernel starts, every kernel but the one before it has finished. The exceptions
+    (``release_early``, before the wait): the RMSNorm kernel (its successor is a
+    projection, which reads only weights before its wait) and the one-row GEMVs under
+    ``pdl.next_reads_weights_first`` (set around the o projection alone, whose successor
+    is the add+norm). A kernel after those (the norm, the gate/up GEMV) may start while
+    two or three kernels before it still run; each reads only weights before its wait."""
     import ast
     from pathlib import Path
 
@@ -119,5 +194,13 @@ def test_every_pdl_kernel_releases_only_after_its_wait():
                 assert all(r > min(lines["wait"]) for r in returns), f"{path.name}:{fn.name}"
     assert checked >= 15  # the decode path's kernels (15 in session 20)
     # the norm (a projection follows), and the one-row GEMVs when the o projection
-    # runs them (pdl.next_reads_weights_first: the norm follows)
+    # runs them (pdl.next_reads_weights_first: the norm follows; only llama.py sets it)
     assert sorted(early) == ["_add_rms_norm_kernel", "_gemv_kernel", "_int4_gemv_nk_kernel"]
+    # ... and the flag is set around the o projection alone (its successor: the add+norm)
+    uses = [(path.name, line) for path in files
+            for line in path.read_text().splitlines()
+            if "next_reads_weights_first(" in line and "def " not in line]  # fmt: skip
+    assert len(uses) == 1 and uses[0][0] == "llama.py", uses
+    source = next(p for p in files if p.name == "llama.py").read_text()
+    after = source.split("next_reads_weights_first(", 1)[1].splitlines()[1]
+    assert after.strip().startswith("return self.o_proj("), after
