@@ -108,44 +108,21 @@ def _spy_early(monkeypatch, *modules):  # type: ignore[no-untyped-def]
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("eager", [True, False])
 def test_gpu_an_int4_llama_decodes_the_same_tokens_with_the_o_gemv_releasing_early(
-    tiny_model_factory, monkeypatch, eager
+    int4_llama_tokens, monkeypatch, eager
 ):
     # eager: every o projection's one-row tiling forced to int4_gemv_nk, so the early
     # release runs whatever the tuner chose; graphs: as tuned, captured. The release
     # changes no arithmetic: any difference is a race.
-    from tokenloom import LLM, SamplingParams
     from tokenloom.plugins.quant.kernels import int4_gemv_nk
-    from tokenloom.plugins.quant.kernels.dispatch import bucket
-    from tokenloom.plugins.quant.kernels.gemm_config import GemmConfig
 
     if not pdl.pdl_on(torch.device("cuda")):
         pytest.skip("PDL needs sm_90 (and TOKENLOOM_PDL not 0)")
-    model = str(tiny_model_factory("llama", hidden_size=1024, intermediate_size=2048,
-                                   num_heads=8, num_kv_heads=2))  # fmt: skip
     early = _spy_early(monkeypatch, int4_gemv_nk)
-
-    def tokens() -> list[list[int]]:
-        llm = LLM(model, dtype="bfloat16", device="cuda", quant="int4", max_num_seqs=1,
-                  enforce_eager=eager)  # fmt: skip
-        if eager:
-            nk = GemmConfig(1, 16, 1024, 1, 4, 3, nk=True, dp4a=True)
-            for layer in llm.engine.executor.model.model.layers:
-                kernel = layer.self_attn.o_proj.kernel
-                kernel.configs = tuple(
-                    nk if i == bucket(1) else c for i, c in enumerate(kernel.configs)
-                )
-        try:
-            params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-            outs = llm.generate([[5, 6, 7, 8], [9, 10, 11]], params, use_tqdm=False)
-            return [list(o.outputs[0].token_ids) for o in outs]
-        finally:
-            llm.engine.shutdown()
-
     monkeypatch.setenv("TOKENLOOM_O_EARLY_RELEASE", "1")
-    with_early = tokens()
+    with_early = int4_llama_tokens(eager, "o_proj")
     assert early or not eager  # forced: the o GEMVs took it
     monkeypatch.setenv("TOKENLOOM_O_EARLY_RELEASE", "0")
-    assert tokens() == with_early
+    assert int4_llama_tokens(eager, "o_proj") == with_early
 
 
 def test_every_pdl_kernel_releases_only_after_its_wait():

@@ -122,16 +122,12 @@ def test_gpu_the_epilogue_at_llama_3_8b_equals_the_unfused_path(tiling, dp4a):
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
 @pytest.mark.parametrize("eager", [True, False])
 def test_gpu_an_int4_llama_decodes_the_same_tokens_with_the_epilogue(
-    tiny_model_factory, monkeypatch, eager
+    int4_llama_tokens, monkeypatch, eager
 ):
     # eager: every q/k/v layer's one-row tiling forced to int4_gemv_nk (16 x 1024 / 4, dp4a),
     # so the epilogue runs whatever the tuner chose; graphs: as tuned, captured
-    from tokenloom import LLM, SamplingParams
     from tokenloom.plugins.quant.kernels import int4_gemv_nk
-    from tokenloom.plugins.quant.kernels.dispatch import bucket
 
-    model = str(tiny_model_factory("llama", hidden_size=1024, intermediate_size=2048,
-                                   num_heads=8, num_kv_heads=2))  # fmt: skip
     fused: list[bool] = []
     original = int4_gemv_nk.int4_nk_fused
 
@@ -142,28 +138,8 @@ def test_gpu_an_int4_llama_decodes_the_same_tokens_with_the_epilogue(
         return y
 
     monkeypatch.setattr(int4_gemv_nk, "int4_nk_fused", counting)
-
-    def tokens() -> list[list[int]]:
-        llm = LLM(
-            model, dtype="bfloat16", device="cuda", quant="int4", max_num_seqs=1,
-            enforce_eager=eager,
-        )  # fmt: skip
-        if eager:
-            nk = GemmConfig(1, 16, 1024, 1, 4, 3, nk=True, dp4a=True)
-            for layer in llm.engine.executor.model.model.layers:
-                kernel = layer.self_attn.qkv_proj.kernel
-                kernel.configs = tuple(
-                    nk if i == bucket(1) else c for i, c in enumerate(kernel.configs)
-                )
-        try:
-            params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-            outs = llm.generate([[5, 6, 7, 8], [9, 10, 11]], params, use_tqdm=False)
-            return [list(o.outputs[0].token_ids) for o in outs]
-        finally:
-            llm.engine.shutdown()
-
     monkeypatch.setenv("TOKENLOOM_INT4_FUSED_ROPE", "1")
-    with_epilogue = tokens()
+    with_epilogue = int4_llama_tokens(eager, "qkv_proj")
     assert any(fused)  # the epilogue ran (eager) or was captured (graphs)
     monkeypatch.setenv("TOKENLOOM_INT4_FUSED_ROPE", "0")
-    assert tokens() == with_epilogue
+    assert int4_llama_tokens(eager, "qkv_proj") == with_epilogue
