@@ -51,25 +51,28 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture
 def int4_llama_tokens(tiny_model_factory):
-    """``tokens(eager, projection) -> token ids``: a tiny int4 Llama (bf16, one GPU)
-    decoding two prompts greedily. With ``eager``, every layer's ``projection`` (an
-    attention linear: "qkv_proj", "o_proj") has its one-row tiling forced to
-    ``int4_gemv_nk`` (16 x 1024 / 4, dp4a), so that kernel's options run whatever the
+    """``tokens(eager, projection, quant="int4") -> token ids``: a tiny quantized Llama (bf16,
+    one GPU) decoding two prompts greedily. With ``eager``, every layer's ``projection``
+    ("qkv_proj", "o_proj", "gate_up_proj") has its one-row tiling forced to the one-row
+    GEMV over row-major weights (int4: ``int4_gemv_nk`` 16 x 1024 / 4, dp4a; int8:
+    ``int8_gemv_nk`` 16 x 1024 / 4, biased), so that kernel's options run whatever the
     tuner chose; without, the model runs as tuned, in CUDA graphs."""
     model = str(tiny_model_factory("llama", hidden_size=1024, intermediate_size=2048,
                                    num_heads=8, num_kv_heads=2))  # fmt: skip
 
-    def tokens(eager: bool, projection: str) -> list[list[int]]:
+    def tokens(eager: bool, projection: str, quant: str = "int4") -> list[list[int]]:
         from tokenloom import LLM, SamplingParams
         from tokenloom.plugins.quant.kernels.dispatch import bucket
         from tokenloom.plugins.quant.kernels.gemm_config import GemmConfig
 
-        llm = LLM(model, dtype="bfloat16", device="cuda", quant="int4", max_num_seqs=1,
+        llm = LLM(model, dtype="bfloat16", device="cuda", quant=quant, max_num_seqs=1,
                   enforce_eager=eager)  # fmt: skip
         if eager:
-            nk = GemmConfig(1, 16, 1024, 1, 4, 3, nk=True, dp4a=True)
+            nk = GemmConfig(1, 16, 1024, 1, 4, 3, nk=True, dp4a=quant == "int4",
+                            biased=quant == "int8")  # fmt: skip
             for layer in llm.engine.executor.model.model.layers:
-                kernel = getattr(layer.self_attn, projection).kernel
+                owner = layer.mlp if projection == "gate_up_proj" else layer.self_attn
+                kernel = getattr(owner, projection).kernel
                 kernel.configs = tuple(
                     nk if i == bucket(1) else c for i, c in enumerate(kernel.configs)
                 )

@@ -62,11 +62,11 @@ def next_reads_weights_first() -> Iterator[None]:
     (int4's ``int4_gemv_nk``, bf16's ``skinny_gemm.gemv``) then releases before its wait
     (``release_early``), so the norm, and through its own early release the gate/up GEMV,
     start during the decode attention and stream their first weight tiles there.
-    Off unless ``TOKENLOOM_O_EARLY_RELEASE=1`` (read at each use): measured on an H200
-    (session 26, int4 1.707 -> 1.682 ms a step), but its GPU tests (``test_pdl.py``: the
-    chain with both GEMVs releasing early, an int4 model's tokens with and without it)
-    have not run yet; they must pass before it is on by default."""
-    token = _NEXT_READS_WEIGHTS.set(os.environ.get("TOKENLOOM_O_EARLY_RELEASE", "0") == "1")
+    On by default since session 27, when its GPU tests (``test_pdl.py``: the chain with
+    both GEMVs releasing early, an int4 model's tokens with and without it) passed on an
+    H200; int4 1.709 -> 1.685 ms a step there. ``TOKENLOOM_O_EARLY_RELEASE=0`` (read at
+    each use) turns it off."""
+    token = _NEXT_READS_WEIGHTS.set(os.environ.get("TOKENLOOM_O_EARLY_RELEASE", "1") == "1")
     try:
         yield
     finally:

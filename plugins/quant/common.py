@@ -10,7 +10,7 @@ an empty tensor, so its memory is really freed.
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -46,6 +46,22 @@ def flat(x: torch.Tensor) -> torch.Tensor:
     """``x [..., K]`` as a 2-D matrix whose last dim is contiguous (the GEMMs' input)."""
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def one_row_fused(
+    x: torch.Tensor,
+    configs: tuple[Any, ...] | None,
+    launch: Callable[[torch.Tensor, Any], torch.Tensor | None],
+) -> torch.Tensor | None:
+    """A one-row call of a GPU kernel's epilogue (``LinearKernel.apply_silu_and_mul``,
+    ``apply_qkv_rope``): ``launch(x [1, K], the layer's tuned one-row tiling)``, reshaped
+    as ``x``; None where ``x`` is not one row on the GPU or ``launch`` declines."""
+    if not (x.is_cuda and configs is not None) or x.numel() != x.shape[-1]:
+        return None
+    from tokenloom.plugins.quant.kernels.dispatch import bucket
+
+    y = launch(flat(x), configs[bucket(1)])
+    return None if y is None else y.view(*x.shape[:-1], y.shape[-1])
 
 
 class WeightQuantMethod(QuantMethod):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
@@ -31,10 +31,19 @@ from torch import nn
 from tokenloom.config import EngineConfig, plugin_settings
 from tokenloom.plugins.models.gguf import SOURCE_KEY
 from tokenloom.plugins.models.layers import Linear
-from tokenloom.plugins.quant.common import WeightQuantMethod, flat, keep, quantization_config
+from tokenloom.plugins.quant.common import (
+    WeightQuantMethod,
+    flat,
+    keep,
+    one_row_fused,
+    quantization_config,
+)
 from tokenloom.protocols.components.quant import LinearKernel, QkvRope
 from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from tokenloom.plugins.quant.kernels.gemm_config import GemmConfig
 
 log = logging.getLogger(__name__)
 
@@ -156,15 +165,13 @@ class Int4Kernel(LinearKernel):
         silu: bool = False,
         rope: QkvRope | None = None,
     ) -> torch.Tensor | None:
-        if not (x.is_cuda and self.configs is not None) or x.numel() != x.shape[-1]:
-            return None
-        from tokenloom.plugins.quant.kernels.dispatch import bucket
         from tokenloom.plugins.quant.kernels.int4_gemv_nk import int4_nk_fused
 
-        cfg = self.configs[bucket(1)]
-        args = (flat(x), self.qweight, self.scales, self.zeros, self.group, bias, cfg)
-        y = int4_nk_fused(*args, silu=silu, rope=rope)
-        return None if y is None else y.view(*x.shape[:-1], y.shape[-1])
+        def launch(x1: torch.Tensor, cfg: GemmConfig) -> torch.Tensor | None:
+            args = (x1, self.qweight, self.scales, self.zeros, self.group, bias, cfg)
+            return int4_nk_fused(*args, silu=silu, rope=rope)
+
+        return one_row_fused(x, self.configs, launch)
 
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Dequantize, then ``F.linear`` (the CPU path and the GPU kernel's oracle)."""

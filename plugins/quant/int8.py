@@ -11,14 +11,19 @@ only error is the weights' rounding (half a step of ``max|w_row| / 127``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from tokenloom.plugins.models.layers import Linear
-from tokenloom.plugins.quant.common import WeightQuantMethod, flat, keep
-from tokenloom.protocols.components.quant import LinearKernel
+from tokenloom.plugins.quant.common import WeightQuantMethod, flat, keep, one_row_fused
+from tokenloom.protocols.components.quant import LinearKernel, QkvRope
 from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from tokenloom.plugins.quant.kernels.gemm_config import GemmConfig
 
 QMAX = 127
 
@@ -63,6 +68,38 @@ class Int8Kernel(LinearKernel):
             y = weight_gemm(x2, self.qweight, self.scales, None, 8, 0, bias, cfg)
             return y.view(*x.shape[:-1], y.shape[-1])
         return self.reference(x, bias)
+
+    def apply_silu_and_mul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """One row on the GPU: ``int8_gemv_nk`` with SiLU-and-mul in its epilogue, where the
+        layer's tuned one-row tiling is that kernel (one launch less a layer)."""
+        return self._fused_one_row(x, bias, silu=True)
+
+    @property
+    def offers_qkv_rope(self) -> bool:
+        from tokenloom.plugins.quant.kernels.int8_gemv_nk import epilogues_on
+
+        return self.configs is not None and epilogues_on()
+
+    def apply_qkv_rope(
+        self, x: torch.Tensor, bias: torch.Tensor | None, rope: QkvRope
+    ) -> torch.Tensor | None:
+        """One row on the GPU: ``int8_gemv_nk`` with the rotation and the cache stores in
+        its epilogue, where the layer's tuned one-row tiling is that kernel and fits."""
+        return self._fused_one_row(x, bias, rope=rope)
+
+    def _fused_one_row(
+        self,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        silu: bool = False,
+        rope: QkvRope | None = None,
+    ) -> torch.Tensor | None:
+        from tokenloom.plugins.quant.kernels.int8_gemv_nk import int8_nk_fused
+
+        def launch(x1: torch.Tensor, cfg: GemmConfig) -> torch.Tensor | None:
+            return int8_nk_fused(x1, self.qweight, self.scales, bias, cfg, silu=silu, rope=rope)
+
+        return one_row_fused(x, self.configs, launch)
 
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Dequantize, then ``F.linear`` (the CPU path and the GPU kernel's oracle)."""

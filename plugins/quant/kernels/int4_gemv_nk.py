@@ -59,12 +59,14 @@ from tokenloom.plugins.quant.kernels.gemm_config import GemmConfig
 from tokenloom.plugins.quant.kernels.h2_common import _ptx, ptx_bf16_ok
 from tokenloom.plugins.quant.kernels.int4_dp4a_asm import _dp4a_chain, _x_bytes
 from tokenloom.plugins.quant.kernels.int4_h2_asm import _chain, _x_pairs
-from tokenloom.plugins.quant.kernels.int4_qkv_rope import (
-    _rope_epilogue,
-    rope_epilogue_on,
-    rope_fits,
-)
+from tokenloom.plugins.quant.kernels.int4_qkv_rope import rope_epilogue_on, rope_fits
 from tokenloom.plugins.quant.kernels.int4_tiles import int4_row_major
+from tokenloom.plugins.quant.kernels.one_row_epilogue import (
+    epilogue_args,
+    outputs_and_programs,
+    program_rows,
+    store_outputs,
+)
 from tokenloom.protocols.components.quant import QkvRope
 
 
@@ -149,29 +151,10 @@ def _int4_gemv_nk_kernel(
     if EARLY:
         release_early(USE_PDL)
     P: tl.constexpr = BLOCK_KW // 4
-    HALF: tl.constexpr = BLOCK_N // 2 if (SILU or ROPE) else BLOCK_N  # outputs or pairs
     offs_w = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_KW), 4), 4)
     offs_p = tl.arange(0, P) * 4  # each element's first word
-    i = tl.arange(0, BLOCK_N)
-    base = tl.program_id(0) * HALF  # first row (pair with ROPE, output with SILU) a program
-    if SILU:  # rows j and HALF + j: gate and up of output j (the halves NH rows apart)
-        offs_o = base + i % HALF
-        mask_n = offs_o < NH
-        offs_n = offs_o + (i // HALF) * NH
-        row_off = (i % HALF) * KW + (i // HALF) * (NH * KW)
-    elif ROPE:  # rows j and D / 2 + j of one head: the pairs rotate-half rotates together
-        D2: tl.constexpr = HEAD_DIM // 2
-        base = (base // D2) * HEAD_DIM + base % D2  # HALF divides D / 2: one head a program
-        offs_n = base + i % HALF + (i // HALF) * D2
-        # runs of HALF rows, each from a multiple of HALF: the scale loads' layout (and the
-        # accumulator's, so the sums' order) stays the plain mapping's
-        offs_n = tl.max_contiguous(tl.multiple_of(offs_n, HALF), HALF)
-        mask_n = offs_n < N
-        row_off = ((i % HALF) + (i // HALF) * D2) * KW
-    else:
-        offs_n = tl.program_id(0) * BLOCK_N + i
-        mask_n = offs_n < N
-        row_off = i * KW
+    base, offs_n, mask_n, row_off = program_rows(tl.program_id(0), N, KW, BLOCK_N, SILU, NH,
+                                                 ROPE, HEAD_DIM)  # fmt: skip
     # one 64-bit base a program, the rows at 32-bit offsets from it (constants when KW is:
     # the loads then take them as immediates)
     w_rows = qw_ptr + base.to(tl.int64) * KW + row_off[:, None]
@@ -217,16 +200,9 @@ def _int4_gemv_nk_kernel(
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    if SILU:
-        gate, up = tl.split(tl.permute(tl.reshape(y, [2, HALF]), (1, 0)))
-        offs_h = tl.program_id(0) * HALF + tl.arange(0, HALF)
-        act = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(y_ptr + offs_h, act.to(y_ptr.dtype.element_ty), mask=offs_h < NH)
-    elif ROPE:
-        _rope_epilogue(y, y_ptr, offs_n, base, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
-                       slot_ptr, HALF, HEAD_DIM, NUM_Q, NUM_KV)  # fmt: skip
-    else:
-        tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+    store_outputs(y, y_ptr, tl.program_id(0), base, offs_n, mask_n, BLOCK_N, SILU, NH, ROPE,
+                  HEAD_DIM, NUM_Q, NUM_KV, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
+                  slot_ptr)  # fmt: skip
 
 
 def int4_nk_fits(x: torch.Tensor, qweight: torch.Tensor, group: int, has_zeros: bool) -> bool:
@@ -308,9 +284,9 @@ def launch_int4_rows(
     ``int4_gemv_mma``): ``y [1, N]`` in ``x``'s dtype; ``extra`` the kernel's runtime
     arguments after ``KW``, ``constexprs`` its own (``SILU``: ``y [1, N / 2]``)."""
     kw, n = qweight.shape
-    outputs, per_program = (n // 2, block_n // 2) if constexprs.get("SILU") else (n, block_n)
+    outputs, grid = outputs_and_programs(n, block_n, bool(constexprs.get("SILU")))
     y = torch.empty(1, outputs, dtype=x.dtype, device=x.device)
-    kernel[(triton.cdiv(outputs, per_program),)](
+    kernel[(grid,)](
         x,
         qweight.t(),  # [N, K / 8], contiguous
         scales,
@@ -354,18 +330,10 @@ def launch_int4_nk(
     cache (``rope_fits``)."""
     assert int4_nk_fits(x, qweight, group, zeros is not None), (tuple(x.shape), group)
     kw, n = qweight.shape
-    assert not silu or (n % 2 == 0 and block_n >= 2), (n, block_n)
     assert rope is None or rope_fits(x, n, block_n, rope)
     block_kw = max(4, min(block_k // 8, triton.next_power_of_2(kw)))
-    extra: dict[str, object] = {}
-    if rope is not None:
-        extra = dict(
-            ROPE=True, HEAD_DIM=rope.head_dim, NUM_Q=rope.num_q_heads, NUM_KV=rope.num_kv_heads,
-            cos_ptr=rope.cos, sin_ptr=rope.sin, k_cache_ptr=rope.k_cache,
-            v_cache_ptr=rope.v_cache, slot_ptr=rope.slot_mapping,
-        )  # fmt: skip
     return launch_int4_rows(
         _int4_gemv_nk_kernel, x, qweight, scales, zeros, bias, block_n, block_kw, num_warps,
-        GROUP=group, DP4A=dp4a, ONE_TILE=kw <= block_kw, SILU=silu, NH=n // 2 if silu else 0,
-        EVEN=n % block_n == 0 and kw % block_kw == 0, EARLY=early_release(), **extra,
+        GROUP=group, DP4A=dp4a, ONE_TILE=kw <= block_kw, EVEN=n % block_n == 0 and kw % block_kw == 0,
+        EARLY=early_release(), **epilogue_args(n, block_n, silu, rope),
     )  # fmt: skip

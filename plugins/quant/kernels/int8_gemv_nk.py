@@ -33,8 +33,23 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenloom.plugins.models.pdl import launch_options, release, wait
+from tokenloom.plugins.models.pdl import (
+    early_release,
+    launch_options,
+    release,
+    release_early,
+    wait,
+)
+from tokenloom.plugins.quant.kernels.gemm_config import GemmConfig
 from tokenloom.plugins.quant.kernels.gemv_weights import four_floats, int8_word_floats
+from tokenloom.plugins.quant.kernels.int4_qkv_rope import rope_fits
+from tokenloom.plugins.quant.kernels.one_row_epilogue import (
+    epilogue_args,
+    outputs_and_programs,
+    program_rows,
+    store_outputs,
+)
+from tokenloom.protocols.components.quant import QkvRope
 
 
 def row_major(qweight: torch.Tensor) -> bool:
@@ -160,17 +175,34 @@ def _int8_gemv_nk_kernel(
     ASM: tl.constexpr,  # int8_word_floats' PTX (a CUDA GPU)
     USE_PDL: tl.constexpr = False,
     B15: tl.constexpr = False,  # weights as 2^15 + 128 + q, the bias off per word
+    EARLY: tl.constexpr = False,  # release before the wait (pdl.next_reads_weights_first)
+    # one row of x: the epilogues of one_row_epilogue (SILU: merged gate/up [2 NH, K] ->
+    # silu(gate) * up [NH]; ROPE: merged q/k/v, q and k rotated, k and v into the cache)
+    SILU: tl.constexpr = False,
+    NH: tl.constexpr = 0,
+    ROPE: tl.constexpr = False,
+    HEAD_DIM: tl.constexpr = 0,
+    NUM_Q: tl.constexpr = 0,
+    NUM_KV: tl.constexpr = 0,
+    cos_ptr=None,
+    sin_ptr=None,
+    k_cache_ptr=None,
+    v_cache_ptr=None,
+    slot_ptr=None,
 ):
+    if EARLY:
+        release_early(USE_PDL)
     m0 = tl.program_id(1) * ROWS
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    base, offs_n, mask_n, row_off = program_rows(tl.program_id(0), N, KW, BLOCK_N, SILU, NH,
+                                                 ROPE, HEAD_DIM)  # fmt: skip
     # two words (8 weights) a load: then the slice of this layout that x needs is the
     # layout x's own load of two int64 (16 bytes) takes, and x needs no shared memory
     offs_w = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_KW), 2), 2)
-    mask_n = offs_n < N
     w_rows = qw_ptr + offs_n[:, None].to(tl.int64) * KW
     w = tl.load(w_rows + offs_w[None, :], mask=mask_n[:, None] & (offs_w < KW)[None, :], other=0)
     wait(USE_PDL)  # the first tile is in flight; x comes from the kernel before
-    release(USE_PDL)
+    if not EARLY:
+        release(USE_PDL)
     acc0 = tl.zeros([BLOCK_N, BLOCK_KW], tl.float32)
     acc1 = tl.zeros_like(acc0)
     acc2 = tl.zeros_like(acc0)
@@ -195,6 +227,14 @@ def _int8_gemv_nk_kernel(
     bias = tl.zeros_like(scale)
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    if SILU or ROPE:  # one row (launch_int8_nk)
+        y = tl.sum(acc0, axis=1) * scale
+        if HAS_BIAS:
+            y += bias
+        store_outputs(y, y_ptr, tl.program_id(0), base, offs_n, mask_n, BLOCK_N, SILU, NH,
+                      ROPE, HEAD_DIM, NUM_Q, NUM_KV, cos_ptr, sin_ptr, k_cache_ptr,
+                      v_cache_ptr, slot_ptr)  # fmt: skip
+        return
     _store_row(acc0, y_ptr, m0, M, offs_n, N, scale, bias, stride_ym, HAS_BIAS)
     if ROWS > 1:
         _store_row(acc1, y_ptr, m0 + 1, M, offs_n, N, scale, bias, stride_ym, HAS_BIAS)
@@ -226,16 +266,25 @@ def launch_int8_nk(
     num_warps: int,
     rows: int,
     biased: bool = False,
+    silu: bool = False,
+    rope: QkvRope | None = None,
 ) -> torch.Tensor:
     """``x [M, K] @ dequant(qweight)^T (+ bias) -> [M, N]`` in ``x``'s dtype; ``biased``: the weights
-    as ``2^15 + 128 + q`` (``_word_floats``), one subtraction per word, not per weight."""
+    as ``2^15 + 128 + q`` (``_word_floats``), one subtraction per word, not per weight.
+    One row only (``one_row_epilogue``): ``silu``, the rows are a merged gate/up projection
+    and the result ``silu(gate) * up [1, N / 2]``; ``rope``, a merged q/k/v projection whose
+    q and k come out rotated, k and v stored in the cache (``rope_fits``)."""
     m, k = x.shape
     n = qweight.shape[1]
     assert nk_fits(x, qweight) and rows in (1, 2, 4), (tuple(qweight.stride()), tuple(x.shape))
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if silu or rope is not None:
+        assert m == 1 and rows == 1, (m, rows)
+        assert rope is None or rope_fits(x, n, block_n, rope)
+    outputs, programs = outputs_and_programs(n, block_n, silu)
+    y = torch.empty(m, outputs, dtype=x.dtype, device=x.device)
     x64 = x.element_size() == 2 and x.stride(0) % 4 == 0 and x.data_ptr() % 8 == 0
     words = qweight.t().view(torch.int32)  # [N, K / 4]
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, rows))
+    grid = (programs, triton.cdiv(m, rows))
     _int8_gemv_nk_kernel[grid](
         x,
         x.view(torch.int64) if x64 else x,
@@ -256,7 +305,43 @@ def launch_int8_nk(
         X64=x64,
         ASM=x.device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1",
         B15=biased,
+        EARLY=early_release(),
         num_warps=num_warps,
+        **epilogue_args(n, block_n, silu, rope),
         **launch_options(x.device),
     )
     return y
+
+
+def epilogues_on() -> bool:
+    """The one-row epilogues (SiLU, rope) on unless ``TOKENLOOM_INT8_EPILOGUES=0`` (read at
+    each call: fixed in a CUDA graph once captured)."""
+    return os.environ.get("TOKENLOOM_INT8_EPILOGUES", "1") != "0"
+
+
+def int8_nk_fused(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    cfg: GemmConfig,
+    silu: bool = False,
+    rope: QkvRope | None = None,
+) -> torch.Tensor | None:
+    """One row with an epilogue of the layer's own (``launch_int8_nk``'s ``silu`` or
+    ``rope``), where ``cfg`` (the layer's tuned one-row tiling) runs this kernel and fits
+    the call; None elsewhere (the caller then runs the plain GEMV and the elementwise
+    kernel after it)."""
+    n = qweight.shape[1]
+    if not (epilogues_on() and cfg.nk and cfg.rows == 1 and cfg.fits(8, 0)):
+        return None
+    if x.shape[0] != 1 or not nk_fits(x, qweight):
+        return None
+    if silu and (n % 2 or cfg.block_n < 2):
+        return None
+    if rope is not None and not rope_fits(x, n, cfg.block_n, rope):
+        return None
+    return launch_int8_nk(
+        x, qweight, scales, bias, cfg.block_n, cfg.block_k, cfg.num_warps, 1, cfg.biased,
+        silu=silu, rope=rope,
+    )  # fmt: skip

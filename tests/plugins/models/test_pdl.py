@@ -1,8 +1,8 @@
 """Programmatic dependent launch (``plugins/models/pdl.py``): off on the CPU and when
 turned off; on an H200, a chain of the decode path's PDL kernels (norm, int4 GEMVs
 with their in-kernel split sums, SiLU, fp8 quantization and GEMV, the bf16 skinny GEMM
-and one-row GEMV; an int4 and a bf16 one-row GEMV releasing before their waits as the
-o projection's do, each followed by a norm) replayed in a CUDA graph gives, replay after
+and one-row GEMV; an int4, an int8 and a bf16 one-row GEMV releasing before their waits
+as the o projection's do, each followed by a norm) replayed in a CUDA graph gives, replay after
 replay with new inputs, the bits of the same kernels launched without PDL: a kernel that
 read or wrote before its wait would race with the one before it and differ. An int4
 model decodes the same tokens with the o projection's early release as without."""
@@ -22,7 +22,7 @@ def test_pdl_is_off_on_the_cpu_and_when_turned_off(monkeypatch):
     assert pdl.launch_options(torch.device("cuda", 0)) == {"USE_PDL": False}
 
 
-def _chain(x, res, norm_w, gate_up, down, w8, ws8, w16):
+def _chain(x, res, norm_w, gate_up, down, w8, ws8, w16, o8):
     from tokenloom.plugins.models.fused_ops import add_rms_norm, silu_and_mul
     from tokenloom.plugins.models.skinny_gemm import gemv, skinny_gemm
     from tokenloom.plugins.quant.kernels.fp8_gemv import fp8_gemv
@@ -32,8 +32,11 @@ def _chain(x, res, norm_w, gate_up, down, w8, ws8, w16):
     a = silu_and_mul(gate_up.apply(h, None))
     with pdl.next_reads_weights_first():  # the GEMV releases before its wait: the norm next
         y = down.apply(a, None)
-    h2, _ = add_rms_norm(y, norm_w, 1e-6, summed)
-    q, s = per_token_fp8(h2)
+    h2, summed = add_rms_norm(y, norm_w, 1e-6, summed)
+    with pdl.next_reads_weights_first():  # the int8 GEMV releasing early, a norm next
+        y8 = o8.apply(h2, None)
+    h3, _ = add_rms_norm(y8, norm_w, 1e-6, summed)
+    q, s = per_token_fp8(h3)
     z = fp8_gemv(q, s, w8, ws8, None, torch.bfloat16)
     with pdl.next_reads_weights_first():  # the bf16 GEMV releasing early, a norm next
         g = gemv(skinny_gemm(z, w16, (32, 256, 4, 4)), w16.t().contiguous(), (8, 512, 4))
@@ -45,14 +48,15 @@ def _chain(x, res, norm_w, gate_up, down, w8, ws8, w16):
 def test_pdl_chain_in_a_graph_gives_the_bits_of_the_plain_launches(monkeypatch):
     from tokenloom.plugins.models import skinny_gemm
     from tokenloom.plugins.quant.int4 import Int4Kernel, quantize_int4
-    from tokenloom.plugins.quant.kernels import int4_gemv_nk
+    from tokenloom.plugins.quant.int8 import Int8Kernel, quantize_int8
+    from tokenloom.plugins.quant.kernels import int4_gemv_nk, int8_gemv_nk
     from tokenloom.plugins.quant.kernels.dispatch import bucket
     from tokenloom.plugins.quant.kernels.gemm_config import GemmConfig
 
     if not pdl.pdl_on(torch.device("cuda")):
         pytest.skip("PDL needs sm_90 (and TOKENLOOM_PDL not 0)")
     monkeypatch.setenv("TOKENLOOM_O_EARLY_RELEASE", "1")
-    early = _spy_early(monkeypatch, int4_gemv_nk, skinny_gemm)
+    early = _spy_early(monkeypatch, int4_gemv_nk, int8_gemv_nk, skinny_gemm)
     torch.manual_seed(0)
     dev, dim, inter = "cuda", 4096, 4096
     norm_w = torch.rand(dim, device=dev, dtype=torch.bfloat16) + 0.5
@@ -64,7 +68,10 @@ def test_pdl_chain_in_a_graph_gives_the_bits_of_the_plain_launches(monkeypatch):
     w8 = (torch.randn(1024, dim, device=dev) * 64).to(torch.float8_e4m3fn)
     ws8 = torch.rand(1024, 1, device=dev) / 1000
     w16 = torch.randn(512, 1024, device=dev).bfloat16() / 32
-    weights = (norm_w, gate_up, down, w8, ws8, w16)
+    o8 = Int8Kernel(*quantize_int8(torch.randn(dim, dim, device=dev) / 64), torch.bfloat16)
+    nk8 = GemmConfig(1, 16, 1024, 1, 4, 3, nk=True, biased=True)  # int8_gemv_nk, one row
+    o8.configs = tuple(nk8 if i == bucket(1) else c for i, c in enumerate(o8.configs))
+    weights = (norm_w, gate_up, down, w8, ws8, w16, o8)
     inputs = [
         (torch.randn(1, dim, device=dev).bfloat16(), torch.randn(1, dim, device=dev).bfloat16())
         for _ in range(20)
@@ -86,7 +93,7 @@ def test_pdl_chain_in_a_graph_gives_the_bits_of_the_plain_launches(monkeypatch):
         static_r.copy_(r)
         graph.replay()
         torch.testing.assert_close(out, want, rtol=0, atol=0)
-    assert {int4_gemv_nk.__name__, skinny_gemm.__name__} <= set(early)  # both GEMVs took it
+    assert {int4_gemv_nk.__name__, int8_gemv_nk.__name__, skinny_gemm.__name__} <= set(early)
 
 
 def _spy_early(monkeypatch, *modules):  # type: ignore[no-untyped-def]
@@ -123,6 +130,21 @@ def test_gpu_an_int4_llama_decodes_the_same_tokens_with_the_o_gemv_releasing_ear
     assert early or not eager  # forced: the o GEMVs took it
     monkeypatch.setenv("TOKENLOOM_O_EARLY_RELEASE", "0")
     assert int4_llama_tokens(eager, "o_proj") == with_early
+
+
+def test_the_o_gemvs_early_release_is_on_by_default_and_off_by_its_variable(monkeypatch):
+    """On by default since its GPU tests passed (session 27); ``TOKENLOOM_O_EARLY_RELEASE=0``
+    turns it off; outside ``next_reads_weights_first`` no GEMV releases early."""
+    from tokenloom.plugins.models import pdl
+
+    monkeypatch.delenv("TOKENLOOM_O_EARLY_RELEASE", raising=False)
+    assert not pdl.early_release()
+    with pdl.next_reads_weights_first():
+        assert pdl.early_release()
+    assert not pdl.early_release()
+    monkeypatch.setenv("TOKENLOOM_O_EARLY_RELEASE", "0")
+    with pdl.next_reads_weights_first():
+        assert not pdl.early_release()
 
 
 def test_every_pdl_kernel_releases_only_after_its_wait():
@@ -172,7 +194,9 @@ def test_every_pdl_kernel_releases_only_after_its_wait():
     assert checked >= 15  # the decode path's kernels (15 in session 20)
     # the norm (a projection follows), and the one-row GEMVs when the o projection
     # runs them (pdl.next_reads_weights_first: the norm follows; only llama.py sets it)
-    assert sorted(early) == ["_add_rms_norm_kernel", "_gemv_kernel", "_int4_gemv_nk_kernel"]
+    assert sorted(early) == [
+        "_add_rms_norm_kernel", "_gemv_kernel", "_int4_gemv_nk_kernel", "_int8_gemv_nk_kernel"
+    ]  # fmt: skip
     # ... and the flag is set around the o projection alone (its successor: the add+norm)
     uses = [(path.name, line) for path in files
             for line in path.read_text().splitlines()
