@@ -7,7 +7,7 @@
 # Prepare here:   git archive REV > .snap/before.tar  (the BEFORE tree; .snap/ git-ignored)
 #                 ../shared/tools/gpu-wheels .whl
 # On the device:  bash scripts/gpu/int4_ab.sh STEP...   (carry [".snap", ".whl"])
-# Steps: t26o, lat26o (session 26); t26, lat26a, lat26b, lat26c, thr26, prof26 (session 26, on a71c5eb's tree); t25, lat25a, lat25b, lat25c (session 25); t24, lat24a, lat24b, lat24c, attn24, thr24, t24b, thr24b, latrope (session 24); lat (int4 before/after/kn alternated twice, --runs 3), latbf16, latab and thrab
+# Steps: t27, lat27, thr27 (session 27); t26o, lat26o (session 26); t26, lat26a, lat26b, lat26c, thr26, prof26 (session 26, on a71c5eb's tree); t25, lat25a, lat25b, lat25c (session 25); t24, lat24a, lat24b, lat24c, attn24, thr24, t24b, thr24b, latrope (session 24); lat (int4 before/after/kn alternated twice, --runs 3), latbf16, latab and thrab
 # (bf16 and int4, before/after), gpu20, sample and prof (session 20), thr (int4
 # before/after/kn, one pass each), tests (int4 GPU tests), gputests (every GPU test under
 # tests/plugins/quant and tests/plugins/models), gemv4 (gemv_bench nk layout), samebytes (the bf16 GEMV over the same bytes), latcold (the tuner timed cold),
@@ -128,6 +128,23 @@ for step in "$@"; do
       echo "t24b rc=$?"; grep -E "^FAILED|^ERROR|Error" "$OUT/gpu-tests-24b.log" | head -8
       tail -n 2 "$OUT/gpu-tests-24b.log" ;;
     thr24b) thr int4-before before int4; thr int4-after after int4 ;;
+    t27)  # session 27: int8's one-row epilogues (SiLU, rope) and early release; the PDL chain
+      PYTHONPATH=/tmp/after:/tmp/site timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/plugins/quant/test_int8_epilogues.py tests/plugins/models/test_pdl.py \
+        tests/plugins/quant/test_int4_qkv_rope.py > "$OUT/gpu-tests-27.log" 2>&1
+      echo "t27 rc=$?"; grep -E "^FAILED|^ERROR" "$OUT/gpu-tests-27.log" | head -8
+      tail -n 2 "$OUT/gpu-tests-27.log" ;;
+    lat27)  # session 27: int8 before / after alternated twice; after's parts; bf16 and int4
+      for r in 1 2; do
+        lat "int8-before-$r" before int8
+        lat "int8-after-$r" after int8
+      done
+      lat int8-after-noepi after int8 TOKENLOOM_INT8_EPILOGUES=0
+      lat int8-after-noearly after int8 TOKENLOOM_O_EARLY_RELEASE=0
+      lat bf16-after after none
+      lat int4-after after int4 ;;
+    thr27)  # session 27: offline throughput before / after, int8, int4 and bf16
+      for q in int8 int4 none; do thr "$q-before" before $q; thr "$q-after" after $q; done ;;
     t26o)  # session 26: the o projection's GEMV releasing before its wait (the next session
       # runs it first: the early release stays off by default until it passes)
       TOKENLOOM_O_EARLY_RELEASE=1 PYTHONPATH=/tmp/after:/tmp/site timeout 300 python3 -m pytest \
