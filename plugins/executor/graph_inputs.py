@@ -128,6 +128,13 @@ class SideUploads:
         self.stream = torch.cuda.Stream(device)
         self._pinned = [torch.empty(capacity, dtype=torch.int32, pin_memory=True) for _ in "ab"]
         self._buffers = [torch.empty(capacity, dtype=torch.int32, device=device) for _ in "ab"]
+        # The buffers came from the compute stream's pool: work queued there may still use
+        # that memory under an older tensor (the first upload follows a prefill whose
+        # temporaries the host has already freed, so the side stream's copy could land
+        # before their last writes and the scatter read those; session 27: bf16 decode
+        # after a 2,048-token prompt read a token id of garbage). The side stream starts
+        # after that work, as it does after a growth below.
+        self.stream.wait_stream(torch.cuda.current_stream(device))
         self._copied = [torch.cuda.Event(), torch.cuda.Event()]
         self._consumed = [torch.cuda.Event(), torch.cuda.Event()]
         self._current = 0

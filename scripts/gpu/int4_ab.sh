@@ -7,7 +7,7 @@
 # Prepare here:   git archive REV > .snap/before.tar  (the BEFORE tree; .snap/ git-ignored)
 #                 ../shared/tools/gpu-wheels .whl
 # On the device:  bash scripts/gpu/int4_ab.sh STEP...   (carry [".snap", ".whl"])
-# Steps: t27, lat27, thr27 (session 27); t26o, lat26o (session 26); t26, lat26a, lat26b, lat26c, thr26, prof26 (session 26, on a71c5eb's tree); t25, lat25a, lat25b, lat25c (session 25); t24, lat24a, lat24b, lat24c, attn24, thr24, t24b, thr24b, latrope (session 24); lat (int4 before/after/kn alternated twice, --runs 3), latbf16, latab and thrab
+# Steps: t27, lat27, thr27, long27, crash27, fix27 (session 27); t26o, lat26o (session 26); t26, lat26a, lat26b, lat26c, thr26, prof26 (session 26, on a71c5eb's tree); t25, lat25a, lat25b, lat25c (session 25); t24, lat24a, lat24b, lat24c, attn24, thr24, t24b, thr24b, latrope (session 24); lat (int4 before/after/kn alternated twice, --runs 3), latbf16, latab and thrab
 # (bf16 and int4, before/after), gpu20, sample and prof (session 20), thr (int4
 # before/after/kn, one pass each), tests (int4 GPU tests), gputests (every GPU test under
 # tests/plugins/quant and tests/plugins/models), gemv4 (gemv_bench nk layout), samebytes (the bf16 GEMV over the same bytes), latcold (the tuner timed cold),
@@ -39,7 +39,7 @@ bench() {  # bench latency|throughput TAG TREE QUANT [VAR=VALUE...]: one bench, 
   local name=${kind:0:3} runs=3 limit=200
   [ "$kind" = throughput ] && runs=1 limit=300
   env "$@" PYTHONPATH=/tmp/$tree:/tmp/site timeout $limit python3 -m tokenloom bench "$kind" \
-    --model llama-3-8b --quant "$q" --runs $runs --out "$OUT/$name-$tag.json" \
+    --model llama-3-8b --quant "$q" --runs $runs --out "$OUT/$name-$tag.json" ${BENCH_ARGS:-} \
     > "$OUT/$name-$tag.log" 2>&1 || { echo "$name $tag failed"; tail -5 "$OUT/$name-$tag.log"; }
   python3 -c "import json; d = json.load(open('$OUT/$name-$tag.json')); \
 print('$name $tag', round(d['step_ms'], 4) if '$name' == 'lat' else \
@@ -145,6 +145,45 @@ for step in "$@"; do
       lat int4-after after int4 ;;
     thr27)  # session 27: offline throughput before / after, int8, int4 and bf16
       for q in int8 int4 none; do thr "$q-before" before $q; thr "$q-after" after $q; done ;;
+    crash27)  # session 27: bf16 bench latency --prompt-len 2048 hit a device-side assert
+      # (an embedding index out of range) in long27; which settings and lengths do
+      one() {  # one TAG TIMEOUT ARGS...: a short bench latency run, ok or its error
+        local tag=$1 t=$2; shift 2
+        env PYTHONPATH=/tmp/after:/tmp/site timeout "$t" python3 -m tokenloom bench latency \
+          --model llama-3-8b --runs 1 --output-len 32 --out "$OUT/crash-$tag.json" "$@" \
+          > "$OUT/crash-$tag.log" 2>&1 && echo "crash27 $tag ok" || {
+          echo "crash27 $tag FAILED"; grep -v "Assertion\|^frame" "$OUT/crash-$tag.log" \
+            | grep -E "File|Error|assert" | tail -4; }
+      }
+      one p2048 120 --prompt-len 2048
+      CUDA_LAUNCH_BLOCKING=1 one p2048-blocking 120 --prompt-len 2048
+      one p2048-sync 90 --prompt-len 2048 --no-async-scheduling
+      one p2048-eager 90 --prompt-len 2048 --enforce-eager
+      for len in 2047 2049 1024 4096 3000; do one "p$len" 60 --prompt-len $len; done
+      one p2048-int8 90 --prompt-len 2048 --quant int8 ;;
+    fix27)  # session 27: the side uploads' first copy after the compute stream (the fix)
+      one() {
+        local tag=$1 t=$2; shift 2
+        env PYTHONPATH=/tmp/after:/tmp/site timeout "$t" python3 -m tokenloom bench latency \
+          --model llama-3-8b --runs 1 --output-len 32 --out "$OUT/fix-$tag.json" "$@" \
+          > "$OUT/fix-$tag.log" 2>&1 && echo "fix27 $tag ok" || echo "fix27 $tag FAILED"
+      }
+      one p2048 90 --prompt-len 2048
+      for tree in after before; do
+        PYTHONPATH=/tmp/$tree:/tmp/site timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider \
+          tests/plugins/executor/test_graph_inputs.py > "$OUT/gpu-tests-27-uploads-$tree.log" 2>&1
+        echo "uploads test on $tree: rc=$?"; tail -n 1 "$OUT/gpu-tests-27-uploads-$tree.log"
+      done
+      one p3000 60 --prompt-len 3000
+      one p2047 60 --prompt-len 2047
+      lat bf16-fix after none ;;
+    long27)  # session 27: the o early release at long contexts (unmeasured before), on / off
+      for len in 7800 2048; do
+        for q in int4 none; do
+          BENCH_ARGS="--prompt-len $len" lat "$q-o1-p$len" after $q TOKENLOOM_O_EARLY_RELEASE=1
+          BENCH_ARGS="--prompt-len $len" lat "$q-o0-p$len" after $q TOKENLOOM_O_EARLY_RELEASE=0
+        done
+      done ;;
     t26o)  # session 26: the o projection's GEMV releasing before its wait (the next session
       # runs it first: the early release stays off by default until it passes)
       TOKENLOOM_O_EARLY_RELEASE=1 PYTHONPATH=/tmp/after:/tmp/site timeout 300 python3 -m pytest \
