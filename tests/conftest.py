@@ -84,3 +84,24 @@ def int4_llama_tokens(tiny_model_factory):
             llm.engine.shutdown()
 
     return tokens
+
+
+@pytest.fixture
+def spy_early(monkeypatch):
+    """``spy(*modules) -> names``: from then on, the names of the modules whose launches
+    asked ``pdl.early_release`` and got True (the o projection's GEMVs), in order."""
+
+    def spy(*modules):  # type: ignore[no-untyped-def]
+        early: list[str] = []
+        for module in modules:
+
+            def asked(real=module.early_release, name=module.__name__) -> bool:  # type: ignore[no-untyped-def]
+                on = real()
+                if on:
+                    early.append(name)
+                return on
+
+            monkeypatch.setattr(module, "early_release", asked)
+        return early
+
+    return spy

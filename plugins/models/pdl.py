@@ -24,8 +24,8 @@ The contract of a kernel that takes part (a ``USE_PDL`` constexpr):
   ``release_early``: the RMSNorm kernel's (its successor is a projection, which reads
   nothing but weights before its wait, so it may start during the GEMV before the norm)
   and the o projection's one-row GEMV (``next_reads_weights_first``: the add+norm
-  follows, so the norm and the gate/up GEMV start during the attention; session 26,
-  int4 1.707 -> 1.682 ms a step on an H200; off until its GPU tests have run).
+  follows, so the norm and the gate/up GEMV start during the attention; int4 1.709 ->
+  1.685 ms a step on an H200, on by default since session 27).
 A kernel without the flag (torch's, cuBLAS's) runs as before; a PDL kernel after it
 starts when it ends. CUDA-graph capture records the launches as programmatic edges.
 
@@ -59,7 +59,8 @@ _NEXT_READS_WEIGHTS = contextvars.ContextVar("tokenloom_pdl_next_reads_weights",
 def next_reads_weights_first() -> Iterator[None]:
     """Around a projection whose next kernel reads only weights before its wait (the
     attention's o projection: the add+norm follows it): the projection's one-row GEMV
-    (int4's ``int4_gemv_nk``, bf16's ``skinny_gemm.gemv``) then releases before its wait
+    (``int4_gemv_nk``, ``int8_gemv_nk`` at one row of x, bf16's ``skinny_gemm.gemv``)
+    then releases before its wait
     (``release_early``), so the norm, and through its own early release the gate/up GEMV,
     start during the decode attention and stream their first weight tiles there.
     On by default since session 27, when its GPU tests (``test_pdl.py``: the chain with

@@ -76,9 +76,15 @@ class Int8Kernel(LinearKernel):
 
     @property
     def offers_qkv_rope(self) -> bool:
+        """Where the layer's one-row tiling is ``int8_gemv_nk`` (callers build no
+        ``QkvRope`` for a kernel that would decline every call)."""
+        from tokenloom.plugins.quant.kernels.dispatch import bucket
         from tokenloom.plugins.quant.kernels.int8_gemv_nk import epilogues_on
 
-        return self.configs is not None and epilogues_on()
+        if self.configs is None or not epilogues_on():
+            return False
+        one_row = self.configs[bucket(1)]
+        return one_row.nk and one_row.rows == 1
 
     def apply_qkv_rope(
         self, x: torch.Tensor, bias: torch.Tensor | None, rope: QkvRope

@@ -45,7 +45,7 @@ def _chain(x, res, norm_w, gate_up, down, w8, ws8, w16, o8):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_pdl_chain_in_a_graph_gives_the_bits_of_the_plain_launches(monkeypatch):
+def test_pdl_chain_in_a_graph_gives_the_bits_of_the_plain_launches(monkeypatch, spy_early):
     from tokenloom.plugins.models import skinny_gemm
     from tokenloom.plugins.quant.int4 import Int4Kernel, quantize_int4
     from tokenloom.plugins.quant.int8 import Int8Kernel, quantize_int8
@@ -56,7 +56,7 @@ def test_pdl_chain_in_a_graph_gives_the_bits_of_the_plain_launches(monkeypatch):
     if not pdl.pdl_on(torch.device("cuda")):
         pytest.skip("PDL needs sm_90 (and TOKENLOOM_PDL not 0)")
     monkeypatch.setenv("TOKENLOOM_O_EARLY_RELEASE", "1")
-    early = _spy_early(monkeypatch, int4_gemv_nk, int8_gemv_nk, skinny_gemm)
+    early = spy_early(int4_gemv_nk, int8_gemv_nk, skinny_gemm)
     torch.manual_seed(0)
     dev, dim, inter = "cuda", 4096, 4096
     norm_w = torch.rand(dim, device=dev, dtype=torch.bfloat16) + 0.5
@@ -96,26 +96,11 @@ def test_pdl_chain_in_a_graph_gives_the_bits_of_the_plain_launches(monkeypatch):
     assert {int4_gemv_nk.__name__, int8_gemv_nk.__name__, skinny_gemm.__name__} <= set(early)
 
 
-def _spy_early(monkeypatch, *modules):  # type: ignore[no-untyped-def]
-    """The modules whose launches asked ``pdl.early_release`` and got True, in order."""
-    early: list[str] = []
-    for module in modules:
-
-        def spy(real=module.early_release, name=module.__name__) -> bool:  # type: ignore[no-untyped-def]
-            on = real()
-            if on:
-                early.append(name)
-            return on
-
-        monkeypatch.setattr(module, "early_release", spy)
-    return early
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("eager", [True, False])
 def test_gpu_an_int4_llama_decodes_the_same_tokens_with_the_o_gemv_releasing_early(
-    int4_llama_tokens, monkeypatch, eager
+    int4_llama_tokens, monkeypatch, spy_early, eager
 ):
     # eager: every o projection's one-row tiling forced to int4_gemv_nk, so the early
     # release runs whatever the tuner chose; graphs: as tuned, captured. The release
@@ -124,7 +109,7 @@ def test_gpu_an_int4_llama_decodes_the_same_tokens_with_the_o_gemv_releasing_ear
 
     if not pdl.pdl_on(torch.device("cuda")):
         pytest.skip("PDL needs sm_90 (and TOKENLOOM_PDL not 0)")
-    early = _spy_early(monkeypatch, int4_gemv_nk)
+    early = spy_early(int4_gemv_nk)
     monkeypatch.setenv("TOKENLOOM_O_EARLY_RELEASE", "1")
     with_early = int4_llama_tokens(eager, "o_proj")
     assert early or not eager  # forced: the o GEMVs took it

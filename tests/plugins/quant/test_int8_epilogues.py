@@ -164,32 +164,36 @@ def test_gpu_the_int8_kernel_fuses_at_one_row_only(monkeypatch):
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
 @pytest.mark.parametrize("eager", [True, False])
 def test_gpu_an_int8_llama_decodes_the_same_tokens_with_the_epilogues(
-    int4_llama_tokens, monkeypatch, eager
+    int4_llama_tokens, monkeypatch, spy_early, eager
 ):
     # eager: every gate/up, q/k/v and o one-row tiling forced to int8_gemv_nk (one layer
     # kind at a time: the fixture forces one); graphs: as tuned, captured
     from tokenloom.plugins.quant.kernels import int8_gemv_nk
 
-    fused: list[bool] = []
+    fused: list[tuple[str, bool]] = []  # (the epilogue asked for, whether it ran)
     original = int8_gemv_nk.int8_nk_fused
 
     def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
         y = original(*args, **kwargs)
-        fused.append(y is not None)
+        fused.append(("rope" if kwargs.get("rope") is not None else "silu", y is not None))
         return y
 
     monkeypatch.setattr(int8_gemv_nk, "int8_nk_fused", counting)
+    early = spy_early(int8_gemv_nk)
     # q/k/v's rope epilogue and o's early release give the unfused path's bits: the same
     # tokens; SiLU's (gate and up not rounded to bf16 first) may differ in the last bits
-    for projection in ("qkv_proj", "o_proj", "gate_up_proj"):
+    for projection, epilogue in (("qkv_proj", "rope"), ("o_proj", None), ("gate_up_proj", "silu")):
         fused.clear()
+        early.clear()
         monkeypatch.setenv("TOKENLOOM_INT8_EPILOGUES", "1")
         monkeypatch.setenv("TOKENLOOM_O_EARLY_RELEASE", "1")
         on = int4_llama_tokens(eager, projection, "int8")
-        if eager and projection != "o_proj":
-            assert any(fused), projection  # forced: the epilogue ran
-        if projection == "gate_up_proj":
-            assert any(fused) and all(len(t) == 24 for t in on)  # captured or ran
+        if eager and epilogue is not None:  # forced: the epilogue ran
+            assert (epilogue, True) in fused, (projection, fused)
+        if eager and projection == "o_proj":  # forced: the o GEMVs took the early release
+            assert early, projection
+        if projection == "gate_up_proj":  # graphs: fused where the tuner chose the nk GEMV
+            assert all(len(t) == 24 for t in on)
             continue
         monkeypatch.setenv("TOKENLOOM_INT8_EPILOGUES", "0")
         monkeypatch.setenv("TOKENLOOM_O_EARLY_RELEASE", "0")
