@@ -10,7 +10,7 @@ an empty tensor, so its memory is really freed.
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -18,7 +18,12 @@ from torch import nn
 
 from tokenloom.config import EngineConfig
 from tokenloom.plugins.models.layers import Embedding, Linear
-from tokenloom.protocols.components.quant import LinearKernel, QuantMethod, lm_head_method
+from tokenloom.protocols.components.quant import (
+    LinearKernel,
+    QkvRope,
+    QuantMethod,
+    lm_head_method,
+)
 
 
 def quantizable_linears(model: nn.Module) -> Iterator[tuple[str, Linear]]:
@@ -48,20 +53,50 @@ def flat(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def one_row_fused(
-    x: torch.Tensor,
-    configs: tuple[Any, ...] | None,
-    launch: Callable[[torch.Tensor, Any], torch.Tensor | None],
-) -> torch.Tensor | None:
-    """A one-row call of a GPU kernel's epilogue (``LinearKernel.apply_silu_and_mul``,
-    ``apply_qkv_rope``): ``launch(x [1, K], the layer's tuned one-row tiling)``, reshaped
-    as ``x``; None where ``x`` is not one row on the GPU or ``launch`` declines."""
-    if not (x.is_cuda and configs is not None) or x.numel() != x.shape[-1]:
-        return None
-    from tokenloom.plugins.quant.kernels.dispatch import bucket
+class OneRowEpilogueKernel(LinearKernel):
+    """A kernel whose one-row GEMV can finish a merged projection itself (int4's and
+    int8's, ``kernels/one_row_epilogue.py``): SiLU-and-mul of a gate/up projection, the
+    rotation and cache stores of a q/k/v one. Subclasses launch it (``launch_fused``)."""
 
-    y = launch(flat(x), configs[bucket(1)])
-    return None if y is None else y.view(*x.shape[:-1], y.shape[-1])
+    configs: tuple[Any, ...] | None  # the tuned tiling per batch-size bucket (GPU only)
+
+    def apply_silu_and_mul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """One row on the GPU: SiLU-and-mul in the GEMV's epilogue, where the layer's tuned
+        one-row tiling is that GEMV (one launch less a layer)."""
+        return self._fused_one_row(x, bias, silu=True)
+
+    def apply_qkv_rope(
+        self, x: torch.Tensor, bias: torch.Tensor | None, rope: QkvRope
+    ) -> torch.Tensor | None:
+        """One row on the GPU: the rotation and the cache stores in the GEMV's epilogue,
+        where the layer's tuned one-row tiling is that GEMV and fits."""
+        return self._fused_one_row(x, bias, rope=rope)
+
+    @abstractmethod
+    def launch_fused(
+        self,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        cfg: Any,
+        silu: bool,
+        rope: QkvRope | None,
+    ) -> torch.Tensor | None:
+        """``x [1, K]`` through the one-row GEMV with the epilogue, under ``cfg`` (the
+        layer's tuned one-row tiling); None where that kernel declines the call."""
+
+    def _fused_one_row(
+        self,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        silu: bool = False,
+        rope: QkvRope | None = None,
+    ) -> torch.Tensor | None:
+        if not (x.is_cuda and self.configs is not None) or x.numel() != x.shape[-1]:
+            return None
+        from tokenloom.plugins.quant.kernels.dispatch import bucket
+
+        y = self.launch_fused(flat(x), bias, self.configs[bucket(1)], silu, rope)
+        return None if y is None else y.view(*x.shape[:-1], y.shape[-1])
 
 
 class WeightQuantMethod(QuantMethod):

@@ -32,10 +32,10 @@ from tokenloom.config import EngineConfig, plugin_settings
 from tokenloom.plugins.models.gguf import SOURCE_KEY
 from tokenloom.plugins.models.layers import Linear
 from tokenloom.plugins.quant.common import (
+    OneRowEpilogueKernel,
     WeightQuantMethod,
     flat,
     keep,
-    one_row_fused,
     quantization_config,
 )
 from tokenloom.protocols.components.quant import LinearKernel, QkvRope
@@ -106,7 +106,7 @@ def dequantize_int4(
     return w.t().to(dtype)
 
 
-class Int4Kernel(LinearKernel):
+class Int4Kernel(OneRowEpilogueKernel):
     def __init__(
         self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int
     ) -> None:
@@ -139,39 +139,26 @@ class Int4Kernel(LinearKernel):
             return y.view(*x.shape[:-1], y.shape[-1])
         return self.reference(x, bias)
 
-    def apply_silu_and_mul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        """One row on the GPU: ``int4_gemv_nk`` with SiLU-and-mul in its epilogue, where the
-        layer's tuned one-row tiling is that kernel (one launch less a layer)."""
-        return self._fused_one_row(x, bias, silu=True)
-
     @property
     def offers_qkv_rope(self) -> bool:
         from tokenloom.plugins.quant.kernels.int4_qkv_rope import rope_epilogue_on
 
         return self.configs is not None and rope_epilogue_on()
 
-    def apply_qkv_rope(
-        self, x: torch.Tensor, bias: torch.Tensor | None, rope: QkvRope
-    ) -> torch.Tensor | None:
-        """One row on the GPU: ``int4_gemv_nk`` with the rotation and the cache stores in
-        its epilogue, where the layer's tuned one-row tiling is that kernel and fits
-        (``TOKENLOOM_INT4_FUSED_ROPE=0`` turns it off: ``int4_nk_fused``)."""
-        return self._fused_one_row(x, bias, rope=rope)
-
-    def _fused_one_row(
+    def launch_fused(
         self,
         x: torch.Tensor,
         bias: torch.Tensor | None,
-        silu: bool = False,
-        rope: QkvRope | None = None,
+        cfg: GemmConfig,
+        silu: bool,
+        rope: QkvRope | None,
     ) -> torch.Tensor | None:
+        """``int4_gemv_nk`` with the epilogue (``TOKENLOOM_INT4_FUSED_SILU=0`` /
+        ``TOKENLOOM_INT4_FUSED_ROPE=0`` turn them off: ``int4_nk_fused``)."""
         from tokenloom.plugins.quant.kernels.int4_gemv_nk import int4_nk_fused
 
-        def launch(x1: torch.Tensor, cfg: GemmConfig) -> torch.Tensor | None:
-            args = (x1, self.qweight, self.scales, self.zeros, self.group, bias, cfg)
-            return int4_nk_fused(*args, silu=silu, rope=rope)
-
-        return one_row_fused(x, self.configs, launch)
+        args = (x, self.qweight, self.scales, self.zeros, self.group, bias, cfg)
+        return int4_nk_fused(*args, silu=silu, rope=rope)
 
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Dequantize, then ``F.linear`` (the CPU path and the GPU kernel's oracle)."""

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenloom.plugins.models.layers import Linear
-from tokenloom.plugins.quant.common import WeightQuantMethod, flat, keep, one_row_fused
+from tokenloom.plugins.quant.common import OneRowEpilogueKernel, WeightQuantMethod, flat, keep
 from tokenloom.protocols.components.quant import LinearKernel, QkvRope
 from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
@@ -46,7 +46,7 @@ def dequantize_int8(
     return (qweight.t().float() * scales.t()).to(dtype)
 
 
-class Int8Kernel(LinearKernel):
+class Int8Kernel(OneRowEpilogueKernel):
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
         self.qweight = qweight  # [K, N] int8 (a view of [N, K] storage)
         self.scales = scales  # [1, N] float32
@@ -69,11 +69,6 @@ class Int8Kernel(LinearKernel):
             return y.view(*x.shape[:-1], y.shape[-1])
         return self.reference(x, bias)
 
-    def apply_silu_and_mul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        """One row on the GPU: ``int8_gemv_nk`` with SiLU-and-mul in its epilogue, where the
-        layer's tuned one-row tiling is that kernel (one launch less a layer)."""
-        return self._fused_one_row(x, bias, silu=True)
-
     @property
     def offers_qkv_rope(self) -> bool:
         """Where the layer's one-row tiling is ``int8_gemv_nk`` (callers build no
@@ -86,26 +81,19 @@ class Int8Kernel(LinearKernel):
         one_row = self.configs[bucket(1)]
         return one_row.nk and one_row.rows == 1
 
-    def apply_qkv_rope(
-        self, x: torch.Tensor, bias: torch.Tensor | None, rope: QkvRope
-    ) -> torch.Tensor | None:
-        """One row on the GPU: ``int8_gemv_nk`` with the rotation and the cache stores in
-        its epilogue, where the layer's tuned one-row tiling is that kernel and fits."""
-        return self._fused_one_row(x, bias, rope=rope)
-
-    def _fused_one_row(
+    def launch_fused(
         self,
         x: torch.Tensor,
         bias: torch.Tensor | None,
-        silu: bool = False,
-        rope: QkvRope | None = None,
+        cfg: GemmConfig,
+        silu: bool,
+        rope: QkvRope | None,
     ) -> torch.Tensor | None:
+        """``int8_gemv_nk`` with the epilogue (``TOKENLOOM_INT8_EPILOGUES=0`` turns them
+        off: ``int8_nk_fused``)."""
         from tokenloom.plugins.quant.kernels.int8_gemv_nk import int8_nk_fused
 
-        def launch(x1: torch.Tensor, cfg: GemmConfig) -> torch.Tensor | None:
-            return int8_nk_fused(x1, self.qweight, self.scales, bias, cfg, silu=silu, rope=rope)
-
-        return one_row_fused(x, self.configs, launch)
+        return int8_nk_fused(x, self.qweight, self.scales, bias, cfg, silu=silu, rope=rope)
 
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Dequantize, then ``F.linear`` (the CPU path and the GPU kernel's oracle)."""

@@ -33,6 +33,12 @@ def _unfused(x, layer, group, bias, tiling, dp4a, rope):
     qweight, scales, zeros = layer
     block_n, block_k, warps = tiling
     y = launch_int4_nk(x, qweight, scales, zeros, group, bias, block_n, block_k, warps, dp4a)
+    return (y, *rope_kernel(y, rope))
+
+
+def rope_kernel(y, rope):
+    """The rope kernel on a q/k/v GEMV's output ``y``: q and k rotated in place, k and v
+    written into fresh caches, returned ``(k_cache, v_cache)``."""
     hq, hkv, d = rope.num_q_heads, rope.num_kv_heads, rope.head_dim
     q, k, v = y.split((hq * d, hkv * d, hkv * d), dim=1)
     k_cache, v_cache = torch.zeros_like(rope.k_cache), torch.zeros_like(rope.v_cache)
@@ -40,7 +46,7 @@ def _unfused(x, layer, group, bias, tiling, dp4a, rope):
         q.view(1, hq, d), k.view(1, hkv, d), rope.cos.unsqueeze(1), rope.sin.unsqueeze(1),
         kv_write=(v.view(1, hkv, d), k_cache, v_cache, rope.slot_mapping),
     )  # fmt: skip
-    return y, k_cache, v_cache
+    return k_cache, v_cache
 
 
 def _check(x, layer, group, bias, tiling, dp4a, rope):

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_int4_qkv_rope import _rope
+from test_int4_gemv_nk import _silu_err
+from test_int4_qkv_rope import _rope, rope_kernel
 from test_int8_gemv_nk import CUDA, DEVICE, _layer
 
-from tokenloom.plugins.models import fused_ops
 from tokenloom.plugins.quant.int8 import Int8Kernel
 from tokenloom.plugins.quant.kernels.dispatch import NK, bucket
 from tokenloom.plugins.quant.kernels.gemm_config import GemmConfig
@@ -26,15 +26,6 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 def _x(k, dtype, scale=3.0, seed=1):
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn(1, k, generator=gen) * scale).to(DEVICE, dtype)
-
-
-def _silu_err(y, x, ref, bias=None):
-    full = x.double() @ ref.t()
-    if bias is not None:
-        full = full + bias.double()
-    gate, up = full.chunk(2, dim=1)
-    expected = torch.nn.functional.silu(gate) * up
-    return float((y.double() - expected).norm() / expected.norm())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -69,13 +60,7 @@ def _check_rope(x, qweight, scales, bias, tiling, biased, rope):
     args = (x, qweight, scales, bias, block_n, block_k, warps, 1, biased)
     y = launch_int8_nk(*args, rope=rope)
     expected = launch_int8_nk(*args)
-    hq, hkv, d = rope.num_q_heads, rope.num_kv_heads, rope.head_dim
-    q, k, v = expected.split((hq * d, hkv * d, hkv * d), dim=1)
-    k_cache, v_cache = torch.zeros_like(rope.k_cache), torch.zeros_like(rope.v_cache)
-    fused_ops.qk_norm_rope_(
-        q.view(1, hq, d), k.view(1, hkv, d), rope.cos.unsqueeze(1), rope.sin.unsqueeze(1),
-        kv_write=(v.view(1, hkv, d), k_cache, v_cache, rope.slot_mapping),
-    )  # fmt: skip
+    k_cache, v_cache = rope_kernel(expected, rope)
     assert torch.equal(y, expected)
     assert torch.equal(rope.k_cache, k_cache) and torch.equal(rope.v_cache, v_cache)
     return y
