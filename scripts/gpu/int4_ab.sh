@@ -165,9 +165,14 @@ for step in "$@"; do
       # then the uploads test against a copy without the fix's wait, where it must fail
       PYTHONPATH=/tmp/after:/tmp/site timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider \
         tests/plugins/quant/test_int8_epilogues.py tests/plugins/models/test_pdl.py \
-        tests/plugins/executor/test_graph_inputs.py > "$OUT/gpu-tests-28.log" 2>&1
+        tests/plugins/executor/test_graph_inputs.py tests/plugins/quant/test_int4_qkv_rope.py \
+        > "$OUT/gpu-tests-28.log" 2>&1
       echo "t28 rc=$?"; grep -E "^FAILED|^ERROR" "$OUT/gpu-tests-28.log" | head -8
       tail -n 1 "$OUT/gpu-tests-28.log"
+      # int4's one-row entry points (moved into common.OneRowEpilogueKernel, session 27)
+      PYTHONPATH=/tmp/after:/tmp/site timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/plugins/quant/test_int4_gemv_nk.py -k "fuses or silu" > "$OUT/gpu-tests-28b.log" 2>&1
+      echo "t28b rc=$?"; tail -n 1 "$OUT/gpu-tests-28b.log"
       rm -rf /tmp/nowait && cp -r /tmp/after /tmp/nowait
       sed -i '/self.stream.wait_stream(torch.cuda.current_stream(device))/d' \
         /tmp/nowait/tokenloom/plugins/executor/graph_inputs.py
