@@ -50,6 +50,8 @@ from tokenloom.plugins.attention.triton_kernels.decode_tile import (
     tile_scores,
     value_step,
 )
+from tokenloom.plugins.models.l2_prefetch import kernel_args
+from tokenloom.plugins.models.l2_prefetch import prefetch as l2_prefetch
 from tokenloom.plugins.models.pdl import launch_options, release, wait
 
 # p * v_scale enters the second dot in f16, multiplied by this (undone after the loop):
@@ -97,6 +99,14 @@ def _decode_kernel(
     scale_log2,  # softmax scale * log2(e)
     num_splits,
     min_split,  # tokens, a multiple of BLOCK_N (0: splits as even as the tiles allow)
+    pf_p0,  # L2_PREFETCH: up to four regions (pointer, bytes) into L2 (l2_prefetch.py)
+    pf_n0,
+    pf_p1,
+    pf_n1,
+    pf_p2,
+    pf_n2,
+    pf_p3,
+    pf_n3,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -116,6 +126,8 @@ def _decode_kernel(
     HALF: tl.constexpr,
     USE_PDL: tl.constexpr,
     PREFETCH: tl.constexpr = False,  # the first tile before the wait (decode_tile.py)
+    L2_PREFETCH: tl.constexpr = False,  # the next projection's weights into L2
+    PF_THREADS: tl.constexpr = 128,  # the program's threads (32 x num_warps)
 ):
     if HEADS_FIRST:  # a request's KV heads run side by side: whole token rows from DRAM
         kv_head = tl.program_id(0)
@@ -149,6 +161,12 @@ def _decode_kernel(
         vs0 = tl.load(vsp0, mask=old0, other=0.0) if KV_QUANT else seq_len
     wait(USE_PDL)  # the query, lengths and cache come from the kernels before
     release(USE_PDL)
+    if L2_PREFETCH:  # after the wait: the q/k/v GEMV's weight reads are done (l2_prefetch.py)
+        np0, np1 = tl.num_programs(0), tl.num_programs(1)
+        program = tl.program_id(0) + np0 * (tl.program_id(1) + np1 * tl.program_id(2))
+        programs = np0 * np1 * tl.num_programs(2)
+        l2_prefetch(pf_p0, pf_n0, pf_p1, pf_n1, pf_p2, pf_n2, pf_p3, pf_n3, program, programs,
+                    PF_THREADS)  # fmt: skip
 
     offs_h = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + offs_h
@@ -301,6 +319,7 @@ def decode_attention(
     maxnreg: int = 0,
     rope: DecodeRope | None = None,
     prefetch: bool = False,
+    l2_regions: tuple[torch.Tensor, ...] = (),
 ) -> None:
     """Launch the kernel. No host sync; the grid depends only on shapes and
     ``num_splits``, so a captured graph replays with new values in the same tensors.
@@ -313,7 +332,8 @@ def decode_attention(
     and rotary embedding and stores the new keys and values in the cache (a 16-bit or
     fp32 cache, head size a power of two: ``DecodeRope``). ``prefetch``: each program reads
     its first tile before the PDL wait, all but the new token (``decode_tile.py``; not
-    with ``rope``, whose kernel writes that token itself)."""
+    with ``rope``, whose kernel writes that token itself). ``l2_regions``: flat tensors
+    the programs ask L2 for after their PDL wait (``l2_prefetch.py``; sm_90, with PDL)."""
     assert not (prefetch and rope is not None), "prefetch reads the cache the rope kernel writes"
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -353,6 +373,7 @@ def decode_attention(
         scale * 1.4426950408889634,
         num_splits,
         triton.cdiv(min_split_tokens, block_n) * block_n,
+        *kernel_args(l2_regions, seq_lens),
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
@@ -371,6 +392,8 @@ def decode_attention(
         HAS_NORM=rope is not None and rope.has_norm,
         HALF=head_dim // 2,
         PREFETCH=prefetch,
+        L2_PREFETCH=bool(l2_regions),
+        PF_THREADS=32 * num_warps,
         num_warps=num_warps,
         num_stages=num_stages,
         **({"maxnreg": maxnreg} if maxnreg else {}),

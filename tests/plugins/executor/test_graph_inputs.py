@@ -117,6 +117,26 @@ def test_gpu_the_first_upload_waits_for_the_compute_stream_s_last_use_of_its_mem
 
 
 @pytest.mark.gpu
+def test_gpu_the_first_upload_is_ordered_after_the_compute_stream_s_queued_work() -> None:
+    # The ordering itself, whatever the allocator hands out: with the compute stream busy
+    # (a long sleep queued), the side stream's first copy must not have run ~20 ms later
+    # (it is tiny: without the wait it completes in microseconds).
+    import time
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~100 ms on the compute stream
+    uploads = SideUploads(device, capacity=64)
+    first = uploads.upload(torch.arange(64, dtype=torch.int32))
+    time.sleep(0.02)
+    assert not uploads._copied[uploads._current].query()  # still behind the sleep
+    torch.cuda.synchronize()
+    assert first.tolist() == list(range(64))
+
+
+@pytest.mark.gpu
 def test_gpu_the_token_copy_survives_the_allocator_reusing_its_memory() -> None:
     # PendingSample copies on a side stream; record_stream keeps the ids' block from the
     # compute stream's next allocation until that copy is done
