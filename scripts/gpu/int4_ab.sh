@@ -183,6 +183,10 @@ for step in "$@"; do
       lat int4-pf16s after int4 TOKENLOOM_L2_PREFETCH_MB=16 TOKENLOOM_L2_PREFETCH_SCALES=1
       lat int4-pf16a5 after int4 TOKENLOOM_L2_PREFETCH_MB=16 TOKENLOOM_L2_PREFETCH_AT=0.5
       lat int4-pf0b after int4 ;;
+    profpf)  # session 28: the int4 profile with the L2 prefetch of 16 MB (against prof's)
+      OUT=$OUT TOKENLOOM_L2_PREFETCH_MB=16 PYTHONPATH=/tmp/after:/tmp/site:scripts timeout 200 \
+        python3 scripts/profile_gpu.py llama-3-8b graphs quant=int4 > "$OUT/prof-int4-pf16.log" 2>&1
+      grep -A14 "critical path per step" "$OUT/prof-int4-pf16.log" ;;
     l2pbf16)
       lat bf16-pf0 after none
       lat bf16-pf16 after none TOKENLOOM_L2_PREFETCH_MB=16
