@@ -259,6 +259,7 @@ def decode_preset(kv: str, values: list[int]) -> tuple[Any, dict, dict, list[str
     if os.environ.get("L2_PREFETCH"):  # session 28: the next projection's weights into L2
         consts["L2_PREFETCH"] = os.environ["L2_PREFETCH"] == "1"
         consts["PF_THREADS"] = 32 * warps
+        consts["PF_AT_EXIT"] = os.environ.get("PF_AT_EXIT") == "1"
     if os.environ.get("PREFETCH"):  # session 20: the first tile read before the PDL wait
         consts["PREFETCH"] = os.environ["PREFETCH"] == "1"
     divisible = [n for n in sig if n.endswith("_ptr")] + [n for n in strides if n != "stride_bt"]

@@ -183,6 +183,16 @@ for step in "$@"; do
       lat int4-pf16s after int4 TOKENLOOM_L2_PREFETCH_MB=16 TOKENLOOM_L2_PREFETCH_SCALES=1
       lat int4-pf16a5 after int4 TOKENLOOM_L2_PREFETCH_MB=16 TOKENLOOM_L2_PREFETCH_AT=0.5
       lat int4-pf0b after int4 ;;
+    l2px)  # session 28: the prefetch issued as each attention program ends
+      lat int4-x0 after int4
+      lat int4-x16 after int4 TOKENLOOM_L2_PREFETCH_MB=16 TOKENLOOM_L2_PREFETCH_AT_EXIT=1
+      lat int4-x8 after int4 TOKENLOOM_L2_PREFETCH_MB=8 TOKENLOOM_L2_PREFETCH_AT_EXIT=1
+      lat int4-x16a1 after int4 TOKENLOOM_L2_PREFETCH_MB=16 TOKENLOOM_L2_PREFETCH_AT_EXIT=1 \
+        TOKENLOOM_L2_PREFETCH_AT=0.1
+      lat int4-x0b after int4
+      PYTHONPATH=/tmp/after:/tmp/site timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/plugins/models/test_l2_prefetch.py -k l2 > "$OUT/gpu-tests-28l2b.log" 2>&1
+      grep -E "^FAILED|assert|passed|failed" "$OUT/gpu-tests-28l2b.log" | tail -4 ;;
     profpf)  # session 28: the int4 profile with the L2 prefetch of 16 MB (against prof's)
       OUT=$OUT TOKENLOOM_L2_PREFETCH_MB=16 PYTHONPATH=/tmp/after:/tmp/site:scripts timeout 200 \
         python3 scripts/profile_gpu.py llama-3-8b graphs quant=int4 > "$OUT/prof-int4-pf16.log" 2>&1

@@ -33,6 +33,8 @@ instructions (docs/quantization.md).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -59,6 +61,16 @@ from tokenloom.plugins.models.pdl import launch_options, release, wait
 # value row whose absolute maximum is above 448 * 65504 / 512 = 57k (fp8) or
 # 127 * 65504 / 128 = 65k (int8).
 P_LIFT = {torch.float8_e4m3fn: 512.0, torch.int8: 128.0}
+
+
+@triton.jit
+def _l2_share(pf, PF_THREADS: tl.constexpr):
+    """This program's share of the L2 prefetch (``l2_prefetch.py``)."""
+    np0, np1 = tl.num_programs(0), tl.num_programs(1)
+    program = tl.program_id(0) + np0 * (tl.program_id(1) + np1 * tl.program_id(2))
+    programs = np0 * np1 * tl.num_programs(2)
+    l2_prefetch(pf[0], pf[1], pf[2], pf[3], pf[4], pf[5], pf[6], pf[7], program, programs,
+                PF_THREADS)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -128,6 +140,7 @@ def _decode_kernel(
     PREFETCH: tl.constexpr = False,  # the first tile before the wait (decode_tile.py)
     L2_PREFETCH: tl.constexpr = False,  # the next projection's weights into L2
     PF_THREADS: tl.constexpr = 128,  # the program's threads (32 x num_warps)
+    PF_AT_EXIT: tl.constexpr = False,  # issued as each program ends, not after the wait
 ):
     if HEADS_FIRST:  # a request's KV heads run side by side: whole token rows from DRAM
         kv_head = tl.program_id(0)
@@ -161,12 +174,9 @@ def _decode_kernel(
         vs0 = tl.load(vsp0, mask=old0, other=0.0) if KV_QUANT else seq_len
     wait(USE_PDL)  # the query, lengths and cache come from the kernels before
     release(USE_PDL)
-    if L2_PREFETCH:  # after the wait: the q/k/v GEMV's weight reads are done (l2_prefetch.py)
-        np0, np1 = tl.num_programs(0), tl.num_programs(1)
-        program = tl.program_id(0) + np0 * (tl.program_id(1) + np1 * tl.program_id(2))
-        programs = np0 * np1 * tl.num_programs(2)
-        l2_prefetch(pf_p0, pf_n0, pf_p1, pf_n1, pf_p2, pf_n2, pf_p3, pf_n3, program, programs,
-                    PF_THREADS)  # fmt: skip
+    pf = (pf_p0, pf_n0, pf_p1, pf_n1, pf_p2, pf_n2, pf_p3, pf_n3)
+    if L2_PREFETCH and not PF_AT_EXIT:  # the q/k/v GEMV's weight reads are done here
+        _l2_share(pf, PF_THREADS)
 
     offs_h = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + offs_h
@@ -182,6 +192,8 @@ def _decode_kernel(
         if seq_len == 0 and split == 0:  # a padding row: zeros, not garbage
             zeros = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
             tl.store(out_ptr + out_offs, zeros.to(out_ptr.dtype.element_ty), mask=mask_hd)
+        if L2_PREFETCH and PF_AT_EXIT:  # a program done issues its share
+            _l2_share(pf, PF_THREADS)
         return
 
     if ROPE:  # the query's halves rotated here; the last split stores the new key/value
@@ -262,6 +274,8 @@ def _decode_kernel(
         tl.store(
             out_ptr + out_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask_hd
         )
+        if L2_PREFETCH and PF_AT_EXIT:  # a program done issues its share
+            _l2_share(pf, PF_THREADS)
         return
 
     row0 = (seq * NUM_HEADS + heads) * num_splits  # [BLOCK_H]
@@ -276,6 +290,8 @@ def _decode_kernel(
     counter = counters_ptr + seq * NUM_KV_HEADS + kv_head
     arrived = tl.atomic_add(counter, 1, sem="acq_rel")
     if arrived != num_active - 1:
+        if L2_PREFETCH and PF_AT_EXIT:  # a program done issues its share
+            _l2_share(pf, PF_THREADS)
         return
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_H], tl.float32)
@@ -296,6 +312,8 @@ def _decode_kernel(
     result = merged / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=mask_hd)
     tl.atomic_xchg(counter, 0, sem="relaxed")
+    if L2_PREFETCH and PF_AT_EXIT:
+        _l2_share(pf, PF_THREADS)
 
 
 def decode_attention(
@@ -394,6 +412,7 @@ def decode_attention(
         PREFETCH=prefetch,
         L2_PREFETCH=bool(l2_regions),
         PF_THREADS=32 * num_warps,
+        PF_AT_EXIT=os.environ.get("TOKENLOOM_L2_PREFETCH_AT_EXIT", "0") == "1",
         num_warps=num_warps,
         num_stages=num_stages,
         **({"maxnreg": maxnreg} if maxnreg else {}),

@@ -89,12 +89,13 @@ def test_gpu_the_prefetched_bytes_are_read_from_l2() -> None:
         return start.elapsed_time(end)
 
     ratios = []
-    for _ in range(5):
+    for _ in range(5):  # each read from an idle GPU, after the flush (and the prefetch)
         flush.fill_(1)  # L2 holds neither tensor now
         _issue[(32,)](*l2_prefetch.kernel_args((warm,), dummy), num_warps=4)
         torch.cuda.synchronize()
         t_warm = timed(warm)
         flush.fill_(1)
+        torch.cuda.synchronize()
         t_cold = timed(cold)
         ratios.append(t_warm / t_cold)
     assert sorted(ratios)[2] < 0.85, ratios  # the median read was faster from L2
