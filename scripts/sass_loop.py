@@ -234,8 +234,6 @@ def decode_preset(kv: str, values: list[int]) -> tuple[Any, dict, dict, list[str
     sig.update(rope)
     sig.update({n: "i32" for n in strides})
     sig.update({"scale_log2": "fp32", "num_splits": "i32", "min_split": "i32"})
-    for i in range(4):  # the L2 prefetch's regions (L2_PREFETCH=1 in the environment)
-        sig.update({f"pf_p{i}": "*i32", f"pf_n{i}": "i32"})
     consts = dict(
         NUM_HEADS=32,
         NUM_KV_HEADS=8,
@@ -256,10 +254,6 @@ def decode_preset(kv: str, values: list[int]) -> tuple[Any, dict, dict, list[str
         HALF=64,
         USE_PDL=True,
     )
-    if os.environ.get("L2_PREFETCH"):  # session 28: the next projection's weights into L2
-        consts["L2_PREFETCH"] = os.environ["L2_PREFETCH"] == "1"
-        consts["PF_THREADS"] = 32 * warps
-        consts["PF_AT_EXIT"] = os.environ.get("PF_AT_EXIT") == "1"
     if os.environ.get("PREFETCH"):  # session 20: the first tile read before the PDL wait
         consts["PREFETCH"] = os.environ["PREFETCH"] == "1"
     divisible = [n for n in sig if n.endswith("_ptr")] + [n for n in strides if n != "stride_bt"]

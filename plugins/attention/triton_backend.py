@@ -37,7 +37,7 @@ from tokenloom.plugins.attention.triton_kernels.decode import decode_attention
 from tokenloom.plugins.attention.triton_kernels.decode_rope import DecodeRope
 from tokenloom.plugins.attention.triton_kernels.kv_write import write_kv
 from tokenloom.plugins.attention.triton_kernels.prefill import prefill_attention
-from tokenloom.plugins.models import fused_ops, l2_prefetch
+from tokenloom.plugins.models import fused_ops
 from tokenloom.plugins.models.pdl import pdl_on
 from tokenloom.protocols.components.attention import (
     AttentionBackend,
@@ -361,7 +361,6 @@ class TritonAttention(AttentionBackend):
                 maxnreg=self.quant_decode_maxnreg if quantized else self.decode_maxnreg,
                 rope=decode_rope,
                 prefetch=self._prefetch(num_decodes, quantized, decode_rope),
-                l2_regions=l2_prefetch.current() if num_seqs == 1 else (),
             )
         if num_decodes < num_seqs:
             prefill_attention(

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenloom.plugins.models import l2_prefetch, parallel, pdl
+from tokenloom.plugins.models import parallel, pdl
 from tokenloom.plugins.models.fused_gemv import (
     add_norm,
     norm_and_project,
@@ -249,8 +249,7 @@ class LlamaDecoderLayer(nn.Module):
             projected = project_rope(attn.qkv_proj, hidden, fused)
             rotated = projected is not None
             qkv = projected if projected is not None else attn.qkv_proj(hidden)
-        with l2_prefetch.during(mlp.gate_up_proj, qkv.shape[0], qkv.device):
-            hidden = attn.attend(rope, qkv, ctx, rotated)  # gate/up's weights into L2 there
+        hidden = attn.attend(rope, qkv, ctx, rotated)
         act, residual = norm_and_project(
             self.post_attention_layernorm, mlp.gate_up_proj, hidden, residual, silu=True
         )

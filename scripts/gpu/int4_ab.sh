@@ -7,7 +7,7 @@
 # Prepare here:   git archive REV > .snap/before.tar  (the BEFORE tree; .snap/ git-ignored)
 #                 ../shared/tools/gpu-wheels .whl
 # On the device:  bash scripts/gpu/int4_ab.sh STEP...   (carry [".snap", ".whl"])
-# Steps: t28b, l2p, l2pbf16 (session 28); t28 (for session 28); t27, lat27, thr27, long27, crash27, fix27 (session 27); t26o, lat26o (session 26); t26, lat26a, lat26b, lat26c, thr26, prof26 (session 26, on a71c5eb's tree); t25, lat25a, lat25b, lat25c (session 25); t24, lat24a, lat24b, lat24c, attn24, thr24, t24b, thr24b, latrope (session 24); lat (int4 before/after/kn alternated twice, --runs 3), latbf16, latab and thrab
+# Steps: t28b (session 28; its L2-prefetch steps l2p, l2px, profpf ran on 031371d-8d091d7, since removed); t28 (for session 28); t27, lat27, thr27, long27, crash27, fix27 (session 27); t26o, lat26o (session 26); t26, lat26a, lat26b, lat26c, thr26, prof26 (session 26, on a71c5eb's tree); t25, lat25a, lat25b, lat25c (session 25); t24, lat24a, lat24b, lat24c, attn24, thr24, t24b, thr24b, latrope (session 24); lat (int4 before/after/kn alternated twice, --runs 3), latbf16, latab and thrab
 # (bf16 and int4, before/after), gpu20, sample and prof (session 20), thr (int4
 # before/after/kn, one pass each), tests (int4 GPU tests), gputests (every GPU test under
 # tests/plugins/quant and tests/plugins/models), gemv4 (gemv_bench nk layout), samebytes (the bf16 GEMV over the same bytes), latcold (the tuner timed cold),
@@ -161,10 +161,9 @@ for step in "$@"; do
       one p2048-eager 90 --prompt-len 2048 --enforce-eager
       for len in 2047 2049 1024 4096 3000; do one "p$len" 60 --prompt-len $len; done
       one p2048-int8 90 --prompt-len 2048 --quant int8 ;;
-    t28b)  # session 28: the L2 prefetch's GPU tests; the uploads' ordering test on both trees
+    t28b)  # session 28: the uploads' tests on the fix, then the ordering test without it
       PYTHONPATH=/tmp/after:/tmp/site timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
-        tests/plugins/models/test_l2_prefetch.py tests/plugins/executor/test_graph_inputs.py \
-        > "$OUT/gpu-tests-28l2.log" 2>&1
+        tests/plugins/executor/test_graph_inputs.py > "$OUT/gpu-tests-28l2.log" 2>&1
       echo "t28b rc=$?"; grep -E "^FAILED|^ERROR|assert" "$OUT/gpu-tests-28l2.log" | head -8
       tail -n 1 "$OUT/gpu-tests-28l2.log"
       rm -rf /tmp/nowait && cp -r /tmp/after /tmp/nowait
@@ -175,32 +174,6 @@ for step in "$@"; do
         tests/plugins/executor/test_graph_inputs.py -k first_upload > "$OUT/gpu-tests-28-nowait2.log" 2>&1
       echo "without the wait (ordering test must fail): rc=$?"
       grep -E "^FAILED|passed|failed" "$OUT/gpu-tests-28-nowait2.log" | tail -3 ;;
-    l2p)  # session 28: the L2 prefetch of gate/up during the decode attention, int4 then bf16
-      lat int4-pf0 after int4
-      lat int4-pf16 after int4 TOKENLOOM_L2_PREFETCH_MB=16
-      lat int4-pf8 after int4 TOKENLOOM_L2_PREFETCH_MB=8
-      lat int4-pf24 after int4 TOKENLOOM_L2_PREFETCH_MB=24
-      lat int4-pf16s after int4 TOKENLOOM_L2_PREFETCH_MB=16 TOKENLOOM_L2_PREFETCH_SCALES=1
-      lat int4-pf16a5 after int4 TOKENLOOM_L2_PREFETCH_MB=16 TOKENLOOM_L2_PREFETCH_AT=0.5
-      lat int4-pf0b after int4 ;;
-    l2px)  # session 28: the prefetch issued as each attention program ends
-      lat int4-x0 after int4
-      lat int4-x16 after int4 TOKENLOOM_L2_PREFETCH_MB=16 TOKENLOOM_L2_PREFETCH_AT_EXIT=1
-      lat int4-x8 after int4 TOKENLOOM_L2_PREFETCH_MB=8 TOKENLOOM_L2_PREFETCH_AT_EXIT=1
-      lat int4-x16a1 after int4 TOKENLOOM_L2_PREFETCH_MB=16 TOKENLOOM_L2_PREFETCH_AT_EXIT=1 \
-        TOKENLOOM_L2_PREFETCH_AT=0.1
-      lat int4-x0b after int4
-      PYTHONPATH=/tmp/after:/tmp/site timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider \
-        tests/plugins/models/test_l2_prefetch.py -k l2 > "$OUT/gpu-tests-28l2b.log" 2>&1
-      grep -E "^FAILED|assert|passed|failed" "$OUT/gpu-tests-28l2b.log" | tail -4 ;;
-    profpf)  # session 28: the int4 profile with the L2 prefetch of 16 MB (against prof's)
-      OUT=$OUT TOKENLOOM_L2_PREFETCH_MB=16 PYTHONPATH=/tmp/after:/tmp/site:scripts timeout 200 \
-        python3 scripts/profile_gpu.py llama-3-8b graphs quant=int4 > "$OUT/prof-int4-pf16.log" 2>&1
-      grep -A14 "critical path per step" "$OUT/prof-int4-pf16.log" ;;
-    l2pbf16)
-      lat bf16-pf0 after none
-      lat bf16-pf16 after none TOKENLOOM_L2_PREFETCH_MB=16
-      lat bf16-pf32 after none TOKENLOOM_L2_PREFETCH_MB=32 ;;
     t28)  # for session 28: session 27's review fixes and the uploads test, unrun on a GPU;
       # then the uploads test against a copy without the fix's wait, where it must fail
       PYTHONPATH=/tmp/after:/tmp/site timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider \

@@ -33,8 +33,6 @@ instructions (docs/quantization.md).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -52,8 +50,6 @@ from tokenloom.plugins.attention.triton_kernels.decode_tile import (
     tile_scores,
     value_step,
 )
-from tokenloom.plugins.models.l2_prefetch import kernel_args
-from tokenloom.plugins.models.l2_prefetch import prefetch as l2_prefetch
 from tokenloom.plugins.models.pdl import launch_options, release, wait
 
 # p * v_scale enters the second dot in f16, multiplied by this (undone after the loop):
@@ -61,16 +57,6 @@ from tokenloom.plugins.models.pdl import launch_options, release, wait
 # value row whose absolute maximum is above 448 * 65504 / 512 = 57k (fp8) or
 # 127 * 65504 / 128 = 65k (int8).
 P_LIFT = {torch.float8_e4m3fn: 512.0, torch.int8: 128.0}
-
-
-@triton.jit
-def _l2_share(pf, PF_THREADS: tl.constexpr):
-    """This program's share of the L2 prefetch (``l2_prefetch.py``)."""
-    np0, np1 = tl.num_programs(0), tl.num_programs(1)
-    program = tl.program_id(0) + np0 * (tl.program_id(1) + np1 * tl.program_id(2))
-    programs = np0 * np1 * tl.num_programs(2)
-    l2_prefetch(pf[0], pf[1], pf[2], pf[3], pf[4], pf[5], pf[6], pf[7], program, programs,
-                PF_THREADS)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -111,14 +97,6 @@ def _decode_kernel(
     scale_log2,  # softmax scale * log2(e)
     num_splits,
     min_split,  # tokens, a multiple of BLOCK_N (0: splits as even as the tiles allow)
-    pf_p0,  # L2_PREFETCH: up to four regions (pointer, bytes) into L2 (l2_prefetch.py)
-    pf_n0,
-    pf_p1,
-    pf_n1,
-    pf_p2,
-    pf_n2,
-    pf_p3,
-    pf_n3,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -138,9 +116,6 @@ def _decode_kernel(
     HALF: tl.constexpr,
     USE_PDL: tl.constexpr,
     PREFETCH: tl.constexpr = False,  # the first tile before the wait (decode_tile.py)
-    L2_PREFETCH: tl.constexpr = False,  # the next projection's weights into L2
-    PF_THREADS: tl.constexpr = 128,  # the program's threads (32 x num_warps)
-    PF_AT_EXIT: tl.constexpr = False,  # issued as each program ends, not after the wait
 ):
     if HEADS_FIRST:  # a request's KV heads run side by side: whole token rows from DRAM
         kv_head = tl.program_id(0)
@@ -174,9 +149,6 @@ def _decode_kernel(
         vs0 = tl.load(vsp0, mask=old0, other=0.0) if KV_QUANT else seq_len
     wait(USE_PDL)  # the query, lengths and cache come from the kernels before
     release(USE_PDL)
-    pf = (pf_p0, pf_n0, pf_p1, pf_n1, pf_p2, pf_n2, pf_p3, pf_n3)
-    if L2_PREFETCH and not PF_AT_EXIT:  # the q/k/v GEMV's weight reads are done here
-        _l2_share(pf, PF_THREADS)
 
     offs_h = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + offs_h
@@ -192,8 +164,6 @@ def _decode_kernel(
         if seq_len == 0 and split == 0:  # a padding row: zeros, not garbage
             zeros = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
             tl.store(out_ptr + out_offs, zeros.to(out_ptr.dtype.element_ty), mask=mask_hd)
-        if L2_PREFETCH and PF_AT_EXIT:  # a program done issues its share
-            _l2_share(pf, PF_THREADS)
         return
 
     if ROPE:  # the query's halves rotated here; the last split stores the new key/value
@@ -274,8 +244,6 @@ def _decode_kernel(
         tl.store(
             out_ptr + out_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask_hd
         )
-        if L2_PREFETCH and PF_AT_EXIT:  # a program done issues its share
-            _l2_share(pf, PF_THREADS)
         return
 
     row0 = (seq * NUM_HEADS + heads) * num_splits  # [BLOCK_H]
@@ -290,8 +258,6 @@ def _decode_kernel(
     counter = counters_ptr + seq * NUM_KV_HEADS + kv_head
     arrived = tl.atomic_add(counter, 1, sem="acq_rel")
     if arrived != num_active - 1:
-        if L2_PREFETCH and PF_AT_EXIT:  # a program done issues its share
-            _l2_share(pf, PF_THREADS)
         return
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_H], tl.float32)
@@ -312,8 +278,6 @@ def _decode_kernel(
     result = merged / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=mask_hd)
     tl.atomic_xchg(counter, 0, sem="relaxed")
-    if L2_PREFETCH and PF_AT_EXIT:
-        _l2_share(pf, PF_THREADS)
 
 
 def decode_attention(
@@ -337,7 +301,6 @@ def decode_attention(
     maxnreg: int = 0,
     rope: DecodeRope | None = None,
     prefetch: bool = False,
-    l2_regions: tuple[torch.Tensor, ...] = (),
 ) -> None:
     """Launch the kernel. No host sync; the grid depends only on shapes and
     ``num_splits``, so a captured graph replays with new values in the same tensors.
@@ -350,8 +313,7 @@ def decode_attention(
     and rotary embedding and stores the new keys and values in the cache (a 16-bit or
     fp32 cache, head size a power of two: ``DecodeRope``). ``prefetch``: each program reads
     its first tile before the PDL wait, all but the new token (``decode_tile.py``; not
-    with ``rope``, whose kernel writes that token itself). ``l2_regions``: flat tensors
-    the programs ask L2 for after their PDL wait (``l2_prefetch.py``; sm_90, with PDL)."""
+    with ``rope``, whose kernel writes that token itself)."""
     assert not (prefetch and rope is not None), "prefetch reads the cache the rope kernel writes"
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -391,7 +353,6 @@ def decode_attention(
         scale * 1.4426950408889634,
         num_splits,
         triton.cdiv(min_split_tokens, block_n) * block_n,
-        *kernel_args(l2_regions, seq_lens),
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
@@ -410,9 +371,6 @@ def decode_attention(
         HAS_NORM=rope is not None and rope.has_norm,
         HALF=head_dim // 2,
         PREFETCH=prefetch,
-        L2_PREFETCH=bool(l2_regions),
-        PF_THREADS=32 * num_warps,
-        PF_AT_EXIT=os.environ.get("TOKENLOOM_L2_PREFETCH_AT_EXIT", "0") == "1",
         num_warps=num_warps,
         num_stages=num_stages,
         **({"maxnreg": maxnreg} if maxnreg else {}),
