@@ -100,6 +100,10 @@ class DecodeGraphs:
             if pool is None:
                 pool = graph.pool()
             self.graphs[bs] = graph
+        # The uploads' buffers and pinned memory now, not on the serving path (they were
+        # made at the first decode step until session 28; their first copy waits for the
+        # compute stream either way: graph_inputs.SideUploads).
+        self.uploads = SideUploads(self.input_ids.device)
         # Compile the inputs' scatter now (a padding-only batch: it writes what padding
         # rows hold anyway), not on the first decode step.
         packed = torch.zeros(5 + 1, dtype=torch.int32, device=self.input_ids.device)
