@@ -15,6 +15,7 @@ the up / v rows, which the checkpoint then holds (norms dense, up / v quantized)
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -215,7 +216,14 @@ def quantize_checkpoint(
             raise ValueError("activation-aware calibration is implemented for fp8 only")
         act_round = fp8_activations
     grids = quantize_sequentially(
-        model, sequences, make_grid, damping, act_order, scaler, act_round=act_round
+        model,
+        sequences,
+        make_grid,
+        damping,
+        act_order,
+        scaler,
+        act_round=act_round,
+        act_mode=os.environ.get("TOKENLOOM_ACT_AWARE_MODE", "full"),
     )
     write_checkpoint(
         out,

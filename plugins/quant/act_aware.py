@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -80,32 +81,65 @@ def target_weight(
     return out
 
 
+@dataclass
+class Captured:
+    """A ``Linear``'s calibration statistics (float64, ``[K, K]``): ``h`` of its rounded
+    inputs ``X~``, ``hq`` of the quantized stream's inputs before rounding ``X_q``, and
+    their products with the float model's inputs ``X_fp``."""
+
+    h: torch.Tensor  # X~^T X~
+    c: torch.Tensor  # X~^T X_fp
+    hq: torch.Tensor  # X_q^T X_q
+    cq: torch.Tensor  # X_q^T X_fp
+
+
 def capture_both(
     linear: Linear,
     run: Callable[[Callable[[torch.Tensor], None]], None],
     act_round: ActRound,
     float_inputs: list[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(X~^T X~, X~^T X_fp)`` (float64) of ``linear``: ``run(hook)`` feeds the hook each
-    sequence's input to ``linear`` on the quantized stream, in order; ``float_inputs``
-    holds the float stream's, sequence by sequence."""
+) -> Captured:
+    """``linear``'s statistics: ``run(hook)`` feeds the hook each sequence's input to
+    ``linear`` on the quantized stream (unrounded), in order; ``float_inputs`` holds the
+    float stream's, sequence by sequence."""
     k = linear.in_features
-    h = torch.zeros(k, k, dtype=torch.float64)
-    c = torch.zeros(k, k, dtype=torch.float64)
+    out = Captured(*(torch.zeros(k, k, dtype=torch.float64) for _ in range(4)))
     seen = 0
 
     def take(x: torch.Tensor) -> None:
         nonlocal seen
-        xt = act_round(x.reshape(-1, k).float())
+        xq = x.reshape(-1, k).float()
+        xt = act_round(xq)
         x_fp = float_inputs[seen].reshape(-1, k).float()
         assert x_fp.shape == xt.shape, "the two streams must see the same tokens"
-        h.add_((xt.t() @ xt).double())
-        c.add_((xt.t() @ x_fp).double())
+        out.h.add_((xt.t() @ xt).double())
+        out.c.add_((xt.t() @ x_fp).double())
+        out.hq.add_((xq.t() @ xq).double())
+        out.cq.add_((xq.t() @ x_fp).double())
         seen += 1
 
     run(take)
     assert seen == len(float_inputs)
-    return h, c
+    return out
+
+
+def fitted(
+    w: torch.Tensor, stats: Captured, damping: float, mode: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight to round, H to round it under)`` for ``mode``: ``full`` (the float
+    model's outputs from the rounded inputs), ``propagated`` (from the quantized stream's
+    unrounded inputs: the earlier layers' error only, not this layer's rounding noise,
+    under the rounded inputs' ``H``), ``rounded`` (``W`` itself under the rounded inputs'
+    ``H``)."""
+    if mode == "full":
+        return target_weight(w, stats.h, stats.c, damping), stats.h
+    if mode == "propagated":
+        return target_weight(w, stats.hq, stats.cq, damping), stats.h
+    if mode == "propagated-hq":
+        return target_weight(w, stats.hq, stats.cq, damping), stats.hq
+    if mode == "rounded":
+        return w, stats.h
+    raise ValueError(f"unknown mode {mode!r}")
 
 
 def record_float_inputs(layer: nn.Module, forward_all: Callable[[], None]) -> dict[int, list]:

@@ -32,9 +32,9 @@ from tokenloom.plugins.models.layers import Linear
 from tokenloom.plugins.quant.act_aware import (
     ActRound,
     capture_both,
+    fitted,
     record_float_inputs,
     rounded_inputs,
-    target_weight,
 )
 from tokenloom.plugins.quant.gptq import DAMPING, Grid, gptq
 from tokenloom.protocols.components.attention import ForwardContext
@@ -126,6 +126,7 @@ def quantize_sequentially(
     act_order: bool = False,
     prepare_layer: Callable[[int, nn.Module, Callable[[], None]], None] | None = None,
     act_round: ActRound | None = None,
+    act_mode: str = "full",
 ) -> dict[str, Grid]:
     """GPTQ every ``Linear`` of ``model.model.layers`` in place (its ``weight`` now
     holds the rounded values), calibrated on ``sequences``; returns each one's grid
@@ -168,7 +169,7 @@ def quantize_sequentially(
                 if act_round is None:
                     h = _capture(layer, linear, states, ctx)
                 else:
-                    h, c = capture_both(
+                    stats = capture_both(
                         linear,
                         lambda take, layer=layer, linear=linear: _feed(
                             layer, linear, states, ctx, take
@@ -176,7 +177,7 @@ def quantize_sequentially(
                         act_round,
                         float_inputs[id(linear)],
                     )
-                    weight = target_weight(weight, h, c, damping)
+                    weight, h = fitted(weight, stats, damping, act_mode)
                 grid = make_grid()
                 linear.weight.data.copy_(gptq(weight, h, grid, damping, act_order=act_order))
                 grids[prefix + name] = grid
