@@ -15,7 +15,6 @@ the up / v rows, which the checkpoint then holds (norms dense, up / v quantized)
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -70,12 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
         "ratio, 1 to 0.55, of least rounded output error; it raised the perplexity of the "
         "built-in model)",
     )
-    parser.add_argument(
-        "--act-aware",
-        action="store_true",
-        help="fp8: round each linear's inputs as the W8A8 kernels will and fit each "
-        "layer to the float model's outputs (asymmetric GPTQ; plugins/quant/act_aware.py)",
-    )
     parser.add_argument("--seed", type=int, default=0, help="of the calibration sampling")
     parser.add_argument(
         "--dtype",
@@ -101,9 +94,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.group_size < 8 or args.group_size % 8:
         print("error: --group-size must be a positive multiple of 8", file=sys.stderr)
-        return 2
-    if args.act_aware and args.method != "fp8":
-        print("error: --act-aware is for --method fp8 (W8A8)", file=sys.stderr)
         return 2
     if args.awq is None:
         args.awq = args.method == "int4"
@@ -147,7 +137,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         about=about,
         awq=args.awq,
         awq_clip=args.awq_clip,
-        act_aware=args.act_aware,
     )
     print(
         f"GPTQ: quantized in {time.perf_counter() - sampled:.0f} s; wrote {args.out} "
@@ -168,13 +157,11 @@ def quantize_checkpoint(
     about: dict[str, Any] | None = None,
     awq: bool = False,
     awq_clip: bool = False,
-    act_aware: bool = False,
 ) -> None:
     """Load ``model_path`` (directory or GGUF) in float32 on the CPU, GPTQ its
     decoder layers for ``method`` (int4 | fp8) calibrated on ``sequences``, write the
     checkpoint to ``out`` (dense tensors in ``dtype``, default float32). ``awq``
-    (int4): AWQ-scale each layer first; ``awq_clip``: and clip its groups. ``act_aware``
-    (fp8): activation-aware, asymmetric GPTQ (``plugins.quant.act_aware``)."""
+    (int4): AWQ-scale each layer first; ``awq_clip``: and clip its groups."""
     import torch
 
     from tokenloom.plugins.models.gguf import find_gguf
@@ -208,23 +195,7 @@ def quantize_checkpoint(
         scaler = AwqScaler(int4_rtn(group), clip_group=group if awq_clip else 0)
     started = time.perf_counter()
     model, _ = load_model(model_path, torch.float32, "cpu")
-    act_round = None
-    if act_aware:
-        from tokenloom.plugins.quant.act_aware import fp8_activations
-
-        if method != "fp8":
-            raise ValueError("activation-aware calibration is implemented for fp8 only")
-        act_round = fp8_activations
-    grids = quantize_sequentially(
-        model,
-        sequences,
-        make_grid,
-        damping,
-        act_order,
-        scaler,
-        act_round=act_round,
-        act_mode=os.environ.get("TOKENLOOM_ACT_AWARE_MODE", "full"),
-    )
+    grids = quantize_sequentially(model, sequences, make_grid, damping, act_order, scaler)
     write_checkpoint(
         out,
         source,
@@ -235,7 +206,7 @@ def quantize_checkpoint(
         {
             **(about or {}),
             "source": Path(model_path).name,
-            "method": f"{'awq + ' if awq else ''}{'act-aware ' if act_aware else ''}gptq {method}",
+            "method": f"{'awq + ' if awq else ''}gptq {method}",
             "calibration_tokens": sum(len(s) for s in sequences),
             "damping": damping,
             "act_order": act_order,

@@ -29,13 +29,6 @@ from torch import nn
 
 from tokenloom.logging import get_logger
 from tokenloom.plugins.models.layers import Linear
-from tokenloom.plugins.quant.act_aware import (
-    ActRound,
-    capture_both,
-    fitted,
-    record_float_inputs,
-    rounded_inputs,
-)
 from tokenloom.plugins.quant.gptq import DAMPING, Grid, gptq
 from tokenloom.protocols.components.attention import ForwardContext
 
@@ -125,8 +118,6 @@ def quantize_sequentially(
     damping: float = DAMPING,
     act_order: bool = False,
     prepare_layer: Callable[[int, nn.Module, Callable[[], None]], None] | None = None,
-    act_round: ActRound | None = None,
-    act_mode: str = "full",
 ) -> dict[str, Grid]:
     """GPTQ every ``Linear`` of ``model.model.layers`` in place (its ``weight`` now
     holds the rounded values), calibrated on ``sequences``; returns each one's grid
@@ -134,11 +125,7 @@ def quantize_sequentially(
 
     ``prepare_layer(index, layer, run)`` (optional, e.g. ``awq.AwqScaler``) may change
     each layer's float weights before they are rounded; ``run()`` makes the layer's
-    forward over every sequence (on the outputs of the layers before it, quantized).
-
-    ``act_round`` (W8A8: ``act_aware.fp8_activations``): the quantized model's linears see
-    their inputs rounded by it, as the kernels will, and each layer's weights are fitted
-    to the float model's outputs (``act_aware``: GPTQ of ``W'``, asymmetric)."""
+    forward over every sequence (on the outputs of the layers before it, quantized)."""
     inner = model.model
     ctx = ForwardContext(
         attn=CausalAttention(),  # type: ignore[arg-type]
@@ -151,37 +138,22 @@ def quantize_sequentially(
         states.rope.append(inner.rotary(torch.arange(len(seq))))
         states.hidden.append(inner.embed_tokens(ids).float())
         states.residual.append(None)
-    floats = LayerStates(states.rope, list(states.hidden), list(states.residual))
     grids: dict[str, Grid] = {}
     for index, layer in enumerate(inner.layers):
         prefix = f"model.layers.{index}."
         if prepare_layer is not None:
             prepare_layer(index, layer, lambda layer=layer: _run(layer, states, ctx))
-        float_inputs: dict[int, list[torch.Tensor]] = {}
-        if act_round is not None:  # the float model's inputs, before the layer changes
-            float_inputs = record_float_inputs(
-                layer, lambda layer=layer: _advance(layer, floats, ctx)
+        for name, linear in _call_order(layer, states, ctx):
+            h = _capture(layer, linear, states, ctx)
+            grid = make_grid()
+            linear.weight.data.copy_(
+                gptq(linear.weight.data, h, grid, damping, act_order=act_order)
             )
-        rounding = rounded_inputs(layer, act_round) if act_round else contextlib.nullcontext()
-        with rounding:
-            for name, linear in _call_order(layer, states, ctx):
-                weight = linear.weight.data
-                if act_round is None:
-                    h = _capture(layer, linear, states, ctx)
-                else:
-                    stats = capture_both(
-                        linear,
-                        lambda take, layer=layer, linear=linear: _feed(
-                            layer, linear, states, ctx, take
-                        ),
-                        act_round,
-                        float_inputs[id(linear)],
-                    )
-                    weight, h = fitted(weight, stats, damping, act_mode)
-                grid = make_grid()
-                linear.weight.data.copy_(gptq(weight, h, grid, damping, act_order=act_order))
-                grids[prefix + name] = grid
-            _advance(layer, states, ctx)
+            grids[prefix + name] = grid
+        for i in range(len(states.hidden)):
+            states.hidden[i], states.residual[i] = layer(
+                states.rope[i], states.hidden[i], states.residual[i], ctx
+            )
         log.info("GPTQ: layer %d of %d quantized", index + 1, len(inner.layers))
     return grids
 
@@ -189,14 +161,6 @@ def quantize_sequentially(
 def _run(layer: nn.Module, states: LayerStates, ctx: ForwardContext) -> None:
     for i in range(len(states.hidden)):
         layer(states.rope[i], states.hidden[i], states.residual[i], ctx)
-
-
-def _advance(layer: nn.Module, states: LayerStates, ctx: ForwardContext) -> None:
-    """``states``: the stream after ``layer``."""
-    for i in range(len(states.hidden)):
-        states.hidden[i], states.residual[i] = layer(
-            states.rope[i], states.hidden[i], states.residual[i], ctx
-        )
 
 
 def _call_order(
@@ -230,32 +194,16 @@ def _capture(
     k = linear.in_features
     h = torch.zeros(k, k, dtype=torch.float64)
 
-    def take(x: torch.Tensor) -> None:
-        x = x.reshape(-1, k).float()
-        h.add_((x.t() @ x).double())
-
-    _feed(layer, linear, states, ctx, take)
-    return h
-
-
-def _feed(
-    layer: nn.Module,
-    linear: Linear,
-    states: LayerStates,
-    ctx: ForwardContext,
-    take: Callable[[torch.Tensor], None],
-) -> None:
-    """``take`` each sequence's input to ``linear`` (as it arrives, before any other
-    pre-hook), in order; the forward stops there."""
-
     def hook(_: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-        take(args[0])
+        x = args[0].reshape(-1, k).float()
+        h.add_((x.t() @ x).double())
         raise _Stop
 
-    handle = linear.register_forward_pre_hook(hook, prepend=True)
+    handle = linear.register_forward_pre_hook(hook)
     try:
         for i in range(len(states.hidden)):
             with contextlib.suppress(_Stop):
                 layer(states.rope[i], states.hidden[i], states.residual[i], ctx)
     finally:
         handle.remove()
+    return h
