@@ -7,7 +7,7 @@
 # Prepare here:   git archive REV > .snap/before.tar  (the BEFORE tree; .snap/ git-ignored)
 #                 ../shared/tools/gpu-wheels .whl
 # On the device:  bash scripts/gpu/int4_ab.sh STEP...   (carry [".snap", ".whl"])
-# Steps: late28, s28, t28b (session 28; its L2-prefetch steps l2p, l2px, profpf ran on 031371d-8d091d7, since removed); t28 (for session 28); t27, lat27, thr27, long27, crash27, fix27 (session 27); t26o, lat26o (session 26); t26, lat26a, lat26b, lat26c, thr26, prof26 (session 26, on a71c5eb's tree); t25, lat25a, lat25b, lat25c (session 25); t24, lat24a, lat24b, lat24c, attn24, thr24, t24b, thr24b, latrope (session 24); lat (int4 before/after/kn alternated twice, --runs 3), latbf16, latab and thrab
+# Steps: s28, t28b (late28 ran on 74d224f, since removed) (session 28; its L2-prefetch steps l2p, l2px, profpf ran on 031371d-8d091d7, since removed); t28 (for session 28); t27, lat27, thr27, long27, crash27, fix27 (session 27); t26o, lat26o (session 26); t26, lat26a, lat26b, lat26c, thr26, prof26 (session 26, on a71c5eb's tree); t25, lat25a, lat25b, lat25c (session 25); t24, lat24a, lat24b, lat24c, attn24, thr24, t24b, thr24b, latrope (session 24); lat (int4 before/after/kn alternated twice, --runs 3), latbf16, latab and thrab
 # (bf16 and int4, before/after), gpu20, sample and prof (session 20), thr (int4
 # before/after/kn, one pass each), tests (int4 GPU tests), gputests (every GPU test under
 # tests/plugins/quant and tests/plugins/models), gemv4 (gemv_bench nk layout), samebytes (the bf16 GEMV over the same bytes), latcold (the tuner timed cold),
@@ -161,13 +161,6 @@ for step in "$@"; do
       one p2048-eager 90 --prompt-len 2048 --enforce-eager
       for len in 2047 2049 1024 4096 3000; do one "p$len" 60 --prompt-len $len; done
       one p2048-int8 90 --prompt-len 2048 --quant int8 ;;
-    late28)  # session 28: the decode attention releases its successor after its partials
-      for r in 1 2; do
-        lat int4-early$r after int4
-        lat int4-late$r after int4 TOKENLOOM_ATTN_LATE_RELEASE=1
-      done
-      lat bf16-late after none TOKENLOOM_ATTN_LATE_RELEASE=1
-      lat bf16-early after none ;;
     s28)  # session 28: the side uploads made at capture: GPU tests, a long prompt's decode,
       # bench latency and throughput before (a62f77a) / after
       PYTHONPATH=/tmp/after:/tmp/site timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider \

@@ -33,8 +33,6 @@ instructions (docs/quantization.md).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -118,7 +116,6 @@ def _decode_kernel(
     HALF: tl.constexpr,
     USE_PDL: tl.constexpr,
     PREFETCH: tl.constexpr = False,  # the first tile before the wait (decode_tile.py)
-    LATE_RELEASE: tl.constexpr = False,  # the next kernel starts once the partials are out
 ):
     if HEADS_FIRST:  # a request's KV heads run side by side: whole token rows from DRAM
         kv_head = tl.program_id(0)
@@ -151,8 +148,7 @@ def _decode_kernel(
         ks0 = tl.load(ksp0, mask=old0, other=0.0) if KV_QUANT else seq_len
         vs0 = tl.load(vsp0, mask=old0, other=0.0) if KV_QUANT else seq_len
     wait(USE_PDL)  # the query, lengths and cache come from the kernels before
-    if not LATE_RELEASE:
-        release(USE_PDL)
+    release(USE_PDL)
 
     offs_h = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + offs_h
@@ -244,8 +240,6 @@ def _decode_kernel(
     if KV_F16:
         acc = acc * (1.0 / P_LIFT)
 
-    if LATE_RELEASE:
-        release(USE_PDL)
     if num_active == 1:  # the whole KV in this program: no partials to merge
         tl.store(
             out_ptr + out_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask_hd
@@ -377,7 +371,6 @@ def decode_attention(
         HAS_NORM=rope is not None and rope.has_norm,
         HALF=head_dim // 2,
         PREFETCH=prefetch,
-        LATE_RELEASE=os.environ.get("TOKENLOOM_ATTN_LATE_RELEASE", "0") == "1",
         num_warps=num_warps,
         num_stages=num_stages,
         **({"maxnreg": maxnreg} if maxnreg else {}),

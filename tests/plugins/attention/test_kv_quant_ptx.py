@@ -121,7 +121,7 @@ def decode_ptx(cache: str, rope: bool = False, norm: bool = False) -> str:
         NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16,
         BLOCK_N=128, PAGE_SIZE=16, DOT_PRECISION="tf32", KV_QUANT=quantized, KV_F16=quantized,
         KV_ASM=quantized, HEADS_FIRST=True, P_LIFT=128.0, ROPE=rope, HAS_NORM=norm, HALF=64,
-        PREFETCH=False, LATE_RELEASE=False,
+        PREFETCH=False,
     )  # fmt: skip
     return compile_ptx(
         decode._decode_kernel, pointers, constexprs, float_args={"scale_log2", "eps"}
