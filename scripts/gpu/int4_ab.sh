@@ -7,7 +7,7 @@
 # Prepare here:   git archive REV > .snap/before.tar  (the BEFORE tree; .snap/ git-ignored)
 #                 ../shared/tools/gpu-wheels .whl
 # On the device:  bash scripts/gpu/int4_ab.sh STEP...   (carry [".snap", ".whl"])
-# Steps: s28, t28b (late28 ran on 74d224f, since removed) (session 28; its L2-prefetch steps l2p, l2px, profpf ran on 031371d-8d091d7, since removed); t28 (for session 28); t27, lat27, thr27, long27, crash27, fix27 (session 27); t26o, lat26o (session 26); t26, lat26a, lat26b, lat26c, thr26, prof26 (session 26, on a71c5eb's tree); t25, lat25a, lat25b, lat25c (session 25); t24, lat24a, lat24b, lat24c, attn24, thr24, t24b, thr24b, latrope (session 24); lat (int4 before/after/kn alternated twice, --runs 3), latbf16, latab and thrab
+# Steps: head28, s28, t28b (late28 ran on 74d224f, since removed) (session 28; its L2-prefetch steps l2p, l2px, profpf ran on 031371d-8d091d7, since removed); t28 (for session 28); t27, lat27, thr27, long27, crash27, fix27 (session 27); t26o, lat26o (session 26); t26, lat26a, lat26b, lat26c, thr26, prof26 (session 26, on a71c5eb's tree); t25, lat25a, lat25b, lat25c (session 25); t24, lat24a, lat24b, lat24c, attn24, thr24, t24b, thr24b, latrope (session 24); lat (int4 before/after/kn alternated twice, --runs 3), latbf16, latab and thrab
 # (bf16 and int4, before/after), gpu20, sample and prof (session 20), thr (int4
 # before/after/kn, one pass each), tests (int4 GPU tests), gputests (every GPU test under
 # tests/plugins/quant and tests/plugins/models), gemv4 (gemv_bench nk layout), samebytes (the bf16 GEMV over the same bytes), latcold (the tuner timed cold),
@@ -161,6 +161,9 @@ for step in "$@"; do
       one p2048-eager 90 --prompt-len 2048 --enforce-eager
       for len in 2047 2049 1024 4096 3000; do one "p$len" 60 --prompt-len $len; done
       one p2048-int8 90 --prompt-len 2048 --quant int8 ;;
+    head28)  # session 28: int4 with its own 4-bit LM head against the default int8 head
+      lat int4-head8 after int4
+      BENCH_ARGS="--quant-lm-head" lat int4-head4 after int4 ;;
     s28)  # session 28: the side uploads made at capture: GPU tests, a long prompt's decode,
       # bench latency and throughput before (a62f77a) / after
       PYTHONPATH=/tmp/after:/tmp/site timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider \
