@@ -44,7 +44,6 @@ from tokenloom.plugins.attention.triton_kernels.decode_rope import (
     rope_query_store_kv,
 )
 from tokenloom.plugins.attention.triton_kernels.decode_tile import (
-    finish_split,
     kv_slice,
     kv_tokens,
     softmax_step,
@@ -241,9 +240,44 @@ def _decode_kernel(
     if KV_F16:
         acc = acc * (1.0 / P_LIFT)
 
-    finish_split(acc, m_i, l_i, seq, kv_head, split, num_active, num_splits, heads, mask_h,
-                 offs_d, mask_hd, out_ptr, out_offs, part_out_ptr, part_lse_ptr, counters_ptr,
-                 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D)  # fmt: skip
+    if num_active == 1:  # the whole KV in this program: no partials to merge
+        tl.store(
+            out_ptr + out_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask_hd
+        )
+        return
+
+    row0 = (seq * NUM_HEADS + heads) * num_splits  # [BLOCK_H]
+    row = row0 + split
+    tl.store(
+        part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None], mask=mask_hd
+    )
+    tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=mask_h)
+    # Release our partials, acquire everyone else's: the last to arrive merges. The
+    # barrier makes every thread's stores precede the (one-thread) release.
+    tl.debug_barrier()
+    counter = counters_ptr + seq * NUM_KV_HEADS + kv_head
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    if arrived != num_active - 1:
+        return
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_H], tl.float32)
+    merged = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for other in range(0, num_active):
+        lse = tl.load(part_lse_ptr + row0 + other, mask=mask_h, other=0.0)
+        part = tl.load(
+            part_out_ptr + (row0 + other)[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=mask_hd,
+            other=0.0,
+        )
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        weight = tl.exp2(lse - m_new)
+        merged = merged * alpha[:, None] + weight[:, None] * part
+        denom = denom * alpha + weight
+        m = m_new
+    result = merged / tl.where(denom > 0, denom, 1.0)[:, None]
+    tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=mask_hd)
+    tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
 def decode_attention(
