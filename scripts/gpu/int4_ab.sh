@@ -179,9 +179,9 @@ for step in "$@"; do
       thr bf16-after after none ;;
     t28b)  # session 28: the uploads' tests on the fix, then the ordering test without it
       PYTHONPATH=/tmp/after:/tmp/site timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
-        tests/plugins/executor/test_graph_inputs.py > "$OUT/gpu-tests-28l2.log" 2>&1
-      echo "t28b rc=$?"; grep -E "^FAILED|^ERROR|assert" "$OUT/gpu-tests-28l2.log" | head -8
-      tail -n 1 "$OUT/gpu-tests-28l2.log"
+        tests/plugins/executor/test_graph_inputs.py > "$OUT/gpu-tests-t28b-uploads.log" 2>&1
+      echo "t28b rc=$?"; grep -E "^FAILED|^ERROR|assert" "$OUT/gpu-tests-t28b-uploads.log" | head -8
+      tail -n 1 "$OUT/gpu-tests-t28b-uploads.log"
       rm -rf /tmp/nowait && cp -r /tmp/after /tmp/nowait
       sed -i '/self.stream.wait_stream(torch.cuda.current_stream(device))/d' \
         /tmp/nowait/tokenloom/plugins/executor/graph_inputs.py

@@ -102,8 +102,12 @@ def test_gpu_the_first_upload_is_ordered_after_the_compute_stream_s_queued_work(
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     device = torch.device("cuda", torch.cuda.current_device())
+    # the allocations first: a fresh pinned one may synchronize the device, which would
+    # wait out the sleep below; freed, they are reused without a new allocation
+    warm = SideUploads(device, capacity=64)
+    del warm
     torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)  # ~100 ms on the compute stream
+    torch.cuda._sleep(200_000_000)  # >= 100 ms on the compute stream
     uploads = SideUploads(device, capacity=64)
     first = uploads.upload(torch.arange(64, dtype=torch.int32))
     time.sleep(0.02)
