@@ -50,22 +50,28 @@ def keep_alive_burst(port: int, n: int, host: str = "127.0.0.1") -> dict[str, An
             sock.setblocking(False)
             sel.register(sock, selectors.EVENT_READ)
             got[sock] = b""
-        for sock in socks:
-            sent[sock] = time.perf_counter()
-            sock.send(request)
-        deadline = time.monotonic() + 60
-        while len(latencies) < n and time.monotonic() < deadline:
-            for key, _ in sel.select(1):
+
+        def read(timeout: float) -> None:
+            for key, _ in sel.select(timeout):
                 sock = key.fileobj  # type: ignore[assignment]
                 got[sock] += sock.recv(65536)
                 head, sep, rest = got[sock].partition(b"\r\n\r\n")
-                if not sep:
-                    continue
-                if len(rest) >= content_length(head):
+                if sep and len(rest) >= content_length(head):
                     latencies.append(time.perf_counter() - sent[sock])
                     status = head.split(b" ")[1].decode()
                     statuses[status] = statuses.get(status, 0) + 1
                     sel.unregister(sock)
+
+        # Responses that arrive while the client is still sending are read between
+        # sends (every 32), so that a latency is not the client's own send loop.
+        for i, sock in enumerate(socks):
+            sent[sock] = time.perf_counter()
+            sock.send(request)
+            if i % 32 == 31:
+                read(0)
+        deadline = time.monotonic() + 60
+        while len(latencies) < n and time.monotonic() < deadline:
+            read(1)
     finally:
         for sock in socks:
             sock.close()
