@@ -90,7 +90,8 @@ class AttentionConformance:
         dtype, device = getattr(torch, self.dtype), torch.device(self.device)
         cache_dtype = kv_quant.KV_DTYPES[kv_cache_dtype]
         shape = (NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
-        _, [caches] = kv_quant.allocate(1, *shape, cache_dtype, device)
+        transposed = getattr(backend, "fp8_values_transposed", False)  # the backend's layout
+        _, [caches] = kv_quant.allocate(1, *shape, cache_dtype, device, v_transposed=transposed)
         for cache in caches:  # a random quantized prefix in every slot
             data, scales = kv_quant.quantize(torch.randn(shape, generator=gen), cache_dtype)
             cache.view(torch.uint8).copy_(data.view(torch.uint8))

@@ -16,6 +16,13 @@ sees is the data view ``[num_blocks, block_size, num_kv_heads, head_dim]`` (stri
 one block every ``block_bytes``); ``scales_of(cache)`` gives the scale view of the same
 memory, so the caches still travel as plain tensors through the model, CUDA graphs
 and the attention interface. Unquantized pools are allocated exactly as before.
+
+An fp8 pool may store each block's **values transposed**, ``[num_kv_heads, head_dim,
+block_size]`` (``allocate(..., v_transposed=True)``, asked by the attention backend's
+``fp8_values_transposed``): the view keeps its shape, with the strides of that order
+(token stride 1). The fp8 decode kernel ``triton_kernels/decode_fp8_mma.py`` multiplies
+V^T by the probabilities on the tensor cores, which takes V^T's tokens contiguous; the
+other readers and writers follow the view's strides (``v_transposed(cache)``).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
 # near a rounding tie by one int8 step).
 INV_QMAX = {dtype: 1.0 / qmax for dtype, qmax in QMAX.items()}
 SCALE_BYTES = 4  # fp32, one per token and KV head
+V_TRANSPOSABLE = {torch.float8_e4m3fn}  # pools whose value blocks may be [heads, D, tokens]
 
 
 def is_quantized(dtype: torch.dtype) -> bool:
@@ -63,8 +71,10 @@ def allocate(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device,
+    v_transposed: bool = False,
 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The zeroed pool (one tensor) and each layer's ``(k_cache, v_cache)`` views."""
+    """The zeroed pool (one tensor) and each layer's ``(k_cache, v_cache)`` views;
+    ``v_transposed``: an fp8 pool's value blocks stored ``[heads, D, tokens]``."""
     if not is_quantized(dtype):
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         pool = torch.zeros(shape, dtype=dtype, device=device)
@@ -77,7 +87,17 @@ def allocate(
     def view(flat: torch.Tensor) -> torch.Tensor:  # [num_blocks, per_block] uint8
         return flat[:, :data].unflatten(1, shape[1:]).view(dtype)
 
-    return pool, [(view(pool[i, 0]), view(pool[i, 1])) for i in range(num_layers)]
+    def transposed_view(flat: torch.Tensor) -> torch.Tensor:  # the same, [heads, D, tokens]
+        blocks = flat[:, :data].unflatten(1, (num_kv_heads, head_dim, block_size))
+        return blocks.view(dtype).permute(0, 3, 1, 2)
+
+    v_view = transposed_view if v_transposed and dtype in V_TRANSPOSABLE else view
+    return pool, [(view(pool[i, 0]), v_view(pool[i, 1])) for i in range(num_layers)]
+
+
+def v_transposed(cache: torch.Tensor) -> bool:
+    """Whether a cache view from ``allocate`` stores its blocks ``[heads, D, tokens]``."""
+    return cache.stride(-1) != 1
 
 
 def scales_of(cache: torch.Tensor) -> torch.Tensor:  # [num_blocks, block_size, num_kv_heads]

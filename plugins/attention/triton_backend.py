@@ -17,7 +17,9 @@ Settings (``[plugin.triton]`` in the config, or keyword arguments), defaults in
 ``decode_kv_asm`` (an 8-bit cache converted by PTX helpers), ``decode_rope_min_batch``
 (rope inside the decode kernel from this batch up), ``decode_prefetch_max_batch`` (the
 first KV tile read before the PDL wait up to this batch), ``decode_heads_first``
-(grid order), ``decode_maxnreg`` (register cap), ``prefill_block_m``,
+(grid order), ``decode_maxnreg`` (register cap), ``decode_fp8_mma`` (an fp8 cache's
+decode with fp8 products over transposed value blocks, ``decode_fp8_mma.py``; off by
+default), ``prefill_block_m``,
 ``prefill_block_n``, ``prefill_num_warps``, ``prefill_num_stages``. An 8-bit cache's
 decode takes ``QUANT_DECODE`` for the stages and register cap unless they are set.
 Without a GPU the kernels run under ``TRITON_INTERPRET=1`` with small tiles.
@@ -33,6 +35,7 @@ import torch
 
 from tokenloom.config import EngineConfig, plugin_settings
 from tokenloom.plugins.attention import kv_quant
+from tokenloom.plugins.attention.triton_kernels import decode_fp8_mma
 from tokenloom.plugins.attention.triton_kernels.decode import decode_attention
 from tokenloom.plugins.attention.triton_kernels.decode_rope import DecodeRope
 from tokenloom.plugins.attention.triton_kernels.kv_write import write_kv
@@ -60,6 +63,7 @@ SETTINGS = (
     "decode_maxnreg",
     "decode_rope_min_batch",
     "decode_prefetch_max_batch",
+    "decode_fp8_mma",
     "prefill_block_m",
     "prefill_block_n",
     "prefill_num_warps",
@@ -82,6 +86,7 @@ class TritonSettings(msgspec.Struct, forbid_unknown_fields=True):
     decode_maxnreg: int | None = None
     decode_rope_min_batch: int | None = None
     decode_prefetch_max_batch: int | None = None
+    decode_fp8_mma: int | None = None
     prefill_block_m: int | None = None
     prefill_block_n: int | None = None
     prefill_num_warps: int | None = None
@@ -101,6 +106,7 @@ INTERPRETER_DEFAULTS = {
     "decode_maxnreg": 0,
     "decode_rope_min_batch": 1,
     "decode_prefetch_max_batch": 0,  # tested directly (nothing overlaps in the interpreter)
+    "decode_fp8_mma": 0,
     "prefill_block_m": 16,
     "prefill_block_n": 16,
     "prefill_num_warps": 4,
@@ -129,6 +135,10 @@ def cuda_defaults(head_dim: int) -> dict[str, int]:
         "decode_rope_min_batch": 64,
         # the first KV tile before the PDL wait (decode_tile.py): measured at batch 1 only
         "decode_prefetch_max_batch": 8,
+        # an fp8 cache's decode with both products in fp8 on the tensor cores, over value
+        # blocks stored transposed (decode_fp8_mma.py): off until measured on a GPU
+        # (session 29 had no device time; docs/quantization.md)
+        "decode_fp8_mma": 0,
         "prefill_block_m": 64,
         "prefill_block_n": 32 if big_head else 64,
         "prefill_num_warps": 4,
@@ -200,6 +210,8 @@ class TritonAttention(AttentionBackend):
         self.decode_maxnreg = int(defaults["decode_maxnreg"])
         self.decode_rope_min_batch = int(defaults["decode_rope_min_batch"])
         self.decode_prefetch_max_batch = int(defaults["decode_prefetch_max_batch"])
+        self.decode_fp8_mma = bool(defaults["decode_fp8_mma"])
+        self.fp8_values_transposed = self.decode_fp8_mma  # the layout that kernel reads
         if (
             not interpreted
             and not pdl_on(self.device)
@@ -340,7 +352,10 @@ class TritonAttention(AttentionBackend):
         if num_decodes:
             quantized = kv_quant.is_quantized(k_cache.dtype)
             part_out, part_lse, counters = self._decode_scratch(num_decodes)
-            decode_attention(
+            decode = decode_attention
+            if self.decode_fp8_mma and decode_fp8_mma.supports(q, k_cache, v_cache):
+                decode = self._decode_fp8_mma
+            decode(
                 q[:num_decodes],
                 k_cache,
                 v_cache,
@@ -379,6 +394,13 @@ class TritonAttention(AttentionBackend):
                 first_seq=num_decodes,
             )
         return out
+
+    def _decode_fp8_mma(self, *args: Any, **options: Any) -> None:
+        """``decode_fp8_mma`` with ``decode_attention``'s arguments (the f16 kernel's
+        conversion, rope and prefetch options do not apply: fp8 only, no rope)."""
+        for name in ("kv_asm", "rope", "prefetch"):
+            options.pop(name)
+        decode_fp8_mma.decode_fp8_mma(*args, **options)
 
 
 def _plugin_settings(config: EngineConfig) -> dict[str, Any]:

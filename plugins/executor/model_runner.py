@@ -162,6 +162,7 @@ class ModelRunner(Executor):
             info.head_dim,
             self.kv_dtype,
             self.device,
+            v_transposed=self.attn.fp8_values_transposed,
         )
         self._kv = kv
         self.block_size = block_size

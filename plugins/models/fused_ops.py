@@ -248,6 +248,7 @@ def _qk_norm_rope_kernel(
     QMAX: tl.constexpr,
     IS_INT8: tl.constexpr,
     USE_PDL: tl.constexpr,
+    V_T: tl.constexpr = False,
 ):
     wait(USE_PDL)
     release(USE_PDL)
@@ -270,7 +271,7 @@ def _qk_norm_rope_kernel(
                     _write_quantized_kv(
                         k1, k2, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                         token, slot, stride_vt, stride_vh, stride_cache_block,
-                        stride_scale_block, NUM_K, K_P2, HALF, PAGE_SIZE, QMAX, IS_INT8,
+                        stride_scale_block, NUM_K, K_P2, HALF, PAGE_SIZE, QMAX, IS_INT8, V_T,
                     )  # fmt: skip
                 else:  # contiguous cache
                     heads = tl.arange(0, K_P2)[:, None]
@@ -290,15 +291,16 @@ def _qk_norm_rope_kernel(
 @triton.jit
 def _store_quantized_halves(
     x1, x2, cache_ptr, scale_ptr, dst, dst_scale, mask, mask_scale,
-    HALF: tl.constexpr, QMAX: tl.constexpr, IS_INT8: tl.constexpr,
+    HALF: tl.constexpr, QMAX: tl.constexpr, IS_INT8: tl.constexpr, HALF_OFF: tl.constexpr,
 ):  # fmt: skip
-    # One head's two halves [K_P2, HALF] over one absmax scale per head.
+    # One head's two halves [K_P2, HALF] over one absmax scale per head; the second
+    # half's offset is HALF_OFF (HALF * PAGE_SIZE in a transposed value page).
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
     scale = scale_of(tl.maximum(tl.max(tl.abs(f1), axis=1), tl.max(tl.abs(f2), axis=1)), QMAX)
     cache_dtype = cache_ptr.dtype.element_ty
     tl.store(cache_ptr + dst, quantize_with(f1, scale, QMAX, IS_INT8).to(cache_dtype), mask=mask)
     y2 = quantize_with(f2, scale, QMAX, IS_INT8).to(cache_dtype)
-    tl.store(cache_ptr + dst + HALF, y2, mask=mask)
+    tl.store(cache_ptr + dst + HALF_OFF, y2, mask=mask)
     tl.store(scale_ptr + dst_scale, scale, mask=mask_scale)
 
 
@@ -307,7 +309,7 @@ def _write_quantized_kv(
     k1, k2, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, token, slot,
     stride_vt, stride_vh, stride_cache_block, stride_scale_block,
     NUM_K: tl.constexpr, K_P2: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    QMAX: tl.constexpr, IS_INT8: tl.constexpr,
+    QMAX: tl.constexpr, IS_INT8: tl.constexpr, V_T: tl.constexpr,
 ):  # fmt: skip
     # The rotated key (as rounded to the model dtype) and the value, per head over its
     # absmax; the data view is strided by block and its scales follow the data.
@@ -320,12 +322,12 @@ def _write_quantized_kv(
     src = v_ptr + token * stride_vt + heads[:, None] * stride_vh + cols
     v1 = tl.load(src, mask=mask, other=0.0)
     v2 = tl.load(src + HALF, mask=mask, other=0.0)
-    _store_quantized_halves(
-        k1, k2, k_cache_ptr, k_scale_ptr, dst, dst_scale, mask, heads < NUM_K, HALF, QMAX, IS_INT8
-    )
-    _store_quantized_halves(
-        v1, v2, v_cache_ptr, v_scale_ptr, dst, dst_scale, mask, heads < NUM_K, HALF, QMAX, IS_INT8
-    )
+    _store_quantized_halves(k1, k2, k_cache_ptr, k_scale_ptr, dst, dst_scale, mask,
+                            heads < NUM_K, HALF, QMAX, IS_INT8, HALF)  # fmt: skip
+    if V_T:  # values stored [heads, D, tokens] per page (kv_quant.v_transposed)
+        dst = block * stride_cache_block + (heads[:, None] * (2 * HALF) + cols) * PAGE_SIZE + offset
+    _store_quantized_halves(v1, v2, v_cache_ptr, v_scale_ptr, dst, dst_scale, mask,
+                            heads < NUM_K, HALF, QMAX, IS_INT8, HALF * PAGE_SIZE if V_T else HALF)  # fmt: skip
 
 
 def qk_norm_rope_(
@@ -392,6 +394,7 @@ def qk_norm_rope_(
         PAGE_SIZE=k_cache.shape[1] if quantized else 1,
         QMAX=kv_quant.QMAX[k_cache.dtype] if quantized else 1.0,
         IS_INT8=quantized and k_cache.dtype == torch.int8,
+        V_T=quantized and kv_quant.v_transposed(v_cache),
         num_warps=4,
         **launch_options(q.device),
     )

@@ -60,6 +60,10 @@ class AttentionBackend(ABC):
     # int8): fp8 / int8 strided views whose blocks also hold per-token-head scales
     # (``plugins.attention.kv_quant``). The executor refuses such a cache otherwise.
     supports_quantized_kv: bool = False
+    # True when the backend wants an fp8 cache's value blocks stored transposed,
+    # ``[heads, D, tokens]``, behind the same ``[blocks, tokens, heads, D]`` view (its
+    # strides differ: ``kv_quant.v_transposed``); the executor allocates the pool so.
+    fp8_values_transposed: bool = False
 
     def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027
         """Called once per step before the forward pass; may fill ``meta.extra``."""

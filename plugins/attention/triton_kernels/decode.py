@@ -44,6 +44,7 @@ from tokenloom.plugins.attention.triton_kernels.decode_rope import (
     rope_query_store_kv,
 )
 from tokenloom.plugins.attention.triton_kernels.decode_tile import (
+    finish_split,
     kv_slice,
     kv_tokens,
     softmax_step,
@@ -116,6 +117,8 @@ def _decode_kernel(
     HALF: tl.constexpr,
     USE_PDL: tl.constexpr,
     PREFETCH: tl.constexpr = False,  # the first tile before the wait (decode_tile.py)
+    V_T: tl.constexpr = False,  # values stored [heads, D, tokens] per page (kv_quant)
+    V_STRIDE_D: tl.constexpr = 1,  # PAGE_SIZE with V_T
 ):
     if HEADS_FIRST:  # a request's KV heads run side by side: whole token rows from DRAM
         kv_head = tl.program_id(0)
@@ -135,12 +138,12 @@ def _decode_kernel(
         offs_n0 = kv_start + tl.arange(0, BLOCK_N)
         mask_n0 = offs_n0 < kv_end
         old0 = offs_n0 < tl.minimum(kv_end, seq_len - 1)
-        tok0, s_off0 = kv_tokens(
+        tok0, v_tok0, s_off0 = kv_tokens(
             table, offs_n0, mask_n0, head_off, kv_head, stride_cache_block, stride_cache_tok,
-            stride_scale_block, PAGE_SIZE, NUM_KV_HEADS,
+            stride_scale_block, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, V_T,
         )  # fmt: skip
         kp0 = k_cache_ptr + tok0[None, :] + offs_d[:, None]
-        vp0 = v_cache_ptr + tok0[:, None] + offs_d[None, :]
+        vp0 = v_cache_ptr + v_tok0[:, None] + offs_d[None, :] * V_STRIDE_D
         ksp0 = k_scale_ptr + s_off0
         vsp0 = v_scale_ptr + s_off0
         k0 = tl.load(kp0, mask=old0[None, :] & mask_d[:, None], other=0.0)
@@ -207,9 +210,9 @@ def _decode_kernel(
     for n0 in range(first, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < kv_end
-        tok, s_off = kv_tokens(
+        tok, v_tok, s_off = kv_tokens(
             table, offs_n, mask_n, head_off, kv_head, stride_cache_block, stride_cache_tok,
-            stride_scale_block, PAGE_SIZE, NUM_KV_HEADS,
+            stride_scale_block, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, V_T,
         )  # fmt: skip
         if ROPE:  # the two halves of the head, each against its half of the keys
             k_half = k_cache_ptr + tok[None, :] + offs_half[:, None]
@@ -228,7 +231,7 @@ def _decode_kernel(
             qk = qk * tl.load(k_scale_ptr + s_off, mask=mask_n, other=0.0)[None, :]
         p, alpha, m_i, l_i = softmax_step(qk, mask_n, m_i, l_i)
         v = tl.load(
-            v_cache_ptr + tok[:, None] + offs_d[None, :],
+            v_cache_ptr + v_tok[:, None] + offs_d[None, :] * V_STRIDE_D,
             mask=mask_n[:, None] & mask_d[None, :],
             other=0.0,
         )  # [BLOCK_N, BLOCK_D]
@@ -240,44 +243,9 @@ def _decode_kernel(
     if KV_F16:
         acc = acc * (1.0 / P_LIFT)
 
-    if num_active == 1:  # the whole KV in this program: no partials to merge
-        tl.store(
-            out_ptr + out_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask_hd
-        )
-        return
-
-    row0 = (seq * NUM_HEADS + heads) * num_splits  # [BLOCK_H]
-    row = row0 + split
-    tl.store(
-        part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None], mask=mask_hd
-    )
-    tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=mask_h)
-    # Release our partials, acquire everyone else's: the last to arrive merges. The
-    # barrier makes every thread's stores precede the (one-thread) release.
-    tl.debug_barrier()
-    counter = counters_ptr + seq * NUM_KV_HEADS + kv_head
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-    if arrived != num_active - 1:
-        return
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    denom = tl.zeros([BLOCK_H], tl.float32)
-    merged = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for other in range(0, num_active):
-        lse = tl.load(part_lse_ptr + row0 + other, mask=mask_h, other=0.0)
-        part = tl.load(
-            part_out_ptr + (row0 + other)[:, None] * HEAD_DIM + offs_d[None, :],
-            mask=mask_hd,
-            other=0.0,
-        )
-        m_new = tl.maximum(m, lse)
-        alpha = tl.exp2(m - m_new)
-        weight = tl.exp2(lse - m_new)
-        merged = merged * alpha[:, None] + weight[:, None] * part
-        denom = denom * alpha + weight
-        m = m_new
-    result = merged / tl.where(denom > 0, denom, 1.0)[:, None]
-    tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=mask_hd)
-    tl.atomic_xchg(counter, 0, sem="relaxed")
+    finish_split(acc, m_i, l_i, seq, kv_head, split, num_active, num_splits, heads, mask_h,
+                 offs_d, mask_hd, out_ptr, out_offs, part_out_ptr, part_lse_ptr, counters_ptr,
+                 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_H, BLOCK_D)  # fmt: skip
 
 
 def decode_attention(
@@ -371,6 +339,8 @@ def decode_attention(
         HAS_NORM=rope is not None and rope.has_norm,
         HALF=head_dim // 2,
         PREFETCH=prefetch,
+        V_T=kv_quant.v_transposed(v_cache),
+        V_STRIDE_D=v_cache.stride(3),
         num_warps=num_warps,
         num_stages=num_stages,
         **({"maxnreg": maxnreg} if maxnreg else {}),

@@ -40,13 +40,19 @@ def kv_slice(seq_lens_ptr, seq, split, num_splits, min_split, BLOCK_N: tl.conste
 
 @triton.jit
 def kv_tokens(table, offs_n, mask_n, head_off, kv_head, stride_cache_block, stride_cache_tok,
-              stride_scale_block, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr):  # fmt: skip
-    """Where a tile's tokens sit: their offsets in the caches (this KV head's rows) and in
-    the scales."""
+              stride_scale_block, PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+              HEAD_DIM: tl.constexpr, V_T: tl.constexpr):  # fmt: skip
+    """Where a tile's tokens sit: their offsets in the key cache (this KV head's rows), in
+    the value cache (the same, or with ``V_T`` in pages stored ``[heads, D, tokens]``,
+    whose d stride is ``PAGE_SIZE``: ``kv_quant.v_transposed``) and in the scales."""
     block = tl.load(table + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
     tok = block * stride_cache_block + (offs_n % PAGE_SIZE) * stride_cache_tok + head_off
     s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * NUM_KV_HEADS + kv_head
-    return tok, s_off
+    if V_T:
+        v_tok = block * stride_cache_block + (offs_n % PAGE_SIZE) + kv_head * (HEAD_DIM * PAGE_SIZE)
+    else:
+        v_tok = tok
+    return tok, v_tok, s_off
 
 
 # fp8 e4m3 -> f16, four values: two hardware conversions of two values each.
@@ -123,3 +129,52 @@ def value_step(acc, p, alpha, v, v_scale, dtype: tl.constexpr, KV_QUANT: tl.cons
     else:
         pv = tl.dot(p.to(dtype), v.to(dtype), input_precision=DOT_PRECISION)
     return acc * alpha[:, None] + pv
+
+
+@triton.jit
+def finish_split(acc, m_i, l_i, seq, kv_head, split, num_active, num_splits, heads, mask_h,
+                 offs_d, mask_hd, out_ptr, out_offs, part_out_ptr, part_lse_ptr, counters_ptr,
+                 NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """A program's end: its output ``acc [BLOCK_H, D] / l_i`` where it holds the whole KV,
+    else its partial and log-sum-exp (base 2), then a count of the splits done (an
+    acquire-release atomic); the last to arrive merges the splits by log-sum-exp, writes
+    the output and resets the counter to zero for the next launch."""
+    if num_active == 1:  # the whole KV in this program: no partials to merge
+        tl.store(
+            out_ptr + out_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask_hd
+        )
+        return
+
+    row0 = (seq * NUM_HEADS + heads) * num_splits  # [BLOCK_H]
+    row = row0 + split
+    tl.store(
+        part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None], mask=mask_hd
+    )
+    tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=mask_h)
+    # Release our partials, acquire everyone else's: the last to arrive merges. The
+    # barrier makes every thread's stores precede the (one-thread) release.
+    tl.debug_barrier()
+    counter = counters_ptr + seq * NUM_KV_HEADS + kv_head
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    if arrived != num_active - 1:
+        return
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_H], tl.float32)
+    merged = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for other in range(0, num_active):
+        lse = tl.load(part_lse_ptr + row0 + other, mask=mask_h, other=0.0)
+        part = tl.load(
+            part_out_ptr + (row0 + other)[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=mask_hd,
+            other=0.0,
+        )
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        weight = tl.exp2(lse - m_new)
+        merged = merged * alpha[:, None] + weight[:, None] * part
+        denom = denom * alpha + weight
+        m = m_new
+    result = merged / tl.where(denom > 0, denom, 1.0)[:, None]
+    tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=mask_hd)
+    tl.atomic_xchg(counter, 0, sem="relaxed")

@@ -59,6 +59,7 @@ def _kv_write_quant_kernel(
     PAGE_SIZE: tl.constexpr,
     QMAX: tl.constexpr,
     IS_INT8: tl.constexpr,
+    V_T: tl.constexpr,  # values stored [heads, D, tokens] per page (kv_quant.v_transposed)
 ):
     # One program per token: [num_kv_heads, head_dim] as a 2D tile, a scale per head.
     token = tl.program_id(0)
@@ -79,6 +80,8 @@ def _kv_write_quant_kernel(
     tl.store(k_scale_ptr + dst_scale, scale, mask=mask_scale)
     value = tl.load(v_ptr + row * stride_v_tok + heads * stride_v_head + dims, mask=mask, other=0.0)
     y, scale = quantize_rows(value.to(tl.float32), QMAX, IS_INT8)
+    if V_T:
+        dst = block * stride_cache_block + (heads * HEAD_DIM + dims) * PAGE_SIZE + offset
     tl.store(v_cache_ptr + dst, y.to(v_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_scale_ptr + dst_scale, scale, mask=mask_scale)
 
@@ -152,6 +155,7 @@ def write_kv(
             PAGE_SIZE=k_cache.shape[1],
             QMAX=kv_quant.QMAX[k_cache.dtype],
             IS_INT8=k_cache.dtype == torch.int8,
+            V_T=kv_quant.v_transposed(v_cache),
             num_warps=4,
         )
         return

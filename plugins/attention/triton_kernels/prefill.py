@@ -69,10 +69,20 @@ def _attend_tile(
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_QUANT: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    V_T: tl.constexpr,  # values stored [heads, D, tokens] per page (kv_quant.v_transposed)
 ):
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < seq_len
-    block = tl.load(table + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+    # With V_T, page-wide masks keep V^T's 16-token rows whole (no byte gathers); the
+    # tiles before the causal ones hold only tokens of the sequence: no mask at all.
+    if V_T and not CAUSAL:
+        block = tl.load(table + offs_n // PAGE_SIZE).to(tl.int64)
+    elif V_T:
+        page_ok = offs_n // PAGE_SIZE < tl.cdiv(seq_len, PAGE_SIZE)
+        block = tl.load(table + offs_n // PAGE_SIZE, mask=page_ok, other=0).to(tl.int64)
+    else:
+        block = tl.load(table + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
     tok = block * stride_cache_block + (offs_n % PAGE_SIZE) * stride_cache_tok + head_off
     k = tl.load(
         k_cache_ptr + tok[None, :] + offs_d[:, None],
@@ -90,11 +100,19 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(
-        v_cache_ptr + tok[:, None] + offs_d[None, :],
-        mask=mask_n[:, None] & mask_d[None, :],
-        other=0.0,
-    )  # [BLOCK_N, BLOCK_D]
+    if V_T:
+        v_tok = block * stride_cache_block + (offs_n % PAGE_SIZE)
+        v_ptrs = v_cache_ptr + (v_tok + scale_head_off * (HEAD_DIM * PAGE_SIZE))[:, None]
+        v_ptrs += offs_d[None, :] * PAGE_SIZE
+    else:
+        v_ptrs = v_cache_ptr + tok[:, None] + offs_d[None, :]
+    if V_T:  # [BLOCK_N, BLOCK_D]; in a causal tile, slots past the end zeroed (0 * NaN)
+        v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
+        if CAUSAL:
+            v = tl.where(mask_n[:, None], v.to(tl.uint8, bitcast=True), 0)
+            v = v.to(v_cache_ptr.dtype.element_ty, bitcast=True)
+    else:
+        v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
     if KV_QUANT:
         s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * stride_scale_tok
         p = p * tl.load(v_scale_ptr + s_off + scale_head_off, mask=mask_n, other=0.0)[None, :]
@@ -134,6 +152,7 @@ def _prefill_kernel(
     PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_QUANT: tl.constexpr,
+    V_T: tl.constexpr = False,
 ):
     head = tl.program_id(0)
     tile = tl.program_id(1)
@@ -176,14 +195,16 @@ def _prefill_kernel(
             q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, table, head_off,
             stride_cache_block, stride_cache_tok, query_pos, seq_len, scale_log2,
             offs_d, mask_d, k_scale_ptr, v_scale_ptr, head // GROUP, stride_scale_block,
-            stride_scale_tok, BLOCK_N, PAGE_SIZE, False, DOT_PRECISION, KV_QUANT,
+            stride_scale_tok, BLOCK_N, PAGE_SIZE, False, DOT_PRECISION, KV_QUANT, HEAD_DIM,
+            V_T,
         )  # fmt: skip
     for n0 in range(unmasked_end, causal_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, table, head_off,
             stride_cache_block, stride_cache_tok, query_pos, seq_len, scale_log2,
             offs_d, mask_d, k_scale_ptr, v_scale_ptr, head // GROUP, stride_scale_block,
-            stride_scale_tok, BLOCK_N, PAGE_SIZE, True, DOT_PRECISION, KV_QUANT,
+            stride_scale_tok, BLOCK_N, PAGE_SIZE, True, DOT_PRECISION, KV_QUANT, HEAD_DIM,
+            V_T,
         )  # fmt: skip
 
     # Padding rows (seq_len 0) saw no key: write zeros, not NaN.
@@ -255,6 +276,7 @@ def prefill_attention(
         PAGE_SIZE=k_cache.shape[1],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         KV_QUANT=quantized,
+        V_T=kv_quant.v_transposed(v_cache),
         num_warps=num_warps,
         num_stages=num_stages,
     )

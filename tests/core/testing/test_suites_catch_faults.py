@@ -56,7 +56,8 @@ class UnscaledAttention(TorchAttention):
 
     def forward(self, q: Any, k: Any, v: Any, k_cache: Any, v_cache: Any, meta: Any, scale: float):
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        return super().forward(q, k, v, k_cache.float(), v_cache.float(), meta, scale)
+        raw = (k_cache.float().contiguous(), v_cache.float().contiguous())  # fp8: V strided
+        return super().forward(q, k, v, *raw, meta, scale)
 
 
 class DoubledScales(TorchAttention):

@@ -20,6 +20,7 @@ from tokenloom.config import EngineConfig
 from tokenloom.plugins.attention import kv_quant
 from tokenloom.plugins.attention.torch_backend import TorchAttention, gather_kv, write_kv_cache
 from tokenloom.plugins.attention.triton_backend import TritonAttention
+from tokenloom.plugins.attention.triton_kernels import decode_fp8_mma
 from tokenloom.plugins.attention.triton_kernels.kv_write import write_kv
 from tokenloom.plugins.models import fused_ops
 from tokenloom.protocols.components.registry import ComponentSpec
@@ -31,13 +32,18 @@ KV_DTYPES = [torch.int8, torch.float8_e4m3fn]
 QUANT_ERROR = {torch.int8: 1e-2, torch.float8_e4m3fn: 4e-2}
 # Triton vs torch over the same quantized cache.
 AGREEMENT = {torch.float32: 1e-5, torch.float16: 3e-3}
+# The fp8 decode with fp8 products (decode_fp8_mma) rounds q and p * v_scale to e4m3
+# (3 mantissa bits): 3.5-6% relative on these random shapes in the interpreter, whose
+# e4m3 conversion also halves the values whose rounding carries into the next power of
+# two (124.8 -> 64, ~1% of them). A wrong layout or scale is off by ~100%.
+FP8_MMA_AGREEMENT = 8e-2 if DEVICE == "cuda" else 1.5e-1
 
 
-def quantized_copy(batch, dtype):
+def quantized_copy(batch, dtype, v_transposed=False):
     """Quantized caches holding the batch's (random) float caches, slot for slot."""
     num_blocks, block_size, heads, dim = batch.k_cache.shape
     _, [(k_cache, v_cache)] = kv_quant.allocate(
-        1, num_blocks, block_size, heads, dim, dtype, torch.device(DEVICE)
+        1, num_blocks, block_size, heads, dim, dtype, torch.device(DEVICE), v_transposed
     )
     slots = torch.arange(num_blocks * block_size, device=DEVICE)
     write_kv_cache(
@@ -212,12 +218,17 @@ def test_fused_rope_kernel_writes_the_quantized_rotated_keys_and_values(dtype):
     assert_same_quantized(v_cache, ref_v, dtype)
 
 
-def check_triton_against_torch(query_lens, seq_lens, kv_dtype, dtype=torch.float32, **settings):
+def check_triton_against_torch(
+    query_lens, seq_lens, kv_dtype, dtype=torch.float32, v_transposed=False, **settings
+):
     batch = make_batch(query_lens, seq_lens, dtype=dtype, device=DEVICE)
     info = model_info(4, 2, 32, dtype, DEVICE)
     triton_attn = TritonAttention(EngineConfig(), info, **settings)
     torch_attn = TorchAttention(EngineConfig(), info)
-    k_cache, v_cache = quantized_copy(batch, kv_dtype)
+    # the layout the backend asks for (fp8 values transposed with decode_fp8_mma), or
+    # transposed anyway (the f16 kernels over it)
+    transposed = triton_attn.fp8_values_transposed or v_transposed
+    k_cache, v_cache = quantized_copy(batch, kv_dtype, transposed)
     ref_k, ref_v = quantized_copy(batch, kv_dtype)
     # The reference writes both caches (the Triton write is checked above; the
     # interpreter's fp8 rounding differs from the GPU's), so the kernels read the same KV.
@@ -228,19 +239,62 @@ def check_triton_against_torch(query_lens, seq_lens, kv_dtype, dtype=torch.float
     )
     reference = torch_attn.forward(batch.q, batch.k, batch.v, ref_k, ref_v, batch.meta, batch.scale)
     assert torch.isfinite(out).all()
-    assert relative_error(out, reference.double().cpu()) < AGREEMENT[dtype]
-    assert relative_error(out, dense_reference(batch)) < QUANT_ERROR[kv_dtype]
+    fp8_mma = kv_dtype == torch.float8_e4m3fn and triton_attn.decode_fp8_mma
+    agreement = FP8_MMA_AGREEMENT if fp8_mma else AGREEMENT[dtype]
+    decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
+    error = relative_error(out[:decodes], reference[:decodes].double().cpu())
+    assert error < agreement
+    if decodes < out.shape[0]:  # the prefill kernel's rows (f16 arithmetic)
+        prefill = relative_error(out[decodes:], reference[decodes:].double().cpu())
+        assert prefill < AGREEMENT[dtype]
+    assert relative_error(out, dense_reference(batch)) < QUANT_ERROR[kv_dtype] + (
+        agreement if fp8_mma else 0
+    )
+    return error
 
 
+# (decode_fp8_mma, values transposed): the default; the fp8-MMA kernel over its layout;
+# the f16 kernel over that layout
+LAYOUTS = [(0, False), (1, True), (0, True)]
+
+
+@pytest.mark.parametrize(("fp8_mma", "transposed"), LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_triton_decode_over_a_quantized_cache_matches_the_reference(kv_dtype, dtype):
-    check_triton_against_torch([1, 1, 1], [150, 17, 40], kv_dtype, dtype, max_num_splits=4)
+def test_triton_decode_over_a_quantized_cache_matches_the_reference(
+    kv_dtype, dtype, fp8_mma, transposed, monkeypatch
+):
+    calls = []
+    monkeypatch.setattr(decode_fp8_mma, "decode_fp8_mma", _counted(decode_fp8_mma, calls))
+    error = check_triton_against_torch(
+        [1, 1, 1], [150, 17, 40], kv_dtype, dtype, transposed, max_num_splits=4,
+        decode_fp8_mma=fp8_mma,
+    )  # fmt: skip
+    # an fp8 cache takes the fp8-MMA kernel when it is on (the backend then asks for
+    # transposed values), never otherwise
+    assert len(calls) == (1 if fp8_mma and kv_dtype == torch.float8_e4m3fn else 0)
+    if calls:
+        assert error > 1e-4  # q and p rounded to e4m3: not the f16 kernel's result
 
 
+def _counted(module, calls):
+    original = module.decode_fp8_mma
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    return counted
+
+
+@pytest.mark.parametrize(("fp8_mma", "transposed"), LAYOUTS)
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_triton_prefill_and_decodes_over_a_quantized_cache_match_the_reference(kv_dtype):
-    check_triton_against_torch([1, 9, 20], [30, 9, 45], kv_dtype, dtype=torch.float16)
+def test_triton_prefill_and_decodes_over_a_quantized_cache_match_the_reference(
+    kv_dtype, fp8_mma, transposed
+):
+    check_triton_against_torch(
+        [1, 9, 20], [30, 9, 45], kv_dtype, torch.float16, transposed, decode_fp8_mma=fp8_mma
+    )
 
 
 # --------------------------------------------------------------------------- engine

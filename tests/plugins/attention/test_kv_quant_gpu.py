@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 from paged_batches import dense_reference, make_batch, model_info, relative_error
-from test_kv_quant import QUANT_ERROR, assert_same_quantized, quantized_copy
+from test_decode_fp8_mma import test_stale_slots_past_a_request_s_end_never_reach_its_output
+from test_kv_quant import FP8_MMA_AGREEMENT, QUANT_ERROR, assert_same_quantized, quantized_copy
 
 from tokenloom.config import EngineConfig
 from tokenloom.plugins.attention import kv_quant
@@ -20,6 +21,14 @@ pytestmark = pytest.mark.gpu
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 BF16 = 2e-2  # Triton vs torch over bf16 queries (tests/plugins/attention/test_triton_backend_gpu)
 KV_DTYPES = [torch.float8_e4m3fn, torch.int8]
+# (cache dtype, decode_fp8_mma): an fp8 cache through both decode kernels (the fp8-MMA
+# kernel over the transposed values it asks for)
+CASES = [(torch.float8_e4m3fn, 1), (torch.float8_e4m3fn, 0), (torch.int8, 1)]
+
+
+def bound(kv_dtype, fp8_mma):
+    """Triton vs torch over the same cache: bf16's tolerance, or the fp8 products'."""
+    return FP8_MMA_AGREEMENT if kv_dtype == torch.float8_e4m3fn and fp8_mma else 2 * BF16
 
 
 def make(query_lens, seq_lens, seed=0):
@@ -29,12 +38,12 @@ def make(query_lens, seq_lens, seed=0):
     )  # fmt: skip
 
 
-def run_both(batch, kv_dtype):
+def run_both(batch, kv_dtype, fp8_mma=1):
     """Full paths: Triton writes and attends over its cache, torch over its own."""
     info = model_info(HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, "cuda")
-    k_cache, v_cache = quantized_copy(batch, kv_dtype)
+    attn = TritonAttention(EngineConfig(), info, decode_fp8_mma=fp8_mma)
+    k_cache, v_cache = quantized_copy(batch, kv_dtype, attn.fp8_values_transposed)
     ref_k, ref_v = quantized_copy(batch, kv_dtype)
-    attn = TritonAttention(EngineConfig(), info)
     attn.prepare(batch.meta)
     out = attn.forward(batch.q, batch.k, batch.v, k_cache, v_cache, batch.meta, batch.scale)
     ref = TorchAttention(EngineConfig(), info).forward(
@@ -46,22 +55,28 @@ def run_both(batch, kv_dtype):
     return out, ref
 
 
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_decode_over_a_quantized_cache_at_llama_shapes_matches_the_reference(kv_dtype):
+@pytest.mark.parametrize(("kv_dtype", "fp8_mma"), CASES)
+def test_decode_over_a_quantized_cache_at_llama_shapes_matches_the_reference(kv_dtype, fp8_mma):
     gen = torch.Generator().manual_seed(1)
     seq_lens = [1, 15, 16, 17, 2048, *torch.randint(1, 3000, (27,), generator=gen).tolist()]
     batch = make([1] * len(seq_lens), seq_lens)
-    out, ref = run_both(batch, kv_dtype)
-    assert relative_error(out, ref.double().cpu()) < 2 * BF16
-    assert relative_error(out, dense_reference(batch)) < QUANT_ERROR[kv_dtype] + BF16
+    out, ref = run_both(batch, kv_dtype, fp8_mma)
+    error = relative_error(out, ref.double().cpu())
+    print(f"{kv_dtype} fp8_mma={fp8_mma}: {error:.4f} vs the reference over the same cache")
+    assert error < bound(kv_dtype, fp8_mma)
+    assert relative_error(out, dense_reference(batch)) < QUANT_ERROR[kv_dtype] + bound(
+        kv_dtype, fp8_mma
+    )
 
 
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_prefill_and_mixed_batches_over_a_quantized_cache_match_the_reference(kv_dtype):
+@pytest.mark.parametrize(("kv_dtype", "fp8_mma"), CASES)
+def test_prefill_and_mixed_batches_over_a_quantized_cache_match_the_reference(kv_dtype, fp8_mma):
     batch = make([1, 1, 300, 129, 1, 64, 1, 700], [999, 20, 300, 600, 1000, 64, 37, 1500])
-    out, ref = run_both(batch, kv_dtype)
-    assert relative_error(out, ref.double().cpu()) < 2 * BF16
-    assert relative_error(out, dense_reference(batch)) < QUANT_ERROR[kv_dtype] + BF16
+    out, ref = run_both(batch, kv_dtype, fp8_mma)
+    assert relative_error(out, ref.double().cpu()) < bound(kv_dtype, fp8_mma)
+    assert relative_error(out, dense_reference(batch)) < QUANT_ERROR[kv_dtype] + bound(
+        kv_dtype, fp8_mma
+    )
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
@@ -157,3 +172,8 @@ def test_builtin_model_on_the_gpu_loses_at_most_one_percent_perplexity(kv_cache_
     increase = results[kv_cache_dtype] / results["auto"] - 1
     print(f"{kv_cache_dtype}: perplexity {results[kv_cache_dtype]:.4f} vs {results['auto']:.4f}")
     assert abs(increase) > 1e-5 and increase <= 0.01
+
+
+def test_stale_nan_slots_never_reach_the_fp8_mma_output_on_the_gpu():
+    """The fp8 products read e4m3's NaN byte as NaN here (the interpreter does not)."""
+    test_stale_slots_past_a_request_s_end_never_reach_its_output()
