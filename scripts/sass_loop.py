@@ -256,6 +256,9 @@ def decode_preset(kv: str, values: list[int]) -> tuple[Any, dict, dict, list[str
     )
     if os.environ.get("PREFETCH"):  # session 20: the first tile read before the PDL wait
         consts["PREFETCH"] = os.environ["PREFETCH"] == "1"
+    # VT=1: values stored transposed per page (an fp8 pool's layout since session 29)
+    consts["V_T"] = os.environ.get("VT") == "1"
+    consts["V_STRIDE_D"] = 16 if consts["V_T"] else 1
     divisible = [n for n in sig if n.endswith("_ptr")] + [n for n in strides if n != "stride_bt"]
     kv_bytes = block_n * 128 * 2 * (1 if kv != "bf16" else 2) / (warps * 32)
     return _decode_kernel, sig, consts, divisible, warps, stages, kv_bytes

@@ -6,8 +6,11 @@ torch reference backend, for ``tokenloom eval`` on the CPU (session 28):
 
 ``TL_EMU`` contains ``q``: each query row (token, head) rounded to e4m3 with its absmax
 scale; ``p``: the probabilities times the value's per-token scale rounded to e4m3, with a
-scale per query row (its max at 448), before the product with the raw fp8 values; any
-other value (e.g. ``x``): the emulated computation without either rounding. Python
+scale per query row (its max at 448), before the product with the raw fp8 values; ``t``
+(session 29, instead of ``p``): the shipped kernel's rounding (``decode_fp8_mma.py``), in
+tiles of 128 tokens: p relative to the tile's own maximum per query row, times the value
+scales over their largest in the tile times 448, rounded to e4m3; any other value (e.g.
+``x``): the emulated computation without either rounding. Python
 imports ``sitecustomize`` at start-up in every process, the engine's included; without
 ``TL_EMU`` nothing is patched.
 """
@@ -26,6 +29,21 @@ if os.environ.get("TL_EMU"):
         amax = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)
         s = amax / 448.0
         return (x / s).clamp(-448, 448).to(FP8).float() * s
+
+    def _round_tiles(scores, m, vs, tile=128):
+        """p * v_scale as decode_fp8_mma rounds it, over the row maximum ``m``."""
+        h, tq, s = scores.shape
+        pad = (-s) % tile
+        sc = torch.nn.functional.pad(scores, (0, pad), value=float("-inf"))
+        sc = sc.view(h, tq, -1, tile)
+        vt = torch.nn.functional.pad(vs.expand(h, tq, s), (0, pad)).view(h, tq, -1, tile)
+        tmax = sc.amax(-1, keepdim=True)
+        finite = torch.isfinite(tmax)
+        tmax0 = torch.where(finite, tmax, torch.zeros_like(tmax))
+        lift = 448.0 / vt.amax(-1, keepdim=True).clamp(min=1e-30)
+        p8 = (torch.exp(sc - tmax0) * vt * lift).clamp(max=448).to(FP8).float() / lift
+        p8 = torch.where(finite, p8 * torch.exp(tmax0 - m[..., None]), torch.zeros_like(p8))
+        return p8.view(h, tq, -1)[..., :s]
 
     def _attend(self, q, k_cache, v_cache, block_table, seq_len, scale):
         if not kv_quant.is_quantized(k_cache.dtype):
@@ -58,6 +76,8 @@ if os.environ.get("TL_EMU"):
         pv = p * vs.t()[:, None, :]  # the value's per-token scale folded into P
         if "p" in modes:
             pv = _round_rows(pv)
+        if "t" in modes:
+            pv = _round_tiles(scores, m, vs.t()[:, None, :])
         out = torch.einsum("hqs,shd->hqd", pv, vd) / denom
         return out.transpose(0, 1).to(q.dtype)
 

@@ -52,8 +52,9 @@ def step(
     per_layer = 2 * num_blocks * kv_quant.block_bytes(BLOCK, KV_HEADS, HEAD_DIM, MODEL_DTYPE)
     layers = min(64, max(layers, -(-L2_ROTATION_BYTES // per_layer)))
     pool, caches = kv_quant.allocate(
-        layers, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, DTYPES[kv], torch.device(device)
-    )
+        layers, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, DTYPES[kv], torch.device(device),
+        v_transposed=bool(settings.get("decode_fp8_mma", 0)),  # the layout that kernel reads
+    )  # fmt: skip
     gen = torch.Generator(device=device).manual_seed(0)
     fill = torch.randn(num_blocks * BLOCK, KV_HEADS, HEAD_DIM, generator=gen, device=device)
     slots_all = torch.arange(num_blocks * BLOCK, device=device)
@@ -90,7 +91,9 @@ def step(
         q, k, v, *caches[0], meta, scale
     )  # same cache, same new token (written twice, same values)
     error = float((out.double() - ref.double()).norm() / ref.double().norm())
-    assert error < 4e-2, f"{kv} batch {batch} context {context}: relative error {error:.3g}"
+    # fp8 with fp8 products (decode_fp8_mma) rounds q and p too: test_kv_quant's bound
+    bound = 8e-2 if kv == "fp8" and settings.get("decode_fp8_mma", 0) else 4e-2
+    assert error < bound, f"{kv} batch {batch} context {context}: relative error {error:.3g}"
 
     def run() -> None:
         for k_cache, v_cache in caches:

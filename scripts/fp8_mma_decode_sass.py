@@ -1,0 +1,48 @@
+"""``decode_fp8_mma`` (V transposed per page) compiled for sm_90 offline: instructions per
+KV byte of its hottest loop (Triton 3.6 on the path; ``scripts/sass_loop.py``).
+
+    python scripts/fp8_mma_decode_sass.py [BLOCK_N,WARPS,STAGES ...]
+"""
+
+import collections
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sass_loop import compile_sm90, hottest_loop  # noqa: E402
+
+from tokenloom.plugins.attention.triton_kernels.decode_fp8_mma import (  # noqa: E402
+    _decode_fp8_mma_kernel as kernel,
+)
+
+PTRS = {"q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv",
+        "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16",
+        "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "counters_ptr": "*i32",
+        "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}  # fmt: skip
+STRIDES = ["stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head", "stride_bt",
+           "stride_cache_block", "stride_cache_tok", "stride_cache_head", "stride_scale_block"]  # fmt: skip
+
+
+def main() -> None:
+    sig = dict(PTRS)
+    sig.update({name: "i32" for name in STRIDES})
+    sig.update({"scale_log2": "fp32", "num_splits": "i32", "min_split": "i32"})
+    divisible = list(PTRS) + [name for name in STRIDES if name != "stride_bt"]
+    for spec in sys.argv[1:] or ["128,4,2", "64,4,2", "128,8,2"]:
+        block_n, warps, stages = map(int, spec.split(","))
+        consts = dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=128, BLOCK_H=16,
+                      BLOCK_N=block_n, PAGE_SIZE=16, HEADS_FIRST=True, USE_PDL=True)  # fmt: skip
+        sass, res, shared = compile_sm90(kernel, sig, consts, divisible, warps, stages)
+        loop = hottest_loop(sass)
+        ops = collections.Counter(op for _, op in loop)
+        regs = res.split("REG:")[1].split()[0]
+        spills = sum(1 for line in sass.splitlines() if " STL" in line or " LDL" in line)
+        per_byte = len(loop) * 32 * warps / (block_n * 128 * 2)
+        mma = {k: v for k, v in ops.items() if "MMA" in k}
+        print(f"BLOCK_N {block_n}, {warps} warps, {stages} stages: {per_byte:.2f} per KV byte, "
+              f"{regs} registers, {spills} spill instructions, {shared} B shared, {mma}")  # fmt: skip
+        print("   ", " ".join(f"{k}:{v}" for k, v in ops.most_common(14)))
+
+
+if __name__ == "__main__":
+    main()

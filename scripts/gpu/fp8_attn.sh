@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Session 29, issue 12 (written then, not yet run: no device time was left): the fp8
+# cache's transposed value pages and the fp8-MMA decode kernel, opt-in with
+# [plugin.triton] decode_fp8_mma = 1 (plugins/attention/triton_kernels/decode_fp8_mma.py),
+# on one H200, against a BEFORE tree (the f16-converting kernel over values as stored).
+# Prepare here:   git archive REV > .snap/before.tar ; ../shared/tools/gpu-wheels .whl
+# On the device:  bash scripts/gpu/fp8_attn.sh STEP...   (carry [".snap", ".whl"])
+# Steps (each call must end within 600 s):
+#   t29     every GPU test of the attention backends, and the graph-input uploads' tests
+#   kern29  decode attention per layer over an fp8 cache at Llama-3-8B heads
+#           (scripts/gpu/kvq_decode_bench.py): before; after (the default, unchanged); the
+#           fp8-MMA kernel (decode_fp8_mma=1) with its stage / register variants
+#   wide29  issue 12's workload (fp8 weights + fp8 KV, 600 x 1000/1000, all at once):
+#           before, after, after with decode_fp8_mma=1
+#   bf29    bf16 bench latency and throughput, before / after (kernels touched: no change
+#           expected on a 16-bit cache)
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENLOOM_LOG_LEVEL=INFO TOKENLOOM_CACHE=/tmp/tlcache
+[ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+  --target /tmp/site .whl/*.whl || exit 1
+inst() {  # inst SRC DEST: a non-editable install of one tree, chosen per call by PYTHONPATH
+  rm -rf "$2"
+  python3 -m pip install -q --no-index --no-build-isolation --no-deps --no-compile --target "$2" \
+    "$1" > /tmp/inst.log 2>&1 || { tail -5 /tmp/inst.log; exit 1; }
+}
+if [ ! -d /tmp/before ] || [ .snap/before.tar -nt /tmp/before ]; then
+  rm -rf /tmp/before_src && mkdir -p /tmp/before_src && tar -xf .snap/before.tar -C /tmp/before_src
+  inst /tmp/before_src /tmp/before
+fi
+inst . /tmp/after
+py() { local tree=$1; shift; PYTHONPATH=/tmp/$tree:/tmp/site python3 "$@"; }
+bench() {  # bench latency|throughput TAG TREE QUANT [ARGS...]: one bench, its figure
+  local kind=$1 tag=$2 tree=$3 q=$4; shift 4
+  local name=${kind:0:3} runs=3 limit=200
+  [ "$kind" = throughput ] && runs=1 limit=300
+  py "$tree" -m tokenloom bench "$kind" --model llama-3-8b --quant "$q" --runs $runs \
+    --out "$OUT/$name-$tag.json" "$@" > "$OUT/$name-$tag.log" 2>&1 \
+    || { echo "$name $tag failed"; tail -5 "$OUT/$name-$tag.log"; }
+  python3 -c "import json; d = json.load(open('$OUT/$name-$tag.json')); \
+print('$name $tag', round(d['step_ms'], 4) if '$name' == 'lat' else \
+round(d['tokenloom']['output_tokens_per_s'], 1))" 2>/dev/null
+}
+kern() {  # kern TAG TREE [--setting K=V...]: the fp8 decode per layer (the tree's own script)
+  local script=scripts/gpu/kvq_decode_bench.py
+  [ "$2" = before ] && script=/tmp/before_src/$script
+  timeout 150 env PYTHONPATH=/tmp/$2:/tmp/site python3 "$script" --kv fp8 \
+    --batches 1,32,128,512 --contexts 1500 --json "$OUT/kern-$1.json" "${@:3}" \
+    > "$OUT/kern-$1.log" 2>&1 || { echo "kern $1 failed"; tail -3 "$OUT/kern-$1.log"; }
+  sed "s/^/kern $1: /" "$OUT/kern-$1.log" | grep batch
+}
+WIDE=(--kv-cache-dtype fp8 --num-prompts 600 --min-len 1000 --max-len 1000 --max-num-seqs 640
+      --max-graph-batch 640)
+for step in "$@"; do
+  echo "[$(date +%T)] === $step"
+  case $step in
+    t29)
+      py after -m pytest -q -s -m gpu -p no:cacheprovider tests/plugins/attention \
+        tests/plugins/executor/test_graph_inputs.py > "$OUT/gpu-tests-t29.log" 2>&1
+      echo "t29 rc=$?"; grep -E "^FAILED|^ERROR|fp8_mma=" "$OUT/gpu-tests-t29.log" | head -12
+      tail -n 1 "$OUT/gpu-tests-t29.log" ;;
+    kern29)
+      kern before before
+      kern after after
+      M=(--setting decode_fp8_mma=1)
+      kern mma after "${M[@]}"
+      kern mma-s2 after "${M[@]}" --setting decode_num_stages=2 --setting decode_maxnreg=0
+      kern mma-s2r128 after "${M[@]}" --setting decode_num_stages=2 --setting decode_maxnreg=128
+      kern mma-s1r0 after "${M[@]}" --setting decode_num_stages=1 --setting decode_maxnreg=0 ;;
+    wide29)
+      bench throughput fp8w-before before fp8 "${WIDE[@]}"
+      bench throughput fp8w-after after fp8 "${WIDE[@]}"
+      bench throughput fp8w-mma after fp8 "${WIDE[@]}" --plugin-option triton.decode_fp8_mma=1 ;;
+    bf29)
+      bench latency bf16-before before none
+      bench latency bf16-after after none
+      bench throughput bf16-before before none
+      bench throughput bf16-after after none ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
