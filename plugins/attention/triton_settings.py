@@ -1,0 +1,92 @@
+"""The ``triton`` attention plugin's settings (``[plugin.triton]``) and their defaults:
+tiny tiles under the interpreter, tile configs measured on an H200 on CUDA, and the
+8-bit cache's decode stages and register cap (``QUANT_DECODE``)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class TritonSettings(msgspec.Struct, forbid_unknown_fields=True):
+    """``[plugin.triton]``: tile settings; None keeps the default for the device
+    (measured per head size on CUDA, tiny tiles under the interpreter)."""
+
+    max_num_splits: int | None = None
+    decode_block_n: int | None = None
+    decode_num_stages: int | None = None
+    decode_programs_per_sm: int | None = None
+    decode_min_split_tokens: int | None = None
+    decode_num_warps: int | None = None
+    decode_kv_asm: int | None = None
+    decode_heads_first: int | None = None
+    decode_maxnreg: int | None = None
+    decode_rope_min_batch: int | None = None
+    decode_prefetch_max_batch: int | None = None
+    decode_fp8_mma: int | None = None
+    prefill_block_m: int | None = None
+    prefill_block_n: int | None = None
+    prefill_num_warps: int | None = None
+    prefill_num_stages: int | None = None
+
+
+# Tiny tiles: the interpreter runs each program in Python.
+INTERPRETER_DEFAULTS = {
+    "max_num_splits": 4,
+    "decode_block_n": 16,
+    "decode_num_stages": 1,
+    "decode_programs_per_sm": 4,
+    "decode_min_split_tokens": 0,
+    "decode_num_warps": 4,
+    "decode_kv_asm": 0,  # the interpreter runs no PTX
+    "decode_heads_first": 0,
+    "decode_maxnreg": 0,
+    "decode_rope_min_batch": 1,
+    "decode_prefetch_max_batch": 0,  # tested directly (nothing overlaps in the interpreter)
+    "decode_fp8_mma": 0,
+    "prefill_block_m": 16,
+    "prefill_block_n": 16,
+    "prefill_num_warps": 4,
+    "prefill_num_stages": 1,
+}
+
+
+def cuda_defaults(head_dim: int) -> dict[str, int]:
+    """Tile configs measured on an H200 at Llama-3-8B shapes (scripts/bench_attention.py);
+    head dims above 128 get smaller KV tiles to stay within shared memory."""
+    big_head = head_dim > 128
+    return {
+        "max_num_splits": 32,
+        "decode_block_n": 0,  # 0: chosen per batch size by decode_block_n_for
+        "decode_num_stages": 2,
+        "decode_programs_per_sm": 4,
+        "decode_min_split_tokens": 0,
+        "decode_num_warps": 4,
+        "decode_kv_asm": 1,
+        "decode_heads_first": 1,
+        "decode_maxnreg": 0,  # 0: as many registers as ptxas wants
+        # rope inside the decode kernel from this batch up: measured on the H200 slower at
+        # batch 1 (qwen3-0.6b 0.79 -> 0.83 ms, llama-3-8b 4.11 -> 4.13), faster offline
+        # (+4.1% qwen3, +0.5% llama at 100-256 running); 64 is a guess between the two
+        # (two KV splits or fewer from there for 8 KV heads), not a measured crossover
+        "decode_rope_min_batch": 64,
+        # the first KV tile before the PDL wait (decode_tile.py): measured at batch 1 only
+        "decode_prefetch_max_batch": 8,
+        # an fp8 cache's decode with both products in fp8 on the tensor cores, over value
+        # blocks stored transposed (decode_fp8_mma.py): off until measured on a GPU
+        # (session 29 had no device time; docs/quantization.md)
+        "decode_fp8_mma": 0,
+        "prefill_block_m": 64,
+        "prefill_block_n": 32 if big_head else 64,
+        "prefill_num_warps": 4,
+        "prefill_num_stages": 2 if big_head else 3,
+    }
+
+
+# An 8-bit cache's decode tile (128 tokens) with one stage and at most 128 registers
+# per thread: four programs per SM instead of three, 5-10% faster on the H200 at
+# 32-512 x 1,500 with head_dim 128 and bf16 queries (docs/quantization.md). Applied
+# there, and only where the user set neither key.
+QUANT_DECODE = {"decode_num_stages": 1, "decode_maxnreg": 128}
+
+
+SETTINGS: tuple[str, ...] = TritonSettings.__struct_fields__
