@@ -96,8 +96,9 @@ def allocate(
 
 
 def v_transposed(cache: torch.Tensor) -> bool:
-    """Whether a cache view from ``allocate`` stores its blocks ``[heads, D, tokens]``."""
-    return cache.stride(-1) != 1
+    """Whether a cache view from ``allocate`` stores its blocks ``[heads, D, tokens]``
+    (tokens adjacent, d a page apart; a page of one token is the same bytes either way)."""
+    return cache.stride(3) != 1 and cache.stride(1) == 1 and cache.stride(3) == cache.shape[1]
 
 
 def scales_of(cache: torch.Tensor) -> torch.Tensor:  # [num_blocks, block_size, num_kv_heads]

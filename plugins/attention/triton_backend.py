@@ -116,8 +116,15 @@ class TritonAttention(AttentionBackend):
         self.decode_maxnreg = int(defaults["decode_maxnreg"])
         self.decode_rope_min_batch = int(defaults["decode_rope_min_batch"])
         self.decode_prefetch_max_batch = int(defaults["decode_prefetch_max_batch"])
-        self.decode_fp8_mma = bool(defaults["decode_fp8_mma"])
-        self.fp8_values_transposed = self.decode_fp8_mma  # the layout that kernel reads
+        # the fp8-MMA decode, where the model's shape allows it, and the layout it reads;
+        # its own stages and register cap (QUANT_DECODE was tuned for the f16 kernel)
+        group = self.num_heads // self.num_kv_heads
+        self.decode_fp8_mma = bool(defaults["decode_fp8_mma"]) and decode_fp8_mma.supports_shape(
+            self.head_dim, group, config.block_size
+        )
+        self.fp8_values_transposed = self.decode_fp8_mma
+        self.mma_decode_num_stages = int(settings.get("decode_num_stages", 1 if interpreted else 2))
+        self.mma_decode_maxnreg = int(settings.get("decode_maxnreg", 0))
         if (
             not interpreted
             and not pdl_on(self.device)
@@ -303,9 +310,11 @@ class TritonAttention(AttentionBackend):
 
     def _decode_fp8_mma(self, *args: Any, **options: Any) -> None:
         """``decode_fp8_mma`` with ``decode_attention``'s arguments (the f16 kernel's
-        conversion, rope and prefetch options do not apply: fp8 only, no rope)."""
+        conversion, rope and prefetch options do not apply: fp8 only, no rope), and its
+        own stages and register cap."""
         for name in ("kv_asm", "rope", "prefetch"):
             options.pop(name)
+        options.update(num_stages=self.mma_decode_num_stages, maxnreg=self.mma_decode_maxnreg)
         decode_fp8_mma.decode_fp8_mma(*args, **options)
 
 

@@ -6,7 +6,9 @@
 # Prepare here:   git archive REV > .snap/before.tar ; ../shared/tools/gpu-wheels .whl
 # On the device:  bash scripts/gpu/fp8_attn.sh STEP...   (carry [".snap", ".whl"])
 # Steps (each call must end within 600 s):
-#   t29     every GPU test of the attention backends, and the graph-input uploads' tests
+#   t29     every GPU test of the attention backends (the fp8-MMA kernel, eager and in a
+#           CUDA graph; the f16 kernels over both fp8 layouts; the stale-NaN slots), and the
+#           graph-input uploads' tests (session 28's revised ordering test, unrun on a GPU)
 #   kern29  decode attention per layer over an fp8 cache at Llama-3-8B heads
 #           (scripts/gpu/kvq_decode_bench.py): before; after (the default, unchanged); the
 #           fp8-MMA kernel (decode_fp8_mma=1) with its stage / register variants
@@ -63,8 +65,8 @@ for step in "$@"; do
       kern before before
       kern after after
       M=(--setting decode_fp8_mma=1)
-      kern mma after "${M[@]}"
-      kern mma-s2 after "${M[@]}" --setting decode_num_stages=2 --setting decode_maxnreg=0
+      kern mma after "${M[@]}"  # its defaults: 2 stages, no register cap
+      kern mma-s1r128 after "${M[@]}" --setting decode_num_stages=1 --setting decode_maxnreg=128
       kern mma-s2r128 after "${M[@]}" --setting decode_num_stages=2 --setting decode_maxnreg=128
       kern mma-s1r0 after "${M[@]}" --setting decode_num_stages=1 --setting decode_maxnreg=0 ;;
     wide29)

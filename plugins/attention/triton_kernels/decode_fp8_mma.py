@@ -165,18 +165,25 @@ def _decode_fp8_mma_kernel(
                  counters_ptr, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_H, HEAD_DIM)  # fmt: skip
 
 
+MIN_K = 32  # an 8-bit tl.dot's K on NVIDIA: head_dim (scores) and BLOCK_N (values)
+
+
+def supports_shape(head_dim: int, group: int, page: int) -> bool:
+    """Whether the kernel takes a model of this head size, query heads per KV head and
+    page size: a head size that is a power of two from ``MIN_K`` (the first product's
+    K), at most 16 heads per group (the MMA's N), pages of a multiple of 16 tokens (whole
+    16-byte rows of V^T)."""
+    return head_dim >= MIN_K and head_dim & (head_dim - 1) == 0 and group <= 16 and page % 16 == 0
+
+
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether ``decode_fp8_mma`` takes these: an fp8 cache with V transposed per page
-    (``kv_quant.allocate``), a head size that is a power of two from 16 (the MMA's K),
-    pages of at least 16 tokens (whole 16-byte rows of V^T)."""
-    head_dim, page = k_cache.shape[3], k_cache.shape[1]
+    """Whether ``decode_fp8_mma`` takes these: an fp8 cache from ``kv_quant.allocate``
+    with V transposed per page, of a shape ``supports_shape`` admits."""
+    group = q.shape[1] // k_cache.shape[2]
     return (
         k_cache.dtype == torch.float8_e4m3fn
         and kv_quant.v_transposed(v_cache)
-        and head_dim >= 16
-        and head_dim & (head_dim - 1) == 0
-        and page % 16 == 0
-        and q.shape[1] // k_cache.shape[2] <= 16
+        and supports_shape(k_cache.shape[3], group, k_cache.shape[1])
     )
 
 
@@ -199,11 +206,12 @@ def decode_fp8_mma(
     heads_first: bool = True,
     maxnreg: int = 0,
 ) -> None:
-    """Launch the kernel (the arguments as ``decode.decode_attention``'s). No host sync;
-    CUDA-graph capturable."""
+    """Launch the kernel (the arguments as ``decode.decode_attention``'s; ``block_n``
+    below ``MIN_K`` is raised to it). No host sync; CUDA-graph capturable."""
     assert supports(q, k_cache, v_cache), "an fp8 cache from kv_quant.allocate (V transposed)"
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
+    block_n = max(block_n, MIN_K)
     assert block_n % page == 0 or page % block_n == 0
     k_scales, v_scales = kv_quant.scales_of(k_cache), kv_quant.scales_of(v_cache)
     grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from paged_batches import make_batch, model_info, relative_error
-from test_kv_quant import DEVICE, FP8_MMA_AGREEMENT, quantized_copy
+from test_kv_quant import DEVICE, quantized_copy
 
 from tokenloom.config import EngineConfig
 from tokenloom.plugins.attention import kv_quant
@@ -53,13 +53,23 @@ def _reference(batch, info):
     )
 
 
-@pytest.mark.parametrize(("splits", "block_n"), [(1, 16), (4, 16), (3, 32), (2, 64)])
+# Per request row: q's and P's e4m3 rounding (and, off the GPU, the interpreter's
+# conversion, see test_kv_quant) stay below this; a kernel that drops a tile's offset to
+# the running maximum (below) measured up to 0.47 here.
+ROW_BOUND = 8e-2 if DEVICE == "cuda" else 2e-1
+
+
+@pytest.mark.parametrize(("splits", "block_n"), [(1, 32), (4, 32), (3, 64), (2, 128)])
 def test_decode_fp8_mma_merges_splits_and_tail_tiles_like_the_reference(splits, block_n):
     # lengths: one token, a page, a page and one, several tiles and a tail; a padding row
     seq_lens = [1, 16, 17, 150, 77]
     batch = make_batch(
         [1] * 5, seq_lens, dtype=torch.float16, device=DEVICE, seed=splits, padding_rows=1
     )
+    # request 3's largest scores in its first tile: the later tiles sit far below the
+    # running maximum, which their sums must carry
+    table3 = batch.meta.block_tables[3].long()
+    batch.k_cache[table3[0], :4] = 3 * batch.q[3, ::2].to(batch.k_cache.dtype).cpu()
     info = model_info(4, 2, 32, torch.float16, DEVICE)
     k_cache, v_cache = quantized_copy(batch, FP8, v_transposed=True)
     write_kv_cache(batch.k, batch.v, k_cache, v_cache, batch.meta.slot_mapping)
@@ -75,8 +85,9 @@ def test_decode_fp8_mma_merges_splits_and_tail_tiles_like_the_reference(splits, 
     assert torch.equal(out[5], torch.zeros_like(out[5]))  # the padding row: zeros
     assert torch.isfinite(out).all()
     assert int(counters.count_nonzero()) == 0  # left zero for the next launch
-    ref = _reference(batch, info)
-    assert relative_error(out[:5], ref[:5].double().cpu()) < FP8_MMA_AGREEMENT
+    ref = _reference(batch, info).double().cpu()
+    for row in range(5):
+        assert relative_error(out[row : row + 1], ref[row : row + 1]) < ROW_BOUND, row
     # a request of one token attends to its own value only: p' = 448 exactly
     block = batch.meta.block_tables[0, 0].long()
     one = v_cache[block, 0].float() * kv_quant.scales_of(v_cache)[block, 0][:, None]
@@ -104,15 +115,15 @@ def test_the_engine_allocates_the_layout_its_backend_asks_for_and_decodes_throug
     tiny_model_factory, monkeypatch
 ):
     """decode_fp8_mma = 1: the pool's fp8 values transposed, every decode step through the
-    fp8-MMA kernel (under the interpreter), and the f16 kernel's greedy tokens over the
-    default layout (q and p in e4m3 could flip a near tie; on this model they do not)."""
+    fp8-MMA kernel (under the interpreter), and the sampled tokens' logprobs within the
+    kernel's rounding of the f16 kernel's over the default layout."""
     from tokenloom import LLM, SamplingParams
     from tokenloom.plugins.attention.triton_kernels import decode_fp8_mma
 
-    model = str(tiny_model_factory("llama"))
-    greedy = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)
+    model = str(tiny_model_factory("llama", hidden_size=128))  # head_dim 32: the MMA's K
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6, logprobs=0)
     prompts = [[5, 6, 7, 8] * 5, [9, 10, 11]]
-    tokens = {}
+    tokens, logprobs = {}, {}
     calls: list[int] = []
     original = decode_fp8_mma.decode_fp8_mma
     monkeypatch.setattr(
@@ -128,10 +139,21 @@ def test_the_engine_allocates_the_layout_its_backend_asks_for_and_decodes_throug
         assert kv_quant.v_transposed(v_cache) == bool(on) and not kv_quant.v_transposed(k_cache)
         outs = llm.generate(prompts, greedy, use_tqdm=False)
         tokens[on] = [o.outputs[0].token_ids for o in outs]
+        logprobs[on] = torch.tensor(  # each token's {token id: logprob}: the sampled one's
+            [_sampled(o.outputs[0]) for o in outs]
+        )
         llm.engine.shutdown()
         assert (len(calls) > 0) == bool(on)  # 5 decode steps x the model's layers when on
-    assert all(len(t) == 6 for t in tokens[1])
     assert tokens[1] == tokens[0]  # deterministic here; a flipped near tie would show
+    # the decoded tokens' logprobs (the first comes from prefill, the same kernel both ways)
+    assert torch.equal(logprobs[1][:, 0], logprobs[0][:, 0])
+    drift = (logprobs[1][:, 1:] - logprobs[0][:, 1:]).abs().max().item()
+    assert 0 < drift < 0.05, drift
+
+
+def _sampled(completion):
+    pairs = zip(completion.logprobs, completion.token_ids, strict=True)
+    return [logprobs[token] for logprobs, token in pairs]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter reads e4m3's NaN byte as 480")

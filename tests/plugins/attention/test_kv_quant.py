@@ -146,11 +146,12 @@ def assert_same_quantized(got, ref, dtype):
     assert differs.float().mean() < 0.01
 
 
+@pytest.mark.parametrize("transposed", [False, True])  # fp8 values [heads, D, tokens]
 @pytest.mark.parametrize("dtype", KV_DTYPES)
-def test_triton_kv_write_stores_what_the_reference_stores(dtype):
+def test_triton_kv_write_stores_what_the_reference_stores(dtype, transposed):
     batch = make_batch([3, 1, 6], [10, 17, 6], device=DEVICE)
-    ref_k, ref_v = quantized_copy(batch, dtype)
-    k_cache, v_cache = quantized_copy(batch, dtype)
+    ref_k, ref_v = quantized_copy(batch, dtype, transposed)
+    k_cache, v_cache = quantized_copy(batch, dtype, transposed)
     write_kv_cache(batch.k, batch.v, ref_k, ref_v, batch.meta.slot_mapping)
     write_kv(batch.k, batch.v, k_cache, v_cache, batch.meta.slot_mapping)
     assert_same_quantized(k_cache, ref_k, dtype)
@@ -184,16 +185,18 @@ def tie_rows(tokens, heads, dim, seed=0):
     return x
 
 
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("dtype", KV_DTYPES)
-def test_triton_kv_write_rounds_ties_as_the_reference(dtype):
+def test_triton_kv_write_rounds_ties_as_the_reference(dtype, transposed):
     # The GPU failure of issue 12: values an ulp from a .5 tie went the other way when
     # the kernel's scale or division was an ulp off the reference's.
     tokens, heads, dim = 64, 2, 32
     k = tie_rows(tokens, heads, dim).to(DEVICE)
     v = tie_rows(tokens, heads, dim, seed=1).to(DEVICE)
     slots = torch.randperm(tokens, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    shape = (tokens // 16, 16, heads, dim)
     (k_cache, v_cache), (ref_k, ref_v) = [
-        kv_quant.allocate(1, tokens // 16, 16, heads, dim, dtype, torch.device(DEVICE))[1][0]
+        kv_quant.allocate(1, *shape, dtype, torch.device(DEVICE), transposed)[1][0]
         for _ in range(2)
     ]
     write_kv_cache(k, v, ref_k, ref_v, slots)
@@ -203,11 +206,12 @@ def test_triton_kv_write_rounds_ties_as_the_reference(dtype):
     assert kv_quant.scales_of(ref_k).count_nonzero() == tokens * heads
 
 
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("dtype", KV_DTYPES)
-def test_fused_rope_kernel_writes_the_quantized_rotated_keys_and_values(dtype):
+def test_fused_rope_kernel_writes_the_quantized_rotated_keys_and_values(dtype, transposed):
     batch = make_batch([3, 1, 6], [10, 17, 6], dtype=torch.float16, device=DEVICE)
-    ref_k, ref_v = quantized_copy(batch, dtype)
-    k_cache, v_cache = quantized_copy(batch, dtype)
+    ref_k, ref_v = quantized_copy(batch, dtype, transposed)
+    k_cache, v_cache = quantized_copy(batch, dtype, transposed)
     tokens, _, head_dim = batch.k.shape
     angles = torch.rand(tokens, 1, head_dim // 2, generator=torch.Generator().manual_seed(1))
     cos, sin = angles.cos().half().to(DEVICE), angles.sin().half().to(DEVICE)
