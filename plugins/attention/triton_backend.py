@@ -27,6 +27,7 @@ Without a GPU the kernels run under ``TRITON_INTERPRET=1`` with small tiles.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -57,6 +58,8 @@ from tokenloom.protocols.components.attention import (
 from tokenloom.protocols.components.model import ModelInfo
 from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
+
+log = logging.getLogger("tokenloom.attention")
 
 
 def is_interpreted() -> bool:
@@ -119,9 +122,14 @@ class TritonAttention(AttentionBackend):
         # the fp8-MMA decode, where the model's shape allows it, and the layout it reads;
         # its own stages and register cap (QUANT_DECODE was tuned for the f16 kernel)
         group = self.num_heads // self.num_kv_heads
-        self.decode_fp8_mma = bool(defaults["decode_fp8_mma"]) and decode_fp8_mma.supports_shape(
-            self.head_dim, group, config.block_size
-        )
+        shape_ok = decode_fp8_mma.supports_shape(self.head_dim, group, config.block_size)
+        if defaults["decode_fp8_mma"] and not shape_ok:
+            log.warning(
+                "plugin.triton.decode_fp8_mma: off for head_dim %d, %d query heads per KV "
+                "head, block_size %d (needs a power of two >= 32, <= 16, a multiple of 16)",
+                self.head_dim, group, config.block_size,
+            )  # fmt: skip
+        self.decode_fp8_mma = bool(defaults["decode_fp8_mma"]) and shape_ok
         self.fp8_values_transposed = self.decode_fp8_mma
         self.mma_decode_num_stages = int(settings.get("decode_num_stages", 1 if interpreted else 2))
         self.mma_decode_maxnreg = int(settings.get("decode_maxnreg", 0))

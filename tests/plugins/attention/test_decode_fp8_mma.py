@@ -186,3 +186,18 @@ def test_stale_slots_past_a_request_s_end_never_reach_its_output():
             kv_quant.scales_of(cache)[block, seq_len % 16 :] = float("nan")
     assert torch.isnan(v_cache[block, 15].float()).all()
     assert torch.equal(run(), clean)
+
+
+def test_the_setting_is_off_with_a_warning_for_shapes_the_kernel_cannot_take(caplog):
+    info = model_info(4, 2, 16, torch.float16, DEVICE)  # head_dim 16: an 8-bit dot's K < 32
+    with caplog.at_level("WARNING", logger="tokenloom.attention"):
+        attn = TritonAttention(EngineConfig(), info, decode_fp8_mma=1)
+    assert not attn.decode_fp8_mma and not attn.fp8_values_transposed
+    assert "decode_fp8_mma: off for head_dim 16" in caplog.text
+    pages_of_8 = TritonAttention(
+        EngineConfig(block_size=8), model_info(4, 2, 32, torch.float16, DEVICE), decode_fp8_mma=1
+    )
+    assert not pages_of_8.fp8_values_transposed
+    assert TritonAttention(
+        EngineConfig(), model_info(4, 2, 32, torch.float16, DEVICE), decode_fp8_mma=1
+    ).fp8_values_transposed
