@@ -68,7 +68,9 @@ for step in "$@"; do
       kern mma after "${M[@]}"  # its defaults: 2 stages, no register cap
       kern mma-s1r128 after "${M[@]}" --setting decode_num_stages=1 --setting decode_maxnreg=128
       kern mma-s2r128 after "${M[@]}" --setting decode_num_stages=2 --setting decode_maxnreg=128
-      kern mma-s1r0 after "${M[@]}" --setting decode_num_stages=1 --setting decode_maxnreg=0 ;;
+      kern mma-s1r0 after "${M[@]}" --setting decode_num_stages=1 --setting decode_maxnreg=0
+      # 149 registers and 70 KB of shared memory: 3 programs an SM, where the splits assume 4
+      kern mma-pps3 after "${M[@]}" --setting decode_programs_per_sm=3 ;;
     wide29)
       bench throughput fp8w-before before fp8 "${WIDE[@]}"
       bench throughput fp8w-after after fp8 "${WIDE[@]}"
