@@ -12,6 +12,10 @@ os.environ.setdefault("TOKENLOOM_LOG_LEVEL", "WARNING")
 # triton is imported anywhere.
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":  # e4m3 as the GPU converts it
+    from interpreter_e4m3 import install
+
+    install()
 
 
 def _has_cuda() -> bool:

@@ -33,10 +33,10 @@ QUANT_ERROR = {torch.int8: 1e-2, torch.float8_e4m3fn: 4e-2}
 # Triton vs torch over the same quantized cache.
 AGREEMENT = {torch.float32: 1e-5, torch.float16: 3e-3}
 # The fp8 decode with fp8 products (decode_fp8_mma) rounds q and p * v_scale to e4m3
-# (3 mantissa bits): 3.5-6% relative on these random shapes in the interpreter, whose
-# e4m3 conversion also halves the values whose rounding carries into the next power of
-# two (124.8 -> 64, ~1% of them). A wrong layout or scale is off by ~100%.
-FP8_MMA_AGREEMENT = 8e-2 if DEVICE == "cuda" else 1.5e-1
+# (3 mantissa bits): 3.7-4.1% relative on these random shapes (sharp softmax), with the
+# interpreter's e4m3 conversions done as the GPU does them (tests/interpreter_e4m3.py).
+# A wrong layout or scale is off by ~100%.
+FP8_MMA_AGREEMENT = 8e-2
 
 
 def quantized_copy(batch, dtype, v_transposed=False):
@@ -133,15 +133,13 @@ def assert_same_quantized(got, ref, dtype):
         return
     values = kv_quant.dequantize(got, kv_quant.scales_of(got), torch.float32)
     expected = kv_quant.dequantize(ref, kv_quant.scales_of(ref), torch.float32)
-    # fp8: within one ulp (2^-3 relative; the casts may round a tie differently). The
-    # interpreter's conversion also mis-rounds when rounding up carries into the
-    # exponent (124.8 -> 64, not 128): allow exactly that off the GPU.
+    # fp8: within one ulp (2^-3 relative; the casts may round a tie differently). Under
+    # the interpreter its e4m3 conversion is replaced by the GPU's rounding
+    # (tests/interpreter_e4m3.py: it halved values whose rounding carried into the
+    # exponent, 124.8 -> 64).
     differs = got.float() != ref.float()
     ulp = expected.abs() / 8 + kv_quant.scales_of(ref)[..., None] * 2**-9
     near = (values - expected).abs() <= ulp * 1.001
-    if DEVICE != "cuda":
-        power_of_two = torch.log2(ref.float().abs()) == torch.log2(ref.float().abs()).round()
-        near |= (got.float() * 2 == ref.float()) & power_of_two
     assert torch.all(near)
     assert differs.float().mean() < 0.01
 

@@ -194,5 +194,5 @@ def test_builtin_model_on_the_gpu_loses_at_most_one_percent_perplexity(kv_cache_
 
 
 def test_stale_nan_slots_never_reach_the_fp8_mma_output_on_the_gpu():
-    """The fp8 products read e4m3's NaN byte as NaN here (the interpreter does not)."""
+    """The same on the device, where the fp8 products read the NaN byte as NaN natively."""
     stale_slots_case()

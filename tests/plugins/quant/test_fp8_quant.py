@@ -1,7 +1,8 @@
 """The per-token fp8 activation quantization: the one-pass kernel (the default; rows up to
 16,384 elements held in registers) gives the two-pass kernel's bits, and the oracle's
 scales.
-In the interpreter on the CPU; the GPU test against torch's own e4m3 cast is
+In the interpreter on the CPU (its e4m3 conversion replaced by the GPU's rounding,
+``tests/interpreter_e4m3.py``); the GPU test against torch's own e4m3 cast is
 ``test_gpu_kernels.py::test_fused_per_token_fp8_equals_the_torch_reference``."""
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ def test_the_one_pass_kernel_gives_the_two_pass_kernel_s_bits(dtype, m, k):
     q2, s2 = per_token_fp8(x, one_pass=False)
     assert torch.equal(s1, s2)
     assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8))
-    _, s_ref = quantize_fp8_rows(x)
+    q_ref, s_ref = quantize_fp8_rows(x)
     assert torch.equal(s1, s_ref.to(s1.device))
+    # the reference's e4m3 values too (the interpreter's conversion is the GPU's here:
+    # tests/interpreter_e4m3.py)
+    assert torch.equal(q1.float(), q_ref.to(q1.device).float())
 
 
 def test_rows_up_to_the_limit_take_the_one_pass_kernel_when_it_is_on(monkeypatch):
