@@ -18,10 +18,21 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass
+class LearnedRounding:
+    """``--rounding learned``'s settings (``plugins.quant.signround.learn_layers``)."""
+
+    iters: int = 200
+    batch: int = 4
+    target: Literal["float", "local"] = "float"
+    per_token: bool = False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,6 +79,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --awq: also AWQ's clipping search (each group's range shrunk by the "
         "ratio, 1 to 0.55, of least rounded output error; it raised the perplexity of the "
         "built-in model)",
+    )
+    parser.add_argument(
+        "--rounding",
+        choices=("gptq", "learned"),
+        default="gptq",
+        help="gptq: each Linear's own output error, column by column (default); learned: "
+        "each decoder layer's output, by signed gradient descent on every weight's "
+        "rounding offset (plugins/quant/signround.py)",
+    )
+    parser.add_argument("--iters", type=int, default=200, metavar="N", help="learned: per layer")
+    parser.add_argument(
+        "--batch", type=int, default=4, metavar="N", help="learned: sequences per step"
+    )
+    parser.add_argument(
+        "--target",
+        choices=("float", "local"),
+        default="float",
+        help="learned: fit each layer to the float model's stream (default) or to the float "
+        "layer on the quantized stream",
     )
     parser.add_argument("--seed", type=int, default=0, help="of the calibration sampling")
     parser.add_argument(
@@ -137,9 +167,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         about=about,
         awq=args.awq,
         awq_clip=args.awq_clip,
+        learned=LearnedRounding(args.iters, args.batch, args.target)
+        if args.rounding == "learned"
+        else None,
     )
     print(
-        f"GPTQ: quantized in {time.perf_counter() - sampled:.0f} s; wrote {args.out} "
+        f"{args.rounding}: quantized in {time.perf_counter() - sampled:.0f} s; wrote {args.out} "
         f"(load with --quant {args.method})"
     )
     return 0
@@ -157,11 +190,13 @@ def quantize_checkpoint(
     about: dict[str, Any] | None = None,
     awq: bool = False,
     awq_clip: bool = False,
+    learned: LearnedRounding | None = None,
 ) -> None:
     """Load ``model_path`` (directory or GGUF) in float32 on the CPU, GPTQ its
     decoder layers for ``method`` (int4 | fp8) calibrated on ``sequences``, write the
     checkpoint to ``out`` (dense tensors in ``dtype``, default float32). ``awq``
-    (int4): AWQ-scale each layer first; ``awq_clip``: and clip its groups."""
+    (int4): AWQ-scale each layer first; ``awq_clip``: and clip its groups. ``learned``:
+    learned rounding of each layer's output instead of GPTQ."""
     import torch
 
     from tokenloom.plugins.models.gguf import find_gguf
@@ -195,7 +230,16 @@ def quantize_checkpoint(
         scaler = AwqScaler(int4_rtn(group), clip_group=group if awq_clip else 0)
     started = time.perf_counter()
     model, _ = load_model(model_path, torch.float32, "cpu")
-    grids = quantize_sequentially(model, sequences, make_grid, damping, act_order, scaler)
+    errors: dict[str, tuple[float, float]] = {}
+    if learned is None:
+        grids = quantize_sequentially(model, sequences, make_grid, damping, act_order, scaler)
+    else:
+        from tokenloom.plugins.quant.signround import learn_layers
+
+        grids = learn_layers(
+            model, sequences, method, group, learned.iters, learned.batch, learned.target,
+            prepare_layer=scaler, record=errors, per_token=learned.per_token,
+        )  # fmt: skip
     write_checkpoint(
         out,
         source,
@@ -206,12 +250,18 @@ def quantize_checkpoint(
         {
             **(about or {}),
             "source": Path(model_path).name,
-            "method": f"{'awq + ' if awq else ''}gptq {method}",
+            "method": f"{'awq + ' if awq else ''}{'learned' if learned else 'gptq'} {method}",
             "calibration_tokens": sum(len(s) for s in sequences),
-            "damping": damping,
-            "act_order": act_order,
-            "sequential": "layer by layer, and Linear by Linear inside a layer",
-            "gptq_seconds": round(time.perf_counter() - started, 1),
+            **(
+                {"learned": vars(learned), "layer_errors": errors}
+                if learned
+                else {
+                    "damping": damping,
+                    "act_order": act_order,
+                    "sequential": "layer by layer, and Linear by Linear inside a layer",
+                }
+            ),
+            "quantize_seconds": round(time.perf_counter() - started, 1),
             **(_awq_record(scaler) if scaler else {}),
         },
     )
