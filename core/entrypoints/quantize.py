@@ -33,6 +33,7 @@ class LearnedRounding:
     batch: int = 4
     target: Literal["float", "local"] = "float"
     per_token: bool = False
+    head_kl: bool = False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,6 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
         default="float",
         help="learned: fit each layer to the float model's stream (default) or to the float "
         "layer on the quantized stream",
+    )
+    parser.add_argument(
+        "--per-token",
+        action="store_true",
+        help="learned: each token's output error relative to its own mean square (so the "
+        "attention sink's huge position-0 states do not outweigh the rest)",
+    )
+    parser.add_argument(
+        "--head-kl",
+        action="store_true",
+        help="learned: fit the last layer to the float model's next-token distribution "
+        "(KL through the final norm and LM head) instead of its output stream",
     )
     parser.add_argument("--seed", type=int, default=0, help="of the calibration sampling")
     parser.add_argument(
@@ -167,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         about=about,
         awq=args.awq,
         awq_clip=args.awq_clip,
-        learned=LearnedRounding(args.iters, args.batch, args.target)
+        learned=LearnedRounding(args.iters, args.batch, args.target, args.per_token, args.head_kl)
         if args.rounding == "learned"
         else None,
     )
@@ -239,6 +252,7 @@ def quantize_checkpoint(
         grids = learn_layers(
             model, sequences, method, group, learned.iters, learned.batch, learned.target,
             prepare_layer=scaler, record=errors, per_token=learned.per_token,
+            head=(lambda x: model.compute_logits(model.model.norm(x))) if learned.head_kl else None,
         )  # fmt: skip
     write_checkpoint(
         out,

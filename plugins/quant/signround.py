@@ -177,6 +177,8 @@ def learn_layers(
     prepare_layer: Callable[[int, nn.Module, Callable[[], None]], None] | None = None,
     record: dict[str, tuple[float, float]] | None = None,
     per_token: bool = False,
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    head_tokens: int = 256,
 ) -> dict[str, Grid]:
     """Round every ``Linear`` of ``model.model.layers`` in place by learned rounding
     (their ``weight`` then holds the rounded values); returns each one's grid by
@@ -185,7 +187,10 @@ def learn_layers(
     stream. ``record``: each layer's mean output error, rounded to nearest and learned.
     ``per_token``: each token's error relative to its target's mean square (the final
     norm's view), so that a few huge tokens (the attention sink's) do not outweigh the
-    rest."""
+    rest. ``head`` (the final norm and LM head: stream -> logits): the last layer is
+    fitted to the float model's next-token distribution instead (the KL divergence,
+    on ``head_tokens`` evenly spaced tokens of each pack), what the perplexity
+    measures."""
     length = len(sequences[0])
     if any(len(s) != length for s in sequences):
         raise ValueError("learned rounding packs sequences of one length")
@@ -205,7 +210,9 @@ def learn_layers(
             quant.append((hidden, None))
             fp.append((hidden, None))
     grids: dict[str, Grid] = {}
+    model.requires_grad_(False)  # gradients for the rounding parameters only
     for index, layer in enumerate(inner.layers):
+        error = _error_fn(per_token, head if index == len(inner.layers) - 1 else None, head_tokens)
         with torch.no_grad():
             targets = []
             for i in range(len(packs)):
@@ -229,13 +236,13 @@ def learn_layers(
             else []
         )
         try:
-            before = _mean_loss(layer, rounders, ropes, quant, targets, ctx, per_token)
+            before = _mean_loss(layer, rounders, ropes, quant, targets, ctx, error)
             params = [p for r in rounders.values() for p in r.parameters()]
             for step in range(iters):
                 i = step % len(packs)
                 weights = {f"{n}.weight": r() for n, r in rounders.items()}
                 h, r = functional_call(layer, weights, (ropes[i], *quant[i], ctx))
-                loss = _error(h + r, targets[i], per_token)
+                loss = error(h + r, targets[i])
                 for p in params:
                     p.grad = None
                 loss.backward()
@@ -246,7 +253,7 @@ def learn_layers(
                             p.sub_(lr * torch.sign(p.grad))
                     for rounder in rounders.values():
                         rounder.clamp_()
-            after = _mean_loss(layer, rounders, ropes, quant, targets, ctx, per_token)
+            after = _mean_loss(layer, rounders, ropes, quant, targets, ctx, error)
             with torch.no_grad():
                 for n, rounder in rounders.items():
                     linears[n].weight.data.copy_(rounder())
@@ -265,13 +272,33 @@ def learn_layers(
     return grids
 
 
-def _error(out: torch.Tensor, target: torch.Tensor, per_token: bool) -> torch.Tensor:
-    """The mean squared error, or with ``per_token`` of each token relative to its
-    target's mean square."""
-    squared = (out - target).square()
-    if per_token:
-        squared = squared / target.square().mean(dim=-1, keepdim=True).clamp(min=1e-12)
-    return squared.mean()
+Error = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _error_fn(
+    per_token: bool, head: Callable[[torch.Tensor], torch.Tensor] | None, head_tokens: int
+) -> Error:
+    """``(out, target) -> loss`` of a layer's output stream: the KL divergence of the
+    next-token distributions through ``head``, else the mean squared error (with
+    ``per_token``, each token's relative to its target's mean square)."""
+    if head is not None:
+
+        def kl(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            rows = torch.linspace(0, len(out) - 1, min(head_tokens, len(out))).long()
+            with torch.no_grad():
+                reference = F.log_softmax(head(target[rows]).float(), dim=-1)
+            logp = F.log_softmax(head(out[rows]).float(), dim=-1)
+            return F.kl_div(logp, reference, log_target=True, reduction="batchmean")
+
+        return kl
+
+    def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        squared = (out - target).square()
+        if per_token:
+            squared = squared / target.square().mean(dim=-1, keepdim=True).clamp(min=1e-12)
+        return squared.mean()
+
+    return mse
 
 
 @torch.no_grad()
@@ -282,15 +309,15 @@ def _mean_loss(
     states: list[Stream],
     targets: list[torch.Tensor],
     ctx: ForwardContext,
-    per_token: bool,
+    error: Error,
 ) -> float:
-    """The layer's mean squared output error over every pack, rounded as ``rounders``
-    round now."""
+    """The layer's mean output error over every pack, rounded as ``rounders`` round
+    now."""
     weights = {f"{n}.weight": r() for n, r in rounders.items()}
     total = 0.0
     for rope, state, target in zip(ropes, states, targets, strict=True):
         h, r = functional_call(layer, weights, (rope, *state, ctx))
-        total += _error(h + r, target, per_token).item()
+        total += error(h + r, target).item()
     return total / len(targets)
 
 
