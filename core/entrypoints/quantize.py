@@ -36,6 +36,15 @@ class LearnedRounding:
     head_kl: bool = False
 
 
+@dataclass
+class ScaleTuning:
+    """``--tune-scales``'s settings (``plugins.quant.scale_tuning.tune_scales``)."""
+
+    steps: int
+    batch: int = 4
+    lr: float = 1e-3
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenloom quantize",
@@ -91,7 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--iters", type=int, default=200, metavar="N", help="learned: per layer")
     parser.add_argument(
-        "--batch", type=int, default=4, metavar="N", help="learned: sequences per step"
+        "--batch",
+        type=int,
+        default=4,
+        metavar="N",
+        help="learned rounding and scale tuning: sequences per step",
     )
     parser.add_argument(
         "--target",
@@ -111,6 +124,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="learned: fit the last layer to the float model's next-token distribution "
         "(KL through the final norm and LM head) instead of its output stream",
+    )
+    parser.add_argument(
+        "--tune-scales",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="int4: after the rounding, train every group's scale (codes and zero points "
+        "fixed) for STEPS Adam steps on the whole model's next-token KL from the float "
+        "model's (plugins/quant/scale_tuning.py; default 0: off)",
+    )
+    parser.add_argument(
+        "--tune-lr", type=float, default=1e-3, metavar="F", help="scale tuning: Adam's rate"
     )
     parser.add_argument("--seed", type=int, default=0, help="of the calibration sampling")
     parser.add_argument(
@@ -140,6 +165,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.awq is None:
         args.awq = args.method == "int4"
+    if args.tune_scales < 0 or (args.tune_scales and args.method != "int4"):
+        print("error: --tune-scales is for --method int4, STEPS >= 0", file=sys.stderr)
+        return 2
     if (args.awq or args.awq_clip) and (args.method != "int4" or not args.awq):
         print("error: --awq is for --method int4; --awq-clip needs --awq", file=sys.stderr)
         return 2
@@ -183,6 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         learned=LearnedRounding(args.iters, args.batch, args.target, args.per_token, args.head_kl)
         if args.rounding == "learned"
         else None,
+        tune=ScaleTuning(args.tune_scales, args.batch, args.tune_lr) if args.tune_scales else None,
     )
     print(
         f"{args.rounding}: quantized in {time.perf_counter() - sampled:.0f} s; wrote {args.out} "
@@ -204,12 +233,14 @@ def quantize_checkpoint(
     awq: bool = False,
     awq_clip: bool = False,
     learned: LearnedRounding | None = None,
+    tune: ScaleTuning | None = None,
 ) -> None:
     """Load ``model_path`` (directory or GGUF) in float32 on the CPU, GPTQ its
     decoder layers for ``method`` (int4 | fp8) calibrated on ``sequences``, write the
     checkpoint to ``out`` (dense tensors in ``dtype``, default float32). ``awq``
     (int4): AWQ-scale each layer first; ``awq_clip``: and clip its groups. ``learned``:
-    learned rounding of each layer's output instead of GPTQ."""
+    learned rounding of each layer's output instead of GPTQ. ``tune`` (int4): then the
+    scales trained end to end on the float model's next-token distributions."""
     import torch
 
     from tokenloom.plugins.models.gguf import find_gguf
@@ -243,6 +274,11 @@ def quantize_checkpoint(
         scaler = AwqScaler(int4_rtn(group), clip_group=group if awq_clip else 0)
     started = time.perf_counter()
     model, _ = load_model(model_path, torch.float32, "cpu")
+    teacher = None
+    if tune is not None:
+        from tokenloom.plugins.quant.scale_tuning import teacher_log_probs, tune_scales
+
+        teacher = teacher_log_probs(model, sequences, tune.batch)  # the float model's
     errors: dict[str, tuple[float, float]] = {}
     if learned is None:
         grids = quantize_sequentially(model, sequences, make_grid, damping, act_order, scaler)
@@ -254,6 +290,18 @@ def quantize_checkpoint(
             prepare_layer=scaler, record=errors, per_token=learned.per_token,
             head=(lambda x: model.compute_logits(model.model.norm(x))) if learned.head_kl else None,
         )  # fmt: skip
+    tuned: dict[str, Any] = {}
+    if tune is not None and teacher is not None:
+        rounded = time.perf_counter()
+        kl = tune_scales(model, sequences, grids, teacher, tune.steps, tune.batch, tune.lr)
+        tuned = {
+            "scale_tuning": {
+                **vars(tune),
+                "kl_before": kl[0],
+                "kl_after": kl[1],
+                "seconds": round(time.perf_counter() - rounded, 1),
+            }
+        }
     write_checkpoint(
         out,
         source,
@@ -264,7 +312,8 @@ def quantize_checkpoint(
         {
             **(about or {}),
             "source": Path(model_path).name,
-            "method": f"{'awq + ' if awq else ''}{'learned' if learned else 'gptq'} {method}",
+            "method": f"{'awq + ' if awq else ''}{'learned' if learned else 'gptq'} {method}"
+            + (" + tuned scales" if tune else ""),
             "calibration_tokens": sum(len(s) for s in sequences),
             **(
                 {"learned": vars(learned), "layer_errors": errors}
@@ -277,6 +326,7 @@ def quantize_checkpoint(
             ),
             "quantize_seconds": round(time.perf_counter() - started, 1),
             **(_awq_record(scaler) if scaler else {}),
+            **tuned,
         },
     )
 

@@ -1,0 +1,144 @@
+"""End-to-end tuning of int4 scales: after the layer-by-layer rounding (GPTQ or learned
+rounding), every code and zero point stays as it is and each group's float16 scale is
+trained on the whole model's next-token distributions against the float model's (the
+KL divergence), by Adam.
+
+This is the second phase of EfficientQAT (Chen et al. 2024, "EfficientQAT: Efficient
+Quantization-Aware Training for Large Language Models", E2E-QP; written here from the
+paper), with the float model as the teacher instead of the data's next tokens. The
+layer-wise methods each see one layer's output; only this step sees what the
+perplexity measures. It trains 1/128 of the parameters a weight has (one scale per
+group of 128 weights), so it cannot overfit a small calibration set the way training
+the weights would, and the checkpoint format is unchanged.
+
+Scales are trained as ``s = s0 * exp(t)`` (``t`` starts at 0; a relative step), rounded
+to float16 in the forward pass (straight through), so what is trained is what is stored.
+Sequences of one length are packed ``batch`` at a time (``signround.PackedAttention``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from tokenloom.logging import get_logger
+from tokenloom.plugins.quant.gptq import Grid, Int4Grid
+from tokenloom.plugins.quant.signround import PackedAttention
+from tokenloom.protocols.components.attention import ForwardContext
+
+log = get_logger(__name__)
+
+
+class _Scales(nn.Module):
+    """One ``Int4Grid``'s weight as ``(codes - zeros) * scales``, the scales trainable."""
+
+    def __init__(self, grid: Int4Grid) -> None:
+        super().__init__()
+        assert grid.codes is not None
+        n, k = grid.codes.shape
+        self.group, self.k, self.grid = grid.group, k, grid
+        zeros = torch.stack(grid.zeros).t()  # [N, G]
+        self.register_buffer("scale0", torch.stack(grid.scales).t().contiguous())  # [N, G]
+        steps = grid.codes.float() - zeros.repeat_interleave(self.group, dim=1)[:, :k]
+        self.register_buffer("steps", steps)  # [N, K]: codes - zero, integers
+        self.t = nn.Parameter(torch.zeros_like(self.scale0))
+
+    def scales(self) -> torch.Tensor:
+        scale = self.scale0 * torch.exp(self.t)
+        return scale + (scale.half().float() - scale).detach()  # stored as float16
+
+    def forward(self) -> torch.Tensor:
+        return self.steps * self.scales().repeat_interleave(self.group, dim=1)[:, : self.k]
+
+    @torch.no_grad()
+    def store(self) -> torch.Tensor:
+        """Write the trained scales into the grid; returns the weight they give."""
+        self.grid.scales = list(self.scales().t().contiguous())
+        return self()
+
+
+def _packs(sequences: list[list[int]], batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(ids, positions)`` of ``batch`` sequences at a time, packed."""
+    length = len(sequences[0])
+    if any(len(s) != length for s in sequences):
+        raise ValueError("scale tuning packs sequences of one length")
+    packs = [sequences[i : i + batch] for i in range(0, len(sequences), batch)]
+    return [
+        (torch.tensor([t for s in p for t in s]), torch.arange(length).repeat(len(p)))
+        for p in packs
+    ]
+
+
+def _context(model: nn.Module, length: int) -> ForwardContext:
+    return ForwardContext(
+        attn=PackedAttention(length),  # type: ignore[arg-type]
+        meta=None,  # type: ignore[arg-type]
+        kv_caches=[(torch.empty(0), torch.empty(0))] * len(model.model.layers),
+    )
+
+
+@torch.no_grad()
+def teacher_log_probs(
+    model: nn.Module, sequences: list[list[int]], batch: int = 4
+) -> list[torch.Tensor]:
+    """The (float) model's next-token log-probabilities on every pack of ``sequences``,
+    stored as float16 ``[tokens, vocab]``: the targets of ``tune_scales``."""
+    ctx = _context(model, len(sequences[0]))
+    return [
+        F.log_softmax(model.compute_logits(model(ids, pos, ctx)), dim=-1).half()
+        for ids, pos in _packs(sequences, batch)
+    ]
+
+
+def tune_scales(
+    model: nn.Module,
+    sequences: list[list[int]],
+    grids: dict[str, Grid],
+    teacher: list[torch.Tensor],
+    steps: int,
+    batch: int = 4,
+    lr: float = 1e-3,
+) -> tuple[float, float]:
+    """Train the scales of every ``Int4Grid`` in ``grids`` (by module name) for
+    ``steps`` Adam steps of one pack each; the grids and the model's weights then hold
+    the trained values. ``teacher``: ``teacher_log_probs`` of the float model on the
+    same ``sequences`` and ``batch``. Returns the mean KL over every pack, before and
+    after."""
+    scales = {n: _Scales(g) for n, g in grids.items() if isinstance(g, Int4Grid)}
+    packs = _packs(sequences, batch)
+    if len(teacher) != len(packs):
+        raise ValueError("teacher_log_probs must come from the same sequences and batch")
+    ctx = _context(model, len(sequences[0]))
+    model.requires_grad_(False)
+
+    def kl(i: int) -> torch.Tensor:
+        weights = {f"{n}.weight": s() for n, s in scales.items()}
+        ids, pos = packs[i]
+        hidden = functional_call(model, weights, (ids, pos, ctx))
+        logp = F.log_softmax(model.compute_logits(hidden), dim=-1)
+        return F.kl_div(logp, teacher[i].float(), log_target=True, reduction="batchmean")
+
+    def mean_kl() -> float:
+        with torch.no_grad():
+            return sum(float(kl(i)) for i in range(len(packs))) / len(packs)
+
+    before = mean_kl()
+    optimizer = torch.optim.Adam([s.t for s in scales.values()], lr=lr)
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = kl(step % len(packs))
+        loss.backward()
+        loss = loss.detach()
+        optimizer.step()
+        if (step + 1) % len(packs) == 0 or step + 1 == steps:
+            log.info("scale tuning: step %d of %d, KL %.4g", step + 1, steps, loss.item())
+    for name, s in scales.items():
+        model.get_submodule(name).weight.data.copy_(s.store())
+    after = mean_kl()
+    log.info("scale tuning: mean KL %.4g -> %.4g over %d packs", before, after, len(packs))
+    return before, after
+
+
+__all__ = ["teacher_log_probs", "tune_scales"]
