@@ -130,9 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="STEPS",
-        help="int4: after the rounding, train every group's scale (codes and zero points "
-        "fixed) for STEPS Adam steps on the whole model's next-token KL from the float "
-        "model's (plugins/quant/scale_tuning.py; default 0: off)",
+        help="after the rounding, train every int4 group's (fp8 row's) scale, codes and "
+        "zero points fixed, for STEPS Adam steps on the whole model's next-token KL from "
+        "the float model's (plugins/quant/scale_tuning.py; default 0: off)",
     )
     parser.add_argument(
         "--tune-lr", type=float, default=1e-3, metavar="F", help="scale tuning: Adam's rate"
@@ -165,8 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.awq is None:
         args.awq = args.method == "int4"
-    if args.tune_scales < 0 or (args.tune_scales and args.method != "int4"):
-        print("error: --tune-scales is for --method int4, STEPS >= 0", file=sys.stderr)
+    if args.tune_scales < 0:
+        print("error: --tune-scales STEPS >= 0", file=sys.stderr)
         return 2
     if (args.awq or args.awq_clip) and (args.method != "int4" or not args.awq):
         print("error: --awq is for --method int4; --awq-clip needs --awq", file=sys.stderr)
@@ -239,7 +239,7 @@ def quantize_checkpoint(
     decoder layers for ``method`` (int4 | fp8) calibrated on ``sequences``, write the
     checkpoint to ``out`` (dense tensors in ``dtype``, default float32). ``awq``
     (int4): AWQ-scale each layer first; ``awq_clip``: and clip its groups. ``learned``:
-    learned rounding of each layer's output instead of GPTQ. ``tune`` (int4): then the
+    learned rounding of each layer's output instead of GPTQ. ``tune``: then the
     scales trained end to end on the float model's next-token distributions."""
     import torch
 

@@ -1,14 +1,16 @@
-"""End-to-end tuning of int4 scales: after the layer-by-layer rounding (GPTQ or learned
-rounding), every code and zero point stays as it is and each group's float16 scale is
-trained on the whole model's next-token distributions against the float model's (the
-KL divergence), by Adam.
+"""End-to-end tuning of the quantized weights' scales: after the layer-by-layer rounding
+(GPTQ or learned rounding), every code and zero point stays as it is and each int4
+group's float16 scale, or each fp8 row's float32 scale, is trained on the whole model's
+next-token distributions against the float model's (the KL divergence), by Adam. For
+fp8 every quantized ``Linear``'s input is rounded per token in the loop as the W8A8
+kernels round it (straight through).
 
 This is the second phase of EfficientQAT (Chen et al. 2024, "EfficientQAT: Efficient
 Quantization-Aware Training for Large Language Models", E2E-QP; written here from the
 paper), with the float model as the teacher instead of the data's next tokens. The
 layer-wise methods each see one layer's output; only this step sees what the
 perplexity measures. It trains 1/128 of the parameters a weight has (one scale per
-group of 128 weights), so it cannot overfit a small calibration set the way training
+group of 128 weights; fp8: one per row), so it cannot overfit a small calibration set the way training
 the weights would, and the checkpoint format is unchanged.
 
 Scales are trained as ``s = s0 * exp(t)`` (``t`` starts at 0; a relative step), rounded
@@ -24,8 +26,8 @@ from torch import nn
 from torch.func import functional_call
 
 from tokenloom.logging import get_logger
-from tokenloom.plugins.quant.gptq import Grid, Int4Grid
-from tokenloom.plugins.quant.signround import PackedAttention
+from tokenloom.plugins.quant.gptq import Fp8Grid, Grid, Int4Grid
+from tokenloom.plugins.quant.signround import PackedAttention, round_activations
 from tokenloom.protocols.components.attention import ForwardContext
 
 log = get_logger(__name__)
@@ -56,6 +58,26 @@ class _Scales(nn.Module):
     def store(self) -> torch.Tensor:
         """Write the trained scales into the grid; returns the weight they give."""
         self.grid.scales = list(self.scales().t().contiguous())
+        return self()
+
+
+class _RowScales(nn.Module):
+    """One ``Fp8Grid``'s weight as ``codes * scales``, the row scales trainable."""
+
+    def __init__(self, grid: Fp8Grid) -> None:
+        super().__init__()
+        assert grid.codes is not None and grid.scales is not None
+        self.grid = grid
+        self.register_buffer("codes", grid.codes.float())  # [N, K] e4m3 values
+        self.register_buffer("scale0", grid.scales.float().clone())  # [N, 1]
+        self.t = nn.Parameter(torch.zeros_like(self.scale0))
+
+    def forward(self) -> torch.Tensor:
+        return self.codes * (self.scale0 * torch.exp(self.t))
+
+    @torch.no_grad()
+    def store(self) -> torch.Tensor:
+        self.grid.scales = self.scale0 * torch.exp(self.t)
         return self()
 
 
@@ -101,12 +123,15 @@ def tune_scales(
     batch: int = 4,
     lr: float = 1e-3,
 ) -> tuple[float, float]:
-    """Train the scales of every ``Int4Grid`` in ``grids`` (by module name) for
+    """Train the scales of every grid in ``grids`` (by module name) for
     ``steps`` Adam steps of one pack each; the grids and the model's weights then hold
     the trained values. ``teacher``: ``teacher_log_probs`` of the float model on the
     same ``sequences`` and ``batch``. Returns the mean KL over every pack, before and
     after."""
-    scales = {n: _Scales(g) for n, g in grids.items() if isinstance(g, Int4Grid)}
+    scales: dict[str, _Scales | _RowScales] = {
+        n: _Scales(g) if isinstance(g, Int4Grid) else _RowScales(g)  # type: ignore[arg-type]
+        for n, g in grids.items()
+    }
     packs = _packs(sequences, batch)
     if len(teacher) != len(packs):
         raise ValueError("teacher_log_probs must come from the same sequences and batch")
@@ -124,19 +149,29 @@ def tune_scales(
         with torch.no_grad():
             return sum(float(kl(i)) for i in range(len(packs))) / len(packs)
 
-    before = mean_kl()
-    optimizer = torch.optim.Adam([s.t for s in scales.values()], lr=lr)
-    for step in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        loss = kl(step % len(packs))
-        loss.backward()
-        loss = loss.detach()
-        optimizer.step()
-        if (step + 1) % len(packs) == 0 or step + 1 == steps:
-            log.info("scale tuning: step %d of %d, KL %.4g", step + 1, steps, loss.item())
-    for name, s in scales.items():
-        model.get_submodule(name).weight.data.copy_(s.store())
-    after = mean_kl()
+    hooks = [
+        model.get_submodule(n).register_forward_pre_hook(round_activations)
+        for n, g in grids.items()
+        if isinstance(g, Fp8Grid)
+    ]
+    try:
+        before = mean_kl()
+        optimizer = torch.optim.Adam([s.t for s in scales.values()], lr=lr)
+        for step in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            loss = kl(step % len(packs))
+            loss.backward()
+            optimizer.step()
+            if (step + 1) % len(packs) == 0 or step + 1 == steps:
+                log.info(
+                    "scale tuning: step %d of %d, KL %.4g", step + 1, steps, loss.detach().item()
+                )
+        for name, s in scales.items():
+            model.get_submodule(name).weight.data.copy_(s.store())
+        after = mean_kl()
+    finally:
+        for hook in hooks:
+            hook.remove()
     log.info("scale tuning: mean KL %.4g -> %.4g over %d packs", before, after, len(packs))
     return before, after
 

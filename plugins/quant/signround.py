@@ -154,7 +154,7 @@ class PackedAttention:
         return out.transpose(1, 2).reshape(t, heads, dim)
 
 
-def _round_activations(_: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+def round_activations(_: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
     """A forward pre-hook: the input rounded per token as the W8A8 kernels do, with
     gradients straight through."""
     x = args[0]
@@ -231,7 +231,7 @@ def learn_layers(
             for n, m in linears.items()
         }
         hooks = (
-            [m.register_forward_pre_hook(_round_activations) for m in linears.values()]
+            [m.register_forward_pre_hook(round_activations) for m in linears.values()]
             if method == "fp8"
             else []
         )
@@ -326,4 +326,11 @@ def _run(layer: nn.Module, ropes: list, states: list[Stream], ctx: ForwardContex
         layer(rope, hidden, residual, ctx)
 
 
-__all__ = ["Fp8Rounding", "Int4Rounding", "PackedAttention", "learn_layers", "round_ste"]
+__all__ = [
+    "Fp8Rounding",
+    "Int4Rounding",
+    "PackedAttention",
+    "learn_layers",
+    "round_activations",
+    "round_ste",
+]

@@ -1,6 +1,7 @@
 """End-to-end scale tuning (plugins/quant/scale_tuning.py): on a tiny model rounded to
-nearest, it lowers the whole model's next-token KL from the float model's; it changes
-only the scales (codes and zero points as they were), and the grids then hold exactly
+nearest, it lowers the whole model's next-token KL from the float model's (int4 group
+scales; fp8 row scales, the activations rounded in the loop); it changes only the
+scales (codes and zero points as they were), and the grids then hold exactly
 the model's weights; ``tokenloom quantize --tune-scales`` writes such a checkpoint."""
 
 from __future__ import annotations
@@ -48,6 +49,24 @@ def test_tuning_lowers_the_kl_and_changes_only_the_scales(tiny):
         values = dequantize_int4(qweight, s, z, 32, torch.float32)
         assert torch.equal(values, model.get_submodule(name).weight.data)
     assert moved > 0
+
+
+def test_fp8_row_scales_tuned_with_the_activations_rounded(tiny):
+    from tokenloom.plugins.models.loader import load_model
+
+    model, _ = load_model(tiny, torch.float32, "cpu")
+    sequences = _sequences()
+    teacher = teacher_log_probs(model, sequences, batch=2)
+    grids = learn_layers(model, sequences, "fp8", iters=0, batch=2)  # nearest
+    codes = {n: g.codes.clone() for n, g in grids.items()}  # type: ignore[attr-defined]
+    before, after = tune_scales(model, sequences, grids, teacher, steps=40, batch=2, lr=5e-3)
+    assert after < 0.9 * before, (before, after)
+    for name, grid in grids.items():
+        assert torch.equal(grid.codes, codes[name])  # type: ignore[attr-defined]
+        values = grid.codes.float() * grid.scales  # type: ignore[attr-defined]
+        assert torch.equal(values, model.get_submodule(name).weight.data)
+    linear = next(iter(grids))
+    assert not model.get_submodule(linear)._forward_pre_hooks  # the rounding hooks are gone
 
 
 def test_tuning_refuses_a_teacher_of_other_packs(tiny):
