@@ -184,7 +184,8 @@ def learn_layers(
     (their ``weight`` then holds the rounded values); returns each one's grid by
     module name. ``sequences`` must share one length. ``prepare_layer`` as in
     ``calibration.quantize_sequentially`` (e.g. AWQ's scaling), on the quantized
-    stream. ``record``: each layer's mean output error, rounded to nearest and learned.
+    stream. ``record``: each layer's mean output error, rounded to nearest and learned (over
+    16 evenly spaced packs).
     ``per_token``: each token's error relative to its target's mean square (the final
     norm's view), so that a few huge tokens (the attention sink's) do not outweigh the
     rest. ``head`` (the final norm and LM head: stream -> logits): the last layer is
@@ -210,6 +211,7 @@ def learn_layers(
             quant.append((hidden, None))
             fp.append((hidden, None))
     grids: dict[str, Grid] = {}
+    shown = sorted({round(i * (len(packs) - 1) / 15) for i in range(16)})  # for the record
     model.requires_grad_(False)  # gradients for the rounding parameters only
     for index, layer in enumerate(inner.layers):
         error = _error_fn(per_token, head if index == len(inner.layers) - 1 else None, head_tokens)
@@ -236,7 +238,7 @@ def learn_layers(
             else []
         )
         try:
-            before = _mean_loss(layer, rounders, ropes, quant, targets, ctx, error)
+            before = _mean_loss(layer, rounders, ropes, quant, targets, ctx, error, shown)
             params = [p for r in rounders.values() for p in r.parameters()]
             for step in range(iters):
                 i = step % len(packs)
@@ -253,7 +255,7 @@ def learn_layers(
                             p.sub_(lr * torch.sign(p.grad))
                     for rounder in rounders.values():
                         rounder.clamp_()
-            after = _mean_loss(layer, rounders, ropes, quant, targets, ctx, error)
+            after = _mean_loss(layer, rounders, ropes, quant, targets, ctx, error, shown)
             with torch.no_grad():
                 for n, rounder in rounders.items():
                     linears[n].weight.data.copy_(rounder())
@@ -310,15 +312,16 @@ def _mean_loss(
     targets: list[torch.Tensor],
     ctx: ForwardContext,
     error: Error,
+    packs: list[int],
 ) -> float:
-    """The layer's mean output error over every pack, rounded as ``rounders`` round
-    now."""
+    """The layer's mean output error over ``packs`` (16 evenly spaced: a record, not
+    a step), rounded as ``rounders`` round now."""
     weights = {f"{n}.weight": r() for n, r in rounders.items()}
     total = 0.0
-    for rope, state, target in zip(ropes, states, targets, strict=True):
-        h, r = functional_call(layer, weights, (rope, *state, ctx))
-        total += error(h + r, target).item()
-    return total / len(targets)
+    for i in packs:
+        h, r = functional_call(layer, weights, (ropes[i], *states[i], ctx))
+        total += error(h + r, targets[i]).item()
+    return total / len(packs)
 
 
 def _run(layer: nn.Module, ropes: list, states: list[Stream], ctx: ForwardContext) -> None:
