@@ -139,7 +139,17 @@ def test_quantize_awq_writes_a_checkpoint_that_loads_as_quantized_in_memory(clip
     from tokenloom.plugins.quant.calibration import quantize_sequentially, sample_calibration_tokens
 
     out = tmp_path / "awq"
-    args = ["--method", "int4", "--awq", "--out", str(out), "--calibration-tokens", "256"]
+    args = [
+        "--method",
+        "int4",
+        "--awq",
+        "--rounding",
+        "gptq",
+        "--out",
+        str(out),
+        "--calibration-tokens",
+        "256",
+    ]
     args += ["--awq-clip"] if clip else []
     assert main([str(tiny), *args, "--seq-len", "64", "--group-size", "32", "--threads", "1"]) == 0
     about = json.loads((out / "quantize.json").read_text())

@@ -101,7 +101,16 @@ def test_quantize_writes_a_checkpoint_the_reader_loads_with_the_gptq_values(meth
     from tokenloom.plugins.quant.calibration import quantize_sequentially, sample_calibration_tokens
 
     out = tmp_path / method
-    args = ["--method", method, "--out", str(out), "--calibration-tokens", "256"]
+    args = [
+        "--method",
+        method,
+        "--rounding",
+        "gptq",
+        "--out",
+        str(out),
+        "--calibration-tokens",
+        "256",
+    ]
     args += ["--no-awq"] if method == "int4" else []  # GPTQ alone (test_awq covers --awq)
     assert main([str(tiny), *args, "--seq-len", "64", "--group-size", "32", "--threads", "1"]) == 0
     config = json.loads((out / "config.json").read_text())

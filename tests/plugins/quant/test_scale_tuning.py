@@ -85,7 +85,8 @@ def test_quantize_tune_scales_writes_the_tuned_checkpoint(tiny, tmp_path):
     from tokenloom.entrypoints.quantize import main
 
     out = tmp_path / "tuned"
-    args = ["--method", "int4", "--no-awq", "--tune-scales", "8", "--batch", "2"]
+    args = ["--method", "int4", "--no-awq", "--rounding", "gptq", "--tune-scales", "8"]
+    args += ["--batch", "2"]
     args += ["--out", str(out), "--calibration-tokens", "256", "--seq-len", "64"]
     assert main([str(tiny), *args, "--group-size", "32", "--threads", "1"]) == 0
     about = json.loads((out / "quantize.json").read_text())

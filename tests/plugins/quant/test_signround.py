@@ -159,7 +159,7 @@ def test_quantize_learned_writes_a_checkpoint_that_loads_as_learned_in_memory(ti
     from tokenloom.plugins.quant.calibration import sample_calibration_tokens
 
     out = tmp_path / "learned"
-    args = ["--method", "int4", "--no-awq", "--rounding", "learned", "--iters", "10"]
+    args = ["--method", "int4", "--no-awq", "--iters", "10"]  # learned: int4's default
     args += ["--batch", "2", "--out", str(out), "--calibration-tokens", "256"]
     assert main([str(tiny), *args, "--seq-len", "64", "--group-size", "32", "--threads", "1"]) == 0
     about = json.loads((out / "quantize.json").read_text())
