@@ -137,11 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tune-scales",
         type=int,
-        default=0,
+        default=None,
         metavar="STEPS",
         help="after the rounding, train every int4 group's (fp8 row's) scale, codes and "
         "zero points fixed, for STEPS Adam steps on the whole model's next-token KL from "
-        "the float model's (plugins/quant/scale_tuning.py; default 0: off)",
+        "the float model's (plugins/quant/scale_tuning.py; 0: off). Default: 64 for fp8 "
+        "(+1.76%% -> +0.38%% perplexity on the built-in model), 0 for int4 (it pays there "
+        "with --calibration-tokens 65536: +10.1%% -> +7.6%%)",
     )
     parser.add_argument(
         "--tune-lr", type=float, default=1e-3, metavar="F", help="scale tuning: Adam's rate"
@@ -176,6 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.awq = args.method == "int4"
     if args.rounding is None:
         args.rounding = "learned" if args.method == "int4" else "gptq"
+    if args.tune_scales is None:
+        args.tune_scales = 64 if args.method == "fp8" else 0
     if args.tune_scales < 0:
         print("error: --tune-scales STEPS >= 0", file=sys.stderr)
         return 2

@@ -106,6 +106,8 @@ def test_quantize_writes_a_checkpoint_the_reader_loads_with_the_gptq_values(meth
         method,
         "--rounding",
         "gptq",
+        "--tune-scales",
+        "0",
         "--out",
         str(out),
         "--calibration-tokens",

@@ -98,3 +98,14 @@ def test_quantize_tune_scales_writes_the_tuned_checkpoint(tiny, tmp_path):
         assert len(outs[0].outputs[0].token_ids) == 8
     finally:
         llm.engine.shutdown()
+
+
+def test_quantize_fp8_tunes_its_scales_by_default(tiny, tmp_path):
+    from tokenloom.entrypoints.quantize import main
+
+    out = tmp_path / "fp8"
+    args = ["--method", "fp8", "--out", str(out), "--calibration-tokens", "256"]
+    assert main([str(tiny), *args, "--seq-len", "64", "--threads", "1"]) == 0
+    about = json.loads((out / "quantize.json").read_text())
+    assert about["method"] == "gptq fp8 + tuned scales" and about["scale_tuning"]["steps"] == 64
+    assert about["scale_tuning"]["kl_after"] < about["scale_tuning"]["kl_before"]
