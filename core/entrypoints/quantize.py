@@ -55,8 +55,9 @@ class ScaleTuning:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenloom quantize",
-        description="Quantize a model's weights with GPTQ (calibrated on text sampled from "
-        "the model itself) and write a checkpoint that --quant int4 / --quant fp8 load.",
+        description="Quantize a model's weights, calibrated on text sampled from the model "
+        "itself (learned rounding or GPTQ, then optionally scale tuning), and write a "
+        "checkpoint that --quant int4 / --quant fp8 load.",
     )
     parser.add_argument("model", nargs="?", help="model directory or .gguf (default: built-in)")
     parser.add_argument("--method", choices=("int4", "fp8"), required=True)
@@ -86,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="int4: scale each layer's input channels by AWQ's searched scales (folded "
-        "into the RMSNorm weights and the up / v rows) before GPTQ rounds it; default: "
+        "into the RMSNorm weights and the up / v rows) before it is rounded; default: "
         "on for int4 (+15.5%% / +17.2%% perplexity on the built-in model against GPTQ "
         "alone's +23.5%% / +24.8%%, two calibration seeds), refused for fp8",
     )
