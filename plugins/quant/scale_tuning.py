@@ -27,8 +27,7 @@ from torch.func import functional_call
 
 from tokenloom.logging import get_logger
 from tokenloom.plugins.quant.gptq import Fp8Grid, Grid, Int4Grid
-from tokenloom.plugins.quant.signround import PackedAttention, round_activations
-from tokenloom.protocols.components.attention import ForwardContext
+from tokenloom.plugins.quant.signround import packed_context, round_activations
 
 log = get_logger(__name__)
 
@@ -93,21 +92,13 @@ def _packs(sequences: list[list[int]], batch: int) -> list[tuple[torch.Tensor, t
     ]
 
 
-def _context(model: nn.Module, length: int) -> ForwardContext:
-    return ForwardContext(
-        attn=PackedAttention(length),  # type: ignore[arg-type]
-        meta=None,  # type: ignore[arg-type]
-        kv_caches=[(torch.empty(0), torch.empty(0))] * len(model.model.layers),
-    )
-
-
 @torch.no_grad()
 def teacher_log_probs(
     model: nn.Module, sequences: list[list[int]], batch: int = 4
 ) -> list[torch.Tensor]:
     """The (float) model's next-token log-probabilities on every pack of ``sequences``,
     stored as float16 ``[tokens, vocab]``: the targets of ``tune_scales``."""
-    ctx = _context(model, len(sequences[0]))
+    ctx = packed_context(model, len(sequences[0]))
     return [
         F.log_softmax(model.compute_logits(model(ids, pos, ctx)), dim=-1).half()
         for ids, pos in _packs(sequences, batch)
@@ -135,7 +126,7 @@ def tune_scales(
     packs = _packs(sequences, batch)
     if len(teacher) != len(packs):
         raise ValueError("teacher_log_probs must come from the same sequences and batch")
-    ctx = _context(model, len(sequences[0]))
+    ctx = packed_context(model, len(sequences[0]))
     model.requires_grad_(False)
 
     def kl(i: int) -> torch.Tensor:

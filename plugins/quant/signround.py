@@ -154,6 +154,16 @@ class PackedAttention:
         return out.transpose(1, 2).reshape(t, heads, dim)
 
 
+def packed_context(model: nn.Module, length: int) -> ForwardContext:
+    """A forward context for ``model`` over sequences of ``length`` tokens packed one
+    after the other (``PackedAttention``; no KV cache)."""
+    return ForwardContext(
+        attn=PackedAttention(length),  # type: ignore[arg-type]
+        meta=None,  # type: ignore[arg-type]
+        kv_caches=[(torch.empty(0), torch.empty(0))] * len(model.model.layers),
+    )
+
+
 def round_activations(_: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
     """A forward pre-hook: the input rounded per token as the W8A8 kernels do, with
     gradients straight through."""
@@ -196,11 +206,7 @@ def learn_layers(
     if any(len(s) != length for s in sequences):
         raise ValueError("learned rounding packs sequences of one length")
     inner = model.model
-    ctx = ForwardContext(
-        attn=PackedAttention(length),  # type: ignore[arg-type]
-        meta=None,  # type: ignore[arg-type]
-        kv_caches=[(torch.empty(0), torch.empty(0))] * len(inner.layers),
-    )
+    ctx = packed_context(model, length)
     packs = [sequences[i : i + batch] for i in range(0, len(sequences), batch)]
     ropes, quant, fp = [], [], []
     with torch.no_grad():
@@ -334,6 +340,7 @@ __all__ = [
     "Int4Rounding",
     "PackedAttention",
     "learn_layers",
+    "packed_context",
     "round_activations",
     "round_ste",
 ]

@@ -102,15 +102,10 @@ def test_learned_rounding_lowers_every_layers_output_error(method, tiny):
 
 def _log_probs(model, sequences) -> torch.Tensor:
     """``model``'s next-token log-probabilities at every position of ``sequences``."""
-    from tokenloom.plugins.quant.signround import PackedAttention
-    from tokenloom.protocols.components.attention import ForwardContext
+    from tokenloom.plugins.quant.signround import packed_context
 
     ids = torch.tensor([t for s in sequences for t in s])
-    ctx = ForwardContext(
-        attn=PackedAttention(len(sequences[0])),  # type: ignore[arg-type]
-        meta=None,  # type: ignore[arg-type]
-        kv_caches=[(torch.empty(0), torch.empty(0))] * len(model.model.layers),
-    )
+    ctx = packed_context(model, len(sequences[0]))
     positions = torch.arange(len(sequences[0])).repeat(len(sequences))
     with torch.no_grad():
         return torch.log_softmax(model.compute_logits(model(ids, positions, ctx)), dim=-1)
