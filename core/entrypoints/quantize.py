@@ -15,8 +15,9 @@ dense, as at load-time quantization.
   are scaled by AWQ's searched scales (``plugins.quant.awq``), folded into the RMSNorm
   weights and the up / v rows, which the checkpoint then holds (norms dense, up / v
   quantized).
-- ``--tune-scales STEPS``: afterwards, the scales trained on the whole model's
-  next-token distributions (``plugins.quant.scale_tuning``).
+- ``--tune-scales STEPS``: afterwards, the scales (with ``--tune-norms``, and the RMS
+  norms' weights) trained on the whole model's next-token distributions
+  (``plugins.quant.scale_tuning``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class ScaleTuning:
     steps: int
     batch: int = 4
     lr: float = 1e-3
+    norms: bool = False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,6 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tune-lr", type=float, default=1e-3, metavar="F", help="scale tuning: Adam's rate"
     )
+    parser.add_argument(
+        "--tune-norms",
+        action="store_true",
+        help="scale tuning: the RMS norms' weights train with the scales",
+    )
     parser.add_argument("--seed", type=int, default=0, help="of the calibration sampling")
     parser.add_argument(
         "--dtype",
@@ -227,7 +234,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         learned=LearnedRounding(args.iters, args.batch, args.target, args.per_token, args.head_kl)
         if args.rounding == "learned"
         else None,
-        tune=ScaleTuning(args.tune_scales, args.batch, args.tune_lr) if args.tune_scales else None,
+        tune=ScaleTuning(args.tune_scales, args.batch, args.tune_lr, args.tune_norms)
+        if args.tune_scales
+        else None,
     )
     print(
         f"{args.rounding}: quantized in {time.perf_counter() - sampled:.0f} s; wrote {args.out} "
@@ -309,7 +318,9 @@ def quantize_checkpoint(
     tuned: dict[str, Any] = {}
     if tune is not None and teacher is not None:
         rounded = time.perf_counter()
-        kl = tune_scales(model, sequences, grids, teacher, tune.steps, tune.batch, tune.lr)
+        kl = tune_scales(
+            model, sequences, grids, teacher, tune.steps, tune.batch, tune.lr, tune.norms
+        )
         tuned = {
             "scale_tuning": {
                 **vars(tune),

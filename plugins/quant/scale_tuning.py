@@ -26,6 +26,7 @@ from torch import nn
 from torch.func import functional_call
 
 from tokenloom.logging import get_logger
+from tokenloom.plugins.models.layers import RMSNorm
 from tokenloom.plugins.quant.gptq import Fp8Grid, Grid, Int4Grid
 from tokenloom.plugins.quant.signround import packed_context, round_activations
 
@@ -113,15 +114,26 @@ def tune_scales(
     steps: int,
     batch: int = 4,
     lr: float = 1e-3,
+    norms: bool = False,
 ) -> tuple[float, float]:
     """Train the scales of every grid in ``grids`` (by module name) for
     ``steps`` Adam steps of one pack each; the grids and the model's weights then hold
     the trained values. ``teacher``: ``teacher_log_probs`` of the float model on the
-    same ``sequences`` and ``batch``. Returns the mean KL over every pack, before and
-    after."""
+    same ``sequences`` and ``batch``. ``norms``: the RMS norms' weights train with them
+    (relative steps, like the scales): a per-input-channel factor on the projections
+    they feed, which no group or row scale can express (Norm Tweaking, Li et al. 2023,
+    does this layer-wise). Returns the mean KL over every pack, before and after."""
     scales: dict[str, _Scales | _RowScales] = {
         n: _Scales(g) if isinstance(g, Int4Grid) else _RowScales(g)  # type: ignore[arg-type]
         for n, g in grids.items()
+    }
+    gains = {
+        n: (
+            m.weight.detach().clone(),
+            nn.Parameter(torch.zeros_like(m.weight, dtype=torch.float32)),
+        )
+        for n, m in model.named_modules()
+        if norms and isinstance(m, RMSNorm)
     }
     packs = _packs(sequences, batch)
     if len(teacher) != len(packs):
@@ -131,6 +143,7 @@ def tune_scales(
 
     def kl(i: int) -> torch.Tensor:
         weights = {f"{n}.weight": s() for n, s in scales.items()}
+        weights.update({f"{n}.weight": w0 * torch.exp(u) for n, (w0, u) in gains.items()})
         ids, pos = packs[i]
         hidden = functional_call(model, weights, (ids, pos, ctx))
         logp = F.log_softmax(model.compute_logits(hidden), dim=-1)
@@ -147,7 +160,8 @@ def tune_scales(
     ]
     try:
         before = mean_kl()
-        optimizer = torch.optim.Adam([s.t for s in scales.values()], lr=lr)
+        trained = [s.t for s in scales.values()] + [u for _, u in gains.values()]
+        optimizer = torch.optim.Adam(trained, lr=lr)
         for step in range(steps):
             optimizer.zero_grad(set_to_none=True)
             loss = kl(step % len(packs))
@@ -159,6 +173,9 @@ def tune_scales(
                 )
         for name, s in scales.items():
             model.get_submodule(name).weight.data.copy_(s.store())
+        with torch.no_grad():
+            for name, (w0, u) in gains.items():
+                model.get_submodule(name).weight.copy_(w0 * torch.exp(u))
         after = mean_kl()
     finally:
         for hook in hooks:

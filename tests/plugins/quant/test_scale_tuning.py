@@ -86,12 +86,12 @@ def test_quantize_tune_scales_writes_the_tuned_checkpoint(tiny, tmp_path):
 
     out = tmp_path / "tuned"
     args = ["--method", "int4", "--no-awq", "--rounding", "gptq", "--tune-scales", "8"]
-    args += ["--batch", "2"]
+    args += ["--batch", "2", "--tune-norms"]
     args += ["--out", str(out), "--calibration-tokens", "256", "--seq-len", "64"]
     assert main([str(tiny), *args, "--group-size", "32", "--threads", "1"]) == 0
     about = json.loads((out / "quantize.json").read_text())
     tuned = about["scale_tuning"]
-    assert tuned["steps"] == 8 and tuned["kl_after"] < tuned["kl_before"]
+    assert tuned["steps"] == 8 and tuned["norms"] and tuned["kl_after"] < tuned["kl_before"]
     llm = LLM(str(out), dtype="float32", quant="int4")
     try:
         outs = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=8))
@@ -109,3 +109,24 @@ def test_quantize_fp8_tunes_its_scales_by_default(tiny, tmp_path):
     about = json.loads((out / "quantize.json").read_text())
     assert about["method"] == "gptq fp8 + tuned scales" and about["scale_tuning"]["steps"] == 64
     assert about["scale_tuning"]["kl_after"] < about["scale_tuning"]["kl_before"]
+
+
+def test_norm_gains_train_with_the_scales(tiny):
+    from tokenloom.plugins.models.layers import RMSNorm
+    from tokenloom.plugins.models.loader import load_model
+
+    sequences = _sequences()
+    after = {}
+    for norms in (False, True):
+        model, _ = load_model(tiny, torch.float32, "cpu")
+        gains = {
+            n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, RMSNorm)
+        }
+        teacher = teacher_log_probs(model, sequences, batch=2)
+        grids = learn_layers(model, sequences, "int4", group=32, iters=0, batch=2)
+        before, after[norms] = tune_scales(
+            model, sequences, grids, teacher, steps=40, batch=2, lr=5e-3, norms=norms
+        )
+        moved = [not torch.equal(model.get_submodule(n).weight, w) for n, w in gains.items()]
+        assert all(moved) if norms else not any(moved)
+    assert after[True] < after[False] < before, (before, after)
