@@ -7,7 +7,6 @@ loads with the in-memory AWQ + GPTQ values and generates the same greedy tokens.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -125,11 +124,6 @@ def test_scaling_and_folding_leave_the_float_model_unchanged(arch, grid, tiny_mo
         assert float(change) > 1e-2 * float(norms[0].abs().max())
     for b, a in zip(before, after, strict=True):
         assert float((a - b).abs().max()) < 1e-5 * max(1.0, float(b.abs().max()))
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_factory) -> Path:
-    return Path(tiny_model_factory("llama"))
 
 
 @pytest.mark.parametrize("clip", [False, True], ids=["awq", "awq-clip"])

@@ -78,11 +78,6 @@ def _tokens(model_dir: Path, quant: str) -> list[list[int]]:
         llm.engine.shutdown()
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_model_factory) -> Path:
-    return Path(tiny_model_factory("llama"))
-
-
 @pytest.fixture
 def allocations(monkeypatch) -> list:
     """The ``Linear`` layers whose deferred dense weight the loader allocated (the

@@ -6,7 +6,6 @@ that the int4 (GPTQ) and fp8 (fbgemm_fp8) readers load with exactly those values
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -87,11 +86,6 @@ def test_dead_input_channels_get_zero_weight():
     h[:, 5] = 0
     q = gptq(w, h, Fp8Grid())
     assert bool((q[:, 5] == 0).all()) and bool(torch.isfinite(q).all())
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_factory) -> Path:
-    return Path(tiny_model_factory("llama"))
 
 
 @pytest.mark.parametrize("method", ["int4", "fp8"])

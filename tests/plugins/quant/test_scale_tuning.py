@@ -7,7 +7,6 @@ the model's weights; ``tokenloom quantize --tune-scales`` writes such a checkpoi
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,11 +14,6 @@ import torch
 from tokenloom.plugins.quant.int4 import dequantize_int4
 from tokenloom.plugins.quant.scale_tuning import teacher_log_probs, tune_scales
 from tokenloom.plugins.quant.signround import learn_layers
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_factory) -> Path:
-    return Path(tiny_model_factory("llama"))
 
 
 def _sequences(count: int = 8, length: int = 32) -> list[list[int]]:

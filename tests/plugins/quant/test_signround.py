@@ -7,7 +7,6 @@ writes a checkpoint that loads with the in-memory values and generates their tok
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -68,11 +67,6 @@ def test_the_grids_hold_the_rounded_values():
     grid = fp8.grid()
     assert grid.codes is not None and grid.scales is not None
     assert torch.equal(grid.codes.float() * grid.scales, fp8())
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_factory) -> Path:
-    return Path(tiny_model_factory("llama"))
 
 
 def _sequences(count: int = 8, length: int = 32) -> list[list[int]]:
