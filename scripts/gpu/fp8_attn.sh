@@ -14,6 +14,7 @@
 #           fp8-MMA kernel (decode_fp8_mma=1) with its stage / register variants
 #   wide29  issue 12's workload (fp8 weights + fp8 KV, 600 x 1000/1000, all at once):
 #           before, after, after with decode_fp8_mma=1
+#   kern32 / wide32 / lat32: session 32's shorter forms (device time was scarce)
 #   bf29    bf16 bench latency and throughput, before / after (kernels touched: no change
 #           expected on a 16-bit cache)
 set -uo pipefail
@@ -75,6 +76,16 @@ for step in "$@"; do
       bench throughput fp8w-before before fp8 "${WIDE[@]}"
       bench throughput fp8w-after after fp8 "${WIDE[@]}"
       bench throughput fp8w-mma after fp8 "${WIDE[@]}" --plugin-option triton.decode_fp8_mma=1 ;;
+    kern32)  # session 32's short form of kern29: the default and the kernel's two likeliest settings
+      kern after after
+      kern mma after --setting decode_fp8_mma=1
+      kern mma-pps3 after --setting decode_fp8_mma=1 --setting decode_programs_per_sm=3 ;;
+    wide32)  # wide29 without the before tree (the default path's SASS is unchanged)
+      bench throughput fp8w-mma after fp8 "${WIDE[@]}" --plugin-option triton.decode_fp8_mma=1
+      bench throughput fp8w-after after fp8 "${WIDE[@]}" ;;
+    lat32)
+      bench latency bf16-before before none
+      bench latency bf16-after after none ;;
     bf29)
       bench latency bf16-before before none
       bench latency bf16-after after none
