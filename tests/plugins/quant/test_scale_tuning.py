@@ -80,12 +80,12 @@ def test_quantize_tune_scales_writes_the_tuned_checkpoint(tiny, tmp_path):
 
     out = tmp_path / "tuned"
     args = ["--method", "int4", "--no-awq", "--rounding", "gptq", "--tune-scales", "8"]
-    args += ["--batch", "2", "--tune-norms"]
+    args += ["--batch", "2", "--no-tune-norms"]
     args += ["--out", str(out), "--calibration-tokens", "256", "--seq-len", "64"]
     assert main([str(tiny), *args, "--group-size", "32", "--threads", "1"]) == 0
     about = json.loads((out / "quantize.json").read_text())
     tuned = about["scale_tuning"]
-    assert tuned["steps"] == 8 and tuned["norms"] and tuned["kl_after"] < tuned["kl_before"]
+    assert tuned["steps"] == 8 and not tuned["norms"] and tuned["kl_after"] < tuned["kl_before"]
     llm = LLM(str(out), dtype="float32", quant="int4")
     try:
         outs = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=8))
@@ -102,6 +102,7 @@ def test_quantize_fp8_tunes_its_scales_by_default(tiny, tmp_path):
     assert main([str(tiny), *args, "--seq-len", "64", "--threads", "1"]) == 0
     about = json.loads((out / "quantize.json").read_text())
     assert about["method"] == "gptq fp8 + tuned scales" and about["scale_tuning"]["steps"] == 64
+    assert about["scale_tuning"]["norms"]  # on by default
     assert about["scale_tuning"]["kl_after"] < about["scale_tuning"]["kl_before"]
 
 
