@@ -18,8 +18,8 @@ Settings (``[plugin.triton]`` in the config, or keyword arguments), defaults in
 (rope inside the decode kernel from this batch up), ``decode_prefetch_max_batch`` (the
 first KV tile read before the PDL wait up to this batch), ``decode_heads_first``
 (grid order), ``decode_maxnreg`` (register cap), ``decode_fp8_mma`` (an fp8 cache's
-decode with fp8 products over transposed value blocks, ``decode_fp8_mma.py``; off by
-default), ``prefill_block_m``,
+decode with fp8 products over transposed value blocks, ``decode_fp8_mma.py``; on by
+default on a GPU, off under the interpreter), ``prefill_block_m``,
 ``prefill_block_n``, ``prefill_num_warps``, ``prefill_num_stages``. An 8-bit cache's
 decode takes ``QUANT_DECODE`` for the stages and register cap unless they are set.
 Without a GPU the kernels run under ``TRITON_INTERPRET=1`` with small tiles.
@@ -123,7 +123,7 @@ class TritonAttention(AttentionBackend):
         # its own stages and register cap (QUANT_DECODE was tuned for the f16 kernel)
         group = self.num_heads // self.num_kv_heads
         shape_ok = decode_fp8_mma.supports_shape(self.head_dim, group, config.block_size)
-        if defaults["decode_fp8_mma"] and not shape_ok:
+        if settings.get("decode_fp8_mma") and not shape_ok:  # asked for, not the default
             log.warning(
                 "plugin.triton.decode_fp8_mma: off for head_dim %d, %d query heads per KV "
                 "head, block_size %d (needs a power of two >= 32, <= 16, a multiple of 16)",

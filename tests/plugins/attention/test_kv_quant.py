@@ -255,7 +255,8 @@ def check_triton_against_torch(
     return error
 
 
-# (decode_fp8_mma, values transposed): the default; the fp8-MMA kernel over its layout;
+# (decode_fp8_mma, values transposed): the f16 kernel over values as stored (the
+# interpreter's default); the fp8-MMA kernel over its layout (the GPU's default);
 # the f16 kernel over that layout
 LAYOUTS = [(0, False), (1, True), (0, True)]
 
