@@ -146,8 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
         "zero points fixed, for STEPS Adam steps on the whole model's next-token KL from "
         "the float model's (plugins/quant/scale_tuning.py; 0: off). Default: 64 for fp8 "
         "(GPTQ alone +1.6-2.3%%, tuned +0.2-1.2%% perplexity on the built-in model, three "
-        "samples), 0 for int4 (it pays there "
-        "with --calibration-tokens 65536: +10.1%% -> +7.6%%)",
+        "samples), 0 for int4 (it pays there with --calibration-tokens 65536: +10.1%% -> "
+        "+7.2%%)",
     )
     parser.add_argument(
         "--tune-lr", type=float, default=1e-3, metavar="F", help="scale tuning: Adam's rate"
