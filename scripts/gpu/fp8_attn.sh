@@ -15,6 +15,8 @@
 #   wide29  issue 12's workload (fp8 weights + fp8 KV, 600 x 1000/1000, all at once):
 #           before, after, after with decode_fp8_mma=1
 #   kern32 / wide32 / lat32: session 32's shorter forms (device time was scarce)
+#   t33 / kern33 / wide33 / lat33 / prof33: session 33's sweep of the fp8-MMA kernel's
+#           settings, the workload with the best, a profile
 #   bf29    bf16 bench latency and throughput, before / after (kernels touched: no change
 #           expected on a 16-bit cache)
 set -uo pipefail
@@ -86,6 +88,47 @@ for step in "$@"; do
     lat32)
       bench latency bf16-before before none
       bench latency bf16-after after none ;;
+    t33)  # the attention backends' GPU tests
+      py after -m pytest -q -s -m gpu -p no:cacheprovider tests/plugins/attention \
+        > "$OUT/gpu-tests-t33.log" 2>&1
+      echo "t33 rc=$?"; grep -E "^FAILED|^ERROR" "$OUT/gpu-tests-t33.log" | head -12
+      tail -n 1 "$OUT/gpu-tests-t33.log" ;;
+    kern33)  # session 33: the fp8-MMA kernel's tile / warps / stages at the throughput
+      # batches; writes $OUT/best33 (the settings fastest at 512 rows, none if the default).
+      # Session 33 also ran pf=1 (decode_fp8_mma_prefetch: the next tile's block numbers
+      # and scales loaded ahead), measured no faster and removed
+      B=(--batches 128,512)
+      for cfg in "" bn=64 bn=64,st=3 bn=64,st=4 st=3 st=1 w=8 bn=256,w=8; do
+        S=(); tag=${cfg:-default}; tag=${tag//,/-}; tag=${tag//=/}
+        for kv in ${cfg//,/ }; do
+          case ${kv%%=*} in
+            bn) S+=(--setting decode_block_n=${kv#*=}) ;;
+            st) S+=(--setting decode_num_stages=${kv#*=}) ;;
+            w) S+=(--setting decode_num_warps=${kv#*=}) ;;
+          esac
+        done
+        timeout 120 env PYTHONPATH=/tmp/after:/tmp/site python3 scripts/gpu/kvq_decode_bench.py \
+          --kv fp8 --contexts 1500 "${B[@]}" --json "$OUT/kern33-$tag.json" "${S[@]}" \
+          > "$OUT/kern33-$tag.log" 2>&1 || { echo "kern33 $tag failed"; tail -3 "$OUT/kern33-$tag.log"; }
+        echo "$tag ${S[*]}" >> "$OUT/kern33-settings.txt"
+        sed "s/^/kern33 $tag: /" "$OUT/kern33-$tag.log" | grep batch
+      done
+      python3 scripts/gpu/pick33.py "$OUT" > "$OUT/best33" ; echo "best33: $(cat "$OUT/best33")" ;;
+    wide33)  # the issue's workload: the default against kern33's best settings (if other)
+      bench throughput fp8w33-default after fp8 "${WIDE[@]}"
+      BEST=$(cat "$OUT/best33" 2>/dev/null)
+      [ -n "$BEST" ] && bench throughput fp8w33-best after fp8 "${WIDE[@]}" $BEST ;;
+    lat33)  # batch 1, fp8 weights + fp8 KV: the default against kern33's best
+      bench latency fp8lat33-default after fp8 --kv-cache-dtype fp8
+      BEST=$(cat "$OUT/best33" 2>/dev/null)
+      [ -n "$BEST" ] && bench latency fp8lat33-best after fp8 --kv-cache-dtype fp8 $BEST ;;
+    prof33)  # where the issue's workload's time goes: step classes, a decode step's kernels
+      # at 600 x ~1,500, and one 8,192-token prefill step's kernels
+      MIN_LEN=1000 MAX_LEN=1000 PROF_SEQS=600 PROF_CTX=1500 timeout 400 env \
+        PYTHONPATH=/tmp/after:/tmp/site python3 scripts/profile_throughput.py llama-3-8b 600 \
+        quant=fp8 kv_cache_dtype=fp8 max_num_seqs=640 max_graph_batch=640 \
+        > "$OUT/prof33.log" 2>&1 || { echo "prof33 failed"; tail -5 "$OUT/prof33.log"; }
+      grep -E "out_tok_s|class|attention|gemm|quantize|prefill" "$OUT/prof33.log" | head -30 ;;
     bf29)
       bench latency bf16-before before none
       bench latency bf16-after after none
