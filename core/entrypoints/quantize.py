@@ -52,6 +52,7 @@ class ScaleTuning:
     batch: int = 4
     lr: float = 1e-3
     norms: bool = True
+    codes: float = 0.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,6 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="scale tuning: the RMS norms' weights train with the scales (default on: fp8 "
         "+0.99%% -> +0.66%% perplexity, mean of three samples; int4 +7.63%% -> +7.23%%)",
     )
+    parser.add_argument(
+        "--tune-codes",
+        type=float,
+        default=0.0,
+        metavar="RATE",
+        help="scale tuning: int4's codes from learned rounding train too, at this Adam rate "
+        "(round(w / s + v) with every offset v in [-1/2, 1/2]; 0: off, the default)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="of the calibration sampling")
     parser.add_argument(
         "--dtype",
@@ -191,8 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.rounding = "learned" if args.method == "int4" else "gptq"
     if args.tune_scales is None:
         args.tune_scales = 64 if args.method == "fp8" else 0
-    if args.tune_scales < 0:
-        print("error: --tune-scales STEPS >= 0", file=sys.stderr)
+    if args.tune_scales < 0 or args.tune_codes < 0:
+        print("error: --tune-scales STEPS >= 0 and --tune-codes RATE >= 0", file=sys.stderr)
         return 2
     if (args.awq or args.awq_clip) and (args.method != "int4" or not args.awq):
         print("error: --awq is for --method int4; --awq-clip needs --awq", file=sys.stderr)
@@ -237,7 +246,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         learned=LearnedRounding(args.iters, args.batch, args.target, args.per_token, args.head_kl)
         if args.rounding == "learned"
         else None,
-        tune=ScaleTuning(args.tune_scales, args.batch, args.tune_lr, args.tune_norms)
+        tune=ScaleTuning(
+            args.tune_scales, args.batch, args.tune_lr, args.tune_norms, args.tune_codes
+        )
         if args.tune_scales
         else None,
     )
@@ -322,8 +333,9 @@ def quantize_checkpoint(
     if tune is not None and teacher is not None:
         rounded = time.perf_counter()
         kl = tune_scales(
-            model, sequences, grids, teacher, tune.steps, tune.batch, tune.lr, tune.norms
-        )
+            model, sequences, grids, teacher, tune.steps, tune.batch, tune.lr, tune.norms,
+            tune.codes,
+        )  # fmt: skip
         tuned = {
             "scale_tuning": {
                 **vars(tune),

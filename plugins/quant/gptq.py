@@ -71,6 +71,9 @@ class Int4Grid(Grid):
         self.scales: list[torch.Tensor] = []  # per group [N] float32 (fp16 values)
         self.zeros: list[torch.Tensor] = []  # per group [N] float32 integers
         self.codes: torch.Tensor | None = None  # [N, K] int32
+        # learned rounding's weights and offsets, (w, v) [N, K] float32, codes =
+        # round(w / s + v) + z: what ``scale_tuning.tune_scales(codes=...)`` trains on
+        self.latent: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def start(self, w: torch.Tensor) -> None:
         self.codes = torch.zeros(w.shape, dtype=torch.int32, device=w.device)

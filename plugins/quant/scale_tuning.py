@@ -15,6 +15,12 @@ the weights would, and the checkpoint format is unchanged.
 
 Scales are trained as ``s = s0 * exp(t)`` (``t`` starts at 0; a relative step), rounded
 to float16 in the forward pass (straight through), so what is trained is what is stored.
+Optionally (``codes``) the int4 codes of learned rounding train too, from its weights and
+offsets: ``q = round(w / s0 + v) + z``, ``v`` in [-1/2, 1/2] (EfficientQAT's first phase
+trains the weights block by block; this moves SignRound's offsets end to end). The
+rounding's own scales ``s0`` place the codes, so a trained scale rescales them without
+moving them: through ``round(w / s)`` its straight-through gradient flipped codes near
+their boundaries at random, and the tiny test model's KL rose instead of falling.
 Sequences of one length are packed ``batch`` at a time (``signround.PackedAttention``).
 """
 
@@ -28,7 +34,7 @@ from torch.func import functional_call
 from tokenloom.logging import get_logger
 from tokenloom.plugins.models.layers import RMSNorm
 from tokenloom.plugins.quant.gptq import Fp8Grid, Grid, Int4Grid
-from tokenloom.plugins.quant.signround import packed_context, round_activations
+from tokenloom.plugins.quant.signround import packed_context, round_activations, round_ste
 
 log = get_logger(__name__)
 
@@ -43,21 +49,45 @@ class _Scales(nn.Module):
         self.group, self.k, self.grid = grid.group, k, grid
         zeros = torch.stack(grid.zeros).t()  # [N, G]
         self.register_buffer("scale0", torch.stack(grid.scales).t().contiguous())  # [N, G]
-        steps = grid.codes.float() - zeros.repeat_interleave(self.group, dim=1)[:, :k]
-        self.register_buffer("steps", steps)  # [N, K]: codes - zero, integers
+        self.register_buffer("codes0", grid.codes.float())  # [N, K], integers 0..15
+        self.register_buffer("zeros", zeros.repeat_interleave(self.group, dim=1)[:, :k])
         self.t = nn.Parameter(torch.zeros_like(self.scale0))
+        # ``train_codes``: learned rounding's weights and offsets (``Int4Grid.latent``),
+        # codes = round(w / s + v) + z with v trainable, as in the layer-wise fit
+        self.w: torch.Tensor | None
+        self.register_buffer("w", None)
+        self.v = nn.Parameter(torch.zeros(0))
+
+    def train_codes(self) -> nn.Parameter | None:
+        """Make the codes trainable (``Int4Grid.latent`` needed); the offsets, or None."""
+        if self.grid.latent is None:
+            return None
+        self.w, self.v = self.grid.latent[0], nn.Parameter(self.grid.latent[1].clone())
+        if not torch.equal(self.codes(), self.codes0):
+            raise ValueError("Int4Grid.latent does not give the grid's codes")
+        return self.v
 
     def scales(self) -> torch.Tensor:
         scale = self.scale0 * torch.exp(self.t)
         return scale + (scale.half().float() - scale).detach()  # stored as float16
 
+    def codes(self) -> torch.Tensor:
+        if self.w is None:
+            return self.codes0
+        # against the rounding's own scales: a trained scale rescales the codes, it does
+        # not move them (through round(w / s), its straight-through gradient is noise)
+        scale = self.scale0.repeat_interleave(self.group, dim=1)[:, : self.k]
+        return (round_ste(self.w / scale + self.v) + self.zeros).clamp(0, 15)
+
     def forward(self) -> torch.Tensor:
-        return self.steps * self.scales().repeat_interleave(self.group, dim=1)[:, : self.k]
+        steps = self.codes() - self.zeros
+        return steps * self.scales().repeat_interleave(self.group, dim=1)[:, : self.k]
 
     @torch.no_grad()
     def store(self) -> torch.Tensor:
-        """Write the trained scales into the grid; returns the weight they give."""
+        """Write the trained scales (and codes) into the grid; returns the weight they give."""
         self.grid.scales = list(self.scales().t().contiguous())
+        self.grid.codes = self.codes().to(self.grid.codes.dtype)  # type: ignore[union-attr]
         return self()
 
 
@@ -115,6 +145,7 @@ def tune_scales(
     batch: int = 4,
     lr: float = 1e-3,
     norms: bool = False,
+    codes: float = 0.0,
 ) -> tuple[float, float]:
     """Train the scales of every grid in ``grids`` (by module name) for
     ``steps`` Adam steps of one pack each; the grids and the model's weights then hold
@@ -122,7 +153,12 @@ def tune_scales(
     same ``sequences`` and ``batch``. ``norms``: the RMS norms' weights train with them
     (relative steps, like the scales): a per-input-channel factor on the projections
     they feed, which no group or row scale can express (Norm Tweaking, Li et al. 2023,
-    does this layer-wise). Returns the mean KL over every pack, before and after."""
+    does this layer-wise). ``codes``: when above 0, the int4 codes of learned rounding's
+    grids (``Int4Grid.latent``) train too, at this rate (a separate Adam group, falling
+    linearly to 0): ``q = round(w / s + v) + z``, every offset ``v`` in [-1/2, 1/2] as
+    in the layer-wise fit, now against the whole model's KL and with the trained
+    scales: a joint end-to-end fit of rounding and scales. Returns the mean KL over
+    every pack, before and after."""
     scales: dict[str, _Scales | _RowScales] = {
         n: _Scales(g) if isinstance(g, Int4Grid) else _RowScales(g)  # type: ignore[arg-type]
         for n, g in grids.items()
@@ -135,6 +171,14 @@ def tune_scales(
         for n, m in model.named_modules()
         if norms and isinstance(m, RMSNorm)
     }
+    offsets = []
+    if codes > 0:
+        for s in scales.values():
+            v = s.train_codes() if isinstance(s, _Scales) else None
+            if v is not None:
+                offsets.append(v)
+        if not offsets:
+            log.warning("scale tuning: no learned rounding to train the codes from")
     packs = _packs(sequences, batch)
     if len(teacher) != len(packs):
         raise ValueError("teacher_log_probs must come from the same sequences and batch")
@@ -161,16 +205,35 @@ def tune_scales(
     try:
         before = mean_kl()
         trained = [s.t for s in scales.values()] + [u for _, u in gains.values()]
-        optimizer = torch.optim.Adam(trained, lr=lr)
+        groups: list[dict] = [{"params": trained, "lr": lr}]
+        if offsets:
+            groups.append({"params": offsets, "lr": codes})
+        optimizer = torch.optim.Adam(groups)
         for step in range(steps):
             optimizer.zero_grad(set_to_none=True)
             loss = kl(step % len(packs))
             loss.backward()
+            if offsets:
+                optimizer.param_groups[1]["lr"] = codes * (1 - step / steps)
             optimizer.step()
+            with torch.no_grad():
+                for v in offsets:
+                    v.clamp_(-0.5, 0.5)
             if (step + 1) % len(packs) == 0 or step + 1 == steps:
                 log.info(
                     "scale tuning: step %d of %d, KL %.4g", step + 1, steps, loss.detach().item()
                 )
+        if offsets:
+            with torch.no_grad():
+                moved = sum(
+                    int((s.codes() != s.codes0).sum())
+                    for s in scales.values()
+                    if isinstance(s, _Scales)
+                )
+            total = sum(v.numel() for v in offsets)
+            log.info(
+                "scale tuning: %d of %d codes moved (%.3g%%)", moved, total, 100 * moved / total
+            )
         for name, s in scales.items():
             model.get_submodule(name).weight.data.copy_(s.store())
         with torch.no_grad():

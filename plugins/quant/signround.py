@@ -99,6 +99,10 @@ class Int4Rounding(nn.Module):
         grid.scales = list(scale[:, :, 0].t().contiguous())
         grid.zeros = list(zero[:, :, 0].t().contiguous())
         grid.codes = codes.flatten(1)[:, : self.k].to(torch.int32)
+        grid.latent = (
+            self.w.flatten(1)[:, : self.k].clone(),
+            self.v.detach().flatten(1)[:, : self.k].clone(),
+        )
         return grid
 
 

@@ -94,6 +94,26 @@ def test_quantize_tune_scales_writes_the_tuned_checkpoint(tiny, tmp_path):
         llm.engine.shutdown()
 
 
+def test_quantize_tune_codes_writes_the_moved_codes(tiny, tmp_path):
+    from tokenloom import LLM, SamplingParams
+    from tokenloom.entrypoints.quantize import main
+
+    out = tmp_path / "codes"
+    args = ["--method", "int4", "--no-awq", "--iters", "4", "--tune-scales", "8"]
+    args += ["--tune-codes", "0.02", "--batch", "2", "--group-size", "32"]
+    args += ["--out", str(out), "--calibration-tokens", "256", "--seq-len", "64"]
+    assert main([str(tiny), *args, "--threads", "1"]) == 0
+    tuned = json.loads((out / "quantize.json").read_text())["scale_tuning"]
+    assert tuned["codes"] == 0.02 and tuned["kl_after"] < tuned["kl_before"]
+    llm = LLM(str(out), dtype="float32", quant="int4")
+    try:
+        outs = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=8))
+        assert len(outs[0].outputs[0].token_ids) == 8
+    finally:
+        llm.engine.shutdown()
+    assert main([str(tiny), *args, "--threads", "1", "--tune-codes", "-1"]) == 2
+
+
 def test_quantize_fp8_tunes_its_scales_by_default(tiny, tmp_path):
     from tokenloom.entrypoints.quantize import main
 
@@ -125,3 +145,45 @@ def test_norm_gains_train_with_the_scales(tiny):
         moved = [not torch.equal(model.get_submodule(n).weight, w) for n, w in gains.items()]
         assert all(moved) if norms else not any(moved)
     assert after[True] < after[False] < before, (before, after)
+
+
+def test_codes_train_with_the_scales_from_learned_rounding(tiny):
+    """``codes=``: learned rounding's codes (``Int4Grid.latent``: round(w / s + v) + z)
+    train with the scales end to end; the grids then hold the model's weights, and the KL
+    ends below the scales-only tuning's from the same rounding."""
+    from tokenloom.plugins.models.loader import load_model
+
+    sequences = _sequences()
+    after = {}
+    for rate in (0.0, 0.02):
+        model, _ = load_model(tiny, torch.float32, "cpu")
+        teacher = teacher_log_probs(model, sequences, batch=2)
+        grids = learn_layers(model, sequences, "int4", group=32, iters=20, batch=2)
+        codes = {n: g.codes.clone() for n, g in grids.items()}  # type: ignore[attr-defined]
+        before, after[rate] = tune_scales(
+            model, sequences, grids, teacher, steps=40, batch=2, lr=5e-3, codes=rate
+        )
+        moved = 0
+        for name, grid in grids.items():
+            assert int(grid.codes.min()) >= 0 and int(grid.codes.max()) <= 15  # type: ignore[attr-defined]
+            moved += int((grid.codes != codes[name]).sum())  # type: ignore[attr-defined]
+            qweight, s, z = grid.packed()  # type: ignore[attr-defined]
+            values = dequantize_int4(qweight, s, z, 32, torch.float32)
+            assert torch.equal(values, model.get_submodule(name).weight.data)
+        assert (moved > 0) == (rate > 0), moved
+    assert after[0.02] < after[0.0] < before, (before, after)
+
+
+def test_codes_stay_without_learned_rounding(tiny, caplog):
+    from tokenloom.plugins.models.loader import load_model
+
+    model, _ = load_model(tiny, torch.float32, "cpu")
+    sequences = _sequences()
+    teacher = teacher_log_probs(model, sequences, batch=2)
+    grids = learn_layers(model, sequences, "int4", group=32, iters=0, batch=2)
+    for grid in grids.values():
+        grid.latent = None  # type: ignore[attr-defined]  # as GPTQ's grids
+    codes = {n: g.codes.clone() for n, g in grids.items()}  # type: ignore[attr-defined]
+    tune_scales(model, sequences, grids, teacher, steps=4, batch=2, lr=5e-3, codes=0.02)
+    assert all(torch.equal(g.codes, codes[n]) for n, g in grids.items())  # type: ignore[attr-defined]
+    assert "no learned rounding to train the codes from" in caplog.text
