@@ -155,10 +155,10 @@ def tune_scales(
     they feed, which no group or row scale can express (Norm Tweaking, Li et al. 2023,
     does this layer-wise). ``codes``: when above 0, the int4 codes of learned rounding's
     grids (``Int4Grid.latent``) train too, at this rate (a separate Adam group, falling
-    linearly to 0): ``q = round(w / s + v) + z``, every offset ``v`` in [-1/2, 1/2] as
-    in the layer-wise fit, now against the whole model's KL and with the trained
-    scales: a joint end-to-end fit of rounding and scales. Returns the mean KL over
-    every pack, before and after."""
+    linearly to 0): ``q = round(w / s0 + v) + z`` with the rounding's own scales ``s0``,
+    every offset ``v`` in [-1/2, 1/2] as in the layer-wise fit, now against the whole
+    model's KL beside the trained scales: a joint end-to-end fit of rounding and scales.
+    Returns the mean KL over every pack, before and after."""
     scales: dict[str, _Scales | _RowScales] = {
         n: _Scales(g) if isinstance(g, Int4Grid) else _RowScales(g)  # type: ignore[arg-type]
         for n, g in grids.items()
