@@ -93,6 +93,11 @@ for step in "$@"; do
         > "$OUT/gpu-tests-t33.log" 2>&1
       echo "t33 rc=$?"; grep -E "^FAILED|^ERROR" "$OUT/gpu-tests-t33.log" | head -12
       tail -n 1 "$OUT/gpu-tests-t33.log" ;;
+    t33x)  # the executor's GPU tests (session 33: run_pack's uploads made by capture only)
+      py after -m pytest -q -s -m gpu -p no:cacheprovider tests/plugins/executor \
+        > "$OUT/gpu-tests-t33x.log" 2>&1
+      echo "t33x rc=$?"; grep -E "^FAILED|^ERROR" "$OUT/gpu-tests-t33x.log" | head -12
+      tail -n 1 "$OUT/gpu-tests-t33x.log" ;;
     kern33)  # session 33: the fp8-MMA kernel's tile / warps / stages at the throughput
       # batches; writes $OUT/best33 (the settings fastest at 512 rows, none if the default).
       # Session 33 also ran pf=1 (decode_fp8_mma_prefetch: the next tile's block numbers
