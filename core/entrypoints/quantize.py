@@ -17,7 +17,8 @@ dense, as at load-time quantization.
   quantized).
 - ``--tune-scales STEPS``: afterwards, the scales and (``--tune-norms``, on by default)
   the RMS norms' weights trained on the whole model's next-token distributions
-  (``plugins.quant.scale_tuning``).
+  (``plugins.quant.scale_tuning``); with ``--tune-codes RATE`` (int4, learned rounding)
+  the codes train with them.
 """
 
 from __future__ import annotations
