@@ -130,15 +130,20 @@ class DecodeGraphs:
         slots stay valid until the next replay's inputs are written."""
         num = pack.num
         bs = next(s for s in self.sizes if s >= num)
-        assert self.uploads is not None, "capture() makes the uploads"
-        packed = self.uploads.upload(pack.host)
+        packed = self._upload(pack.host)
         scatter_decode_inputs(
             packed, num, pack.width, last_tokens, self.input_ids, self.positions,
             self.seq_lens, self.slot_mapping, self.token_slots, self.block_tables, bs,
         )  # fmt: skip
-        self.uploads.consumed()
+        if self.uploads is not None:
+            self.uploads.consumed()
         self._replay(bs)
         return self.hidden[:num], self.token_slots[:num]
+
+    def _upload(self, host: torch.Tensor) -> torch.Tensor:
+        if self.uploads is None:
+            self.uploads = SideUploads(self.input_ids.device)
+        return self.uploads.upload(host)
 
     def _replay(self, bs: int) -> None:
         self.graphs[bs].replay()
