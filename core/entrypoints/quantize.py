@@ -166,8 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         metavar="RATE",
-        help="scale tuning: int4's codes from learned rounding train too, at this Adam rate "
-        "(round(w / s + v) with every offset v in [-1/2, 1/2]; 0: off, the default)",
+        help="scale tuning (--tune-scales STEPS, int4, --rounding learned): the codes train "
+        "too, at this Adam rate (round(w / s0 + v) at the rounding's own scales, every "
+        "offset v in [-1/2, 1/2]; 0: off, the default)",
     )
     parser.add_argument("--seed", type=int, default=0, help="of the calibration sampling")
     parser.add_argument(
@@ -203,6 +204,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.tune_scales = 64 if args.method == "fp8" else 0
     if args.tune_scales < 0 or args.tune_codes < 0:
         print("error: --tune-scales STEPS >= 0 and --tune-codes RATE >= 0", file=sys.stderr)
+        return 2
+    if args.tune_codes and not (
+        args.method == "int4" and args.rounding == "learned" and args.tune_scales
+    ):
+        print(
+            "error: --tune-codes needs --method int4, --rounding learned and --tune-scales",
+            file=sys.stderr,
+        )
         return 2
     if (args.awq or args.awq_clip) and (args.method != "int4" or not args.awq):
         print("error: --awq is for --method int4; --awq-clip needs --awq", file=sys.stderr)
@@ -329,6 +338,7 @@ def quantize_checkpoint(
             model, sequences, method, group, learned.iters, learned.batch, learned.target,
             prepare_layer=scaler, record=errors, per_token=learned.per_token,
             head=(lambda x: model.compute_logits(model.model.norm(x))) if learned.head_kl else None,
+            keep_latent=tune is not None and tune.codes > 0,
         )  # fmt: skip
     tuned: dict[str, Any] = {}
     if tune is not None and teacher is not None:

@@ -71,8 +71,9 @@ class Int4Grid(Grid):
         self.scales: list[torch.Tensor] = []  # per group [N] float32 (fp16 values)
         self.zeros: list[torch.Tensor] = []  # per group [N] float32 integers
         self.codes: torch.Tensor | None = None  # [N, K] int32
-        # learned rounding's weights and offsets, (w, v) [N, K] float32, codes =
-        # round(w / s + v) + z: what ``scale_tuning.tune_scales(codes=...)`` trains on
+        # learned rounding's weights and offsets, (w, v) [N, K] float32, with codes =
+        # clamp(round(w / s + v) + z, 0, 15) at the rounding's scales: what
+        # ``scale_tuning.tune_scales(codes=...)`` trains (``learn_layers(keep_latent=True)``)
         self.latent: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def start(self, w: torch.Tensor) -> None:

@@ -1,6 +1,7 @@
 """End-to-end tuning of the quantized weights' scales: after the layer-by-layer rounding
-(GPTQ or learned rounding), every code and zero point stays as it is and each int4
-group's float16 scale, or each fp8 row's float32 scale, is trained on the whole model's
+(GPTQ or learned rounding), every zero point and (unless ``codes``, below) every code
+stays as it is and each int4 group's float16 scale, or each fp8 row's float32 scale
+(and optionally every RMS norm's weight), is trained on the whole model's
 next-token distributions against the float model's (the KL divergence), by Adam. For
 fp8 every quantized ``Linear``'s input is rounded per token in the loop as the W8A8
 kernels round it (straight through).
@@ -62,7 +63,7 @@ class _Scales(nn.Module):
         """Make the codes trainable (``Int4Grid.latent`` needed); the offsets, or None."""
         if self.grid.latent is None:
             return None
-        self.w, self.v = self.grid.latent[0], nn.Parameter(self.grid.latent[1].clone())
+        self.w, self.v = self.grid.latent[0], nn.Parameter(self.grid.latent[1])
         if not torch.equal(self.codes(), self.codes0):
             raise ValueError("Int4Grid.latent does not give the grid's codes")
         return self.v
@@ -88,6 +89,7 @@ class _Scales(nn.Module):
         """Write the trained scales (and codes) into the grid; returns the weight they give."""
         self.grid.scales = list(self.scales().t().contiguous())
         self.grid.codes = self.codes().to(self.grid.codes.dtype)  # type: ignore[union-attr]
+        self.grid.latent = None  # its offsets moved; and 8 bytes a weight freed
         return self()
 
 

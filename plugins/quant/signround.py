@@ -93,16 +93,19 @@ class Int4Rounding(nn.Module):
             clip.data.clamp_(MIN_CLIP, 1.0)
 
     @torch.no_grad()
-    def grid(self) -> Int4Grid:
+    def grid(self, latent: bool = False) -> Int4Grid:
+        """The rounded grid; ``latent``: with the weights and offsets that give its codes
+        (``Int4Grid.latent``, 8 bytes a weight: only for ``tune_scales(codes=...)``)."""
         codes, scale, zero = self._grid()
         grid = Int4Grid(self.group, static=True)
         grid.scales = list(scale[:, :, 0].t().contiguous())
         grid.zeros = list(zero[:, :, 0].t().contiguous())
         grid.codes = codes.flatten(1)[:, : self.k].to(torch.int32)
-        grid.latent = (
-            self.w.flatten(1)[:, : self.k].clone(),
-            self.v.detach().flatten(1)[:, : self.k].clone(),
-        )
+        if latent:
+            grid.latent = (
+                self.w.flatten(1)[:, : self.k].clone(),
+                self.v.detach().flatten(1)[:, : self.k].clone(),
+            )
         return grid
 
 
@@ -193,6 +196,7 @@ def learn_layers(
     per_token: bool = False,
     head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     head_tokens: int = 256,
+    keep_latent: bool = False,
 ) -> dict[str, Grid]:
     """Round every ``Linear`` of ``model.model.layers`` in place by learned rounding
     (their ``weight`` then holds the rounded values); returns each one's grid by
@@ -205,7 +209,8 @@ def learn_layers(
     rest. ``head`` (the final norm and LM head: stream -> logits): the last layer is
     fitted to the float model's next-token distribution instead (the KL divergence,
     on ``head_tokens`` evenly spaced tokens of each pack), what the perplexity
-    measures."""
+    measures. ``keep_latent``: int4 grids keep their weights and offsets
+    (``Int4Grid.latent``), for ``scale_tuning.tune_scales(codes=...)``."""
     length = len(sequences[0])
     if any(len(s) != length for s in sequences):
         raise ValueError("learned rounding packs sequences of one length")
@@ -269,7 +274,11 @@ def learn_layers(
             with torch.no_grad():
                 for n, rounder in rounders.items():
                     linears[n].weight.data.copy_(rounder())
-                    grids[f"model.layers.{index}.{n}"] = rounder.grid()
+                    grids[f"model.layers.{index}.{n}"] = (
+                        rounder.grid(keep_latent)
+                        if isinstance(rounder, Int4Rounding)
+                        else rounder.grid()
+                    )
                 for i in range(len(packs)):
                     quant[i] = layer(ropes[i], *quant[i], ctx)
         finally:

@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tokenloom.plugins.quant.int4 import dequantize_int4
 from tokenloom.plugins.quant.scale_tuning import teacher_log_probs, tune_scales
@@ -105,6 +106,12 @@ def test_quantize_tune_codes_writes_the_moved_codes(tiny, tmp_path):
     assert main([str(tiny), *args, "--threads", "1"]) == 0
     tuned = json.loads((out / "quantize.json").read_text())["scale_tuning"]
     assert tuned["codes"] == 0.02 and tuned["kl_after"] < tuned["kl_before"]
+    plain = tmp_path / "plain"
+    argv = [str(tiny), *args, "--threads", "1", "--tune-codes", "0", "--out", str(plain)]
+    assert main(argv) == 0
+    tensors = [load_file(d / "model.safetensors") for d in (out, plain)]
+    qweights = [n for n in tensors[0] if n.endswith("qweight")]
+    assert qweights and any(not torch.equal(tensors[0][n], tensors[1][n]) for n in qweights)
     llm = LLM(str(out), dtype="float32", quant="int4")
     try:
         outs = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=8))
@@ -112,6 +119,8 @@ def test_quantize_tune_codes_writes_the_moved_codes(tiny, tmp_path):
     finally:
         llm.engine.shutdown()
     assert main([str(tiny), *args, "--threads", "1", "--tune-codes", "-1"]) == 2
+    assert main([str(tiny), *args, "--threads", "1", "--rounding", "gptq"]) == 2
+    assert main([str(tiny), *args, "--threads", "1", "--tune-scales", "0"]) == 2
 
 
 def test_quantize_fp8_tunes_its_scales_by_default(tiny, tmp_path):
@@ -158,7 +167,9 @@ def test_codes_train_with_the_scales_from_learned_rounding(tiny):
     for rate in (0.0, 0.02):
         model, _ = load_model(tiny, torch.float32, "cpu")
         teacher = teacher_log_probs(model, sequences, batch=2)
-        grids = learn_layers(model, sequences, "int4", group=32, iters=20, batch=2)
+        grids = learn_layers(
+            model, sequences, "int4", group=32, iters=20, batch=2, keep_latent=True
+        )
         codes = {n: g.codes.clone() for n, g in grids.items()}  # type: ignore[attr-defined]
         before, after[rate] = tune_scales(
             model, sequences, grids, teacher, steps=40, batch=2, lr=5e-3, codes=rate
@@ -167,6 +178,7 @@ def test_codes_train_with_the_scales_from_learned_rounding(tiny):
         for name, grid in grids.items():
             assert int(grid.codes.min()) >= 0 and int(grid.codes.max()) <= 15  # type: ignore[attr-defined]
             moved += int((grid.codes != codes[name]).sum())  # type: ignore[attr-defined]
+            assert grid.latent is None  # type: ignore[attr-defined]  # spent, freed
             qweight, s, z = grid.packed()  # type: ignore[attr-defined]
             values = dequantize_int4(qweight, s, z, 32, torch.float32)
             assert torch.equal(values, model.get_submodule(name).weight.data)
@@ -180,9 +192,8 @@ def test_codes_stay_without_learned_rounding(tiny, caplog):
     model, _ = load_model(tiny, torch.float32, "cpu")
     sequences = _sequences()
     teacher = teacher_log_probs(model, sequences, batch=2)
-    grids = learn_layers(model, sequences, "int4", group=32, iters=0, batch=2)
-    for grid in grids.values():
-        grid.latent = None  # type: ignore[attr-defined]  # as GPTQ's grids
+    grids = learn_layers(model, sequences, "int4", group=32, iters=0, batch=2)  # no latent
+    assert all(g.latent is None for g in grids.values())  # type: ignore[attr-defined]
     codes = {n: g.codes.clone() for n, g in grids.items()}  # type: ignore[attr-defined]
     tune_scales(model, sequences, grids, teacher, steps=4, batch=2, lr=5e-3, codes=0.02)
     assert all(torch.equal(g.codes, codes[n]) for n, g in grids.items())  # type: ignore[attr-defined]
