@@ -51,9 +51,10 @@ def step(
     # enough layers that one replay reads more KV than L2 holds (in the model dtype)
     per_layer = 2 * num_blocks * kv_quant.block_bytes(BLOCK, KV_HEADS, HEAD_DIM, MODEL_DTYPE)
     layers = min(64, max(layers, -(-L2_ROTATION_BYTES // per_layer)))
+    attn = TritonAttention(EngineConfig(max_num_seqs=max(batch, 1)), info(device), **settings)
     pool, caches = kv_quant.allocate(
         layers, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, DTYPES[kv], torch.device(device),
-        v_transposed=bool(settings.get("decode_fp8_mma", 0)),  # the layout that kernel reads
+        v_transposed=attn.fp8_values_transposed,  # the layout the backend reads, as the engine
     )  # fmt: skip
     gen = torch.Generator(device=device).manual_seed(0)
     fill = torch.randn(num_blocks * BLOCK, KV_HEADS, HEAD_DIM, generator=gen, device=device)
@@ -83,7 +84,6 @@ def step(
     q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen, device=device).to(MODEL_DTYPE)
     k = torch.randn(batch, KV_HEADS, HEAD_DIM, generator=gen, device=device).to(MODEL_DTYPE)
     v = torch.randn(batch, KV_HEADS, HEAD_DIM, generator=gen, device=device).to(MODEL_DTYPE)
-    attn = TritonAttention(EngineConfig(max_num_seqs=max(batch, 1)), info(device), **settings)
     attn.prepare(meta)
     scale = HEAD_DIM**-0.5
     out = attn.forward(q, k, v, *caches[0], meta, scale)
@@ -92,7 +92,7 @@ def step(
     )  # same cache, same new token (written twice, same values)
     error = float((out.double() - ref.double()).norm() / ref.double().norm())
     # fp8 with fp8 products (decode_fp8_mma) rounds q and p too: test_kv_quant's bound
-    bound = 8e-2 if kv == "fp8" and settings.get("decode_fp8_mma", 0) else 4e-2
+    bound = 8e-2 if kv == "fp8" and attn.decode_fp8_mma else 4e-2
     assert error < bound, f"{kv} batch {batch} context {context}: relative error {error:.3g}"
 
     def run() -> None:

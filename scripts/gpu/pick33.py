@@ -8,7 +8,12 @@ import json
 import sys
 from pathlib import Path
 
-NAMES = {"bn": "decode_block_n", "st": "decode_num_stages", "w": "decode_num_warps"}
+NAMES = {
+    "pf": "decode_fp8_mma_prefetch",
+    "bn": "decode_block_n",
+    "st": "decode_num_stages",
+    "w": "decode_num_warps",
+}
 
 
 def main(out: str) -> int:
