@@ -88,11 +88,15 @@ for step in "$@"; do
     lat32)
       bench latency bf16-before before none
       bench latency bf16-after after none ;;
-    t33)  # the attention backends' GPU tests
+    t33)  # the attention backends' GPU tests, then the fp8-MMA kernel's own tests (not
+      # gpu-marked: they take CUDA when it is there; the metadata prefetch among them)
       py after -m pytest -q -s -m gpu -p no:cacheprovider tests/plugins/attention \
         > "$OUT/gpu-tests-t33.log" 2>&1
       echo "t33 rc=$?"; grep -E "^FAILED|^ERROR" "$OUT/gpu-tests-t33.log" | head -12
-      tail -n 1 "$OUT/gpu-tests-t33.log" ;;
+      tail -n 1 "$OUT/gpu-tests-t33.log"
+      py after -m pytest -q -p no:cacheprovider tests/plugins/attention/test_decode_fp8_mma.py \
+        > "$OUT/gpu-tests-t33-mma.log" 2>&1
+      echo "t33 mma rc=$?"; tail -n 1 "$OUT/gpu-tests-t33-mma.log" ;;
     t33x)  # the executor's GPU tests (session 33: run_pack's uploads made by capture only)
       py after -m pytest -q -s -m gpu -p no:cacheprovider tests/plugins/executor \
         > "$OUT/gpu-tests-t33x.log" 2>&1
