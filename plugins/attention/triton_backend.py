@@ -19,8 +19,7 @@ Settings (``[plugin.triton]`` in the config, or keyword arguments), defaults in
 first KV tile read before the PDL wait up to this batch), ``decode_heads_first``
 (grid order), ``decode_maxnreg`` (register cap), ``decode_fp8_mma`` (an fp8 cache's
 decode with fp8 products over transposed value blocks, ``decode_fp8_mma.py``; on by
-default on a GPU, off under the interpreter), ``decode_fp8_mma_prefetch`` (that kernel
-loads the next tile's block numbers and scales a tile ahead), ``prefill_block_m``,
+default on a GPU, off under the interpreter), ``prefill_block_m``,
 ``prefill_block_n``, ``prefill_num_warps``, ``prefill_num_stages``. An 8-bit cache's
 decode takes ``QUANT_DECODE`` for the stages and register cap unless they are set.
 Without a GPU the kernels run under ``TRITON_INTERPRET=1`` with small tiles.
@@ -134,7 +133,6 @@ class TritonAttention(AttentionBackend):
         self.fp8_values_transposed = self.decode_fp8_mma
         self.mma_decode_num_stages = int(settings.get("decode_num_stages", 1 if interpreted else 2))
         self.mma_decode_maxnreg = int(settings.get("decode_maxnreg", 0))
-        self.mma_decode_prefetch = bool(defaults["decode_fp8_mma_prefetch"])
         if (
             not interpreted
             and not pdl_on(self.device)
@@ -324,11 +322,7 @@ class TritonAttention(AttentionBackend):
         own stages and register cap."""
         for name in ("kv_asm", "rope", "prefetch"):
             options.pop(name)
-        options.update(
-            num_stages=self.mma_decode_num_stages,
-            maxnreg=self.mma_decode_maxnreg,
-            prefetch_meta=self.mma_decode_prefetch,
-        )
+        options.update(num_stages=self.mma_decode_num_stages, maxnreg=self.mma_decode_maxnreg)
         decode_fp8_mma.decode_fp8_mma(*args, **options)
 
 

@@ -16,7 +16,7 @@
 #           before, after, after with decode_fp8_mma=1
 #   kern32 / wide32 / lat32: session 32's shorter forms (device time was scarce)
 #   t33 / kern33 / wide33 / lat33 / prof33: session 33's sweep of the fp8-MMA kernel's
-#           settings (and its metadata prefetch), the workload with the best, a profile
+#           settings, the workload with the best, a profile
 #   bf29    bf16 bench latency and throughput, before / after (kernels touched: no change
 #           expected on a 16-bit cache)
 set -uo pipefail
@@ -89,7 +89,7 @@ for step in "$@"; do
       bench latency bf16-before before none
       bench latency bf16-after after none ;;
     t33)  # the attention backends' GPU tests, then the fp8-MMA kernel's own tests (not
-      # gpu-marked: they take CUDA when it is there; the metadata prefetch among them)
+      # gpu-marked: they take CUDA when it is there)
       py after -m pytest -q -s -m gpu -p no:cacheprovider tests/plugins/attention \
         > "$OUT/gpu-tests-t33.log" 2>&1
       echo "t33 rc=$?"; grep -E "^FAILED|^ERROR" "$OUT/gpu-tests-t33.log" | head -12
@@ -102,16 +102,15 @@ for step in "$@"; do
         > "$OUT/gpu-tests-t33x.log" 2>&1
       echo "t33x rc=$?"; grep -E "^FAILED|^ERROR" "$OUT/gpu-tests-t33x.log" | head -12
       tail -n 1 "$OUT/gpu-tests-t33x.log" ;;
-    kern33)  # the fp8-MMA kernel's tile / warps / stages and its metadata prefetch at the
+    kern33)  # the fp8-MMA kernel's tile / warps / stages at the
       # throughput batches; writes $OUT/best33 (the settings fastest at 512 rows, none if
       # the default). Session 33 ran this without decode_fp8_mma=1 (so the bench's cache
       # kept its values as stored and the f16-converting kernel ran); fixed since, unrun
       B=(--batches 128,512)
-      for cfg in "" pf=1 bn=64 bn=64,st=3 st=3 st=1 w=8 bn=256,w=8 pf=1,st=3; do
+      for cfg in "" bn=64 bn=64,st=3 st=3 st=1 w=8 bn=256,w=8; do
         S=(--setting decode_fp8_mma=1); tag=${cfg:-default}; tag=${tag//,/-}; tag=${tag//=/}
         for kv in ${cfg//,/ }; do
           case ${kv%%=*} in
-            pf) S+=(--setting decode_fp8_mma_prefetch=${kv#*=}) ;;
             bn) S+=(--setting decode_block_n=${kv#*=}) ;;
             st) S+=(--setting decode_num_stages=${kv#*=}) ;;
             w) S+=(--setting decode_num_warps=${kv#*=}) ;;

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 NAMES = {
-    "pf": "decode_fp8_mma_prefetch",
     "bn": "decode_block_n",
     "st": "decode_num_stages",
     "w": "decode_num_warps",

@@ -43,42 +43,30 @@ FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
-def _meta(
-    t, kv_end, table, k_scale_ptr, v_scale_ptr, kv_head, stride_scale_block,
-    NUM_KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    MASKED: tl.constexpr,
+def _tile(
+    acc, m_i, l_i, t, kv_end, qt8, col_scale, table, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+    v_scale_ptr, kv_head, offs_d, stride_cache_block, stride_cache_tok, stride_cache_head,
+    stride_scale_block, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
-    """Tile ``t``'s block numbers and its tokens' key and value scales. ``MASKED``: the
-    pages the slice reaches (past its end: block 0, a real block, harmless reads; those
-    tokens are zeroed by ``_tile``)."""
+    """One KV tile (number ``t``) of the online softmax, on ``acc`` = O^T ``[D, H]``."""
     offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
     page = offs_n // PAGE_SIZE
-    if MASKED:
-        block = tl.load(table + page, mask=page < tl.cdiv(kv_end, PAGE_SIZE), other=0)
-    else:
-        block = tl.load(table + page)
-    block = block.to(tl.int64)
-    s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * NUM_KV_HEADS + kv_head
-    return block, tl.load(k_scale_ptr + s_off), tl.load(v_scale_ptr + s_off)
-
-
-@triton.jit
-def _tile(
-    acc, m_i, l_i, t, kv_end, qt8, col_scale, block, k_scale, v_scale, k_cache_ptr,
-    v_cache_ptr, kv_head, offs_d, stride_cache_block, stride_cache_tok, stride_cache_head,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    MASKED: tl.constexpr,
-):  # fmt: skip
-    """One KV tile (number ``t``, its ``_meta`` given) of the online softmax, on ``acc`` =
-    O^T ``[D, H]``."""
-    offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
     slot = offs_n % PAGE_SIZE
+    if MASKED:  # the pages the slice reaches; their tokens past its end are zeroed below
+        block = tl.load(table + page, mask=page < tl.cdiv(kv_end, PAGE_SIZE), other=0)
+        block = block.to(tl.int64)
+    else:
+        block = tl.load(table + page).to(tl.int64)
     base = block * stride_cache_block
     k_tok = base + slot * stride_cache_tok + kv_head * stride_cache_head
     v_tok = base + slot + kv_head * (HEAD_DIM * PAGE_SIZE)  # [heads, D, page] per page
+    s_off = block * stride_scale_block + slot * NUM_KV_HEADS + kv_head
     k_ptrs = k_cache_ptr + k_tok[:, None] + offs_d[None, :]  # [N, D]
     v_ptrs = v_cache_ptr + v_tok[None, :] + offs_d[:, None] * PAGE_SIZE  # [D, N]
     k = tl.load(k_ptrs)
+    k_scale = tl.load(k_scale_ptr + s_off)
+    v_scale = tl.load(v_scale_ptr + s_off)
     vt = tl.load(v_ptrs)
     if MASKED:
         # Loaded whole (16-byte rows), then zeroed: a slot past the end holds whatever
@@ -119,7 +107,6 @@ def _decode_fp8_mma_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HEADS_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
-    PREFETCH_META: tl.constexpr,
 ):  # fmt: skip
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
@@ -158,43 +145,20 @@ def _decode_fp8_mma_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([HEAD_DIM, BLOCK_H], tl.float32)  # O^T
-    # kv_start is a multiple of BLOCK_N (kv_slice): whole tiles, then a partial one.
-    # PREFETCH_META: the next tile's block numbers and scales load before this tile's
-    # products (registers), so that its key and value loads need not wait for them.
-    first, whole = kv_start // BLOCK_N, kv_end // BLOCK_N
-    if PREFETCH_META:
-        block, k_scale, v_scale = _meta(
-            first, kv_end, table, k_scale_ptr, v_scale_ptr, kv_head, stride_scale_block,
-            NUM_KV_HEADS, BLOCK_N, PAGE_SIZE, True,
-        )  # fmt: skip
-    for t in range(first, whole):
-        if PREFETCH_META:
-            block_next, k_next, v_next = _meta(
-                t + 1, kv_end, table, k_scale_ptr, v_scale_ptr, kv_head, stride_scale_block,
-                NUM_KV_HEADS, BLOCK_N, PAGE_SIZE, True,
-            )  # fmt: skip
-        else:
-            block, k_scale, v_scale = _meta(
-                t, kv_end, table, k_scale_ptr, v_scale_ptr, kv_head, stride_scale_block,
-                NUM_KV_HEADS, BLOCK_N, PAGE_SIZE, False,
-            )  # fmt: skip
+    # kv_start is a multiple of BLOCK_N (kv_slice): whole tiles, then a partial one
+    for t in range(kv_start // BLOCK_N, kv_end // BLOCK_N):
         acc, m_i, l_i = _tile(
-            acc, m_i, l_i, t, kv_end, qt8, col_scale, block, k_scale, v_scale, k_cache_ptr,
-            v_cache_ptr, kv_head, offs_d, stride_cache_block, stride_cache_tok,
-            stride_cache_head, HEAD_DIM, BLOCK_N, PAGE_SIZE, False,
+            acc, m_i, l_i, t, kv_end, qt8, col_scale, table, k_cache_ptr, v_cache_ptr,
+            k_scale_ptr, v_scale_ptr, kv_head, offs_d, stride_cache_block, stride_cache_tok,
+            stride_cache_head, stride_scale_block, NUM_KV_HEADS, HEAD_DIM, BLOCK_N,
+            PAGE_SIZE, False,
         )  # fmt: skip
-        if PREFETCH_META:
-            block, k_scale, v_scale = block_next, k_next, v_next
     if kv_end % BLOCK_N:
-        if not PREFETCH_META:
-            block, k_scale, v_scale = _meta(
-                whole, kv_end, table, k_scale_ptr, v_scale_ptr, kv_head, stride_scale_block,
-                NUM_KV_HEADS, BLOCK_N, PAGE_SIZE, True,
-            )  # fmt: skip
         acc, m_i, l_i = _tile(
-            acc, m_i, l_i, whole, kv_end, qt8, col_scale, block, k_scale, v_scale,
-            k_cache_ptr, v_cache_ptr, kv_head, offs_d, stride_cache_block, stride_cache_tok,
-            stride_cache_head, HEAD_DIM, BLOCK_N, PAGE_SIZE, True,
+            acc, m_i, l_i, kv_end // BLOCK_N, kv_end, qt8, col_scale, table, k_cache_ptr,
+            v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, offs_d, stride_cache_block,
+            stride_cache_tok, stride_cache_head, stride_scale_block, NUM_KV_HEADS, HEAD_DIM,
+            BLOCK_N, PAGE_SIZE, True,
         )  # fmt: skip
     finish_split(tl.trans(acc), m_i, l_i, seq, kv_head, split, num_active, num_splits, heads,
                  mask_h, offs_d, mask_hd, out_ptr, out_offs, part_out_ptr, part_lse_ptr,
@@ -241,7 +205,6 @@ def decode_fp8_mma(
     min_split_tokens: int = 0,
     heads_first: bool = True,
     maxnreg: int = 0,
-    prefetch_meta: bool = False,
 ) -> None:
     """Launch the kernel (the arguments as ``decode.decode_attention``'s; ``block_n``
     below ``MIN_K`` is raised to it). No host sync; CUDA-graph capturable."""
@@ -260,7 +223,7 @@ def decode_fp8_mma(
         triton.cdiv(min_split_tokens, block_n) * block_n,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
-        BLOCK_N=block_n, PAGE_SIZE=page, HEADS_FIRST=heads_first, PREFETCH_META=prefetch_meta,
+        BLOCK_N=block_n, PAGE_SIZE=page, HEADS_FIRST=heads_first,
         num_warps=num_warps, num_stages=num_stages, **launch_options(q.device),
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip

@@ -58,9 +58,8 @@ def _reference(batch, info):
 ROW_BOUND = 8e-2
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize(("splits", "block_n"), [(1, 32), (4, 32), (3, 64), (2, 128)])
-def test_decode_fp8_mma_merges_splits_and_tail_tiles_like_the_reference(splits, block_n, prefetch):
+def test_decode_fp8_mma_merges_splits_and_tail_tiles_like_the_reference(splits, block_n):
     # lengths: one token, a page, a page and one, several tiles and a tail; a padding row
     seq_lens = [1, 16, 17, 150, 77]
     batch = make_batch(
@@ -81,7 +80,6 @@ def test_decode_fp8_mma_merges_splits_and_tail_tiles_like_the_reference(splits, 
     decode_fp8_mma(
         batch.q, k_cache, v_cache, batch.meta.block_tables, batch.meta.seq_lens, out,
         part_out, part_lse, counters, batch.scale, splits, block_n=block_n,
-        prefetch_meta=prefetch,
     )  # fmt: skip
     assert torch.equal(out[5], torch.zeros_like(out[5]))  # the padding row: zeros
     assert torch.isfinite(out).all()
