@@ -75,8 +75,19 @@ def test_tuning_refuses_a_teacher_of_other_packs(tiny):
         tune_scales(model, sequences, grids, teacher, steps=1, batch=2)
 
 
-def test_quantize_tune_scales_writes_the_tuned_checkpoint(tiny, tmp_path):
+def _assert_generates(checkpoint) -> None:
+    """The written int4 checkpoint loads and greedily generates 8 tokens."""
     from tokenloom import LLM, SamplingParams
+
+    llm = LLM(str(checkpoint), dtype="float32", quant="int4")
+    try:
+        outs = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=8))
+        assert len(outs[0].outputs[0].token_ids) == 8
+    finally:
+        llm.engine.shutdown()
+
+
+def test_quantize_tune_scales_writes_the_tuned_checkpoint(tiny, tmp_path):
     from tokenloom.entrypoints.quantize import main
 
     out = tmp_path / "tuned"
@@ -87,16 +98,10 @@ def test_quantize_tune_scales_writes_the_tuned_checkpoint(tiny, tmp_path):
     about = json.loads((out / "quantize.json").read_text())
     tuned = about["scale_tuning"]
     assert tuned["steps"] == 8 and not tuned["norms"] and tuned["kl_after"] < tuned["kl_before"]
-    llm = LLM(str(out), dtype="float32", quant="int4")
-    try:
-        outs = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=8))
-        assert len(outs[0].outputs[0].token_ids) == 8
-    finally:
-        llm.engine.shutdown()
+    _assert_generates(out)
 
 
 def test_quantize_tune_codes_writes_the_moved_codes(tiny, tmp_path):
-    from tokenloom import LLM, SamplingParams
     from tokenloom.entrypoints.quantize import main
 
     out = tmp_path / "codes"
@@ -112,12 +117,7 @@ def test_quantize_tune_codes_writes_the_moved_codes(tiny, tmp_path):
     tensors = [load_file(d / "model.safetensors") for d in (out, plain)]
     qweights = [n for n in tensors[0] if n.endswith("qweight")]
     assert qweights and any(not torch.equal(tensors[0][n], tensors[1][n]) for n in qweights)
-    llm = LLM(str(out), dtype="float32", quant="int4")
-    try:
-        outs = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=8))
-        assert len(outs[0].outputs[0].token_ids) == 8
-    finally:
-        llm.engine.shutdown()
+    _assert_generates(out)
     assert main([str(tiny), *args, "--threads", "1", "--tune-codes", "-1"]) == 2
     assert main([str(tiny), *args, "--threads", "1", "--rounding", "gptq"]) == 2
     assert main([str(tiny), *args, "--threads", "1", "--tune-scales", "0"]) == 2
