@@ -9,17 +9,22 @@ against:
 - **GEMM rate**: dense fp8 GEMMs at 1,385 TFLOP/s against 784 in bf16 (the peaks
   ``scripts/kernel_classes.py`` measures, ``docs/performance.md``): the linears' FLOPs
   count ``1 / FP8_GEMM_SPEEDUP`` of their bf16 time;
-- **efficiency**: decode attention over an fp8 cache ran at 1.77x its KV floor (session 8
-  profile, 512 sequences x 1,500 tokens: 21.9 ms against 12.4) where bf16's ran at 0.96x
-  (session 13, 256 x 1,500: 11.68 ms against 12.20), so the ``kv`` coefficient grows by
-  ``FP8_KV_FACTOR``; the fp8 GEMMs plus the activations' quantization took 7.0 ms at 512
-  rows (6.3 + 0.72) where the bf16 coefficients predict 6.39 at the fp8 rate, so ``gemm``
-  and ``flops`` grow by ``FP8_GEMM_FACTOR``.
+- **efficiency**: decode attention over an fp8 cache ran at 1.77x its KV floor with the
+  f16-converting kernel (session 8 profile, 512 sequences x 1,500 tokens: 21.9 ms against
+  12.4) where bf16's ran at 0.96x (session 13, 256 x 1,500: 11.68 ms against 12.20):
+  ``FP8_KV_FACTOR_F16``. The fp8-MMA decode, the default since session 32, took 601.9 us
+  a layer at 512 x 1,500 against that kernel's 665.1 in the same bench (``FP8_MMA_GAIN``),
+  so the ``kv`` coefficient grows by ``FP8_KV_FACTOR``, their product (1.60x the floor);
+  the fp8 GEMMs plus the activations' quantization took 7.0 ms at 512 rows (6.3 + 0.72)
+  where the bf16 coefficients predict 6.39 at the fp8 rate, so ``gemm`` and ``flops``
+  grow by ``FP8_GEMM_FACTOR``.
 
 Checked against the engine (``tests/core/sim/test_quantized.py``): issue 12's workload
-(600 x 1,000 in / 1,000 out at once, fp8 weights and KV, 114,348 blocks), measured
-12,023 out tok/s at ``max_num_seqs`` 512 and 12,756 at 640 with 640-row graphs
-(session 9); simulated 11,792 and 12,409 (-1.9%, -2.7%).
+(600 x 1,000 in / 1,000 out at once, fp8 weights and KV, 114,348 blocks) at
+``max_num_seqs`` 640 with 640-row graphs, measured 13,265 and 13,463 out tok/s with the
+fp8-MMA decode (session 32, two calls); simulated 13,099 (-1.3%, -2.7%). With
+``FP8_KV_FACTOR_F16`` (the f16-converting kernel), measured 12,023 at 512 and 12,756 at
+640 (session 9), 12,879 and 12,801 at 640 (session 32); simulated 11,792 and 12,408.
 
 int8 and int4 weights and an int8 cache are refused: their kernels' efficiency at decode
 batches has no measurement in a form this model can take.
@@ -34,7 +39,9 @@ from tokenloom.sim.cost_model import CostModel
 QUANTS = ("none", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
 FP8_GEMM_SPEEDUP = 1385 / 784
-FP8_KV_FACTOR = (21.9 / 12.4) / (11.68 / 12.20)
+FP8_KV_FACTOR_F16 = (21.9 / 12.4) / (11.68 / 12.20)
+FP8_MMA_GAIN = 601.9 / 665.1
+FP8_KV_FACTOR = FP8_KV_FACTOR_F16 * FP8_MMA_GAIN
 FP8_GEMM_FACTOR = (6.3 + 0.72) / 6.39
 H200_GIB = 139.80  # total memory the engine's start-up log reports on the H200
 
