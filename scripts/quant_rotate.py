@@ -7,8 +7,9 @@ write it as a dense float32 checkpoint, for measuring int4 after a rotation
 
 Every RMS norm's weight is folded into the linears it feeds (and set to 1), the LM head
 is untied from the embeddings, and an orthogonal R (QR of a Gaussian) enters the
-embeddings (E R), every linear that reads the stream (W R) and every one that writes it
-(R^T W)."""
+embeddings (E R), every linear that reads the stream (W diag(g) R, g the norm before it)
+and every one that writes it (R^T W); the LM head becomes E diag(g_final) R. For a
+checkpoint with tied embeddings, as the built-in model's."""
 
 from __future__ import annotations
 

@@ -7,7 +7,9 @@ fp8 decode kernel would give, before it runs on a GPU.
 
 A scale of 1 is the f16-converting kernel (1.77x its KV floor, ``tokenloom.sim.
 quantized.FP8_KV_FACTOR_F16``); 0.905 the fp8-MMA decode, the engine's default since
-session 32 (the lab's default, ``FP8_KV_FACTOR``); 0.565 puts it at bf16's efficiency.
+session 32 (the lab's default, ``FP8_KV_FACTOR``); 0.565 puts it at its KV floor by session
+8's ratio (1.77 x 0.565 = 1.0; the lab, whose bf16 ``kv`` coefficient is 1.02, then
+charges 1.06x). The printed "x its KV floor" is that ratio, 1.77 x the scale.
 
 ``--overlap`` (session 34) is a what-if, not a model: every step costs its KV reads or
 its GEMMs, whichever is longer, instead of their sum (the other hidden under it), as if
