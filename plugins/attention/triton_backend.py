@@ -17,7 +17,8 @@ Settings (``[plugin.triton]`` in the config, or keyword arguments), defaults in
 ``decode_kv_asm`` (an 8-bit cache converted by PTX helpers), ``decode_rope_min_batch``
 (rope inside the decode kernel from this batch up), ``decode_prefetch_max_batch`` (the
 first KV tile read before the PDL wait up to this batch), ``decode_heads_first``
-(grid order), ``decode_maxnreg`` (register cap), ``decode_fp8_mma`` (an fp8 cache's
+(grid order), ``decode_maxnreg`` (register cap), ``decode_fp8_meta_ahead`` (the fp8-MMA
+decode's block numbers a tile ahead), ``decode_fp8_mma`` (an fp8 cache's
 decode with fp8 products over transposed value blocks, ``decode_fp8_mma.py``; on by
 default on a GPU, off under the interpreter), ``prefill_block_m``,
 ``prefill_block_n``, ``prefill_num_warps``, ``prefill_num_stages``. An 8-bit cache's
@@ -133,6 +134,7 @@ class TritonAttention(AttentionBackend):
         self.fp8_values_transposed = self.decode_fp8_mma
         self.mma_decode_num_stages = int(settings.get("decode_num_stages", 1 if interpreted else 2))
         self.mma_decode_maxnreg = int(settings.get("decode_maxnreg", 0))
+        self.mma_decode_meta_ahead = bool(defaults["decode_fp8_meta_ahead"])
         if (
             not interpreted
             and not pdl_on(self.device)
@@ -322,7 +324,11 @@ class TritonAttention(AttentionBackend):
         own stages and register cap."""
         for name in ("kv_asm", "rope", "prefetch"):
             options.pop(name)
-        options.update(num_stages=self.mma_decode_num_stages, maxnreg=self.mma_decode_maxnreg)
+        options.update(
+            num_stages=self.mma_decode_num_stages,
+            maxnreg=self.mma_decode_maxnreg,
+            meta_ahead=self.mma_decode_meta_ahead,
+        )
         decode_fp8_mma.decode_fp8_mma(*args, **options)
 
 

@@ -23,6 +23,7 @@ class TritonSettings(msgspec.Struct, forbid_unknown_fields=True):
     decode_rope_min_batch: int | None = None
     decode_prefetch_max_batch: int | None = None
     decode_fp8_mma: int | None = None
+    decode_fp8_meta_ahead: int | None = None
     prefill_block_m: int | None = None
     prefill_block_n: int | None = None
     prefill_num_warps: int | None = None
@@ -43,6 +44,7 @@ INTERPRETER_DEFAULTS = {
     "decode_rope_min_batch": 1,
     "decode_prefetch_max_batch": 0,  # tested directly (nothing overlaps in the interpreter)
     "decode_fp8_mma": 0,
+    "decode_fp8_meta_ahead": 0,
     "prefill_block_m": 16,
     "prefill_block_n": 16,
     "prefill_num_warps": 4,
@@ -77,6 +79,8 @@ def cuda_defaults(head_dim: int) -> dict[str, int]:
         # decode attention per layer at batch 512 665 -> 602 us; batch 1 step 3.489 ->
         # 3.544 ms (12.2 -> 14.4 us a layer). Only an fp8 cache is affected.
         "decode_fp8_mma": 1,
+        # its tiles' block numbers loaded a tile ahead (session 35; not yet measured)
+        "decode_fp8_meta_ahead": 0,
         "prefill_block_m": 64,
         "prefill_block_n": 32 if big_head else 64,
         "prefill_num_warps": 4,

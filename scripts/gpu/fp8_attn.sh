@@ -17,6 +17,7 @@
 #   kern32 / wide32 / lat32: session 32's shorter forms (device time was scarce)
 #   t33 / kern33 / wide33 / lat33 / prof33: session 33's sweep of the fp8-MMA kernel's
 #           settings, the workload with the best, a profile
+#   kern35 / wide35 / lat35: session 35's sweep of the stages that pipeline its copies
 #   bf29    bf16 bench latency and throughput, before / after (kernels touched: no change
 #           expected on a 16-bit cache)
 set -uo pipefail
@@ -53,6 +54,30 @@ kern() {  # kern TAG TREE [--setting K=V...]: the fp8 decode per layer (the tree
     --batches 1,32,128,512 --contexts 1500 --json "$OUT/kern-$1.json" "${@:3}" \
     > "$OUT/kern-$1.log" 2>&1 || { echo "kern $1 failed"; tail -3 "$OUT/kern-$1.log"; }
   sed "s/^/kern $1: /" "$OUT/kern-$1.log" | grep batch
+}
+sweep() {  # sweep N CFG...: the fp8-MMA decode per layer at 128 and 512 rows for each
+  # setting (bn tile, st stages, w warps, r register cap, ma block numbers a tile ahead;
+  # "" the defaults); $OUT/bestN
+  # holds the fastest at 512 rows as plugin options (scripts/gpu/pick33.py), or nothing
+  local n=$1 cfg kv tag; shift
+  for cfg in "$@"; do
+    S=(--setting decode_fp8_mma=1); tag=${cfg:-default}; tag=${tag//,/-}; tag=${tag//=/}
+    for kv in ${cfg//,/ }; do
+      case ${kv%%=*} in
+        bn) S+=(--setting decode_block_n=${kv#*=}) ;;
+        st) S+=(--setting decode_num_stages=${kv#*=}) ;;
+        w) S+=(--setting decode_num_warps=${kv#*=}) ;;
+        r) S+=(--setting decode_maxnreg=${kv#*=}) ;;
+        ma) S+=(--setting decode_fp8_meta_ahead=${kv#*=}) ;;
+      esac
+    done
+    timeout 120 env PYTHONPATH=/tmp/after:/tmp/site python3 scripts/gpu/kvq_decode_bench.py \
+      --kv fp8 --contexts 1500 --batches 128,512 --json "$OUT/kern$n-$tag.json" "${S[@]}" \
+      > "$OUT/kern$n-$tag.log" 2>&1 || { echo "kern$n $tag failed"; tail -3 "$OUT/kern$n-$tag.log"; }
+    echo "$tag ${S[*]}" >> "$OUT/kern$n-settings.txt"
+    sed "s/^/kern$n $tag: /" "$OUT/kern$n-$tag.log" | grep batch
+  done
+  python3 scripts/gpu/pick33.py "$OUT" "kern$n" > "$OUT/best$n"; echo "best$n: $(cat "$OUT/best$n")"
 }
 WIDE=(--kv-cache-dtype fp8 --num-prompts 600 --min-len 1000 --max-len 1000 --max-num-seqs 640
       --max-graph-batch 640)
@@ -102,27 +127,17 @@ for step in "$@"; do
         > "$OUT/gpu-tests-t33x.log" 2>&1
       echo "t33x rc=$?"; grep -E "^FAILED|^ERROR" "$OUT/gpu-tests-t33x.log" | head -12
       tail -n 1 "$OUT/gpu-tests-t33x.log" ;;
-    kern33)  # the fp8-MMA kernel's tile / warps / stages at the
-      # throughput batches; writes $OUT/best33 (the settings fastest at 512 rows, none if
-      # the default). Session 33 ran this without decode_fp8_mma=1 (so the bench's cache
-      # kept its values as stored and the f16-converting kernel ran); fixed since, unrun
-      B=(--batches 128,512)
-      for cfg in "" bn=64 bn=64,st=3 st=3 st=1 w=8 bn=256,w=8; do
-        S=(--setting decode_fp8_mma=1); tag=${cfg:-default}; tag=${tag//,/-}; tag=${tag//=/}
-        for kv in ${cfg//,/ }; do
-          case ${kv%%=*} in
-            bn) S+=(--setting decode_block_n=${kv#*=}) ;;
-            st) S+=(--setting decode_num_stages=${kv#*=}) ;;
-            w) S+=(--setting decode_num_warps=${kv#*=}) ;;
-          esac
-        done
-        timeout 120 env PYTHONPATH=/tmp/after:/tmp/site python3 scripts/gpu/kvq_decode_bench.py \
-          --kv fp8 --contexts 1500 "${B[@]}" --json "$OUT/kern33-$tag.json" "${S[@]}" \
-          > "$OUT/kern33-$tag.log" 2>&1 || { echo "kern33 $tag failed"; tail -3 "$OUT/kern33-$tag.log"; }
-        echo "$tag ${S[*]}" >> "$OUT/kern33-settings.txt"
-        sed "s/^/kern33 $tag: /" "$OUT/kern33-$tag.log" | grep batch
-      done
-      python3 scripts/gpu/pick33.py "$OUT" > "$OUT/best33" ; echo "best33: $(cat "$OUT/best33")" ;;
+    kern33)  # the fp8-MMA kernel's tile / warps / stages at the throughput batches; writes
+      # $OUT/best33 (the settings fastest at 512 rows, none if the default). Session 33 ran
+      # this without decode_fp8_mma=1 (the f16-converting kernel ran); fixed since, unrun
+      sweep 33 "" bn=64 bn=64,st=3 st=3 st=1 w=8 bn=256,w=8 ;;
+    kern35)  # session 35: Triton 3.6 pipelines the MMA kernel's K/V copies only from 5
+      # stages (offline TTGIR: at 2-4 stages the next tile's copies are issued after the
+      # tile's products and waited at the loop's top, so a program never loads while it
+      # computes; from 5, 3 buffers and a wait that leaves a tile in flight; with the
+      # block numbers a tile ahead, ma=1, from 3)
+      sweep 35 "" st=5 bn=64,st=5 bn=64,st=5,r=128 bn=64,st=3,ma=1 bn=64,st=3,ma=1,r=128 \
+        st=3,ma=1 bn=64,st=7 bn=64 ;;
     wide33)  # the issue's workload: the default against kern33's best settings (if other)
       bench throughput fp8w33-default after fp8 "${WIDE[@]}"
       BEST=$(cat "$OUT/best33" 2>/dev/null)
@@ -131,6 +146,14 @@ for step in "$@"; do
       bench latency fp8lat33-default after fp8 --kv-cache-dtype fp8
       BEST=$(cat "$OUT/best33" 2>/dev/null)
       [ -n "$BEST" ] && bench latency fp8lat33-best after fp8 --kv-cache-dtype fp8 $BEST ;;
+    wide35)  # the issue's workload: the default against kern35's best settings (if other)
+      bench throughput fp8w35-default after fp8 "${WIDE[@]}"
+      BEST=$(cat "$OUT/best35" 2>/dev/null)
+      [ -n "$BEST" ] && bench throughput fp8w35-best after fp8 "${WIDE[@]}" $BEST ;;
+    lat35)  # batch 1, fp8 weights + fp8 KV: the default against kern35's best
+      bench latency fp8lat35-default after fp8 --kv-cache-dtype fp8
+      BEST=$(cat "$OUT/best35" 2>/dev/null)
+      [ -n "$BEST" ] && bench latency fp8lat35-best after fp8 --kv-cache-dtype fp8 $BEST ;;
     prof33)  # where the issue's workload's time goes: step classes, a decode step's kernels
       # at 600 x ~1,500, and one 8,192-token prefill step's kernels
       MIN_LEN=1000 MAX_LEN=1000 PROF_SEQS=600 PROF_CTX=1500 timeout 400 env \

@@ -1,5 +1,6 @@
-"""Session 33: from kern33's JSON ($OUT/kern33-TAG.json, one per setting of the fp8-MMA
-decode), the settings fastest at 512 rows that are not slower at 128 (2% slack), as
+"""Session 33: from a sweep's JSON ($OUT/kern33-TAG.json, one per setting of the fp8-MMA
+decode; ``pick33.py OUT [PREFIX]`` reads PREFIX-TAG.json instead, e.g. session 35's
+kern35), the settings fastest at 512 rows that are not slower at 128 (2% slack), as
 ``--plugin-option triton.NAME=V`` arguments; nothing when the default wins."""
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ NAMES = {
     "bn": "decode_block_n",
     "st": "decode_num_stages",
     "w": "decode_num_warps",
+    "r": "decode_maxnreg",
+    "ma": "decode_fp8_meta_ahead",
 }
 
 
-def main(out: str) -> int:
+def main(out: str, prefix: str = "kern33") -> int:
     times = {}
-    for path in Path(out).glob("kern33-*.json"):
+    for path in Path(out).glob(f"{prefix}-*.json"):
         rows = json.loads(path.read_text())["rows"]
-        times[path.stem.removeprefix("kern33-")] = {
+        times[path.stem.removeprefix(f"{prefix}-")] = {
             r["batch"]: r["fp8"]["us_per_layer"] for r in rows
         }
     base = times.get("default")
@@ -40,4 +43,4 @@ def main(out: str) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1]))
+    raise SystemExit(main(*sys.argv[1:3]))

@@ -43,6 +43,20 @@ FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
+def _blocks(table, offs_n, kv_end, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """The cache block of each token ``offs_n`` of a tile (0 past the slice's pages if
+    MASKED), and each token's slot in its block."""
+    page = offs_n // PAGE_SIZE
+    slot = offs_n % PAGE_SIZE
+    if MASKED:  # the pages the slice reaches; their tokens past its end are zeroed later
+        block = tl.load(table + page, mask=page < tl.cdiv(kv_end, PAGE_SIZE), other=0)
+        block = block.to(tl.int64)
+    else:
+        block = tl.load(table + page).to(tl.int64)
+    return block, slot
+
+
+@triton.jit
 def _tile(
     acc, m_i, l_i, t, kv_end, qt8, col_scale, table, k_cache_ptr, v_cache_ptr, k_scale_ptr,
     v_scale_ptr, kv_head, offs_d, stride_cache_block, stride_cache_tok, stride_cache_head,
@@ -51,16 +65,27 @@ def _tile(
 ):  # fmt: skip
     """One KV tile (number ``t``) of the online softmax, on ``acc`` = O^T ``[D, H]``."""
     offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
-    page = offs_n // PAGE_SIZE
-    slot = offs_n % PAGE_SIZE
-    if MASKED:  # the pages the slice reaches; their tokens past its end are zeroed below
-        block = tl.load(table + page, mask=page < tl.cdiv(kv_end, PAGE_SIZE), other=0)
-        block = block.to(tl.int64)
-    else:
-        block = tl.load(table + page).to(tl.int64)
+    block, slot = _blocks(table, offs_n, kv_end, PAGE_SIZE, MASKED)
+    return _tile_at(
+        acc, m_i, l_i, offs_n, block, slot, kv_end, qt8, col_scale, k_cache_ptr, v_cache_ptr,
+        k_scale_ptr, v_scale_ptr, kv_head, offs_d, stride_cache_block, stride_cache_tok,
+        stride_cache_head, stride_scale_block, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, PAGE_SIZE,
+        MASKED,
+    )  # fmt: skip
+
+
+@triton.jit
+def _tile_at(
+    acc, m_i, l_i, offs_n, block, slot, kv_end, qt8, col_scale, k_cache_ptr, v_cache_ptr,
+    k_scale_ptr, v_scale_ptr, kv_head, offs_d, stride_cache_block, stride_cache_tok,
+    stride_cache_head, stride_scale_block, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """``_tile`` with its tokens (``offs_n``), their blocks and slots (``_blocks``) given."""
     base = block * stride_cache_block
     k_tok = base + slot * stride_cache_tok + kv_head * stride_cache_head
     v_tok = base + slot + kv_head * (HEAD_DIM * PAGE_SIZE)  # [heads, D, page] per page
+    v_tok = tl.max_contiguous(tl.multiple_of(v_tok, PAGE_SIZE), PAGE_SIZE)  # whole pages
     s_off = block * stride_scale_block + slot * NUM_KV_HEADS + kv_head
     k_ptrs = k_cache_ptr + k_tok[:, None] + offs_d[None, :]  # [N, D]
     v_ptrs = v_cache_ptr + v_tok[None, :] + offs_d[:, None] * PAGE_SIZE  # [D, N]
@@ -107,6 +132,7 @@ def _decode_fp8_mma_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HEADS_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
+    META_AHEAD: tl.constexpr = False,
 ):  # fmt: skip
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
@@ -146,13 +172,28 @@ def _decode_fp8_mma_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([HEAD_DIM, BLOCK_H], tl.float32)  # O^T
     # kv_start is a multiple of BLOCK_N (kv_slice): whole tiles, then a partial one
-    for t in range(kv_start // BLOCK_N, kv_end // BLOCK_N):
-        acc, m_i, l_i = _tile(
-            acc, m_i, l_i, t, kv_end, qt8, col_scale, table, k_cache_ptr, v_cache_ptr,
-            k_scale_ptr, v_scale_ptr, kv_head, offs_d, stride_cache_block, stride_cache_tok,
-            stride_cache_head, stride_scale_block, NUM_KV_HEADS, HEAD_DIM, BLOCK_N,
-            PAGE_SIZE, False,
-        )  # fmt: skip
+    if META_AHEAD:  # each tile's block numbers loaded a tile ahead (loop-carried); the
+        # slots stay those of the first tile (tiles of whole pages: the launcher checks)
+        offs_n = kv_start + tl.arange(0, BLOCK_N)
+        block, slot = _blocks(table, offs_n, kv_end, PAGE_SIZE, True)
+        for t in range(kv_start // BLOCK_N, kv_end // BLOCK_N):
+            offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+            block_ahead, _ = _blocks(table, offs_n + BLOCK_N, kv_end, PAGE_SIZE, True)
+            acc, m_i, l_i = _tile_at(
+                acc, m_i, l_i, offs_n, block, slot, kv_end, qt8, col_scale, k_cache_ptr,
+                v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, offs_d, stride_cache_block,
+                stride_cache_tok, stride_cache_head, stride_scale_block, NUM_KV_HEADS,
+                HEAD_DIM, BLOCK_N, PAGE_SIZE, False,
+            )  # fmt: skip
+            block = block_ahead
+    else:
+        for t in range(kv_start // BLOCK_N, kv_end // BLOCK_N):
+            acc, m_i, l_i = _tile(
+                acc, m_i, l_i, t, kv_end, qt8, col_scale, table, k_cache_ptr, v_cache_ptr,
+                k_scale_ptr, v_scale_ptr, kv_head, offs_d, stride_cache_block,
+                stride_cache_tok, stride_cache_head, stride_scale_block, NUM_KV_HEADS,
+                HEAD_DIM, BLOCK_N, PAGE_SIZE, False,
+            )  # fmt: skip
     if kv_end % BLOCK_N:
         acc, m_i, l_i = _tile(
             acc, m_i, l_i, kv_end // BLOCK_N, kv_end, qt8, col_scale, table, k_cache_ptr,
@@ -205,14 +246,19 @@ def decode_fp8_mma(
     min_split_tokens: int = 0,
     heads_first: bool = True,
     maxnreg: int = 0,
+    meta_ahead: bool = False,
 ) -> None:
     """Launch the kernel (the arguments as ``decode.decode_attention``'s; ``block_n``
-    below ``MIN_K`` is raised to it). No host sync; CUDA-graph capturable."""
+    below ``MIN_K`` is raised to it). ``meta_ahead`` loads each tile's block numbers a
+    tile ahead, so that Triton's pipeliner needs no stage of its own for them (session
+    35: without it the K/V copies overlap the products only from 5 stages; with it from
+    3), for tiles of whole pages. No host sync; CUDA-graph capturable."""
     assert supports(q, k_cache, v_cache), "an fp8 cache from kv_quant.allocate (V transposed)"
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     block_n = max(block_n, MIN_K)
     assert block_n % page == 0 or page % block_n == 0
+    meta_ahead = meta_ahead and block_n % page == 0  # its slots are the first tile's
     k_scales, v_scales = kv_quant.scales_of(k_cache), kv_quant.scales_of(v_cache)
     grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
     _decode_fp8_mma_kernel[grid](
@@ -223,7 +269,7 @@ def decode_fp8_mma(
         triton.cdiv(min_split_tokens, block_n) * block_n,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
-        BLOCK_N=block_n, PAGE_SIZE=page, HEADS_FIRST=heads_first,
+        BLOCK_N=block_n, PAGE_SIZE=page, HEADS_FIRST=heads_first, META_AHEAD=meta_ahead,
         num_warps=num_warps, num_stages=num_stages, **launch_options(q.device),
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip

@@ -91,6 +91,14 @@ def test_decode_fp8_mma_merges_splits_and_tail_tiles_like_the_reference(splits, 
     block = batch.meta.block_tables[0, 0].long()
     one = v_cache[block, 0].float() * kv_quant.scales_of(v_cache)[block, 0][:, None]
     assert torch.allclose(out[0].float(), one.repeat_interleave(2, 0), rtol=1e-2, atol=1e-3)
+    # the block numbers loaded a tile ahead (session 35): the same arithmetic, bit for bit
+    ahead = torch.full_like(batch.q, float("nan"))
+    decode_fp8_mma(
+        batch.q, k_cache, v_cache, batch.meta.block_tables, batch.meta.seq_lens, ahead,
+        part_out, part_lse, counters, batch.scale, splits, block_n=block_n, meta_ahead=True,
+    )  # fmt: skip
+    assert torch.equal(ahead, out)
+    assert int(counters.count_nonzero()) == 0
 
 
 def test_pages_the_fp8_mma_kernel_does_not_take_go_to_the_f16_kernel(monkeypatch):
@@ -165,14 +173,14 @@ def test_stale_slots_past_a_request_s_end_never_reach_its_output():
     k_cache, v_cache = quantized_copy(batch, FP8, v_transposed=True)
     write_kv_cache(batch.k, batch.v, k_cache, v_cache, batch.meta.slot_mapping)
 
-    def run():
+    def run(meta_ahead=False):
         out = torch.empty_like(batch.q)
         part_out, part_lse = torch.zeros(2 * 4 * 2 * 32), torch.zeros(2 * 4 * 2)
         counters = torch.zeros(2 * 2, dtype=torch.int32)
         decode_fp8_mma(
             batch.q, k_cache, v_cache, batch.meta.block_tables, batch.meta.seq_lens, out,
             part_out.to(DEVICE), part_lse.to(DEVICE), counters.to(DEVICE), batch.scale, 2,
-            block_n=32,
+            block_n=32, meta_ahead=meta_ahead,
         )  # fmt: skip
         return out
 
@@ -184,6 +192,7 @@ def test_stale_slots_past_a_request_s_end_never_reach_its_output():
             kv_quant.scales_of(cache)[block, seq_len % 16 :] = float("nan")
     assert torch.isnan(v_cache[block, 15].float()).all()
     assert torch.equal(run(), clean)
+    assert torch.equal(run(meta_ahead=True), clean)  # its block numbers a tile ahead
 
 
 def test_the_setting_is_off_with_a_warning_for_shapes_the_kernel_cannot_take(caplog):
