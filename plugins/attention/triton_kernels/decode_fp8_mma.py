@@ -85,7 +85,9 @@ def _tile_at(
     base = block * stride_cache_block
     k_tok = base + slot * stride_cache_tok + kv_head * stride_cache_head
     v_tok = base + slot + kv_head * (HEAD_DIM * PAGE_SIZE)  # [heads, D, page] per page
-    v_tok = tl.max_contiguous(tl.multiple_of(v_tok, PAGE_SIZE), PAGE_SIZE)  # whole pages
+    # runs of 16 tokens from a multiple of 16 (pages of 16k, blocks of 16k bytes): the
+    # axis analysis cannot see it through loop-carried block numbers (META_AHEAD)
+    v_tok = tl.max_contiguous(tl.multiple_of(v_tok, 16), 16)
     s_off = block * stride_scale_block + slot * NUM_KV_HEADS + kv_head
     k_ptrs = k_cache_ptr + k_tok[:, None] + offs_d[None, :]  # [N, D]
     v_ptrs = v_cache_ptr + v_tok[None, :] + offs_d[:, None] * PAGE_SIZE  # [D, N]
