@@ -154,6 +154,11 @@ for step in "$@"; do
       bench latency fp8lat35-default after fp8 --kv-cache-dtype fp8
       BEST=$(cat "$OUT/best35" 2>/dev/null)
       [ -n "$BEST" ] && bench latency fp8lat35-best after fp8 --kv-cache-dtype fp8 $BEST ;;
+    ba35)  # before / after this session's kernel change (the default's SASS unchanged), fp8 KV
+      bench latency fp8kv35-before before fp8 --kv-cache-dtype fp8
+      bench latency fp8kv35-after after fp8 --kv-cache-dtype fp8
+      bench throughput fp8kv35-before before fp8 --kv-cache-dtype fp8
+      bench throughput fp8kv35-after after fp8 --kv-cache-dtype fp8 ;;
     prof33)  # where the workload's time goes: step classes, a decode step's kernels
       # at 600 x ~1,500, and one 8,192-token prefill step's kernels
       MIN_LEN=1000 MAX_LEN=1000 PROF_SEQS=600 PROF_CTX=1500 timeout 400 env \
