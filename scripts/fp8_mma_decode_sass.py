@@ -51,7 +51,8 @@ def main() -> None:
         with open(ttgir) as f:
             ir = f.read()
         buffers = re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x\d+x\d+xf8", ir)
-        loop = ir[ir.index("scf.for") :]
+        start = ir.index("scf.for")  # the main loop's body: to its first yield
+        loop = ir[start : ir.index("scf.yield", start)]
         in_flight = re.search(r"async_wait [^{]*\{num = (\d+)", loop)
         loop = hottest_loop(sass)
         ops = collections.Counter(op for _, op in loop)

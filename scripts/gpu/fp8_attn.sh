@@ -17,7 +17,10 @@
 #   kern32 / wide32 / lat32: session 32's shorter forms (device time was scarce)
 #   t33 / kern33 / wide33 / lat33 / prof33: session 33's sweep of the fp8-MMA kernel's
 #           settings, the workload with the best, a profile
-#   kern35 / wide35 / lat35: session 35's sweep of the stages that pipeline its copies
+#   kern35 / wide35 / lat35: session 35's sweep of the stages that pipeline its copies (9
+#           settings, about 80 s on an H100), the workload and batch 1 with its best
+#           ($OUT/best35 from kern35 in the same call, else the BEST35 environment variable)
+#   ba35    fp8 weights + fp8 KV bench latency / throughput, before / after
 #   bf29    bf16 bench latency and throughput, before / after (kernels touched: no change
 #           expected on a 16-bit cache)
 set -uo pipefail
@@ -59,7 +62,7 @@ sweep() {  # sweep N CFG...: the fp8-MMA decode per layer at 128 and 512 rows fo
   # setting (bn tile, st stages, w warps, r register cap, ma block numbers a tile ahead;
   # "" the defaults); $OUT/bestN
   # holds the fastest at 512 rows as plugin options (scripts/gpu/pick33.py), or nothing
-  local n=$1 cfg kv tag; shift
+  local n=$1 cfg kv tag S; shift
   for cfg in "$@"; do
     S=(--setting decode_fp8_mma=1); tag=${cfg:-default}; tag=${tag//,/-}; tag=${tag//=/}
     for kv in ${cfg//,/ }; do
@@ -148,11 +151,11 @@ for step in "$@"; do
       [ -n "$BEST" ] && bench latency fp8lat33-best after fp8 --kv-cache-dtype fp8 $BEST ;;
     wide35)  # the issue's workload: the default against kern35's best settings (if other)
       bench throughput fp8w35-default after fp8 "${WIDE[@]}"
-      BEST=$(cat "$OUT/best35" 2>/dev/null)
+      BEST=$(cat "$OUT/best35" 2>/dev/null || echo "${BEST35:-}")
       [ -n "$BEST" ] && bench throughput fp8w35-best after fp8 "${WIDE[@]}" $BEST ;;
     lat35)  # batch 1, fp8 weights + fp8 KV: the default against kern35's best
       bench latency fp8lat35-default after fp8 --kv-cache-dtype fp8
-      BEST=$(cat "$OUT/best35" 2>/dev/null)
+      BEST=$(cat "$OUT/best35" 2>/dev/null || echo "${BEST35:-}")
       [ -n "$BEST" ] && bench latency fp8lat35-best after fp8 --kv-cache-dtype fp8 $BEST ;;
     ba35)  # before / after this session's kernel change (the default's SASS unchanged), fp8 KV
       bench latency fp8kv35-before before fp8 --kv-cache-dtype fp8

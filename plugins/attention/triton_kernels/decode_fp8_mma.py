@@ -221,12 +221,15 @@ def supports_shape(head_dim: int, group: int, page: int) -> bool:
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether ``decode_fp8_mma`` takes these: an fp8 cache from ``kv_quant.allocate``
-    with V transposed per page, of a shape ``supports_shape`` admits."""
+    with V transposed per page, of a shape ``supports_shape`` admits, its blocks 16-byte
+    aligned (``kv_quant.block_bytes`` pads them; the values' contiguity hint needs it)."""
     group = q.shape[1] // k_cache.shape[2]
     return (
         k_cache.dtype == torch.float8_e4m3fn
         and kv_quant.v_transposed(v_cache)
         and supports_shape(k_cache.shape[3], group, k_cache.shape[1])
+        and k_cache.stride(0) % 16 == 0
+        and v_cache.stride(0) == k_cache.stride(0)
     )
 
 

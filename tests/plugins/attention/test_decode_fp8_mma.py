@@ -15,6 +15,7 @@ from tokenloom.config import EngineConfig
 from tokenloom.plugins.attention import kv_quant
 from tokenloom.plugins.attention.torch_backend import TorchAttention, write_kv_cache
 from tokenloom.plugins.attention.triton_backend import TritonAttention
+from tokenloom.plugins.attention.triton_kernels import decode_fp8_mma as decode_fp8_mma_module
 from tokenloom.plugins.attention.triton_kernels.decode_fp8_mma import decode_fp8_mma, supports
 
 FP8 = torch.float8_e4m3fn
@@ -58,7 +59,9 @@ def _reference(batch, info):
 ROW_BOUND = 8e-2
 
 
-@pytest.mark.parametrize(("splits", "block_n"), [(1, 32), (4, 32), (3, 64), (2, 128)])
+@pytest.mark.parametrize(
+    ("splits", "block_n"), [(1, 32), (4, 32), (3, 64), (2, 128), (1, 64), (1, 128)]
+)
 def test_decode_fp8_mma_merges_splits_and_tail_tiles_like_the_reference(splits, block_n):
     # lengths: one token, a page, a page and one, several tiles and a tail; a padding row
     seq_lens = [1, 16, 17, 150, 77]
@@ -91,14 +94,18 @@ def test_decode_fp8_mma_merges_splits_and_tail_tiles_like_the_reference(splits, 
     block = batch.meta.block_tables[0, 0].long()
     one = v_cache[block, 0].float() * kv_quant.scales_of(v_cache)[block, 0][:, None]
     assert torch.allclose(out[0].float(), one.repeat_interleave(2, 0), rtol=1e-2, atol=1e-3)
-    # the block numbers loaded a tile ahead (session 35): the same arithmetic, bit for bit
-    ahead = torch.full_like(batch.q, float("nan"))
-    decode_fp8_mma(
-        batch.q, k_cache, v_cache, batch.meta.block_tables, batch.meta.seq_lens, ahead,
-        part_out, part_lse, counters, batch.scale, splits, block_n=block_n, meta_ahead=True,
-    )  # fmt: skip
-    assert torch.equal(ahead, out)
-    assert int(counters.count_nonzero()) == 0
+    # the block numbers loaded a tile ahead (session 35): the same arithmetic, bit for bit,
+    # at the default stages and at the pipelined ones with a register cap (on a GPU; the
+    # interpreter ignores both). Pages of 16 and tiles of 32 or more: never the fallback
+    for stages, maxnreg in ((2, 0), (3, 128)):
+        ahead = torch.full_like(batch.q, float("nan"))
+        decode_fp8_mma(
+            batch.q, k_cache, v_cache, batch.meta.block_tables, batch.meta.seq_lens, ahead,
+            part_out, part_lse, counters, batch.scale, splits, block_n=block_n,
+            num_stages=stages, maxnreg=maxnreg, meta_ahead=True,
+        )  # fmt: skip
+        assert torch.equal(ahead, out), (stages, maxnreg)
+        assert int(counters.count_nonzero()) == 0
 
 
 def test_pages_the_fp8_mma_kernel_does_not_take_go_to_the_f16_kernel(monkeypatch):
@@ -193,6 +200,24 @@ def test_stale_slots_past_a_request_s_end_never_reach_its_output():
     assert torch.isnan(v_cache[block, 15].float()).all()
     assert torch.equal(run(), clean)
     assert torch.equal(run(meta_ahead=True), clean)  # its block numbers a tile ahead
+
+
+def test_the_meta_ahead_setting_reaches_the_launcher(monkeypatch):
+    seen = []
+    monkeypatch.setattr(decode_fp8_mma_module, "decode_fp8_mma", lambda *a, **kw: seen.append(kw))
+    info = model_info(4, 2, 32, torch.float16, DEVICE)
+    for value in (0, 1):
+        attn = TritonAttention(EngineConfig(), info, decode_fp8_mma=1, decode_fp8_meta_ahead=value)
+        attn._decode_fp8_mma(num_stages=2, maxnreg=0, kv_asm=True, rope=None, prefetch=False)
+    assert [kw["meta_ahead"] for kw in seen] == [False, True]
+
+
+def test_a_cache_view_with_unaligned_blocks_goes_to_the_f16_kernel():
+    batch = make_batch([1], [40], dtype=torch.float16, device=DEVICE)
+    k_cache, v_cache = quantized_copy(batch, FP8, v_transposed=True)
+    assert supports(batch.q, k_cache, v_cache)
+    shifted = k_cache.as_strided(k_cache.shape, (k_cache.stride(0) + 8, *k_cache.stride()[1:]))
+    assert not supports(batch.q, shifted, v_cache)  # the values' contiguity hint needs 16
 
 
 def test_the_setting_is_off_with_a_warning_for_shapes_the_kernel_cannot_take(caplog):
