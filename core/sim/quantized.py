@@ -15,9 +15,10 @@ against:
   ``FP8_KV_FACTOR_F16``. The fp8-MMA decode, the default since session 32, took 601.9 us
   a layer at 512 x 1,500 against that kernel's 665.1 in the same bench (``FP8_MMA_GAIN``),
   so the ``kv`` coefficient grows by ``FP8_KV_FACTOR``, their product (x 1.67;
-  1.77 x 0.905 = 1.60x the floor in session 8's terms); the fp8 GEMMs plus the activations' quantization took 7.0 ms at 512 rows (6.3 + 0.72)
-  where the bf16 coefficients predict 6.39 at the fp8 rate, so ``gemm`` and ``flops``
-  grow by ``FP8_GEMM_FACTOR``.
+  1.77 x 0.905 = 1.60x the floor in session 8's terms). The fp8 GEMMs plus the
+  activations' quantization took 7.0 ms at 512 rows (6.3 + 0.72) where the bf16
+  coefficients predict 6.39 at the fp8 rate, so ``gemm`` and ``flops`` grow by
+  ``FP8_GEMM_FACTOR``.
 
 Checked against the engine (``tests/core/sim/test_quantized.py``): issue 12's workload
 (600 x 1,000 in / 1,000 out at once, fp8 weights and KV, 114,348 blocks) at
