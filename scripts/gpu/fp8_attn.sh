@@ -20,6 +20,8 @@
 #   kern35 / wide35 / lat35: session 35's sweep of the stages that pipeline its copies (9
 #           settings, about 80 s on an H100), the workload and batch 1 with its best
 #           ($OUT/best35 from kern35 in the same call, else the BEST35 environment variable)
+#   kern36 / wide36: session 36's sweep on the H200 (kern35's overlap, 3-5 buffers of
+#           64-token tiles), the workload with its best ($OUT/best36, else BEST36)
 #   ba35    fp8 weights + fp8 KV bench latency / throughput, before / after
 #   bf29    bf16 bench latency and throughput, before / after (kernels touched: no change
 #           expected on a 16-bit cache)
@@ -141,6 +143,14 @@ for step in "$@"; do
       # block numbers a tile ahead, ma=1, from 3)
       sweep 35 "" st=5 bn=64,st=5 bn=64,st=5,r=128 bn=64,st=3,ma=1 bn=64,st=3,ma=1,r=128 \
         st=3,ma=1 bn=64,st=7 bn=64 ;;
+    kern36)  # session 36, on the H200: kern35's overlap with more tiles in flight (64-token
+      # tiles, block numbers ahead, 3-5 stages, offline: 3-5 K/V buffers a program)
+      sweep 36 "" bn=64,st=3,ma=1,r=128 bn=64,st=4,ma=1,r=128 bn=64,st=4,ma=1 st=3,ma=1 \
+        bn=64,st=5,ma=1,r=128 bn=64,st=3,ma=1 st=5 ;;
+    wide36)  # the issue's workload: the default against kern36's best (or BEST36)
+      bench throughput fp8w36-default after fp8 "${WIDE[@]}"
+      BEST=$(cat "$OUT/best36" 2>/dev/null || echo "${BEST36:-}")
+      [ -n "$BEST" ] && bench throughput fp8w36-best after fp8 "${WIDE[@]}" $BEST ;;
     wide33)  # the issue's workload: the default against kern33's best settings (if other)
       bench throughput fp8w33-default after fp8 "${WIDE[@]}"
       BEST=$(cat "$OUT/best33" 2>/dev/null)
