@@ -29,12 +29,6 @@ def _has_cuda() -> bool:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if _has_cuda():
-        # A module with ``DEVICE = "cuda" if ... else "cpu"`` runs its kernels on the GPU
-        # where there is one (and in Triton's interpreter where not): there its tests are
-        # GPU tests, so ``pytest -m gpu`` on the device selects them too.
-        for item in items:
-            if getattr(getattr(item, "module", None), "DEVICE", None) == "cuda":
-                item.add_marker(pytest.mark.gpu)
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
     for item in items:
