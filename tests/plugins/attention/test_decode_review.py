@@ -21,6 +21,8 @@ from tokenloom.plugins.attention.torch_backend import TorchAttention, write_kv_c
 from tokenloom.plugins.attention.triton_backend import TritonAttention, is_interpreted
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# on a GPU these are GPU tests (the kernels run there), so `pytest -m gpu` selects them
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 
 
 def decode_over_int8(dtype: torch.dtype, big: float | None = None, **settings):

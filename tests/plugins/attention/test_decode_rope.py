@@ -14,6 +14,8 @@ from tokenloom.plugins.models import fused_ops
 from tokenloom.protocols.components.attention import RopeInputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# on a GPU these are GPU tests (the kernels run there), so `pytest -m gpu` selects them
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 

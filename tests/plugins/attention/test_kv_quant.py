@@ -27,6 +27,8 @@ from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# on a GPU these are GPU tests (the kernels run there), so `pytest -m gpu` selects them
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
 KV_DTYPES = [torch.int8, torch.float8_e4m3fn]
 # Output of attention over a quantized cache vs the float keys/values (random data).
 QUANT_ERROR = {torch.int8: 1e-2, torch.float8_e4m3fn: 4e-2}
@@ -310,7 +312,9 @@ def test_engine_pool_follows_kv_cache_dtype_and_logs_the_block_gain(tiny_model_f
     blocks, outputs = {}, {}
     for kv in ("auto", "int8"):
         with caplog.at_level("INFO", logger="tokenloom.executor"):
-            llm = LLM(model=model, dtype="float32", kv_cache_dtype=kv, kv_cache_memory_gb=0.01)
+            # on the CPU, where the budget is what it plans (a GPU run would size its own)
+            llm = LLM(model=model, dtype="float32", kv_cache_dtype=kv, kv_cache_memory_gb=0.01,
+                      device="cpu")  # fmt: skip
         executor = llm.engine.executor
         blocks[kv] = llm.engine.kv_cache.num_blocks
         assert executor.kv_caches[0][0].dtype == (torch.int8 if kv == "int8" else torch.float32)
@@ -352,7 +356,7 @@ def test_engine_refuses_a_quantized_cache_for_a_backend_that_cannot_read_it(tiny
     model = str(tiny_model_factory("llama"))
     with pytest.raises(ValueError, match="cannot read a quantized KV cache"):
         LLM(model=model, attention="plain-only", kv_cache_dtype="fp8", plugins=[_PlainOnly])
-    llm = LLM(model=model, attention="plain-only", plugins=[_PlainOnly])  # auto: accepted
+    llm = LLM(model=model, attention="plain-only", plugins=[_PlainOnly], dtype="float32")  # auto
     assert llm.engine.executor.kv_caches[0][0].dtype == torch.float32
     llm.engine.shutdown()
 
