@@ -20,8 +20,8 @@
 #   kern35 / wide35 / lat35: session 35's sweep of the stages that pipeline its copies (9
 #           settings, about 80 s on an H100), the workload and batch 1 with its best
 #           ($OUT/best35 from kern35 in the same call, else the BEST35 environment variable)
-#   kern36 / wide36: session 36's sweep on the H200 (kern35's overlap, 3-5 buffers of
-#           64-token tiles), the workload with its best ($OUT/best36, else BEST36)
+#   kern36 / wide36: session 36's sweep on the H200 (kern35's overlap, 3-5 buffers, 64-
+#           and 128-token tiles), the workload with its best ($OUT/best36, else BEST36)
 #   t36     the attention modules' GPU tests (-m gpu), the CUDA-when-there modules included
 #   ba35    fp8 weights + fp8 KV bench latency / throughput, before / after
 #   bf29    bf16 bench latency and throughput, before / after (kernels touched: no change
@@ -128,11 +128,11 @@ for step in "$@"; do
       py after -m pytest -q -p no:cacheprovider tests/plugins/attention/test_decode_fp8_mma.py \
         > "$OUT/gpu-tests-t33-mma.log" 2>&1
       echo "t33 mma rc=$?"; tail -n 1 "$OUT/gpu-tests-t33-mma.log" ;;
-    t36)  # session 36: the attention modules' GPU tests, now that the four modules whose
-      # tests run on CUDA when it is there carry the gpu mark there (141 tests, 20 s on an
-      # H100; the quant, models and sampling modules' 1,200 such tests take over 7 minutes)
-      py after -m pytest -q -m gpu -p no:cacheprovider tests/plugins/attention \
-        > "$OUT/gpu-tests-t36.log" 2>&1
+    t36)  # session 36: the attention modules' GPU tests, now that the five modules whose
+      # tests run on CUDA when it is there carry the gpu mark there (about 20 s on an H100;
+      # the quant, models and sampling modules' 1,200 such tests take over 7 minutes)
+      timeout 120 env PYTHONPATH=/tmp/after:/tmp/site python3 -m pytest -q -m gpu \
+        -p no:cacheprovider tests/plugins/attention > "$OUT/gpu-tests-t36.log" 2>&1
       echo "t36 rc=$?"; grep -E "^FAILED|^ERROR" "$OUT/gpu-tests-t36.log" | head -20
       tail -n 1 "$OUT/gpu-tests-t36.log" ;;
     t33x)  # the executor's GPU tests (session 33: run_pack's uploads made by capture only)

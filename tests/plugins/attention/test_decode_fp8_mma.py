@@ -18,6 +18,9 @@ from tokenloom.plugins.attention.triton_backend import TritonAttention
 from tokenloom.plugins.attention.triton_kernels import decode_fp8_mma as decode_fp8_mma_module
 from tokenloom.plugins.attention.triton_kernels.decode_fp8_mma import decode_fp8_mma, supports
 
+# on a GPU these are GPU tests (the kernel runs there), so `pytest -m gpu` selects them
+pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
+
 FP8 = torch.float8_e4m3fn
 
 

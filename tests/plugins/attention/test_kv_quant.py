@@ -356,7 +356,8 @@ def test_engine_refuses_a_quantized_cache_for_a_backend_that_cannot_read_it(tiny
     model = str(tiny_model_factory("llama"))
     with pytest.raises(ValueError, match="cannot read a quantized KV cache"):
         LLM(model=model, attention="plain-only", kv_cache_dtype="fp8", plugins=[_PlainOnly])
-    llm = LLM(model=model, attention="plain-only", plugins=[_PlainOnly], dtype="float32")  # auto
+    # kv_cache_dtype auto: accepted
+    llm = LLM(model=model, attention="plain-only", plugins=[_PlainOnly], dtype="float32")
     assert llm.engine.executor.kv_caches[0][0].dtype == torch.float32
     llm.engine.shutdown()
 

@@ -16,6 +16,8 @@ from tokenloom.config import EngineConfig
 from tokenloom.plugins.attention import triton_backend
 from tokenloom.plugins.attention.torch_backend import TorchAttention
 from tokenloom.plugins.attention.triton_backend import TritonAttention
+from tokenloom.plugins.attention.triton_settings import cuda_defaults
+from tokenloom.plugins.models.pdl import pdl_on
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -272,8 +274,12 @@ def test_the_backend_prefetches_over_16_bit_caches_without_rope_up_to_its_batch(
     assert not attn._prefetch(5, False, None)
     assert not attn._prefetch(4, True, None)  # an 8-bit tile spills under QUANT_DECODE's cap
     assert not attn._prefetch(4, False, object())  # rope in the kernel writes the new token
-    if DEVICE == "cpu":  # the interpreter overlaps nothing (a GPU has its own default)
-        assert backends(4, 2, 32, torch.float32)[0].decode_prefetch_max_batch == 0
+    default = backends(4, 2, 32, torch.float32)[0].decode_prefetch_max_batch
+    if triton_backend.is_interpreted():  # the interpreter overlaps nothing
+        assert default == 0
+    else:  # on CUDA the measured default where PDL overlaps the kernels, else 0
+        on = pdl_on(torch.device(DEVICE))
+        assert default == (cuda_defaults(32)["decode_prefetch_max_batch"] if on else 0)
 
 
 def test_the_first_tile_before_the_wait_with_a_padded_head_dim():
