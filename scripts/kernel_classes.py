@@ -18,7 +18,7 @@ import torch
 
 CLASSES = (
     ("gemm", r"nvjet|cutlass|gemm|gemv|xmma|splitkreduce|_skinny|matmul|_mm_|scaled_mm"),
-    ("attention", r"_decode_kernel|_prefill|attn|attention|flash"),
+    ("attention", r"_decode_kernel|_decode_fp8_mma|_prefill|attn|attention|flash"),
     ("norm", r"rms_norm|layer_norm"),
     ("rope+kv", r"rope|kv_write|_write_quantized_kv|_store_quantized"),
     ("activation", r"silu|gelu"),

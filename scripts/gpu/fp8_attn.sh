@@ -23,6 +23,9 @@
 #   kern36 / wide36: session 36's sweep on the H200 (kern35's overlap, 3-5 buffers, 64-
 #           and 128-token tiles), the workload with its best ($OUT/best36, else BEST36)
 #   t36     the attention modules' GPU tests (-m gpu), the CUDA-when-there modules included
+#   pre37 / wide37: session 37's sweep of the prefill kernel's tiles (bf16 and fp8 caches,
+#           the workload's 8 x 1,000-token chunks), the workload with its best ($OUT/best37,
+#           else BEST37)
 #   ba35    fp8 weights + fp8 KV bench latency / throughput, before / after
 #   bf29    bf16 bench latency and throughput, before / after (kernels touched: no change
 #           expected on a 16-bit cache)
@@ -161,6 +164,35 @@ for step in "$@"; do
       bench throughput fp8w36-default after fp8 "${WIDE[@]}"
       BEST=$(cat "$OUT/best36" 2>/dev/null || echo "${BEST36:-}")
       [ -n "$BEST" ] && bench throughput fp8w36-best after fp8 "${WIDE[@]}" $BEST ;;
+    pre37)  # session 37: the prefill kernel's tiles over a bf16 and an fp8 cache at the
+      # workload's chunks (8 prompts x 1,000 new tokens; 1.33 ms a layer on the H200 with
+      # an fp8 cache, about 10x its FLOP floor); $OUT/best37: the fastest fp8 variant's
+      # plugin options (nothing when the default wins by 2% or more)
+      V=()
+      for v in m128n64w8s3 m128n64w8s2 m128n128w8s2 m128n64w8s4 m128n32w4s3 m128n64w4s3 \
+        m64n128w4s2 m64n64w4s2 m64n32w4s3; do
+        [[ $v =~ m([0-9]+)n([0-9]+)w([0-9]+)s([0-9]+) ]]
+        V+=(--variant "$v:prefill_block_m=${BASH_REMATCH[1]},prefill_block_n=${BASH_REMATCH[2]},prefill_num_warps=${BASH_REMATCH[3]},prefill_num_stages=${BASH_REMATCH[4]}")
+      done
+      timeout 240 env PYTHONPATH=/tmp/after:/tmp/site python3 scripts/gpu/kvq_prefill_bench.py \
+        --shapes 8x1000 --kv auto,fp8 --json "$OUT/pre37.json" "${V[@]}" > "$OUT/pre37.log" 2>&1 \
+        || { echo "pre37 failed"; tail -3 "$OUT/pre37.log"; }
+      cat "$OUT/pre37.log"
+      python3 - "$OUT/pre37.json" > "$OUT/best37" <<'PY'
+import json, sys
+rows = [r for r in json.load(open(sys.argv[1]))["rows"] if r["kv"] == "fp8" and "ms" in r]
+base = next(r["ms"] for r in rows if r["variant"] == "default")
+best = min(rows, key=lambda r: r["ms"])
+if best["variant"] != "default" and best["ms"] < 0.98 * base:
+    print(" ".join(f"--plugin-option triton.{k}={best[k]}" for k in
+                   ("prefill_block_m", "prefill_block_n", "prefill_num_warps", "prefill_num_stages")))
+PY
+      echo "best37: $(cat "$OUT/best37")" ;;
+    wide37)  # the issue's workload: the default against pre37's best prefill (or BEST37)
+      BEST=$(cat "$OUT/best37" 2>/dev/null); BEST=${BEST:-${BEST37:-}}
+      bench throughput fp8w37-default after fp8 "${WIDE[@]}"
+      [ -n "$BEST" ] && bench throughput fp8w37-prefill after fp8 "${WIDE[@]}" $BEST
+      rm -f "$OUT"/thr-fp8w37-*.log ;;  # the JSONs hold the figures (8 files come back)
     wide33)  # the issue's workload: the default against kern33's best settings (if other)
       bench throughput fp8w33-default after fp8 "${WIDE[@]}"
       BEST=$(cat "$OUT/best33" 2>/dev/null)
