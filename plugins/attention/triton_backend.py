@@ -21,8 +21,10 @@ first KV tile read before the PDL wait up to this batch), ``decode_heads_first``
 decode's block numbers a tile ahead), ``decode_fp8_mma`` (an fp8 cache's
 decode with fp8 products over transposed value blocks, ``decode_fp8_mma.py``; on by
 default on a GPU, off under the interpreter), ``prefill_block_m``,
-``prefill_block_n``, ``prefill_num_warps``, ``prefill_num_stages``. An 8-bit cache's
-decode takes ``QUANT_DECODE`` for the stages and register cap unless they are set.
+``prefill_block_n``, ``prefill_num_warps``, ``prefill_num_stages``, ``prefill_kv_f16`` (an
+8-bit cache's prefill products in f16 for 16-bit queries). An 8-bit cache's
+decode takes ``QUANT_DECODE`` for the stages and register cap unless they are set, and
+its prefill ``QUANT_PREFILL``'s tiles unless a prefill key is set.
 Without a GPU the kernels run under ``TRITON_INTERPRET=1`` with small tiles.
 """
 
@@ -45,6 +47,7 @@ from tokenloom.plugins.attention.triton_kernels.prefill import prefill_attention
 from tokenloom.plugins.attention.triton_settings import (
     INTERPRETER_DEFAULTS,
     QUANT_DECODE,
+    QUANT_PREFILL,
     SETTINGS,
     TritonSettings,
     cuda_defaults,
@@ -151,6 +154,14 @@ class TritonAttention(AttentionBackend):
         self.prefill_block_n = int(defaults["prefill_block_n"])
         self.prefill_num_warps = int(defaults["prefill_num_warps"])
         self.prefill_num_stages = int(defaults["prefill_num_stages"])
+        self.prefill_kv_f16 = bool(defaults["prefill_kv_f16"])
+        # an 8-bit cache's prefill tiles: QUANT_PREFILL where it was measured and the
+        # user set none of the prefill keys, else the same as a 16-bit cache's
+        plain = {key: int(getattr(self, key)) for key in QUANT_PREFILL}
+        quant = dict(plain)
+        if measured and not set(QUANT_PREFILL) & set(settings):
+            quant.update(QUANT_PREFILL)
+        self.prefill_tiles = {False: plain, True: quant}  # by whether the cache is 8-bit
         # Decode partials, flat fp32, rows = batch * num_splits(batch) at its largest.
         self._part_out: torch.Tensor | None = None  # [rows * num_heads * head_dim]
         self._part_lse: torch.Tensor | None = None  # [rows * num_heads]
@@ -301,6 +312,7 @@ class TritonAttention(AttentionBackend):
                 prefetch=self._prefetch(num_decodes, quantized, decode_rope),
             )
         if num_decodes < num_seqs:
+            tiles = self.prefill_tiles[kv_quant.is_quantized(k_cache.dtype)]
             prefill_attention(
                 q,
                 k_cache,
@@ -310,10 +322,11 @@ class TritonAttention(AttentionBackend):
                 meta.query_start_loc,
                 out,
                 scale,
-                block_m=self.prefill_block_m,
-                block_n=self.prefill_block_n,
-                num_warps=self.prefill_num_warps,
-                num_stages=self.prefill_num_stages,
+                block_m=tiles["prefill_block_m"],
+                block_n=tiles["prefill_block_n"],
+                num_warps=tiles["prefill_num_warps"],
+                num_stages=tiles["prefill_num_stages"],
+                kv_f16=self.prefill_kv_f16,
                 first_seq=num_decodes,
             )
         return out

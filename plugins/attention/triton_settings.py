@@ -1,6 +1,7 @@
 """The ``triton`` attention plugin's settings (``[plugin.triton]``) and their defaults:
 tiny tiles under the interpreter, tile configs measured on an H200 on CUDA, and the
-8-bit cache's decode stages and register cap (``QUANT_DECODE``)."""
+8-bit cache's decode stages and register cap (``QUANT_DECODE``) and prefill tiles
+(``QUANT_PREFILL``)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class TritonSettings(msgspec.Struct, forbid_unknown_fields=True):
     prefill_block_n: int | None = None
     prefill_num_warps: int | None = None
     prefill_num_stages: int | None = None
+    prefill_kv_f16: int | None = None
 
 
 # Tiny tiles: the interpreter runs each program in Python.
@@ -49,6 +51,7 @@ INTERPRETER_DEFAULTS = {
     "prefill_block_n": 16,
     "prefill_num_warps": 4,
     "prefill_num_stages": 1,
+    "prefill_kv_f16": 1,
 }
 
 
@@ -87,6 +90,9 @@ def cuda_defaults(head_dim: int) -> dict[str, int]:
         "prefill_block_n": 32 if big_head else 64,
         "prefill_num_warps": 4,
         "prefill_num_stages": 2 if big_head else 3,
+        # an 8-bit cache's prefill products in f16, not the queries' bf16 (session 37):
+        # one conversion per element instead of two (TBD)
+        "prefill_kv_f16": 1,
     }
 
 
@@ -95,6 +101,14 @@ def cuda_defaults(head_dim: int) -> dict[str, int]:
 # 32-512 x 1,500 with head_dim 128 and bf16 queries (docs/quantization.md). Applied
 # there, and only where the user set neither key.
 QUANT_DECODE = {"decode_num_stages": 1, "decode_maxnreg": 128}
+
+# An 8-bit cache's prefill tiles (session 37, TBD)
+QUANT_PREFILL = {
+    "prefill_block_m": 64,
+    "prefill_block_n": 64,
+    "prefill_num_warps": 4,
+    "prefill_num_stages": 3,
+}
 
 
 SETTINGS: tuple[str, ...] = TritonSettings.__struct_fields__

@@ -15,7 +15,11 @@ divisibility would otherwise compile a new variant mid-run, about a second each)
 
 A quantized cache (``KV_QUANT``, a compile-time switch: the unquantized kernel is
 unchanged) is dequantized as in the decode kernel: scores scaled per key after the
-first dot, probabilities per value before the second.
+first dot, probabilities per value before the second. With 16-bit queries its values
+enter both dots as f16 (``KV_F16``, as the decode kernel's): e4m3 and int8 convert to
+f16 exactly in one step, where bf16 operands cost a second conversion per element
+(``F2F.BF16.F16`` on sm_90, 128 a thread a 64 x 64 tile, session 37); the query rows are
+shrunk below f16's range first and ``p * v_scale`` lifted by ``P_LIFT``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import triton
 import triton.language as tl
 
 from tokenloom.plugins.attention import kv_quant
+from tokenloom.plugins.attention.triton_kernels.decode import P_LIFT
 
 
 @triton.jit
@@ -57,6 +62,7 @@ def _attend_tile(
     query_pos,
     seq_len,
     scale_log2,
+    row_scale,  # [BLOCK_M] scale_log2 over a KV_F16 query's shrink (else unused)
     offs_d,
     mask_d,
     k_scale_ptr,
@@ -71,6 +77,8 @@ def _attend_tile(
     KV_QUANT: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     V_T: tl.constexpr,  # values stored [heads, D, tokens] per page (kv_quant.v_transposed)
+    KV_F16: tl.constexpr,  # an 8-bit cache's values enter both dots as f16 (q too)
+    P_LIFT: tl.constexpr,
 ):
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < seq_len
@@ -89,7 +97,10 @@ def _attend_tile(
         mask=mask_n[None, :] & mask_d[:, None],
         other=0.0,
     )  # [BLOCK_D, BLOCK_N]
-    qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
+    if KV_F16:
+        qk = tl.dot(q, k.to(tl.float16)) * row_scale[:, None]
+    else:
+        qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
     if KV_QUANT:
         s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * stride_scale_tok
         qk = qk * tl.load(k_scale_ptr + s_off + scale_head_off, mask=mask_n, other=0.0)[None, :]
@@ -115,8 +126,15 @@ def _attend_tile(
         v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
     if KV_QUANT:
         s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * stride_scale_tok
-        p = p * tl.load(v_scale_ptr + s_off + scale_head_off, mask=mask_n, other=0.0)[None, :]
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        v_scale = tl.load(v_scale_ptr + s_off + scale_head_off, mask=mask_n, other=0.0)
+        if KV_F16:  # p * scale in f16, lifted into its normal range (undone at the end)
+            v_scale = v_scale * P_LIFT
+        p = p * v_scale[None, :]
+    if KV_F16:
+        pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
+    else:
+        pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
 
 
@@ -153,6 +171,8 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     KV_QUANT: tl.constexpr,
     V_T: tl.constexpr = False,
+    KV_F16: tl.constexpr = False,
+    P_LIFT: tl.constexpr = 1.0,
 ):
     head = tl.program_id(0)
     tile = tl.program_id(1)
@@ -181,6 +201,12 @@ def _prefill_kernel(
         other=0.0,
     )
     query_pos = prefix + offs_m  # [BLOCK_M] absolute positions
+    row_scale = tl.full([BLOCK_M], scale_log2, tl.float32)
+    if KV_F16:  # rows beyond f16's range are shrunk first; the scores undo it
+        qf = q.to(tl.float32)
+        q_shrink = tl.minimum(32768.0 / tl.maximum(tl.max(tl.abs(qf), 1), 1e-30), 1.0)
+        q = (qf * q_shrink[:, None]).to(tl.float16)
+        row_scale = row_scale / q_shrink
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -194,20 +220,22 @@ def _prefill_kernel(
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, table, head_off,
             stride_cache_block, stride_cache_tok, query_pos, seq_len, scale_log2,
-            offs_d, mask_d, k_scale_ptr, v_scale_ptr, head // GROUP, stride_scale_block,
+            row_scale, offs_d, mask_d, k_scale_ptr, v_scale_ptr, head // GROUP, stride_scale_block,
             stride_scale_tok, BLOCK_N, PAGE_SIZE, False, DOT_PRECISION, KV_QUANT, HEAD_DIM,
-            V_T,
+            V_T, KV_F16, P_LIFT,
         )  # fmt: skip
     for n0 in range(unmasked_end, causal_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, table, head_off,
             stride_cache_block, stride_cache_tok, query_pos, seq_len, scale_log2,
-            offs_d, mask_d, k_scale_ptr, v_scale_ptr, head // GROUP, stride_scale_block,
+            row_scale, offs_d, mask_d, k_scale_ptr, v_scale_ptr, head // GROUP, stride_scale_block,
             stride_scale_tok, BLOCK_N, PAGE_SIZE, True, DOT_PRECISION, KV_QUANT, HEAD_DIM,
-            V_T,
+            V_T, KV_F16, P_LIFT,
         )  # fmt: skip
 
     # Padding rows (seq_len 0) saw no key: write zeros, not NaN.
+    if KV_F16:
+        acc = acc * (1.0 / P_LIFT)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + rows[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :],
@@ -230,11 +258,13 @@ def prefill_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     first_seq: int = 0,
+    kv_f16: bool = True,
 ) -> None:
     """Launch the prefill kernel for requests ``first_seq:`` of the batch; the
     requests before them must have one query token each (so their queries are rows
     ``:first_seq`` of ``q``). No host sync: the grid comes from shapes and
-    ``first_seq`` only."""
+    ``first_seq`` only. ``kv_f16``: an 8-bit cache's products in f16 where the queries
+    are 16-bit (else in the queries' dtype)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_tokens = q.shape[0] - first_seq
     num_seqs = seq_lens.shape[0] - first_seq
@@ -277,6 +307,8 @@ def prefill_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         KV_QUANT=quantized,
         V_T=kv_quant.v_transposed(v_cache),
+        KV_F16=quantized and kv_f16 and q.dtype != torch.float32,
+        P_LIFT=P_LIFT.get(k_cache.dtype, 1.0),
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -292,14 +292,41 @@ def _counted(module, calls):
     return counted
 
 
+@pytest.mark.parametrize("kv_f16", [1, 0])  # the prefill's products in f16, or in q's dtype
 @pytest.mark.parametrize(("fp8_mma", "transposed"), LAYOUTS)
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_triton_prefill_and_decodes_over_a_quantized_cache_match_the_reference(
-    kv_dtype, fp8_mma, transposed
+    kv_dtype, fp8_mma, transposed, kv_f16
 ):
     check_triton_against_torch(
-        [1, 9, 20], [30, 9, 45], kv_dtype, torch.float16, transposed, decode_fp8_mma=fp8_mma
+        [1, 9, 20], [30, 9, 45], kv_dtype, torch.float16, transposed, decode_fp8_mma=fp8_mma,
+        prefill_kv_f16=kv_f16,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_the_f16_prefill_holds_bf16_queries_beyond_f16_range(kv_dtype):
+    # bf16 queries enter the f16 products: rows above f16's 65,504 are shrunk first and
+    # the scores undo it (without, such a row turns to inf and its output to NaN). The
+    # interpreter runs this path right, its products being f16 (bf16 dots it gets wrong)
+    batch = make_batch([9, 20], [9, 45], dtype=torch.bfloat16, device=DEVICE)
+    batch.q[3] *= 2e5  # one query token, every head: |q| far past f16's range
+    batch.q[15, 1] *= 5e4
+    info = model_info(4, 2, 32, torch.bfloat16, DEVICE)
+    attn = TritonAttention(EngineConfig(), info)
+    assert attn.prefill_kv_f16
+    k_cache, v_cache = quantized_copy(batch, kv_dtype, attn.fp8_values_transposed)
+    ref_k, ref_v = quantized_copy(batch, kv_dtype)
+    write_kv_cache(batch.k, batch.v, k_cache, v_cache, batch.meta.slot_mapping)
+    out = attn.forward(
+        batch.q, batch.k, batch.v, k_cache, v_cache, batch.meta, batch.scale, kv_written=True
     )
+    reference = TorchAttention(EngineConfig(), info).forward(
+        batch.q, batch.k, batch.v, ref_k, ref_v, batch.meta, batch.scale
+    )
+    assert torch.isfinite(out).all()
+    assert relative_error(out, reference.double().cpu()) < 2e-2  # bf16 outputs
+    assert relative_error(out[3:4], reference[3:4].double().cpu()) < 2e-2
 
 
 # --------------------------------------------------------------------------- engine

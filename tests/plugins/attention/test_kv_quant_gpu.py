@@ -196,3 +196,16 @@ def test_builtin_model_on_the_gpu_loses_at_most_one_percent_perplexity(kv_cache_
 def test_stale_nan_slots_never_reach_the_fp8_mma_output_on_the_gpu():
     """The same on the device, where the fp8 products read the NaN byte as NaN natively."""
     stale_slots_case()
+
+
+def test_an_8_bit_cache_takes_its_own_prefill_tiles_unless_a_prefill_key_is_set():
+    from tokenloom.plugins.attention.triton_settings import QUANT_PREFILL, cuda_defaults
+
+    info = model_info(HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, "cuda")
+    attn = TritonAttention(EngineConfig(), info)
+    plain = {key: cuda_defaults(HEAD_DIM)[key] for key in QUANT_PREFILL}
+    assert attn.prefill_tiles == {False: plain, True: QUANT_PREFILL}
+    # any prefill key set by the user: both caches take the settings as given
+    chosen = TritonAttention(EngineConfig(), info, prefill_num_warps=4)
+    assert chosen.prefill_tiles[True] == chosen.prefill_tiles[False]
+    assert chosen.prefill_tiles[True]["prefill_num_warps"] == 4

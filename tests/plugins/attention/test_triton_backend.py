@@ -285,3 +285,25 @@ def test_the_backend_prefetches_over_16_bit_caches_without_rope_up_to_its_batch(
 def test_the_first_tile_before_the_wait_with_a_padded_head_dim():
     # head_dim 48 pads to 64 in the kernel: the new token's padded dims must read 0
     check_against_references([1, 1], [23, 5], head_dim=48, decode_prefetch_max_batch=2)
+
+
+def test_an_8_bit_cache_prefills_with_its_own_tiles(monkeypatch):
+    # QUANT_PREFILL's tiles (where measured: CUDA) reach the kernel for an 8-bit cache
+    # only; a 16-bit cache keeps the prefill settings
+    from test_kv_quant import quantized_copy
+
+    seen = []
+    real = triton_backend.prefill_attention
+    monkeypatch.setattr(triton_backend, "prefill_attention",
+                        lambda *a, **kw: seen.append(kw) or real(*a, **kw))  # fmt: skip
+    batch = make_batch([5, 3], [9, 3], device=DEVICE)
+    attn, _ = backends(4, 2, 32, torch.float32)
+    plain = attn.prefill_tiles[False]
+    assert plain["prefill_block_m"] == attn.prefill_block_m
+    attn.prefill_tiles[True] = dict(plain, prefill_block_m=2 * plain["prefill_block_m"])
+    forward(attn, batch)
+    assert seen[-1]["block_m"] == plain["prefill_block_m"]
+    k_cache, v_cache = quantized_copy(batch, torch.int8)
+    out = attn.forward(batch.q, batch.k, batch.v, k_cache, v_cache, batch.meta, batch.scale)
+    assert seen[-1]["block_m"] == 2 * plain["prefill_block_m"]
+    assert relative_error(out, dense_reference(batch)) < 5e-2  # int8's rounding
