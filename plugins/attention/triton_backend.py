@@ -23,7 +23,8 @@ decode with fp8 products over transposed value blocks, ``decode_fp8_mma.py``; on
 default on a GPU, off under the interpreter), ``prefill_block_m``,
 ``prefill_block_n``, ``prefill_num_warps``, ``prefill_num_stages``, ``prefill_kv_f16`` (an
 8-bit cache's prefill products in f16 for 16-bit queries). An 8-bit cache's
-decode takes ``QUANT_DECODE`` for the stages and register cap unless they are set, and
+decode takes ``QUANT_DECODE`` for the stages and register cap unless they are set (the
+fp8-MMA decode ``MMA_DECODE``'s tile, stages and cap), and
 its prefill ``QUANT_PREFILL``'s tiles unless a prefill key is set.
 Without a GPU the kernels run under ``TRITON_INTERPRET=1`` with small tiles.
 """
@@ -46,6 +47,7 @@ from tokenloom.plugins.attention.triton_kernels.kv_write import write_kv
 from tokenloom.plugins.attention.triton_kernels.prefill import prefill_attention
 from tokenloom.plugins.attention.triton_settings import (
     INTERPRETER_DEFAULTS,
+    MMA_DECODE,
     QUANT_DECODE,
     QUANT_PREFILL,
     SETTINGS,
@@ -135,8 +137,6 @@ class TritonAttention(AttentionBackend):
             )  # fmt: skip
         self.decode_fp8_mma = bool(defaults["decode_fp8_mma"]) and shape_ok
         self.fp8_values_transposed = self.decode_fp8_mma
-        self.mma_decode_num_stages = int(settings.get("decode_num_stages", 1 if interpreted else 2))
-        self.mma_decode_maxnreg = int(settings.get("decode_maxnreg", 0))
         self.mma_decode_meta_ahead = bool(defaults["decode_fp8_meta_ahead"])
         if (
             not interpreted
@@ -148,6 +148,13 @@ class TritonAttention(AttentionBackend):
         # the user set neither of its keys: a cap on its own, with two stages, only spills
         measured = not interpreted and self.head_dim <= 128 and model_info.dtype != torch.float32
         quant = QUANT_DECODE if measured and not set(QUANT_DECODE) & set(settings) else {}
+        # the fp8-MMA decode's own tiles: MMA_DECODE where measured and none of its keys
+        # is set, else the settings (its block from decode_block_n_for, 0 here)
+        mma = MMA_DECODE if measured and not set(MMA_DECODE) & set(settings) else {}
+        self.mma_decode_block_n = int(mma.get("decode_block_n", 0))
+        mma_stages = settings.get("decode_num_stages", 1 if interpreted else 2)
+        self.mma_decode_num_stages = int(mma.get("decode_num_stages", mma_stages))
+        self.mma_decode_maxnreg = int(mma.get("decode_maxnreg", settings.get("decode_maxnreg", 0)))
         self.quant_decode_num_stages = int(quant.get("decode_num_stages", self.decode_num_stages))
         self.quant_decode_maxnreg = int(quant.get("decode_maxnreg", self.decode_maxnreg))
         self.prefill_block_m = int(defaults["prefill_block_m"])
@@ -337,6 +344,8 @@ class TritonAttention(AttentionBackend):
         own stages and register cap."""
         for name in ("kv_asm", "rope", "prefetch"):
             options.pop(name)
+        if self.mma_decode_block_n:
+            options["block_n"] = self.mma_decode_block_n
         options.update(
             num_stages=self.mma_decode_num_stages,
             maxnreg=self.mma_decode_maxnreg,

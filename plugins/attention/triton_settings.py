@@ -83,9 +83,8 @@ def cuda_defaults(head_dim: int) -> dict[str, int]:
         # 3.544 ms (12.2 -> 14.4 us a layer). Only an fp8 cache is affected.
         "decode_fp8_mma": 1,
         # its tiles' block numbers loaded a tile ahead, so Triton overlaps the copies from
-        # 3 stages (session 35): on an H100 -2.3% per layer at 512 x 1,500 with 64-token
-        # tiles, 3 stages and 128 registers, +0.5% on the workload; off until an H200 run
-        "decode_fp8_meta_ahead": 0,
+        # 3 stages (session 35); on by default with MMA_DECODE since session 37
+        "decode_fp8_meta_ahead": 1,
         "prefill_block_m": 64,
         "prefill_block_n": 32 if big_head else 64,
         "prefill_num_warps": 4,
@@ -102,6 +101,15 @@ def cuda_defaults(head_dim: int) -> dict[str, int]:
 # 32-512 x 1,500 with head_dim 128 and bf16 queries (docs/quantization.md). Applied
 # there, and only where the user set neither key.
 QUANT_DECODE = {"decode_num_stages": 1, "decode_maxnreg": 128}
+
+# The fp8-MMA decode's tiles: 64 tokens, 3 stages (with decode_fp8_meta_ahead, three K/V
+# buffers and a tile in flight), at most 128 registers. Session 37, one H200, fp8
+# weights + fp8 KV at Llama-3-8B: per layer at 1,500 tokens 171.1 -> 152.0 us (batch
+# 128), 602.6 -> 578.6 us (512); bench throughput 12,196 / 12,180 -> 12,262 / 12,254 out
+# tok/s (two pairs), bench latency 3.552 -> 3.511 ms, the 600 x 1,000 / 1,000 workload
+# 13,013 -> 13,044. Applied on CUDA (head_dim <= 128, 16-bit queries) where the user set
+# none of these keys.
+MMA_DECODE = {"decode_block_n": 64, "decode_num_stages": 3, "decode_maxnreg": 128}
 
 # An 8-bit cache's prefill tiles: two stages, not three. Session 37, one H200, the prefill
 # attention of 8 prompts x 1,000 new tokens over an fp8 cache at Llama-3-8B heads

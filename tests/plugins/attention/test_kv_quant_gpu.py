@@ -209,3 +209,17 @@ def test_an_8_bit_cache_takes_its_own_prefill_tiles_unless_a_prefill_key_is_set(
     chosen = TritonAttention(EngineConfig(), info, prefill_num_warps=4)
     assert chosen.prefill_tiles[True] == chosen.prefill_tiles[False]
     assert chosen.prefill_tiles[True]["prefill_num_warps"] == 4
+
+
+def test_the_fp8_mma_decode_takes_its_own_tiles_unless_one_of_their_keys_is_set():
+    from tokenloom.plugins.attention.triton_settings import MMA_DECODE
+
+    info = model_info(HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, "cuda")
+    attn = TritonAttention(EngineConfig(), info)
+    assert attn.mma_decode_block_n == MMA_DECODE["decode_block_n"]
+    assert attn.mma_decode_num_stages == MMA_DECODE["decode_num_stages"]
+    assert attn.mma_decode_maxnreg == MMA_DECODE["decode_maxnreg"]
+    assert attn.mma_decode_meta_ahead
+    chosen = TritonAttention(EngineConfig(), info, decode_num_stages=2)
+    assert (chosen.mma_decode_block_n, chosen.mma_decode_num_stages) == (0, 2)
+    assert chosen.mma_decode_maxnreg == 0
