@@ -47,12 +47,12 @@ from tokenloom.plugins.attention.triton_kernels.kv_write import write_kv
 from tokenloom.plugins.attention.triton_kernels.prefill import prefill_attention
 from tokenloom.plugins.attention.triton_settings import (
     INTERPRETER_DEFAULTS,
-    MMA_DECODE,
     QUANT_DECODE,
     QUANT_PREFILL,
     SETTINGS,
     TritonSettings,
     cuda_defaults,
+    mma_decode_tiles,
 )
 from tokenloom.plugins.models import fused_ops
 from tokenloom.plugins.models.pdl import pdl_on
@@ -137,7 +137,6 @@ class TritonAttention(AttentionBackend):
             )  # fmt: skip
         self.decode_fp8_mma = bool(defaults["decode_fp8_mma"]) and shape_ok
         self.fp8_values_transposed = self.decode_fp8_mma
-        self.mma_decode_meta_ahead = bool(defaults["decode_fp8_meta_ahead"])
         if (
             not interpreted
             and not pdl_on(self.device)
@@ -148,13 +147,13 @@ class TritonAttention(AttentionBackend):
         # the user set neither of its keys: a cap on its own, with two stages, only spills
         measured = not interpreted and self.head_dim <= 128 and model_info.dtype != torch.float32
         quant = QUANT_DECODE if measured and not set(QUANT_DECODE) & set(settings) else {}
-        # the fp8-MMA decode's own tiles: MMA_DECODE where measured and none of its keys
-        # is set, else the settings (its block from decode_block_n_for, 0 here)
-        mma = MMA_DECODE if measured and not set(MMA_DECODE) & set(settings) else {}
-        self.mma_decode_block_n = int(mma.get("decode_block_n", 0))
-        mma_stages = settings.get("decode_num_stages", 1 if interpreted else 2)
-        self.mma_decode_num_stages = int(mma.get("decode_num_stages", mma_stages))
-        self.mma_decode_maxnreg = int(mma.get("decode_maxnreg", settings.get("decode_maxnreg", 0)))
+        # the fp8-MMA decode's own tiles (MMA_DECODE where measured)
+        (
+            self.mma_decode_block_n,
+            self.mma_decode_num_stages,
+            self.mma_decode_maxnreg,
+            self.mma_decode_meta_ahead,
+        ) = mma_decode_tiles(settings, defaults, measured, interpreted)
         self.quant_decode_num_stages = int(quant.get("decode_num_stages", self.decode_num_stages))
         self.quant_decode_maxnreg = int(quant.get("decode_maxnreg", self.decode_maxnreg))
         self.prefill_block_m = int(defaults["prefill_block_m"])

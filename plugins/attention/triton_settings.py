@@ -83,8 +83,8 @@ def cuda_defaults(head_dim: int) -> dict[str, int]:
         # 3.544 ms (12.2 -> 14.4 us a layer). Only an fp8 cache is affected.
         "decode_fp8_mma": 1,
         # its tiles' block numbers loaded a tile ahead, so Triton overlaps the copies from
-        # 3 stages (session 35); on by default with MMA_DECODE since session 37
-        "decode_fp8_meta_ahead": 1,
+        # 3 stages (session 35); on with MMA_DECODE's tiles (session 37), else off
+        "decode_fp8_meta_ahead": 0,
         "prefill_block_m": 64,
         "prefill_block_n": 32 if big_head else 64,
         "prefill_num_warps": 4,
@@ -108,8 +108,36 @@ QUANT_DECODE = {"decode_num_stages": 1, "decode_maxnreg": 128}
 # 128), 602.6 -> 578.6 us (512); bench throughput 12,196 / 12,180 -> 12,262 / 12,254 out
 # tok/s (two pairs), bench latency 3.552 -> 3.511 ms, the 600 x 1,000 / 1,000 workload
 # 13,013 -> 13,044. Applied on CUDA (head_dim <= 128, 16-bit queries) where the user set
-# none of these keys.
-MMA_DECODE = {"decode_block_n": 64, "decode_num_stages": 3, "decode_maxnreg": 128}
+# none of its tile keys (decode_fp8_meta_ahead, when set, applies on its own).
+MMA_DECODE = {
+    "decode_block_n": 64,
+    "decode_num_stages": 3,
+    "decode_maxnreg": 128,
+    "decode_fp8_meta_ahead": 1,
+}
+
+
+def mma_decode_tiles(
+    settings: dict[str, int], defaults: dict[str, int], measured: bool, interpreted: bool
+) -> tuple[int, int, int, bool]:
+    """The fp8-MMA decode's (block_n, stages, register cap, block numbers ahead):
+    ``MMA_DECODE`` where it was ``measured`` and none of its tile keys is set, else the
+    settings (block_n 0: the backend's ``decode_block_n_for``; stages 1 interpreted, 2 on
+    CUDA; no cap). ``decode_fp8_meta_ahead``, when set, applies on its own; ``defaults``
+    is the device's table updated with ``settings``."""
+    tile_keys = set(MMA_DECODE) - {"decode_fp8_meta_ahead"}
+    mma = MMA_DECODE if measured and not tile_keys & set(settings) else {}
+    stages = mma.get(
+        "decode_num_stages", settings.get("decode_num_stages", 1 if interpreted else 2)
+    )
+    ahead = settings.get("decode_fp8_meta_ahead", mma.get("decode_fp8_meta_ahead"))
+    return (
+        int(mma.get("decode_block_n", 0)),
+        int(stages),
+        int(mma.get("decode_maxnreg", settings.get("decode_maxnreg", 0))),
+        bool(defaults["decode_fp8_meta_ahead"] if ahead is None else ahead),
+    )
+
 
 # An 8-bit cache's prefill tiles: two stages, not three. Session 37, one H200, the prefill
 # attention of 8 prompts x 1,000 new tokens over an fp8 cache at Llama-3-8B heads

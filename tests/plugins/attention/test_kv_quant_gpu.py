@@ -223,3 +223,8 @@ def test_the_fp8_mma_decode_takes_its_own_tiles_unless_one_of_their_keys_is_set(
     chosen = TritonAttention(EngineConfig(), info, decode_num_stages=2)
     assert (chosen.mma_decode_block_n, chosen.mma_decode_num_stages) == (0, 2)
     assert chosen.mma_decode_maxnreg == 0
+    assert not chosen.mma_decode_meta_ahead  # the CUDA default without MMA_DECODE's tiles
+    # the metadata lookahead alone keeps the tiles
+    ahead_off = TritonAttention(EngineConfig(), info, decode_fp8_meta_ahead=0)
+    assert ahead_off.mma_decode_block_n == MMA_DECODE["decode_block_n"]
+    assert not ahead_off.mma_decode_meta_ahead

@@ -307,3 +307,25 @@ def test_an_8_bit_cache_prefills_with_its_own_tiles(monkeypatch):
     out = attn.forward(batch.q, batch.k, batch.v, k_cache, v_cache, batch.meta, batch.scale)
     assert seen[-1]["block_m"] == 2 * plain["prefill_block_m"]
     assert relative_error(out, dense_reference(batch)) < 5e-2  # int8's rounding
+
+
+def test_the_fp8_mma_decode_tiles_follow_the_measured_defaults_and_the_settings():
+    from tokenloom.plugins.attention.triton_settings import MMA_DECODE, mma_decode_tiles
+
+    def tiles(settings, measured=True, interpreted=False):
+        defaults = {**cuda_defaults(128), **settings}
+        return mma_decode_tiles(settings, defaults, measured, interpreted)
+
+    ours = (64, 3, 128, True)
+    assert tuple(MMA_DECODE.values()) == ours  # what session 37 measured on the H200
+    assert tiles({}) == ours
+    # not measured there (head_dim > 128, fp32 queries): the plain settings
+    assert tiles({}, measured=False) == (0, 2, 0, False)
+    assert tiles({}, measured=False, interpreted=True) == (0, 1, 0, False)
+    # any of its tile keys set: the settings as given, nothing of MMA_DECODE
+    assert tiles({"decode_num_stages": 5}) == (0, 5, 0, False)
+    assert tiles({"decode_maxnreg": 96}) == (0, 2, 96, False)
+    assert tiles({"decode_block_n": 128}) == (0, 2, 0, False)
+    # the block numbers ahead alone keep the tiles
+    assert tiles({"decode_fp8_meta_ahead": 0}) == (64, 3, 128, False)
+    assert tiles({"decode_fp8_meta_ahead": 1}, measured=False) == (0, 2, 0, True)
