@@ -236,3 +236,21 @@ def test_the_setting_is_off_with_a_warning_for_shapes_the_kernel_cannot_take(cap
     assert TritonAttention(
         EngineConfig(), model_info(4, 2, 32, torch.float16, DEVICE), decode_fp8_mma=1
     ).fp8_values_transposed
+
+
+def test_the_backend_s_mma_tiles_reach_the_launcher(monkeypatch):
+    # MMA_DECODE applies on CUDA only (mma_decode_tiles, tested in test_triton_backend);
+    # whatever the backend chose, its tile, stages, cap and lookahead are what launch
+    seen = []
+    monkeypatch.setattr(decode_fp8_mma_module, "decode_fp8_mma", lambda *a, **kw: seen.append(kw))
+    info = model_info(4, 2, 32, torch.float16, DEVICE)
+    attn = TritonAttention(EngineConfig(), info, decode_fp8_mma=1)
+    options = dict(block_n=128, num_stages=2, maxnreg=0, kv_asm=True, rope=None, prefetch=False)
+    attn.mma_decode_block_n = 0  # none chosen: the decode's own block (decode_block_n_for)
+    attn._decode_fp8_mma(**options)
+    attn.mma_decode_block_n, attn.mma_decode_num_stages = 64, 3
+    attn.mma_decode_maxnreg, attn.mma_decode_meta_ahead = 128, True
+    attn._decode_fp8_mma(**options)
+    picked = [(kw["block_n"], kw["num_stages"], kw["maxnreg"], kw["meta_ahead"]) for kw in seen]
+    assert picked[0][0] == 128
+    assert picked[1] == (64, 3, 128, True)
