@@ -244,10 +244,20 @@ if CUDA and os.environ.get("KERNELS", "1") == "1":
     engine.abort([f"d{i}" for i in range(PROF_SEQS)])
     while engine.has_unfinished():
         engine.step()
-    for i in range(8):
-        engine.add_request(GenerateRequest(f"p{i}", work[i][0] * 2, decode))
+    # new prompts of the workload's lengths (another seed: the prefix cache holds the
+    # run's), enough to fill a step's token budget; until session 37 eight of the run's
+    # prompts, each doubled (twice the workload's causal attention per token)
+    budget = engine.config.max_num_batched_tokens
+    fresh = make_workload(
+        budget // max(MIN_LEN, 1) + 1, MIN_LEN, MAX_LEN, engine.info.vocab_size, 1
+    )
+    num_prompts, filled = 0, 0
+    while filled < budget and num_prompts < len(fresh):
+        prompt = fresh[num_prompts][0]
+        engine.add_request(GenerateRequest(f"p{num_prompts}", prompt, decode))
+        num_prompts, filled = num_prompts + 1, filled + len(prompt)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         engine.step()
         torch.cuda.synchronize()
-    print("\n== one prefill step")
+    print(f"\n== one prefill step ({num_prompts} prompts of the workload, {filled} tokens)")
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12))
