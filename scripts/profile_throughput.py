@@ -259,5 +259,6 @@ if CUDA and os.environ.get("KERNELS", "1") == "1":
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         engine.step()
         torch.cuda.synchronize()
-    print(f"\n== one prefill step ({num_prompts} prompts of the workload, {filled} tokens)")
+    print(f"\n== one prefill step ({num_prompts} new prompts of the workload's lengths, "
+          f"{filled} tokens, at most {budget} of them in the step)")  # fmt: skip
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12))

@@ -22,10 +22,10 @@ decode's block numbers a tile ahead), ``decode_fp8_mma`` (an fp8 cache's
 decode with fp8 products over transposed value blocks, ``decode_fp8_mma.py``; on by
 default on a GPU, off under the interpreter), ``prefill_block_m``,
 ``prefill_block_n``, ``prefill_num_warps``, ``prefill_num_stages``, ``prefill_kv_f16`` (an
-8-bit cache's prefill products in f16 for 16-bit queries). An 8-bit cache's
+fp8 cache's prefill products in f16 for 16-bit queries). An 8-bit cache's
 decode takes ``QUANT_DECODE`` for the stages and register cap unless they are set (the
-fp8-MMA decode ``MMA_DECODE``'s tile, stages and cap), and
-its prefill ``QUANT_PREFILL``'s tiles unless a prefill key is set.
+fp8-MMA decode ``MMA_DECODE``'s tile, stages and cap), and an fp8 cache's prefill
+``FP8_PREFILL``'s tiles unless a prefill tile key is set.
 Without a GPU the kernels run under ``TRITON_INTERPRET=1`` with small tiles.
 """
 
@@ -48,11 +48,11 @@ from tokenloom.plugins.attention.triton_kernels.prefill import prefill_attention
 from tokenloom.plugins.attention.triton_settings import (
     INTERPRETER_DEFAULTS,
     QUANT_DECODE,
-    QUANT_PREFILL,
     SETTINGS,
     TritonSettings,
     cuda_defaults,
     mma_decode_tiles,
+    prefill_tiles,
 )
 from tokenloom.plugins.models import fused_ops
 from tokenloom.plugins.models.pdl import pdl_on
@@ -161,13 +161,9 @@ class TritonAttention(AttentionBackend):
         self.prefill_num_warps = int(defaults["prefill_num_warps"])
         self.prefill_num_stages = int(defaults["prefill_num_stages"])
         self.prefill_kv_f16 = bool(defaults["prefill_kv_f16"])
-        # an 8-bit cache's prefill tiles: QUANT_PREFILL where it was measured and the
-        # user set none of the prefill keys, else the same as a 16-bit cache's
-        plain = {key: int(getattr(self, key)) for key in QUANT_PREFILL}
-        quant = dict(plain)
-        if measured and not set(QUANT_PREFILL) & set(settings):
-            quant.update(QUANT_PREFILL)
-        self.prefill_tiles = {False: plain, True: quant}  # by whether the cache is 8-bit
+        # the prefill's tiles by whether the cache is fp8 (FP8_PREFILL where measured);
+        # read here once: the prefill_* attributes set later change nothing
+        self.prefill_tiles = prefill_tiles(settings, defaults, measured)
         # Decode partials, flat fp32, rows = batch * num_splits(batch) at its largest.
         self._part_out: torch.Tensor | None = None  # [rows * num_heads * head_dim]
         self._part_lse: torch.Tensor | None = None  # [rows * num_heads]
@@ -318,7 +314,7 @@ class TritonAttention(AttentionBackend):
                 prefetch=self._prefetch(num_decodes, quantized, decode_rope),
             )
         if num_decodes < num_seqs:
-            tiles = self.prefill_tiles[kv_quant.is_quantized(k_cache.dtype)]
+            tiles = self.prefill_tiles[k_cache.dtype == torch.float8_e4m3fn]
             prefill_attention(
                 q,
                 k_cache,

@@ -1,7 +1,7 @@
 """The ``triton`` attention plugin's settings (``[plugin.triton]``) and their defaults:
 tiny tiles under the interpreter, tile configs measured on an H200 on CUDA, and the
-8-bit cache's decode stages and register cap (``QUANT_DECODE``) and prefill tiles
-(``QUANT_PREFILL``)."""
+8-bit cache's decode stages and register cap (``QUANT_DECODE``), the fp8-MMA decode's
+tiles (``MMA_DECODE``) and an fp8 cache's prefill tiles (``FP8_PREFILL``)."""
 
 from __future__ import annotations
 
@@ -89,9 +89,10 @@ def cuda_defaults(head_dim: int) -> dict[str, int]:
         "prefill_block_n": 32 if big_head else 64,
         "prefill_num_warps": 4,
         "prefill_num_stages": 2 if big_head else 3,
-        # an 8-bit cache's prefill products in f16, not the queries' bf16 (session 37):
-        # one conversion per element instead of two; on the H200 at 8 x 1,000 tokens over
-        # an fp8 cache 728 -> 717 us a layer (-1.5%) at the default tiles
+        # an fp8 cache's prefill products in f16, not the queries' bf16 (session 37): one
+        # conversion per element instead of two; on the H200 at 8 x 1,000 tokens 728 ->
+        # 717 us a layer (-1.4%) at the default tiles. Not int8 (offline, its f16
+        # conversion takes more instructions than Triton's bf16 one, and spills)
         "prefill_kv_f16": 1,
     }
 
@@ -139,17 +140,30 @@ def mma_decode_tiles(
     )
 
 
-# An 8-bit cache's prefill tiles: two stages, not three. Session 37, one H200, the prefill
+# An fp8 cache's prefill tiles: two stages, not three. Session 37, one H200, the prefill
 # attention of 8 prompts x 1,000 new tokens over an fp8 cache at Llama-3-8B heads
 # (scripts/gpu/kvq_prefill_bench.py): 717 -> 656 us a layer (-8.5%; 728 us with bf16
-# products before); 128-row tiles measured slower. Applied on CUDA (head_dim <= 128,
-# 16-bit queries) where the user set no prefill tile key.
-QUANT_PREFILL = {
+# products before); 128-row tiles measured slower. int8 caches (unmeasured) keep the
+# 16-bit cache's tiles.
+FP8_PREFILL = {
     "prefill_block_m": 64,
     "prefill_block_n": 64,
     "prefill_num_warps": 4,
     "prefill_num_stages": 2,
 }
+
+
+def prefill_tiles(
+    settings: dict[str, int], defaults: dict[str, int], measured: bool
+) -> dict[bool, dict[str, int]]:
+    """The prefill's tiles by whether the cache is fp8: ``FP8_PREFILL`` for an fp8 cache
+    where it was ``measured`` (CUDA, head_dim <= 128, 16-bit queries) and none of its tile
+    keys is set (``prefill_kv_f16`` is not one), else the settings for both."""
+    plain = {key: int(defaults[key]) for key in FP8_PREFILL}
+    fp8 = dict(plain)
+    if measured and not set(FP8_PREFILL) & set(settings):
+        fp8.update(FP8_PREFILL)
+    return {False: plain, True: fp8}
 
 
 SETTINGS: tuple[str, ...] = TritonSettings.__struct_fields__

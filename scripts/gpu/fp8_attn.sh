@@ -26,6 +26,9 @@
 #   pre37 / wide37: session 37's sweep of the prefill kernel's tiles (bf16 and fp8 caches,
 #           the workload's 8 x 1,000-token chunks), the workload with its best ($OUT/best37,
 #           else BEST37)
+#   ba37    fp8 weights + fp8 KV bench latency / throughput, before / after (session 37)
+#   (since session 37 the fp8 defaults are MMA_DECODE's and FP8_PREFILL's: kern36's and
+#   wide36's "default" is then kern36's best, and pre37's before variants set 3 stages)
 #   ba35    fp8 weights + fp8 KV bench latency / throughput, before / after
 #   bf29    bf16 bench latency and throughput, before / after (kernels touched: no change
 #           expected on a 16-bit cache)
@@ -171,7 +174,7 @@ for step in "$@"; do
       # cache, about 10x its FLOP floor): an 8-bit cache's products in f16 (the new
       # default, prefill_kv_f16=1) against bf16 (0, before), and the tiles; $OUT/best37:
       # the fastest fp8 variant's plugin options
-      V=(--variant "bf16ops:prefill_kv_f16=0")
+      V=(--variant "bf16ops:prefill_kv_f16=0,prefill_num_stages=3")
       V+=(--variant "m128n64w8s3-bf16ops:prefill_block_m=128,prefill_block_n=64,prefill_num_warps=8,prefill_num_stages=3,prefill_kv_f16=0")
       # (offline, sm_90, f16 products: 128x64 over 4 warps, 64x128 and 128x32 over 4 spill)
       for v in m128n64w8s3 m128n64w8s2 m128n128w8s2 m128n64w8s4 m128n32w8s3 m64n64w4s2 \
@@ -188,14 +191,15 @@ import json, sys
 rows = [r for r in json.load(open(sys.argv[1]))["rows"] if r["kv"] == "fp8" and "ms" in r]
 best = min(rows, key=lambda r: r["ms"])
 keys = {"prefill_block_m": 64, "prefill_block_n": 64, "prefill_num_warps": 4,
-        "prefill_num_stages": 3, "prefill_kv_f16": 1}
+        "prefill_num_stages": 2, "prefill_kv_f16": 1}  # the fp8 defaults since session 37
 print(" ".join(f"--plugin-option triton.{k}={best.get(k, d)}" for k, d in keys.items()))
 PY
       echo "best37: $(cat "$OUT/best37")" ;;
     wide37)  # the issue's workload: the prefill as before (bf16 products, default tiles)
       # against pre37's best (or BEST37)
       BEST=$(cat "$OUT/best37" 2>/dev/null); BEST=${BEST:-${BEST37:-}}
-      bench throughput fp8w37-bf16ops after fp8 "${WIDE[@]}" --plugin-option triton.prefill_kv_f16=0
+      bench throughput fp8w37-bf16ops after fp8 "${WIDE[@]}" --plugin-option triton.prefill_kv_f16=0 \
+        --plugin-option triton.prefill_num_stages=3
       [ -n "$BEST" ] && bench throughput fp8w37-best after fp8 "${WIDE[@]}" $BEST
       rm -f "$OUT"/thr-fp8w37-*.log ;;  # the JSONs hold the figures (8 files come back)
     wide33)  # the issue's workload: the default against kern33's best settings (if other)

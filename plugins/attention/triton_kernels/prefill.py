@@ -15,11 +15,15 @@ divisibility would otherwise compile a new variant mid-run, about a second each)
 
 A quantized cache (``KV_QUANT``, a compile-time switch: the unquantized kernel is
 unchanged) is dequantized as in the decode kernel: scores scaled per key after the
-first dot, probabilities per value before the second. With 16-bit queries its values
-enter both dots as f16 (``KV_F16``, as the decode kernel's): e4m3 and int8 convert to
-f16 exactly in one step, where bf16 operands cost a second conversion per element
-(``F2F.BF16.F16`` on sm_90, 128 a thread a 64 x 64 tile, session 37); the query rows are
-shrunk below f16's range first and ``p * v_scale`` lifted by ``P_LIFT``.
+first dot, probabilities per value before the second. With 16-bit queries an fp8
+cache's values enter both dots as f16 (``KV_F16``, as in the decode kernel): e4m3
+converts to f16 exactly in one step, where bf16 operands cost a second conversion per
+element (``F2F.BF16.F16`` on sm_90, 128 a thread a 64 x 64 tile, session 37). The query
+rows are shrunk below f16's range first and ``p * v_scale`` lifted by ``P_LIFT`` (so a
+value row's absolute maximum may reach 448 * 65504 / 512, 57k, as in the decode). An int8
+cache keeps the queries' dtype: Triton converts int8 to bf16 with integer tricks, and its
+f16 conversion (``I2F.F16.S16``) compiled to more instructions (929 against 829 a tile,
+offline) and spilled.
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ def _attend_tile(
     KV_QUANT: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     V_T: tl.constexpr,  # values stored [heads, D, tokens] per page (kv_quant.v_transposed)
-    KV_F16: tl.constexpr,  # an 8-bit cache's values enter both dots as f16 (q too)
+    KV_F16: tl.constexpr,  # an fp8 cache's values enter both dots as f16 (q too)
     P_LIFT: tl.constexpr,
 ):
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -263,8 +267,8 @@ def prefill_attention(
     """Launch the prefill kernel for requests ``first_seq:`` of the batch; the
     requests before them must have one query token each (so their queries are rows
     ``:first_seq`` of ``q``). No host sync: the grid comes from shapes and
-    ``first_seq`` only. ``kv_f16``: an 8-bit cache's products in f16 where the queries
-    are 16-bit (else in the queries' dtype)."""
+    ``first_seq`` only. ``kv_f16``: an fp8 cache's products in f16 where the queries are
+    16-bit (else in the queries' dtype)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_tokens = q.shape[0] - first_seq
     num_seqs = seq_lens.shape[0] - first_seq
@@ -307,7 +311,7 @@ def prefill_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         KV_QUANT=quantized,
         V_T=kv_quant.v_transposed(v_cache),
-        KV_F16=quantized and kv_f16 and q.dtype != torch.float32,
+        KV_F16=k_cache.dtype == torch.float8_e4m3fn and kv_f16 and q.dtype != torch.float32,
         P_LIFT=P_LIFT.get(k_cache.dtype, 1.0),
         num_warps=num_warps,
         num_stages=num_stages,

@@ -304,14 +304,17 @@ def test_triton_prefill_and_decodes_over_a_quantized_cache_match_the_reference(
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_the_f16_prefill_holds_bf16_queries_beyond_f16_range(kv_dtype):
-    # bf16 queries enter the f16 products: rows above f16's 65,504 are shrunk first and
-    # the scores undo it (without, such a row turns to inf and its output to NaN). The
+def test_the_f16_prefill_holds_bf16_queries_beyond_f16_range():
+    # bf16 queries enter an fp8 cache's f16 products: rows above f16's 65,504 are shrunk
+    # first and the scores undo it (without the shrink a row turns to inf and its output
+    # to NaN; without the undo the scores shrink with it). Every query is scaled up and
+    # the softmax scale down by the same factor, so the softmax is not one-hot. The
     # interpreter runs this path right, its products being f16 (bf16 dots it gets wrong)
+    kv_dtype = torch.float8_e4m3fn
     batch = make_batch([9, 20], [9, 45], dtype=torch.bfloat16, device=DEVICE)
-    batch.q[3] *= 2e5  # one query token, every head: |q| far past f16's range
-    batch.q[15, 1] *= 5e4
+    factor = 2.0**17  # |q| far past f16's range; a power of two keeps q's bf16 digits
+    batch.q.mul_(factor)
+    batch.scale /= factor
     info = model_info(4, 2, 32, torch.bfloat16, DEVICE)
     attn = TritonAttention(EngineConfig(), info)
     assert attn.prefill_kv_f16

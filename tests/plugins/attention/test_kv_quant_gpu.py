@@ -198,14 +198,14 @@ def test_stale_nan_slots_never_reach_the_fp8_mma_output_on_the_gpu():
     stale_slots_case()
 
 
-def test_an_8_bit_cache_takes_its_own_prefill_tiles_unless_a_prefill_key_is_set():
-    from tokenloom.plugins.attention.triton_settings import QUANT_PREFILL, cuda_defaults
+def test_an_fp8_cache_takes_its_own_prefill_tiles_unless_a_prefill_tile_key_is_set():
+    from tokenloom.plugins.attention.triton_settings import FP8_PREFILL, cuda_defaults
 
     info = model_info(HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, "cuda")
     attn = TritonAttention(EngineConfig(), info)
-    plain = {key: cuda_defaults(HEAD_DIM)[key] for key in QUANT_PREFILL}
-    assert attn.prefill_tiles == {False: plain, True: QUANT_PREFILL}
-    # any prefill key set by the user: both caches take the settings as given
+    plain = {key: cuda_defaults(HEAD_DIM)[key] for key in FP8_PREFILL}
+    assert attn.prefill_tiles == {False: plain, True: FP8_PREFILL}
+    # any prefill tile key set by the user: every cache takes the settings as given
     chosen = TritonAttention(EngineConfig(), info, prefill_num_warps=4)
     assert chosen.prefill_tiles[True] == chosen.prefill_tiles[False]
     assert chosen.prefill_tiles[True]["prefill_num_warps"] == 4

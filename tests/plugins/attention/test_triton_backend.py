@@ -287,9 +287,9 @@ def test_the_first_tile_before_the_wait_with_a_padded_head_dim():
     check_against_references([1, 1], [23, 5], head_dim=48, decode_prefetch_max_batch=2)
 
 
-def test_an_8_bit_cache_prefills_with_its_own_tiles(monkeypatch):
-    # QUANT_PREFILL's tiles (where measured: CUDA) reach the kernel for an 8-bit cache
-    # only; a 16-bit cache keeps the prefill settings
+def test_an_fp8_cache_prefills_with_its_own_tiles(monkeypatch):
+    # FP8_PREFILL's tiles (where measured: CUDA) reach the kernel for an fp8 cache only;
+    # 16-bit and int8 caches keep the prefill settings
     from test_kv_quant import quantized_copy
 
     seen = []
@@ -303,10 +303,29 @@ def test_an_8_bit_cache_prefills_with_its_own_tiles(monkeypatch):
     attn.prefill_tiles[True] = dict(plain, prefill_block_m=2 * plain["prefill_block_m"])
     forward(attn, batch)
     assert seen[-1]["block_m"] == plain["prefill_block_m"]
-    k_cache, v_cache = quantized_copy(batch, torch.int8)
-    out = attn.forward(batch.q, batch.k, batch.v, k_cache, v_cache, batch.meta, batch.scale)
-    assert seen[-1]["block_m"] == 2 * plain["prefill_block_m"]
-    assert relative_error(out, dense_reference(batch)) < 5e-2  # int8's rounding
+    for kv_dtype, block_m in ((torch.int8, plain["prefill_block_m"]),
+                              (torch.float8_e4m3fn, 2 * plain["prefill_block_m"])):  # fmt: skip
+        k_cache, v_cache = quantized_copy(batch, kv_dtype)
+        out = attn.forward(batch.q, batch.k, batch.v, k_cache, v_cache, batch.meta, batch.scale)
+        assert seen[-1]["block_m"] == block_m
+        assert relative_error(out, dense_reference(batch)) < 8e-2  # the 8-bit rounding
+
+
+def test_the_prefill_tiles_follow_the_measured_fp8_defaults_and_the_settings():
+    from tokenloom.plugins.attention.triton_settings import FP8_PREFILL, prefill_tiles
+
+    def tiles(settings, measured=True):
+        return prefill_tiles(settings, {**cuda_defaults(128), **settings}, measured)
+
+    plain = {key: cuda_defaults(128)[key] for key in FP8_PREFILL}
+    assert dict(plain, prefill_num_stages=2) == FP8_PREFILL  # what session 37 measured
+    assert tiles({}) == {False: plain, True: FP8_PREFILL}
+    assert tiles({}, measured=False) == {False: plain, True: plain}
+    # a tile key set: both caches take the settings as given
+    chosen = tiles({"prefill_num_warps": 8})
+    assert chosen[True] == chosen[False] == dict(plain, prefill_num_warps=8)
+    # the product dtype is not a tile key: the fp8 tiles stay
+    assert tiles({"prefill_kv_f16": 0})[True] == FP8_PREFILL
 
 
 def test_the_fp8_mma_decode_tiles_follow_the_measured_defaults_and_the_settings():
