@@ -34,11 +34,11 @@ DTYPES = {"auto": MODEL_DTYPE, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
 L2_ROTATION_BYTES = 512 * 10**6  # KV bytes per replay, well past the 60 MB L2
 
 
-def info(device: str) -> ModelInfo:
+def info(device: str, dtype: torch.dtype = MODEL_DTYPE) -> ModelInfo:
     return ModelInfo(
         name="llama-3-8b-heads", architecture="LlamaForCausalLM", max_model_len=131072,
         vocab_size=128256, num_layers=1, num_heads=HEADS, num_kv_heads=KV_HEADS,
-        head_dim=HEAD_DIM, hidden_size=HEADS * HEAD_DIM, dtype=MODEL_DTYPE,
+        head_dim=HEAD_DIM, hidden_size=HEADS * HEAD_DIM, dtype=dtype,
         device=torch.device(device),
     )  # fmt: skip
 

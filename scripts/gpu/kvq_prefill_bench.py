@@ -24,13 +24,13 @@ import time
 
 import torch
 import triton.testing
+from kvq_decode_bench import info  # this folder is on sys.path: the script's own
 
 from tokenloom.config import EngineConfig
 from tokenloom.plugins.attention import kv_quant
 from tokenloom.plugins.attention.torch_backend import TorchAttention
 from tokenloom.plugins.attention.triton_backend import TritonAttention
 from tokenloom.protocols.components.attention import AttentionMetadata
-from tokenloom.protocols.components.model import ModelInfo
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 MODEL_DTYPE = torch.bfloat16
@@ -38,17 +38,10 @@ DEVICE = "cuda"  # --device cpu: a check under TRITON_INTERPRET=1, timed by the 
 DTYPES = {"auto": MODEL_DTYPE, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
 
-def info() -> ModelInfo:
-    return ModelInfo(
-        name="llama-3-8b-heads", architecture="LlamaForCausalLM", max_model_len=131072,
-        vocab_size=128256, num_layers=1, num_heads=HEADS, num_kv_heads=KV_HEADS,
-        head_dim=HEAD_DIM, hidden_size=HEADS * HEAD_DIM, dtype=MODEL_DTYPE,
-        device=torch.device(DEVICE),
-    )  # fmt: skip
-
-
 def run(num_seqs: int, length: int, kv: str, settings: dict[str, int]) -> dict[str, float]:
-    attn = TritonAttention(EngineConfig(max_num_seqs=num_seqs), info(), **settings)
+    attn = TritonAttention(
+        EngineConfig(max_num_seqs=num_seqs), info(DEVICE, MODEL_DTYPE), **settings
+    )
     blocks_per_seq = -(-length // BLOCK)
     num_blocks = num_seqs * blocks_per_seq + 1
     _, caches = kv_quant.allocate(
@@ -80,7 +73,9 @@ def run(num_seqs: int, length: int, kv: str, settings: dict[str, int]) -> dict[s
     scale = HEAD_DIM**-0.5
     attn.prepare(meta)
     out = attn.forward(q, k, v, k_cache, v_cache, meta, scale)
-    ref = TorchAttention(EngineConfig(), info()).forward(q, k, v, k_cache, v_cache, meta, scale)
+    ref = TorchAttention(EngineConfig(), info(DEVICE, MODEL_DTYPE)).forward(
+        q, k, v, k_cache, v_cache, meta, scale
+    )
     error = float((out.double() - ref.double()).norm() / ref.double().norm())
     assert error < 4e-2, f"{kv} {num_seqs}x{length} {settings}: relative error {error:.3g}"
     if DEVICE == "cuda":
