@@ -18,7 +18,8 @@ Settings (``[plugin.triton]`` in the config, or keyword arguments), defaults in
 (rope inside the decode kernel from this batch up), ``decode_prefetch_max_batch`` (the
 first KV tile read before the PDL wait up to this batch), ``decode_heads_first``
 (grid order), ``decode_maxnreg`` (register cap), ``decode_fp8_meta_ahead`` (the fp8-MMA
-decode's block numbers a tile ahead), ``decode_fp8_mma`` (an fp8 cache's
+decode's block numbers a tile ahead), ``decode_fp8_fold`` (its one cross-warp reduction a
+tile), ``decode_fp8_mma`` (an fp8 cache's
 decode with fp8 products over transposed value blocks, ``decode_fp8_mma.py``; on by
 default on a GPU, off under the interpreter), ``prefill_block_m``,
 ``prefill_block_n``, ``prefill_num_warps``, ``prefill_num_stages``, ``prefill_kv_f16`` (an
@@ -154,6 +155,7 @@ class TritonAttention(AttentionBackend):
             self.mma_decode_maxnreg,
             self.mma_decode_meta_ahead,
         ) = mma_decode_tiles(settings, defaults, measured, interpreted)
+        self.mma_decode_fold = bool(defaults["decode_fp8_fold"])
         self.quant_decode_num_stages = int(quant.get("decode_num_stages", self.decode_num_stages))
         self.quant_decode_maxnreg = int(quant.get("decode_maxnreg", self.decode_maxnreg))
         self.prefill_block_m = int(defaults["prefill_block_m"])
@@ -345,6 +347,7 @@ class TritonAttention(AttentionBackend):
             num_stages=self.mma_decode_num_stages,
             maxnreg=self.mma_decode_maxnreg,
             meta_ahead=self.mma_decode_meta_ahead,
+            fold=self.mma_decode_fold,
         )
         decode_fp8_mma.decode_fp8_mma(*args, **options)
 

@@ -25,6 +25,7 @@ class TritonSettings(msgspec.Struct, forbid_unknown_fields=True):
     decode_prefetch_max_batch: int | None = None
     decode_fp8_mma: int | None = None
     decode_fp8_meta_ahead: int | None = None
+    decode_fp8_fold: int | None = None
     prefill_block_m: int | None = None
     prefill_block_n: int | None = None
     prefill_num_warps: int | None = None
@@ -47,6 +48,7 @@ INTERPRETER_DEFAULTS = {
     "decode_prefetch_max_batch": 0,  # tested directly (nothing overlaps in the interpreter)
     "decode_fp8_mma": 0,
     "decode_fp8_meta_ahead": 0,
+    "decode_fp8_fold": 0,
     "prefill_block_m": 16,
     "prefill_block_n": 16,
     "prefill_num_warps": 4,
@@ -85,6 +87,10 @@ def cuda_defaults(head_dim: int) -> dict[str, int]:
         # its tiles' block numbers loaded a tile ahead, so Triton overlaps the copies from
         # 3 stages (session 35); on with MMA_DECODE's tiles (session 37), else off
         "decode_fp8_meta_ahead": 0,
+        # one reduction across the warps a tile instead of three (decode_fp8_mma.py, FOLD;
+        # session 38): offline at MMA_DECODE's tiles 9 -> 5 barriers and 455 -> 406
+        # instructions a tile. Not yet measured on a GPU
+        "decode_fp8_fold": 0,
         "prefill_block_m": 64,
         "prefill_block_n": 32 if big_head else 64,
         "prefill_num_warps": 4,

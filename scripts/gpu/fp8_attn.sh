@@ -27,6 +27,10 @@
 #           the workload's 8 x 1,000-token chunks), the workload with its best ($OUT/best37,
 #           else BEST37)
 #   ba37    fp8 weights + fp8 KV bench latency / throughput, before / after (session 37)
+#   t38 / kern38 / wide38: session 38's one reduction a tile (decode_fp8_fold): the fp8-MMA
+#           kernel's tests on the GPU, a sweep with it at MMA_DECODE's and wider tiles, the
+#           workload with the sweep's best ($OUT/best38, else BEST38) against the default
+#   ba38    fp8 weights + fp8 KV bench latency / throughput, before / after (session 38)
 #   (since session 37 the fp8 defaults are MMA_DECODE's and FP8_PREFILL's: kern36's and
 #   wide36's "default" is then kern36's best, and pre37's before variants set 3 stages)
 #   ba35    fp8 weights + fp8 KV bench latency / throughput, before / after
@@ -68,8 +72,8 @@ kern() {  # kern TAG TREE [--setting K=V...]: the fp8 decode per layer (the tree
   sed "s/^/kern $1: /" "$OUT/kern-$1.log" | grep batch
 }
 sweep() {  # sweep N CFG...: the fp8-MMA decode per layer at 128 and 512 rows for each
-  # setting (bn tile, st stages, w warps, r register cap, ma block numbers a tile ahead;
-  # "" the defaults); $OUT/bestN
+  # setting (bn tile, st stages, w warps, r register cap, ma block numbers a tile ahead,
+  # f one cross-warp reduction a tile; "" the defaults); $OUT/bestN
   # holds the fastest at 512 rows as plugin options (scripts/gpu/pick33.py), or nothing
   local n=$1 cfg kv tag S; shift
   for cfg in "$@"; do
@@ -81,6 +85,7 @@ sweep() {  # sweep N CFG...: the fp8-MMA decode per layer at 128 and 512 rows fo
         w) S+=(--setting decode_num_warps=${kv#*=}) ;;
         r) S+=(--setting decode_maxnreg=${kv#*=}) ;;
         ma) S+=(--setting decode_fp8_meta_ahead=${kv#*=}) ;;
+        f) S+=(--setting decode_fp8_fold=${kv#*=}) ;;
       esac
     done
     timeout 120 env PYTHONPATH=/tmp/after:/tmp/site python3 scripts/gpu/kvq_decode_bench.py \
@@ -169,6 +174,25 @@ for step in "$@"; do
       bench throughput fp8w36-default after fp8 "${WIDE[@]}"
       BEST=$(cat "$OUT/best36" 2>/dev/null || echo "${BEST36:-}")
       [ -n "$BEST" ] && bench throughput fp8w36-best after fp8 "${WIDE[@]}" $BEST ;;
+    t38)  # the fp8-MMA decode's own tests on the GPU (the fold against the unfolded kernel)
+      timeout 200 env PYTHONPATH=/tmp/after:/tmp/site python3 -m pytest -q -p no:cacheprovider \
+        tests/plugins/attention/test_decode_fp8_mma.py > "$OUT/gpu-tests-t38.log" 2>&1
+      echo "t38 rc=$?"; grep -E "^FAILED|^ERROR" "$OUT/gpu-tests-t38.log" | head -12
+      tail -n 1 "$OUT/gpu-tests-t38.log" ;;
+    kern38)  # session 38: one cross-warp reduction a tile (offline at MMA_DECODE's tiles 9 ->
+      # 5 barriers, 455 -> 406 instructions a tile; 128-token tiles over 8 warps 88
+      # registers, 70 KB at 2 stages). "" is MMA_DECODE
+      sweep 38 "" f=1 bn=64,st=3,ma=1,f=1 bn=128,st=2,w=8,f=1 bn=128,st=3,ma=1,w=8,f=1 \
+        bn=64,st=4,ma=1,r=128,f=1 ;;
+    wide38)  # the issue's workload: the default against kern38's best (or BEST38)
+      bench throughput fp8w38-default after fp8 "${WIDE[@]}"
+      BEST=$(cat "$OUT/best38" 2>/dev/null || echo "${BEST38:-}")
+      [ -n "$BEST" ] && bench throughput fp8w38-best after fp8 "${WIDE[@]}" $BEST ;;
+    ba38)  # before (.snap/before.tar) / after, fp8 weights + fp8 KV, the default workloads
+      bench latency fp8-before before fp8 --kv-cache-dtype fp8
+      bench latency fp8-after after fp8 --kv-cache-dtype fp8
+      bench throughput fp8-before before fp8 --kv-cache-dtype fp8
+      bench throughput fp8-after after fp8 --kv-cache-dtype fp8 ;;
     pre37)  # session 37: the prefill kernel over a bf16 and an fp8 cache at the workload's
       # chunks (8 prompts x 1,000 new tokens; 1.33 ms a layer on the H200 with an fp8
       # cache, about 10x its FLOP floor): an 8-bit cache's products in f16 (the new

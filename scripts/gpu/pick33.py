@@ -15,6 +15,7 @@ NAMES = {
     "w": "decode_num_warps",
     "r": "decode_maxnreg",
     "ma": "decode_fp8_meta_ahead",
+    "f": "decode_fp8_fold",
 }
 
 

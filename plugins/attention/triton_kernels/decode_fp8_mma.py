@@ -62,6 +62,7 @@ def _tile(
     v_scale_ptr, kv_head, offs_d, stride_cache_block, stride_cache_tok, stride_cache_head,
     stride_scale_block, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, FOLD: tl.constexpr,
 ):  # fmt: skip
     """One KV tile (number ``t``) of the online softmax, on ``acc`` = O^T ``[D, H]``."""
     offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -70,7 +71,7 @@ def _tile(
         acc, m_i, l_i, offs_n, block, slot, kv_end, qt8, col_scale, k_cache_ptr, v_cache_ptr,
         k_scale_ptr, v_scale_ptr, kv_head, offs_d, stride_cache_block, stride_cache_tok,
         stride_cache_head, stride_scale_block, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, PAGE_SIZE,
-        MASKED,
+        MASKED, GROUP, BLOCK_H, FOLD,
     )  # fmt: skip
 
 
@@ -80,6 +81,7 @@ def _tile_at(
     k_scale_ptr, v_scale_ptr, kv_head, offs_d, stride_cache_block, stride_cache_tok,
     stride_cache_head, stride_scale_block, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, FOLD: tl.constexpr,
 ):  # fmt: skip
     """``_tile`` with its tokens (``offs_n``), their blocks and slots (``_blocks``) given."""
     base = block * stride_cache_block
@@ -109,7 +111,18 @@ def _tile_at(
     st = tl.dot(k, qt8) * k_scale[:, None] * col_scale[None, :]  # [N, H], base 2
     if MASKED:
         st = tl.where(mask_n[:, None], st, float("-inf"))
-    tile_max = tl.max(st, 0)  # [H]
+    if FOLD:
+        # One reduction across the warps a tile, not three (each costs two barriers: the
+        # tile's tokens are the MMA's M, spread over the warps): the values' largest scale
+        # rides in the first padding head's column of the scores' maximum (a padding
+        # head's scores and sums are finite and never written), and the sums stay per
+        # token ([N, H], ``l_i``) until the slice's end (``_sums``).
+        pad = tl.arange(0, BLOCK_H) == GROUP
+        tile_max = tl.max(tl.where(pad[None, :], v_scale[:, None], st), 0)  # [H]
+        v_max = tl.max(tl.where(pad, tile_max, 0.0), 0)  # within a warp
+    else:
+        tile_max = tl.max(st, 0)  # [H]
+        v_max = tl.max(v_scale, 0)
     m_new = tl.maximum(m_i, tile_max)
     alpha = tl.exp2(m_i - m_new)
     # p relative to the tile's own maximum (each head's largest is 1), its offset to the
@@ -117,8 +130,11 @@ def _tile_at(
     # in tiles far below the maximum, with one scale for the tile's values (448 at most)
     pt = tl.exp2(st - tile_max[None, :])
     below = tl.exp2(tile_max - m_new)
-    l_i = l_i * alpha + tl.sum(pt, 0) * below
-    lift = FP8_MAX / tl.maximum(tl.max(v_scale, 0), 1e-30)
+    if FOLD:
+        l_i = l_i * alpha[None, :] + pt * below[None, :]
+    else:
+        l_i = l_i * alpha + tl.sum(pt, 0) * below
+    lift = FP8_MAX / tl.maximum(v_max, 1e-30)
     p8 = (pt * (v_scale * lift)[:, None]).to(tl.float8e4nv)
     acc = acc * alpha[None, :] + tl.dot(vt, p8) * (below * (1.0 / lift))[None, :]
     return acc, m_new, l_i
@@ -134,7 +150,7 @@ def _decode_fp8_mma_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HEADS_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
-    META_AHEAD: tl.constexpr = False,
+    META_AHEAD: tl.constexpr = False, FOLD: tl.constexpr = False,
 ):  # fmt: skip
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
@@ -171,7 +187,10 @@ def _decode_fp8_mma_kernel(
 
     table = block_tables_ptr + seq * stride_bt
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
+    if FOLD:  # the sums per token until the slice's end
+        l_i = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
+    else:
+        l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([HEAD_DIM, BLOCK_H], tl.float32)  # O^T
     # kv_start is a multiple of BLOCK_N (kv_slice): whole tiles, then a partial one
     if META_AHEAD:  # each tile's block numbers loaded a tile ahead (loop-carried); the
@@ -185,7 +204,7 @@ def _decode_fp8_mma_kernel(
                 acc, m_i, l_i, offs_n, block, slot, kv_end, qt8, col_scale, k_cache_ptr,
                 v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, offs_d, stride_cache_block,
                 stride_cache_tok, stride_cache_head, stride_scale_block, NUM_KV_HEADS,
-                HEAD_DIM, BLOCK_N, PAGE_SIZE, False,
+                HEAD_DIM, BLOCK_N, PAGE_SIZE, False, GROUP, BLOCK_H, FOLD,
             )  # fmt: skip
             block = block_ahead
     else:
@@ -194,15 +213,17 @@ def _decode_fp8_mma_kernel(
                 acc, m_i, l_i, t, kv_end, qt8, col_scale, table, k_cache_ptr, v_cache_ptr,
                 k_scale_ptr, v_scale_ptr, kv_head, offs_d, stride_cache_block,
                 stride_cache_tok, stride_cache_head, stride_scale_block, NUM_KV_HEADS,
-                HEAD_DIM, BLOCK_N, PAGE_SIZE, False,
+                HEAD_DIM, BLOCK_N, PAGE_SIZE, False, GROUP, BLOCK_H, FOLD,
             )  # fmt: skip
     if kv_end % BLOCK_N:
         acc, m_i, l_i = _tile(
             acc, m_i, l_i, kv_end // BLOCK_N, kv_end, qt8, col_scale, table, k_cache_ptr,
             v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, offs_d, stride_cache_block,
             stride_cache_tok, stride_cache_head, stride_scale_block, NUM_KV_HEADS, HEAD_DIM,
-            BLOCK_N, PAGE_SIZE, True,
+            BLOCK_N, PAGE_SIZE, True, GROUP, BLOCK_H, FOLD,
         )  # fmt: skip
+    if FOLD:
+        l_i = tl.sum(l_i, 0)
     finish_split(tl.trans(acc), m_i, l_i, seq, kv_head, split, num_active, num_splits, heads,
                  mask_h, offs_d, mask_hd, out_ptr, out_offs, part_out_ptr, part_lse_ptr,
                  counters_ptr, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_H, HEAD_DIM)  # fmt: skip
@@ -252,6 +273,7 @@ def decode_fp8_mma(
     heads_first: bool = True,
     maxnreg: int = 0,
     meta_ahead: bool = False,
+    fold: bool = False,
 ) -> None:
     """Launch the kernel (the arguments as ``decode.decode_attention``'s; ``block_n``
     below ``MIN_K`` is raised to it). ``meta_ahead`` loads each tile's block numbers a
@@ -264,6 +286,9 @@ def decode_fp8_mma(
     block_n = max(block_n, MIN_K)
     assert block_n % page == 0 or page % block_n == 0
     meta_ahead = meta_ahead and block_n % page == 0  # its slots are the first tile's
+    group = num_heads // num_kv_heads
+    block_h = max(16, triton.next_power_of_2(group))
+    fold = fold and group < block_h  # the values' scale rides in a padding head's column
     k_scales, v_scales = kv_quant.scales_of(k_cache), kv_quant.scales_of(v_cache)
     grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
     _decode_fp8_mma_kernel[grid](
@@ -272,9 +297,9 @@ def decode_fp8_mma(
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_scales.stride(0), scale * 1.4426950408889634, num_splits,
         triton.cdiv(min_split_tokens, block_n) * block_n,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
-        BLOCK_N=block_n, PAGE_SIZE=page, HEADS_FIRST=heads_first, META_AHEAD=meta_ahead,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
+        BLOCK_H=block_h, BLOCK_N=block_n, PAGE_SIZE=page, HEADS_FIRST=heads_first,
+        META_AHEAD=meta_ahead, FOLD=fold,
         num_warps=num_warps, num_stages=num_stages, **launch_options(q.device),
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip

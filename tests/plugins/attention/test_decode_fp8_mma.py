@@ -17,6 +17,7 @@ from tokenloom.plugins.attention.torch_backend import TorchAttention, write_kv_c
 from tokenloom.plugins.attention.triton_backend import TritonAttention
 from tokenloom.plugins.attention.triton_kernels import decode_fp8_mma as decode_fp8_mma_module
 from tokenloom.plugins.attention.triton_kernels.decode_fp8_mma import decode_fp8_mma, supports
+from tokenloom.plugins.attention.triton_settings import cuda_defaults
 
 # on a GPU these are GPU tests (the kernel runs there), so `pytest -m gpu` selects them
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []
@@ -109,6 +110,17 @@ def test_decode_fp8_mma_merges_splits_and_tail_tiles_like_the_reference(splits, 
         )  # fmt: skip
         assert torch.equal(ahead, out), (stages, maxnreg)
         assert int(counters.count_nonzero()) == 0
+    # one reduction a tile (session 38): the same maximum, lift and products, the sums
+    # per token to the end, so the output moves by the sums' rounding only
+    for meta_ahead in (False, True):
+        folded = torch.full_like(batch.q, float("nan"))
+        decode_fp8_mma(
+            batch.q, k_cache, v_cache, batch.meta.block_tables, batch.meta.seq_lens, folded,
+            part_out, part_lse, counters, batch.scale, splits, block_n=block_n,
+            num_stages=3, meta_ahead=meta_ahead, fold=True,
+        )  # fmt: skip
+        assert torch.allclose(folded.float(), out.float(), rtol=2e-3, atol=1e-5), meta_ahead
+        assert int(counters.count_nonzero()) == 0
 
 
 def test_pages_the_fp8_mma_kernel_does_not_take_go_to_the_f16_kernel(monkeypatch):
@@ -183,14 +195,14 @@ def test_stale_slots_past_a_request_s_end_never_reach_its_output():
     k_cache, v_cache = quantized_copy(batch, FP8, v_transposed=True)
     write_kv_cache(batch.k, batch.v, k_cache, v_cache, batch.meta.slot_mapping)
 
-    def run(meta_ahead=False):
+    def run(meta_ahead=False, fold=False):
         out = torch.empty_like(batch.q)
         part_out, part_lse = torch.zeros(2 * 4 * 2 * 32), torch.zeros(2 * 4 * 2)
         counters = torch.zeros(2 * 2, dtype=torch.int32)
         decode_fp8_mma(
             batch.q, k_cache, v_cache, batch.meta.block_tables, batch.meta.seq_lens, out,
             part_out.to(DEVICE), part_lse.to(DEVICE), counters.to(DEVICE), batch.scale, 2,
-            block_n=32, meta_ahead=meta_ahead,
+            block_n=32, meta_ahead=meta_ahead, fold=fold,
         )  # fmt: skip
         return out
 
@@ -203,6 +215,7 @@ def test_stale_slots_past_a_request_s_end_never_reach_its_output():
     assert torch.isnan(v_cache[block, 15].float()).all()
     assert torch.equal(run(), clean)
     assert torch.equal(run(meta_ahead=True), clean)  # its block numbers a tile ahead
+    assert torch.allclose(run(fold=True), clean, rtol=2e-3, atol=1e-5)  # one reduction
 
 
 def test_the_meta_ahead_setting_reaches_the_launcher(monkeypatch):
@@ -213,6 +226,18 @@ def test_the_meta_ahead_setting_reaches_the_launcher(monkeypatch):
         attn = TritonAttention(EngineConfig(), info, decode_fp8_mma=1, decode_fp8_meta_ahead=value)
         attn._decode_fp8_mma(num_stages=2, maxnreg=0, kv_asm=True, rope=None, prefetch=False)
     assert [kw["meta_ahead"] for kw in seen] == [False, True]
+
+
+def test_the_fold_setting_reaches_the_launcher(monkeypatch):
+    seen = []
+    monkeypatch.setattr(decode_fp8_mma_module, "decode_fp8_mma", lambda *a, **kw: seen.append(kw))
+    info = model_info(4, 2, 32, torch.float16, DEVICE)
+    for value in (None, 0, 1):
+        options = {} if value is None else {"decode_fp8_fold": value}
+        attn = TritonAttention(EngineConfig(), info, decode_fp8_mma=1, **options)
+        attn._decode_fp8_mma(num_stages=2, maxnreg=0, kv_asm=True, rope=None, prefetch=False)
+    default = bool(cuda_defaults(32)["decode_fp8_fold"]) if DEVICE == "cuda" else False
+    assert [kw["fold"] for kw in seen] == [default, False, True]
 
 
 def test_a_cache_view_with_unaligned_blocks_goes_to_the_f16_kernel():
