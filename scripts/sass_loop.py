@@ -254,8 +254,10 @@ def decode_preset(kv: str, values: list[int]) -> tuple[Any, dict, dict, list[str
         HALF=64,
         USE_PDL=True,
     )
-    if os.environ.get("PREFETCH"):  # session 20: the first tile read before the PDL wait
-        consts["PREFETCH"] = os.environ["PREFETCH"] == "1"
+    # session 20: the first tile read before the PDL wait. Every constexpr is passed, its
+    # defaults included: Triton 3.6 fails to compile a kernel whose defaulted constexpr is
+    # left out of ASTSource's (``'NoneType' object has no attribute '_unflatten_ir'``)
+    consts["PREFETCH"] = os.environ.get("PREFETCH") == "1"
     # VT=1: values stored transposed per page (an fp8 pool's layout since session 29)
     consts["V_T"] = os.environ.get("VT") == "1"
     consts["V_STRIDE_D"] = 16 if consts["V_T"] else 1

@@ -31,6 +31,8 @@
 #           kernel's tests on the GPU, a sweep with it at MMA_DECODE's and wider tiles, the
 #           workload with the sweep's best ($OUT/best38, else BEST38) against the default
 #   ba38    fp8 weights + fp8 KV bench latency / throughput, before / after (session 38)
+#   ncu38   ncu's stall reasons of the fp8-MMA decode, unfolded and folded (an H100: ncu reads
+#           no counters on the H200s' gVisor hosts)
 #   (since session 37 the fp8 defaults are MMA_DECODE's and FP8_PREFILL's: kern36's and
 #   wide36's "default" is then kern36's best, and pre37's before variants set 3 stages)
 #   ba35    fp8 weights + fp8 KV bench latency / throughput, before / after
@@ -181,9 +183,24 @@ for step in "$@"; do
       tail -n 1 "$OUT/gpu-tests-t38.log" ;;
     kern38)  # session 38: one cross-warp reduction a tile (offline at MMA_DECODE's tiles 9 ->
       # 5 barriers, 455 -> 406 instructions a tile; 128-token tiles over 8 warps 88
-      # registers, 70 KB at 2 stages). "" is MMA_DECODE
-      sweep 38 "" f=1 bn=64,st=3,ma=1,f=1 bn=128,st=2,w=8,f=1 bn=128,st=3,ma=1,w=8,f=1 \
-        bn=64,st=4,ma=1,r=128,f=1 ;;
+      # registers, 70 KB at 2 stages: 3 programs of 8 warps an SM; 64-token tiles at 2
+      # stages, 36 KB, with 80 / 96 registers: 6 / 5 programs, against MMA_DECODE's 4; the
+      # bf16 kernel, at 4.1 TB/s, holds 7). "" is MMA_DECODE
+      sweep 38 "" f=1 bn=64,st=2,ma=1,r=80,f=1 bn=64,st=2,ma=1,r=96,f=1 bn=128,st=2,w=8,f=1 \
+        bn=64,st=3,ma=1,f=1 bn=64,st=4,ma=1,r=128,f=1 bn=128,st=3,ma=1,w=8,f=1 ;;
+    ncu38)  # what the fp8-MMA decode's warps stall on, unfolded and folded (batch 512 x
+      # 1,500, MMA_DECODE's tiles; ncu reads counters on Firecracker hosts only: the H100s)
+      for f in 0 1; do
+        timeout 200 env PYTHONPATH=/tmp/after:/tmp/site ncu --clock-control none \
+          -k regex:_decode_fp8_mma_kernel -c 1 --section SpeedOfLight --section WarpStateStats \
+          --section Occupancy --section SchedulerStats --section LaunchStats \
+          --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+          python3 scripts/gpu/kvq_decode_bench.py --kv fp8 --contexts 1500 --batches 512 \
+          --setting decode_fp8_fold=$f > "$OUT/ncu38-f$f.log" 2>&1
+        echo "ncu38 f$f rc=$?"
+        grep -E "Duration|DRAM Throughput|Issued Warp|No Eligible|Achieved Occupancy|Registers Per|stalled_(barrier|long|wait|short|math|mio|lg|not_sel|gmma|dispatch|membar|no_inst)" \
+          "$OUT/ncu38-f$f.log" | sed "s/^/f$f /" | head -30
+      done ;;
     wide38)  # the issue's workload: the default against kern38's best (or BEST38)
       bench throughput fp8w38-default after fp8 "${WIDE[@]}"
       BEST=$(cat "$OUT/best38" 2>/dev/null || echo "${BEST38:-}")
