@@ -26,6 +26,7 @@ class TritonSettings(msgspec.Struct, forbid_unknown_fields=True):
     decode_fp8_mma: int | None = None
     decode_fp8_meta_ahead: int | None = None
     decode_fp8_fold: int | None = None
+    decode_fp8_table_prefetch: int | None = None
     prefill_block_m: int | None = None
     prefill_block_n: int | None = None
     prefill_num_warps: int | None = None
@@ -49,6 +50,7 @@ INTERPRETER_DEFAULTS = {
     "decode_fp8_mma": 0,
     "decode_fp8_meta_ahead": 0,
     "decode_fp8_fold": 0,
+    "decode_fp8_table_prefetch": 0,  # PTX: not in the interpreter
     "prefill_block_m": 16,
     "prefill_block_n": 16,
     "prefill_num_warps": 4,
@@ -91,6 +93,11 @@ def cuda_defaults(head_dim: int) -> dict[str, int]:
         # session 38): offline at MMA_DECODE's tiles 9 -> 5 barriers and 455 -> 406
         # instructions a tile. Not yet measured on a GPU
         "decode_fp8_fold": 0,
+        # with the block numbers ahead, an L1 prefetch of their line this many tiles ahead
+        # (session 38: ncu on an H100 put 17% of the kernel's stall samples on the load of
+        # the block numbers, which the pipeliner issues in the iteration that uses them).
+        # Not yet measured on a GPU
+        "decode_fp8_table_prefetch": 0,
         "prefill_block_m": 64,
         "prefill_block_n": 32 if big_head else 64,
         "prefill_num_warps": 4,

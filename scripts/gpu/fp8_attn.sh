@@ -75,7 +75,8 @@ kern() {  # kern TAG TREE [--setting K=V...]: the fp8 decode per layer (the tree
 }
 sweep() {  # sweep N CFG...: the fp8-MMA decode per layer at 128 and 512 rows for each
   # setting (bn tile, st stages, w warps, r register cap, ma block numbers a tile ahead,
-  # f one cross-warp reduction a tile; "" the defaults); $OUT/bestN
+  # f one cross-warp reduction a tile, tp the block numbers' prefetch distance; "" the
+  # defaults); $OUT/bestN
   # holds the fastest at 512 rows as plugin options (scripts/gpu/pick33.py), or nothing
   local n=$1 cfg kv tag S; shift
   for cfg in "$@"; do
@@ -88,6 +89,7 @@ sweep() {  # sweep N CFG...: the fp8-MMA decode per layer at 128 and 512 rows fo
         r) S+=(--setting decode_maxnreg=${kv#*=}) ;;
         ma) S+=(--setting decode_fp8_meta_ahead=${kv#*=}) ;;
         f) S+=(--setting decode_fp8_fold=${kv#*=}) ;;
+        tp) S+=(--setting decode_fp8_table_prefetch=${kv#*=}) ;;
       esac
     done
     timeout 120 env PYTHONPATH=/tmp/after:/tmp/site python3 scripts/gpu/kvq_decode_bench.py \
@@ -188,6 +190,9 @@ for step in "$@"; do
       # bf16 kernel, at 4.1 TB/s, holds 7). "" is MMA_DECODE
       sweep 38 "" f=1 bn=64,st=2,ma=1,r=80,f=1 bn=64,st=2,ma=1,r=96,f=1 bn=128,st=2,w=8,f=1 \
         bn=64,st=3,ma=1,f=1 bn=64,st=4,ma=1,r=128,f=1 bn=128,st=3,ma=1,w=8,f=1 ;;
+    kern38b)  # the block numbers' L1 prefetch (ncusrc38 on an H100: 17% of the folded kernel's
+      # stall samples wait for their load), with the fold
+      sweep 38b "" f=1 f=1,tp=3 f=1,tp=2 f=1,tp=6 ;;
     ncu38)  # what the fp8-MMA decode's warps stall on, unfolded and folded (batch 512 x
       # 1,500, MMA_DECODE's tiles; ncu reads counters on Firecracker hosts only: the H100s)
       for f in 0 1; do
@@ -201,9 +206,20 @@ for step in "$@"; do
         grep -E "Duration|DRAM Throughput|Issued Warp|No Eligible|Achieved Occupancy|Registers Per|stalled_(barrier|long|wait|short|math|mio|lg|not_sel|gmma|dispatch|membar|no_inst)" \
           "$OUT/ncu38-f$f.log" | sed "s/^/f$f /" | head -30
       done ;;
-    wide38)  # the issue's workload: the default against kern38's best (or BEST38)
+    ncusrc38)  # where in the folded kernel the warps stall: ncu's per-instruction samples
+      # (SourceCounters), printed as SASS with their counts ($OUT/a-ncusrc38.csv.gz;
+      # NCUSRC="--setting K=V ..." adds settings to the fold)
+      timeout 240 env PYTHONPATH=/tmp/after:/tmp/site ncu --clock-control none \
+        -k regex:_decode_fp8_mma_kernel -c 1 --section SourceCounters --section WarpStateStats \
+        -o /tmp/ncusrc38 -f python3 scripts/gpu/kvq_decode_bench.py --kv fp8 --contexts 1500 \
+        --batches 512 --setting decode_fp8_fold=1 ${NCUSRC:-} > "$OUT/ncusrc38.log" 2>&1
+      echo "ncusrc38 rc=$?"
+      ncu -i /tmp/ncusrc38.ncu-rep --page source --csv --print-source sass 2> "$OUT/a-ncusrc38.err" \
+        | gzip > "$OUT/a-ncusrc38.csv.gz"
+      echo "csv $(zcat "$OUT/a-ncusrc38.csv.gz" | wc -l) lines"; head -c 600 "$OUT/a-ncusrc38.err" ;;
+    wide38)  # the issue's workload: the default against kern38b's best (else kern38's, else BEST38)
       bench throughput fp8w38-default after fp8 "${WIDE[@]}"
-      BEST=$(cat "$OUT/best38" 2>/dev/null || echo "${BEST38:-}")
+      BEST=$(cat "$OUT/best38b" 2>/dev/null || cat "$OUT/best38" 2>/dev/null || echo "${BEST38:-}")
       [ -n "$BEST" ] && bench throughput fp8w38-best after fp8 "${WIDE[@]}" $BEST ;;
     ba38)  # before (.snap/before.tar) / after, fp8 weights + fp8 KV, the default workloads
       bench latency fp8-before before fp8 --kv-cache-dtype fp8
