@@ -46,7 +46,7 @@ def main() -> None:
             os.environ["MAXNREG"] = str(maxnreg)
         consts = dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=128, BLOCK_H=16,
                       BLOCK_N=block_n, PAGE_SIZE=16, HEADS_FIRST=True, USE_PDL=True,
-                      META_AHEAD=bool(ahead), FOLD=bool(fold), TABLE_PREFETCH=int(os.environ.get("TABLE_PREFETCH", 0)))  # fmt: skip
+                      META_AHEAD=bool(ahead), FOLD=bool(fold))  # fmt: skip
         sass, res, shared = compile_sm90(kernel, sig, consts, divisible, warps, stages)
         with open(ttgir) as f:
             ir = f.read()

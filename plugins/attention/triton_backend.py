@@ -19,7 +19,7 @@ Settings (``[plugin.triton]`` in the config, or keyword arguments), defaults in
 first KV tile read before the PDL wait up to this batch), ``decode_heads_first``
 (grid order), ``decode_maxnreg`` (register cap), ``decode_fp8_meta_ahead`` (the fp8-MMA
 decode's block numbers a tile ahead), ``decode_fp8_fold`` (its one cross-warp reduction a
-tile), ``decode_fp8_table_prefetch`` (its block numbers' L1 prefetch distance, in tiles), ``decode_fp8_mma`` (an fp8 cache's
+tile), ``decode_fp8_mma`` (an fp8 cache's
 decode with fp8 products over transposed value blocks, ``decode_fp8_mma.py``; on by
 default on a GPU, off under the interpreter), ``prefill_block_m``,
 ``prefill_block_n``, ``prefill_num_warps``, ``prefill_num_stages``, ``prefill_kv_f16`` (an
@@ -156,9 +156,6 @@ class TritonAttention(AttentionBackend):
             self.mma_decode_meta_ahead,
         ) = mma_decode_tiles(settings, defaults, measured, interpreted)
         self.mma_decode_fold = bool(defaults["decode_fp8_fold"])
-        self.mma_decode_table_prefetch = (
-            0 if interpreted else int(defaults["decode_fp8_table_prefetch"])
-        )
         self.quant_decode_num_stages = int(quant.get("decode_num_stages", self.decode_num_stages))
         self.quant_decode_maxnreg = int(quant.get("decode_maxnreg", self.decode_maxnreg))
         self.prefill_block_m = int(defaults["prefill_block_m"])
@@ -351,7 +348,6 @@ class TritonAttention(AttentionBackend):
             maxnreg=self.mma_decode_maxnreg,
             meta_ahead=self.mma_decode_meta_ahead,
             fold=self.mma_decode_fold,
-            table_prefetch=self.mma_decode_table_prefetch,
         )
         decode_fp8_mma.decode_fp8_mma(*args, **options)
 

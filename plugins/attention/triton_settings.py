@@ -26,7 +26,6 @@ class TritonSettings(msgspec.Struct, forbid_unknown_fields=True):
     decode_fp8_mma: int | None = None
     decode_fp8_meta_ahead: int | None = None
     decode_fp8_fold: int | None = None
-    decode_fp8_table_prefetch: int | None = None
     prefill_block_m: int | None = None
     prefill_block_n: int | None = None
     prefill_num_warps: int | None = None
@@ -50,7 +49,6 @@ INTERPRETER_DEFAULTS = {
     "decode_fp8_mma": 0,
     "decode_fp8_meta_ahead": 0,
     "decode_fp8_fold": 0,
-    "decode_fp8_table_prefetch": 0,  # PTX: not in the interpreter
     "prefill_block_m": 16,
     "prefill_block_n": 16,
     "prefill_num_warps": 4,
@@ -95,11 +93,6 @@ def cuda_defaults(head_dim: int) -> dict[str, int]:
         # (batch 128), 559.2 -> 523.3 us (512); the 600 x 1,000 / 1,000 workload 13,627 ->
         # 14,089 out tok/s
         "decode_fp8_fold": 1,
-        # with the block numbers ahead, an L1 prefetch of their line this many tiles ahead
-        # (session 38: ncu on an H100 put 17% of the kernel's stall samples on the load of
-        # the block numbers, which the pipeliner issues in the iteration that uses them).
-        # Not yet measured on a GPU
-        "decode_fp8_table_prefetch": 0,
         "prefill_block_m": 64,
         "prefill_block_n": 32 if big_head else 64,
         "prefill_num_warps": 4,

@@ -75,8 +75,7 @@ kern() {  # kern TAG TREE [--setting K=V...]: the fp8 decode per layer (the tree
 }
 sweep() {  # sweep N CFG...: the fp8-MMA decode per layer at 128 and 512 rows for each
   # setting (bn tile, st stages, w warps, r register cap, ma block numbers a tile ahead,
-  # f one cross-warp reduction a tile, tp the block numbers' prefetch distance; "" the
-  # defaults); $OUT/bestN
+  # f one cross-warp reduction a tile; "" the defaults); $OUT/bestN
   # holds the fastest at 512 rows as plugin options (scripts/gpu/pick33.py), or nothing
   local n=$1 cfg kv tag S; shift
   for cfg in "$@"; do
@@ -89,7 +88,6 @@ sweep() {  # sweep N CFG...: the fp8-MMA decode per layer at 128 and 512 rows fo
         r) S+=(--setting decode_maxnreg=${kv#*=}) ;;
         ma) S+=(--setting decode_fp8_meta_ahead=${kv#*=}) ;;
         f) S+=(--setting decode_fp8_fold=${kv#*=}) ;;
-        tp) S+=(--setting decode_fp8_table_prefetch=${kv#*=}) ;;
       esac
     done
     timeout 120 env PYTHONPATH=/tmp/after:/tmp/site python3 scripts/gpu/kvq_decode_bench.py \
@@ -190,9 +188,14 @@ for step in "$@"; do
       # bf16 kernel, at 4.1 TB/s, holds 7). "" is MMA_DECODE
       sweep 38 "" f=1 bn=64,st=2,ma=1,r=80,f=1 bn=64,st=2,ma=1,r=96,f=1 bn=128,st=2,w=8,f=1 \
         bn=64,st=3,ma=1,f=1 bn=64,st=4,ma=1,r=128,f=1 bn=128,st=3,ma=1,w=8,f=1 ;;
-    kern38b)  # the block numbers' L1 prefetch (ncusrc38 on an H100: 17% of the folded kernel's
-      # stall samples wait for their load), with the fold
-      sweep 38b "" f=1 f=1,tp=3 f=1,tp=2 f=1,tp=6 ;;
+    kern38b)  # the fold on the H200, and the block numbers' L1 prefetch (ncusrc38 on an H100:
+      # 17% of the folded kernel's stall samples wait for their load; the prefetch, an
+      # inline prefetch.global.L1 of their line 2, 3 or 6 tiles ahead, measured 0.7% slower
+      # and was removed: its tp=N settings no longer exist)
+      sweep 38b "" f=1 ;;
+    kern38c)  # with the fold on by default (""): its tiles again (no cap, 4 stages, 128 tokens,
+      # 2 stages at 96 registers)
+      sweep 38c "" bn=64,st=3,ma=1 bn=64,st=4,ma=1,r=128 bn=128,st=3,ma=1 bn=64,st=2,ma=1,r=96 ;;
     ncu38)  # what the fp8-MMA decode's warps stall on, unfolded and folded (batch 512 x
       # 1,500, MMA_DECODE's tiles; ncu reads counters on Firecracker hosts only: the H100s)
       for f in 0 1; do

@@ -16,7 +16,6 @@ NAMES = {
     "r": "decode_maxnreg",
     "ma": "decode_fp8_meta_ahead",
     "f": "decode_fp8_fold",
-    "tp": "decode_fp8_table_prefetch",
 }
 
 

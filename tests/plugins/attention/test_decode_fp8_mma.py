@@ -121,17 +121,6 @@ def test_decode_fp8_mma_merges_splits_and_tail_tiles_like_the_reference(splits, 
         )  # fmt: skip
         assert torch.allclose(folded.float(), out.float(), rtol=2e-3, atol=1e-5), meta_ahead
         assert int(counters.count_nonzero()) == 0
-        if DEVICE == "cuda" and meta_ahead:  # the block numbers' L1 prefetch (PTX): a hint,
-            # the same output bit for bit, at distances inside and past the slice's end
-            for distance in (1, 3, 64):
-                hinted = torch.full_like(batch.q, float("nan"))
-                decode_fp8_mma(
-                    batch.q, k_cache, v_cache, batch.meta.block_tables, batch.meta.seq_lens,
-                    hinted, part_out, part_lse, counters, batch.scale, splits,
-                    block_n=block_n, num_stages=3, meta_ahead=True, fold=True,
-                    table_prefetch=distance,
-                )  # fmt: skip
-                assert torch.equal(hinted, folded), distance
 
 
 def test_pages_the_fp8_mma_kernel_does_not_take_go_to_the_f16_kernel(monkeypatch):
@@ -249,16 +238,6 @@ def test_the_fold_setting_reaches_the_launcher(monkeypatch):
         attn._decode_fp8_mma(num_stages=2, maxnreg=0, kv_asm=True, rope=None, prefetch=False)
     default = bool(cuda_defaults(32)["decode_fp8_fold"]) if DEVICE == "cuda" else False
     assert [kw["fold"] for kw in seen] == [default, False, True]
-
-
-def test_the_table_prefetch_setting_reaches_the_launcher_on_a_gpu_only(monkeypatch):
-    seen = []
-    monkeypatch.setattr(decode_fp8_mma_module, "decode_fp8_mma", lambda *a, **kw: seen.append(kw))
-    info = model_info(4, 2, 32, torch.float16, DEVICE)
-    attn = TritonAttention(EngineConfig(), info, decode_fp8_mma=1, decode_fp8_table_prefetch=3)
-    attn._decode_fp8_mma(num_stages=2, maxnreg=0, kv_asm=True, rope=None, prefetch=False)
-    # PTX: the interpreter runs none, so the backend turns it off there
-    assert seen[0]["table_prefetch"] == (3 if DEVICE == "cuda" else 0)
 
 
 def test_a_cache_view_with_unaligned_blocks_goes_to_the_f16_kernel():
