@@ -196,6 +196,15 @@ for step in "$@"; do
     kern38c)  # with the fold on by default (""): its tiles again (no cap, 4 stages, 128 tokens,
       # 2 stages at 96 registers)
       sweep 38c "" bn=64,st=3,ma=1 bn=64,st=4,ma=1,r=128 bn=128,st=3,ma=1 bn=64,st=2,ma=1,r=96 ;;
+    kern38d)  # the fold's default against 5 stages without the block numbers ahead: offline
+      # the pipeliner then copies the block numbers into shared memory with the K/V tiles
+      # (4-byte cp.async, no load in the loop; ncusrc38's largest stall), 3 K/V buffers, 7
+      # copy groups in flight, 54.8 KB, 128 registers, 0 spills
+      sweep 38d "" bn=64,st=5,r=128 ;;
+    wide38d)  # the workload with kern38d's best first, then the default (device time was short)
+      BEST=$(cat "$OUT/best38d" 2>/dev/null)
+      [ -n "$BEST" ] && bench throughput fp8w38d-best after fp8 "${WIDE[@]}" $BEST
+      [ -n "$BEST" ] && bench throughput fp8w38d-default after fp8 "${WIDE[@]}" ;;
     ncu38)  # what the fp8-MMA decode's warps stall on, unfolded and folded (batch 512 x
       # 1,500, MMA_DECODE's tiles; ncu reads counters on Firecracker hosts only: the H100s)
       for f in 0 1; do
