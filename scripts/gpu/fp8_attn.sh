@@ -32,7 +32,9 @@
 #           workload with the sweep's best ($OUT/best38, else BEST38) against the default
 #   ba38    fp8 weights + fp8 KV bench latency / throughput, before / after (session 38)
 #   ncu38   ncu's stall reasons of the fp8-MMA decode, unfolded and folded (an H100: ncu reads
-#           no counters on the H200s' gVisor hosts)
+#           no counters on the H200s' gVisor hosts); ncusrc38 the same per SASS instruction
+#   kern38d / wide38d: 5 stages without the block numbers ahead (unrun), the workload with it
+#   ovl38   scripts/gpu/overlap_probe.py: does the decode attention overlap the fp8 GEMMs (unrun)
 #   (since session 37 the fp8 defaults are MMA_DECODE's and FP8_PREFILL's: kern36's and
 #   wide36's "default" is then kern36's best, and pre37's before variants set 3 stages)
 #   ba35    fp8 weights + fp8 KV bench latency / throughput, before / after
@@ -205,6 +207,11 @@ for step in "$@"; do
       BEST=$(cat "$OUT/best38d" 2>/dev/null)
       [ -n "$BEST" ] && bench throughput fp8w38d-best after fp8 "${WIDE[@]}" $BEST
       [ -n "$BEST" ] && bench throughput fp8w38d-default after fp8 "${WIDE[@]}" ;;
+    ovl38)  # whether the decode attention and the fp8 GEMMs overlap on one GPU (two streams,
+      # 300 rows each, the GEMMs' SM carveout swept; scripts/gpu/overlap_probe.py)
+      timeout 400 env PYTHONPATH=/tmp/after:/tmp/site python3 scripts/gpu/overlap_probe.py \
+        --json "$OUT/ovl38.json" > "$OUT/ovl38.log" 2>&1 || { echo "ovl38 failed"; tail -5 "$OUT/ovl38.log"; }
+      grep carveout "$OUT/ovl38.log" ;;
     ncu38)  # what the fp8-MMA decode's warps stall on, unfolded and folded (batch 512 x
       # 1,500, MMA_DECODE's tiles; ncu reads counters on Firecracker hosts only: the H100s)
       for f in 0 1; do

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 
 import torch
 import triton.testing
@@ -43,9 +44,11 @@ def info(device: str, dtype: torch.dtype = MODEL_DTYPE) -> ModelInfo:
     )  # fmt: skip
 
 
-def step(
+def build(
     batch: int, context: int, layers: int, kv: str, device: str, settings: dict[str, int]
-) -> dict[str, float]:
+) -> tuple[Callable[[], None], int, float]:
+    """One decode step's attention over ``layers`` layers' caches (at least enough to read
+    past L2), checked first against the torch path: (the step, its layers, its error)."""
     blocks_per_seq = -(-context // BLOCK)
     num_blocks = batch * blocks_per_seq + 1
     # enough layers that one replay reads more KV than L2 holds (in the model dtype)
@@ -99,6 +102,13 @@ def step(
         for k_cache, v_cache in caches:
             attn.forward(q, k, v, k_cache, v_cache, meta, scale)
 
+    return run, layers, error
+
+
+def step(
+    batch: int, context: int, layers: int, kv: str, device: str, settings: dict[str, int]
+) -> dict[str, float]:
+    run, layers, error = build(batch, context, layers, kv, device, settings)
     graph = torch.cuda.CUDAGraph()
     run()
     torch.cuda.synchronize()

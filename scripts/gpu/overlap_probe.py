@@ -1,0 +1,138 @@
+"""Issue 12: can the fp8 decode attention run beside the fp8 GEMMs on one GPU? (session 38;
+written, not yet run on a GPU)
+
+At every kernel's floor, with nothing overlapped, the 600 x 1,000 / 1,000 workload (fp8
+weights + fp8 KV) would give about 21.9k out tok/s (session 34); measured 14.1k (session 38),
+with the decode attention at 71% of its KV floor and the GEMMs at 73% of theirs. 19k needs
+the two to overlap: the attention is bound by memory, the GEMMs at 600 rows by the tensor
+cores, so two micro-batches (the attention of one beside the GEMMs of the other) could hide
+much of the shorter. Whether the hardware overlaps them depends on both kernels finding SMs:
+the cuBLAS fp8 GEMMs are persistent (one block an SM, most of its shared memory), and the
+decode's programs fill every SM they can. PyTorch's experimental SM carveout
+(``torch._C._set_sm_carveout_experimental(n)``: cuBLASLt's SM_COUNT_TARGET, SM count minus
+n) makes the GEMMs leave n SMs to the attention.
+
+For half the workload's decode batch (300 requests x 1,500 tokens; ``--rows``,
+``--context``), over 32 layers (``--layers``), CUDA-graph replay medians:
+
+- ``attention``: the fp8-MMA decode attention (the engine's backend and defaults), one
+  layer's cache after another (``kvq_decode_bench.build``, checked against the torch path);
+- ``gemms``: each layer's four fp8 GEMMs at Llama-3-8B shapes (q/k/v, o, gate/up, down; the
+  engine's ``Fp8Kernel``: per-token activation quantization, then ``torch._scaled_mm``),
+  each layer its own weights (7 GB: no L2 reuse);
+- ``sequential``: both on one stream;
+- ``concurrent``: the attention on one stream beside the GEMMs on another, one graph;
+
+for each carveout in ``--carveouts`` (0: none). The overlap is (attention + gemms -
+concurrent) / min(attention, gemms): 0 nothing hidden, 1 the shorter hidden entirely. The
+two streams here share nothing (a real micro-batch schedule chains each layer's kernels),
+so this is what the hardware allows, not yet what a schedule would get.
+
+    python scripts/gpu/overlap_probe.py [--rows 300] [--context 1500] [--carveouts 0,16,32,48,66]
+
+Prints a table and writes JSON to $OUT/overlap_probe.json (or --json PATH).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+import triton.testing
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kvq_decode_bench import build  # noqa: E402
+
+from tokenloom.plugins.quant.fp8 import Fp8Kernel  # noqa: E402
+
+HIDDEN, INTERMEDIATE, QKV = 4096, 14336, 6144  # Llama-3-8B: 32 + 2 x 8 heads of 128
+SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
+
+
+def gemms(rows: int, layers: int) -> Callable[[], None]:
+    """Each layer's four fp8 GEMMs at ``rows`` rows, random weights, fixed inputs."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    kernels = []
+    for _ in range(layers):
+        for n, k in SHAPES:
+            w = torch.randn(n, k, generator=gen, device="cuda") / k**0.5
+            scales = w.abs().amax(1, keepdim=True).float() / 448.0
+            kernels.append(Fp8Kernel((w / scales).to(torch.float8_e4m3fn), scales))
+            del w
+    inputs = {k: torch.randn(rows, k, generator=gen, device="cuda").bfloat16() for _, k in SHAPES}
+
+    def run() -> None:
+        for kernel in kernels:
+            kernel.apply(inputs[kernel.weight.shape[1]], None)
+
+    return run
+
+
+def timed(body: Callable[[], None]) -> float:
+    """Median ms of a CUDA-graph replay of ``body`` (captured after one eager warm-up)."""
+    body()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    return float(triton.testing.do_bench(graph.replay, warmup=10, rep=100))
+
+
+def concurrent(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    """``first`` on the current stream beside ``second`` on a side stream (fork and join,
+    as a CUDA graph captures them)."""
+    side = torch.cuda.Stream()
+
+    def run() -> None:
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            second()
+        first()
+        main.wait_stream(side)
+
+    return run
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", type=int, default=300)
+    parser.add_argument("--context", type=int, default=1500)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--carveouts", default="0,16,32,48,66")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    attention, layers, error = build(args.rows, args.context, args.layers, "fp8", "cuda", {})
+    mlp = gemms(args.rows, layers)
+    rows = []
+    for carveout in (int(c) for c in args.carveouts.split(",")):
+        torch._C._set_sm_carveout_experimental(carveout or None)
+        a, g = timed(attention), timed(mlp)
+        seq = timed(lambda: (attention(), mlp()))
+        par = timed(concurrent(attention, mlp))
+        overlap = (a + g - par) / min(a, g)
+        rows.append({"carveout": carveout, "attention_ms": a, "gemms_ms": g,
+                     "sequential_ms": seq, "concurrent_ms": par, "overlap": overlap})  # fmt: skip
+        print(
+            f"carveout {carveout:3d}: attention {a:7.3f} ms  gemms {g:7.3f} ms  sequential "
+            f"{seq:7.3f} ms  concurrent {par:7.3f} ms  overlap {overlap:5.2f}",
+            flush=True,
+        )
+    torch._C._set_sm_carveout_experimental(None)
+    path = args.json or (
+        os.path.join(os.environ["OUT"], "overlap_probe.json") if "OUT" in os.environ else None
+    )
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows_per_half": args.rows,
+                       "context": args.context, "layers": layers,
+                       "attention_rel_error_vs_torch": error, "rows": rows}, f, indent=2)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
