@@ -18,13 +18,12 @@ Settings (``[plugin.triton]`` in the config, or keyword arguments), defaults in
 (rope inside the decode kernel from this batch up), ``decode_prefetch_max_batch`` (the
 first KV tile read before the PDL wait up to this batch), ``decode_heads_first``
 (grid order), ``decode_maxnreg`` (register cap), ``decode_fp8_meta_ahead`` (the fp8-MMA
-decode's block numbers a tile ahead), ``decode_fp8_fold`` (its one cross-warp reduction a
-tile), ``decode_fp8_mma`` (an fp8 cache's
+decode's block numbers a tile ahead), ``decode_fp8_fold`` (its one cross-warp reduction
+a tile; on by default where ``MMA_DECODE`` applies), ``decode_fp8_mma`` (an fp8 cache's
 decode with fp8 products over transposed value blocks, ``decode_fp8_mma.py``; on by
-default on a GPU, off under the interpreter), ``prefill_block_m``,
-``prefill_block_n``, ``prefill_num_warps``, ``prefill_num_stages``, ``prefill_kv_f16`` (an
-fp8 cache's prefill products in f16 for 16-bit queries). An 8-bit cache's
-decode takes ``QUANT_DECODE`` for the stages and register cap unless they are set (the
+default on a GPU, off under the interpreter), ``prefill_block_m``, ``prefill_block_n``,
+``prefill_num_warps``, ``prefill_num_stages``, ``prefill_kv_f16`` (an fp8 cache's
+prefill products in f16 for 16-bit queries). An 8-bit cache's decode takes ``QUANT_DECODE`` for the stages and register cap unless they are set (the
 fp8-MMA decode ``MMA_DECODE``'s tile, stages and cap), and an fp8 cache's prefill
 ``FP8_PREFILL``'s tiles unless a prefill tile key is set.
 Without a GPU the kernels run under ``TRITON_INTERPRET=1`` with small tiles.
@@ -155,7 +154,9 @@ class TritonAttention(AttentionBackend):
             self.mma_decode_maxnreg,
             self.mma_decode_meta_ahead,
         ) = mma_decode_tiles(settings, defaults, measured, interpreted)
-        self.mma_decode_fold = bool(defaults["decode_fp8_fold"])
+        # the fold where it was measured (as MMA_DECODE), or wherever the user asks for it
+        fold_measured = measured or "decode_fp8_fold" in settings
+        self.mma_decode_fold = bool(defaults["decode_fp8_fold"]) and fold_measured
         self.quant_decode_num_stages = int(quant.get("decode_num_stages", self.decode_num_stages))
         self.quant_decode_maxnreg = int(quant.get("decode_maxnreg", self.decode_maxnreg))
         self.prefill_block_m = int(defaults["prefill_block_m"])

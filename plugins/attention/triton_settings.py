@@ -91,7 +91,8 @@ def cuda_defaults(head_dim: int) -> dict[str, int]:
         # session 38): offline at MMA_DECODE's tiles 9 -> 5 barriers and 455 -> 406
         # instructions a tile; one H200, per layer at 1,500 tokens 150.6 -> 144.4 us
         # (batch 128), 559.2 -> 523.3 us (512); the 600 x 1,000 / 1,000 workload 13,627 ->
-        # 14,089 out tok/s
+        # 14,089 out tok/s. The backend applies it where MMA_DECODE was measured (head_dim
+        # <= 128, 16-bit queries) unless the setting is given
         "decode_fp8_fold": 1,
         "prefill_block_m": 64,
         "prefill_block_n": 32 if big_head else 64,

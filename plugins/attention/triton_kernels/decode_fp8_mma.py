@@ -22,12 +22,13 @@ and the heads, padded to 16, are N:
   the tile's product and sum.
 - Whole tiles are read without masks (every token of a tile below the slice's end has a
   block and a written value); the slice's last, partial tile is read masked.
-- ``FOLD`` (the CUDA default since session 38): the tile's tokens are the MMA's M, spread
-  over the 4 warps, so each reduction over them crosses warps (shared memory and two
-  barriers). Of the three a tile (the scores' maximum, the sums, the values' largest
-  scale) one is left: the values' scale rides in a padding head's column of the maximum,
-  and the sums stay per token until the slice's end. 9 -> 5 barriers a tile; on the H200
-  523 against 559 us a layer at 512 x 1,500 tokens.
+- ``FOLD`` (the backend's CUDA default since session 38; the launcher's ``fold``): the
+  tile's tokens are the MMA's M, spread over the program's warps, so each reduction over
+  them crosses warps (shared memory and two barriers). A tile had three: the scores'
+  maximum, the sums, and the values' largest scale. The fold keeps only the first. The
+  values' scale rides in a padding head's column of the maximum (so it needs fewer query
+  heads per KV head than ``BLOCK_H``), and the sums stay per token until the last tile.
+  9 -> 5 barriers a tile; on the H200 523 against 559 us a layer at 512 x 1,500 tokens.
 
 The rounding of q and P to e4m3 costs about 0.07 points of perplexity on the built-in
 model against the same arithmetic without it (``scripts/emu_fp8_mma``, session 28). The
@@ -120,9 +121,9 @@ def _tile_at(
     if FOLD:
         # One reduction across the warps a tile, not three (each costs two barriers: the
         # tile's tokens are the MMA's M, spread over the warps): the values' largest scale
-        # rides in the first padding head's column of the scores' maximum (a padding
-        # head's scores and sums are finite and never written), and the sums stay per
-        # token ([N, H], ``l_i``) until the slice's end (``_sums``).
+        # rides in the first padding head's column of the scores' maximum (that column's
+        # results are never written: finish_split masks padding heads), and the sums stay
+        # per token ([N, H], ``l_i``) until the kernel sums them after its last tile.
         pad = tl.arange(0, BLOCK_H) == GROUP
         tile_max = tl.max(tl.where(pad[None, :], v_scale[:, None], st), 0)  # [H]
         v_max = tl.max(tl.where(pad, tile_max, 0.0), 0)  # within a warp
@@ -165,6 +166,7 @@ def _decode_fp8_mma_kernel(
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    tl.static_assert(not FOLD or GROUP < BLOCK_H, "FOLD needs a padding head's column")
     offs_d = tl.arange(0, HEAD_DIM)
     offs_h = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + offs_h
@@ -285,7 +287,10 @@ def decode_fp8_mma(
     below ``MIN_K`` is raised to it). ``meta_ahead`` loads each tile's block numbers a
     tile ahead, so that Triton's pipeliner needs no stage of its own for them (session
     35: without it the K/V copies overlap the products only from 5 stages; with it from
-    3), for tiles of whole pages. No host sync; CUDA-graph capturable."""
+    3), for tiles of whole pages. ``fold`` keeps one reduction across the warps a tile
+    instead of three (``FOLD`` above; the backend turns it on, this launcher leaves it off
+    unless asked, and off where the query heads of a KV head fill ``BLOCK_H``). No host
+    sync; CUDA-graph capturable."""
     assert supports(q, k_cache, v_cache), "an fp8 cache from kv_quant.allocate (V transposed)"
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]

@@ -185,6 +185,56 @@ def _sampled(completion):
     return [logprobs[token] for logprobs, token in pairs]
 
 
+@pytest.mark.parametrize("group", [1, 3, 8, 15, 16])
+def test_the_fold_follows_the_unfolded_kernel_at_every_group_size(group, monkeypatch):
+    # group 16 fills the MMA's 16 columns: no padding head to carry the values' scale, so
+    # the launcher must leave the fold off there (with it, the lift would be 448 / 0)
+    batch = make_batch(
+        [1] * 3, [16, 77, 150], num_heads=group, num_kv_heads=1, dtype=torch.float16,
+        device=DEVICE, seed=group,
+    )  # fmt: skip
+    k_cache, v_cache = quantized_copy(batch, FP8, v_transposed=True)
+    # value rows of very different sizes: the lift follows the tile's largest scale
+    scales = kv_quant.scales_of(v_cache)
+    scales.mul_(torch.logspace(-2, 2, scales.numel(), device=scales.device).view_as(scales))
+    write_kv_cache(batch.k, batch.v, k_cache, v_cache, batch.meta.slot_mapping)
+    launched = []
+    kernel = decode_fp8_mma_module._decode_fp8_mma_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(kwargs["FOLD"])
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(decode_fp8_mma_module, "_decode_fp8_mma_kernel", Spy())
+
+    def run(fold):
+        out = torch.full_like(batch.q, float("nan"))
+        part_out = torch.zeros(3 * group * 2 * 32, device=DEVICE)
+        part_lse = torch.zeros(3 * group * 2, device=DEVICE)
+        counters = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+        decode_fp8_mma(
+            batch.q, k_cache, v_cache, batch.meta.block_tables, batch.meta.seq_lens, out,
+            part_out, part_lse, counters, batch.scale, 2, block_n=64, fold=fold,
+        )  # fmt: skip
+        return out
+
+    plain, folded = run(False), run(True)
+    assert launched == [False, group < 16]
+    assert torch.isfinite(folded).all()
+    assert torch.allclose(folded.float(), plain.float(), rtol=2e-3, atol=1e-5)
+    info = model_info(group, 1, 32, torch.float16, DEVICE)  # over the same cache
+    ref = TorchAttention(EngineConfig(), info).forward(
+        batch.q, batch.k, batch.v, k_cache, v_cache, batch.meta, batch.scale
+    )
+    ref = ref.double().cpu()
+    for row in range(3):
+        assert relative_error(folded[row : row + 1], ref[row : row + 1]) < ROW_BOUND, row
+
+
 def test_stale_slots_past_a_request_s_end_never_reach_its_output():
     """The last page's slots past a request's length hold whatever their block held
     before (here NaN bytes and NaN scales); the partial tile zeroes them (0 * NaN is NaN
