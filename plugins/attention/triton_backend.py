@@ -23,9 +23,10 @@ a tile; on by default where ``MMA_DECODE`` applies), ``decode_fp8_mma`` (an fp8 
 decode with fp8 products over transposed value blocks, ``decode_fp8_mma.py``; on by
 default on a GPU, off under the interpreter), ``prefill_block_m``, ``prefill_block_n``,
 ``prefill_num_warps``, ``prefill_num_stages``, ``prefill_kv_f16`` (an fp8 cache's
-prefill products in f16 for 16-bit queries). An 8-bit cache's decode takes ``QUANT_DECODE`` for the stages and register cap unless they are set (the
-fp8-MMA decode ``MMA_DECODE``'s tile, stages and cap), and an fp8 cache's prefill
-``FP8_PREFILL``'s tiles unless a prefill tile key is set.
+prefill products in f16 for 16-bit queries). An 8-bit cache's decode takes
+``QUANT_DECODE`` for the stages and register cap unless they are set (the fp8-MMA decode
+``MMA_DECODE``'s tile, stages and cap), and an fp8 cache's prefill ``FP8_PREFILL``'s
+tiles unless a prefill tile key is set.
 Without a GPU the kernels run under ``TRITON_INTERPRET=1`` with small tiles.
 """
 
