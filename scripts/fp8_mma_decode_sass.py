@@ -65,8 +65,8 @@ def main() -> None:
         # pipeliner issues them in the iteration that uses them (session 38's ncu samples)
         ldg = sum(n for op, n in ops.items() if op.startswith("LDG."))
         print(f"BLOCK_N {block_n}, {warps} warps, {stages} stages, META_AHEAD {ahead}, "
-              f"MAXNREG {maxnreg or '-'}, FOLD {fold}: {per_byte:.2f} per KV byte, {bars} barriers, "
-              f"{ldg} global loads, {regs} registers, "
+              f"MAXNREG {maxnreg or '-'}, FOLD {fold}: {per_byte:.2f} per KV byte, "
+              f"{bars} barriers, {ldg} global loads, {regs} registers, "
               f"{spills} spill instructions, {shared} B shared, {mma}; K/V buffers "
               f"{'/'.join(buffers)}, copy groups in flight at the loop's wait "
               f"{in_flight.group(1) if in_flight else '-'}")  # fmt: skip
