@@ -23,7 +23,9 @@ a tile; on by default where ``MMA_DECODE`` applies), ``decode_fp8_mma`` (an fp8 
 decode with fp8 products over transposed value blocks, ``decode_fp8_mma.py``; on by
 default on a GPU, off under the interpreter), ``prefill_block_m``, ``prefill_block_n``,
 ``prefill_num_warps``, ``prefill_num_stages``, ``prefill_kv_f16`` (an fp8 cache's
-prefill products in f16 for 16-bit queries). An 8-bit cache's decode takes
+prefill products in f16 for 16-bit queries), ``prefill_fresh_16bit`` (with an 8-bit
+cache, the prefill of requests with no cached prefix over their own 16-bit keys and
+values; off until measured). An 8-bit cache's decode takes
 ``QUANT_DECODE`` for the stages and register cap unless they are set (the fp8-MMA decode
 ``MMA_DECODE``'s tile, stages and cap), and an fp8 cache's prefill ``FP8_PREFILL``'s
 tiles unless a prefill tile key is set.
@@ -165,6 +167,7 @@ class TritonAttention(AttentionBackend):
         self.prefill_num_warps = int(defaults["prefill_num_warps"])
         self.prefill_num_stages = int(defaults["prefill_num_stages"])
         self.prefill_kv_f16 = bool(defaults["prefill_kv_f16"])
+        self.prefill_fresh_16bit = bool(defaults["prefill_fresh_16bit"])
         # the prefill's tiles by whether the cache is fp8 (FP8_PREFILL where measured);
         # read here once: the prefill_* attributes set later change nothing
         self.prefill_tiles = prefill_tiles(settings, defaults, measured)
@@ -253,8 +256,23 @@ class TritonAttention(AttentionBackend):
                     break
                 num_decodes += 1
             meta.extra["num_leading_decodes"] = num_decodes
+            if self.prefill_fresh_16bit:
+                self._find_fresh(meta, num_decodes)
         if num_decodes:
             self._decode_scratch(num_decodes)
+
+    @staticmethod
+    def _find_fresh(meta: AttentionMetadata, num_decodes: int) -> None:
+        """The requests at the batch's end whose whole context is this step's tokens (no
+        cached prefix), after the leading decodes: ``meta.extra["fresh_from"]`` (the first
+        of them) and ``["fresh_max_len"]``, where there is one."""
+        q_lens, seq_lens = meta.query_lens_cpu, meta.seq_lens_cpu
+        first = len(q_lens)
+        while first > num_decodes and 0 < q_lens[first - 1] == seq_lens[first - 1]:
+            first -= 1
+        if first < len(q_lens):
+            meta.extra["fresh_from"] = first
+            meta.extra["fresh_max_len"] = max(q_lens[first:])
 
     def forward(
         self,
@@ -317,25 +335,51 @@ class TritonAttention(AttentionBackend):
                 rope=decode_rope,
                 prefetch=self._prefetch(num_decodes, quantized, decode_rope),
             )
-        if num_decodes < num_seqs:
-            tiles = self.prefill_tiles[k_cache.dtype == torch.float8_e4m3fn]
-            prefill_attention(
-                q,
-                k_cache,
-                v_cache,
-                meta.block_tables,
-                meta.seq_lens,
-                meta.query_start_loc,
-                out,
-                scale,
-                block_m=tiles["prefill_block_m"],
-                block_n=tiles["prefill_block_n"],
-                num_warps=tiles["prefill_num_warps"],
-                num_stages=tiles["prefill_num_stages"],
-                kv_f16=self.prefill_kv_f16,
-                first_seq=num_decodes,
-            )
+        fresh = num_seqs
+        if kv_quant.is_quantized(k_cache.dtype) and not meta.decode_only:
+            fresh = int(meta.extra.get("fresh_from", num_seqs))
+        if num_decodes < fresh:  # over the cache
+            end = None if fresh == num_seqs else fresh  # the fresh requests' tiles exit
+            self._prefill(
+                q, k_cache, v_cache, meta.block_tables[:end], meta.seq_lens[:end],
+                meta.query_start_loc[: None if end is None else end + 1], out, scale,
+                num_decodes,
+            )  # fmt: skip
+        if fresh < num_seqs:
+            # requests with no cached prefix: their own 16-bit keys and values (rotated
+            # above), read as a cache of one-token pages through a table of their rows
+            rows = torch.arange(int(meta.extra["fresh_max_len"]), device=q.device)
+            table = (meta.query_start_loc[:-1, None] + rows[None, :].int()).int()
+            self._prefill(
+                q, k.unsqueeze(1), v.unsqueeze(1), table, meta.seq_lens,
+                meta.query_start_loc, out, scale, fresh,
+            )  # fmt: skip
         return out
+
+    def _prefill(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+        out: torch.Tensor, scale: float, first_seq: int,
+    ) -> None:  # fmt: skip
+        """``prefill_attention`` for requests ``first_seq:`` of these tables, with the
+        cache dtype's tiles."""
+        tiles = self.prefill_tiles[k_cache.dtype == torch.float8_e4m3fn]
+        prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            out,
+            scale,
+            block_m=tiles["prefill_block_m"],
+            block_n=tiles["prefill_block_n"],
+            num_warps=tiles["prefill_num_warps"],
+            num_stages=tiles["prefill_num_stages"],
+            kv_f16=self.prefill_kv_f16,
+            first_seq=first_seq,
+        )
 
     def _decode_fp8_mma(self, *args: Any, **options: Any) -> None:
         """``decode_fp8_mma`` with ``decode_attention``'s arguments (the f16 kernel's

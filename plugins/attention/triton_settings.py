@@ -31,6 +31,7 @@ class TritonSettings(msgspec.Struct, forbid_unknown_fields=True):
     prefill_num_warps: int | None = None
     prefill_num_stages: int | None = None
     prefill_kv_f16: int | None = None
+    prefill_fresh_16bit: int | None = None
 
 
 # Tiny tiles: the interpreter runs each program in Python.
@@ -54,6 +55,7 @@ INTERPRETER_DEFAULTS = {
     "prefill_num_warps": 4,
     "prefill_num_stages": 1,
     "prefill_kv_f16": 1,
+    "prefill_fresh_16bit": 0,
 }
 
 
@@ -103,6 +105,10 @@ def cuda_defaults(head_dim: int) -> dict[str, int]:
         # 717 us a layer (-1.4%) at the default tiles. Not int8 (offline, its f16
         # conversion takes more instructions than Triton's bf16 one, and spills)
         "prefill_kv_f16": 1,
+        # with an 8-bit cache, requests with no cached prefix attend over their own 16-bit
+        # keys and values in the prefill (the bf16 tile ran at twice the fp8 tile's rate,
+        # session 37), as vLLM's prefill does; written in session 38, not yet measured
+        "prefill_fresh_16bit": 0,
     }
 
 
