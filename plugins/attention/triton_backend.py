@@ -24,8 +24,8 @@ decode with fp8 products over transposed value blocks, ``decode_fp8_mma.py``; on
 default on a GPU, off under the interpreter), ``prefill_block_m``, ``prefill_block_n``,
 ``prefill_num_warps``, ``prefill_num_stages``, ``prefill_kv_f16`` (an fp8 cache's
 prefill products in f16 for 16-bit queries), ``prefill_fresh_16bit`` (with an 8-bit
-cache, the prefill of requests with no cached prefix over their own 16-bit keys and
-values; off until measured). An 8-bit cache's decode takes
+cache, the prefill of the requests at a batch's end that have no cached prefix, over
+their own 16-bit keys and values; off until measured). An 8-bit cache's decode takes
 ``QUANT_DECODE`` for the stages and register cap unless they are set (the fp8-MMA decode
 ``MMA_DECODE``'s tile, stages and cap), and an fp8 cache's prefill ``FP8_PREFILL``'s
 tiles unless a prefill tile key is set.
@@ -267,6 +267,8 @@ class TritonAttention(AttentionBackend):
         cached prefix), after the leading decodes: ``meta.extra["fresh_from"]`` (the first
         of them) and ``["fresh_max_len"]``, where there is one."""
         q_lens, seq_lens = meta.query_lens_cpu, meta.seq_lens_cpu
+        if len(seq_lens) != len(q_lens):  # a capture's static metadata (verify graphs)
+            return
         first = len(q_lens)
         while first > num_decodes and 0 < q_lens[first - 1] == seq_lens[first - 1]:
             first -= 1
@@ -350,6 +352,8 @@ class TritonAttention(AttentionBackend):
             # above), read as a cache of one-token pages through a table of their rows
             rows = torch.arange(int(meta.extra["fresh_max_len"]), device=q.device)
             table = (meta.query_start_loc[:-1, None] + rows[None, :].int()).int()
+            if k.stride() != v.stride():  # the kernel reads both with the keys' strides
+                k, v = k.contiguous(), v.contiguous()
             self._prefill(
                 q, k.unsqueeze(1), v.unsqueeze(1), table, meta.seq_lens,
                 meta.query_start_loc, out, scale, fresh,

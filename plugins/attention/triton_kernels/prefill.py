@@ -2,7 +2,9 @@
 
 Runs after the KV write, so every key of every request (cached prefix and new
 tokens alike) is read from the paged cache through the block table, with a causal
-mask aligned to the end of the sequence. Grid ``(num_heads, T // BLOCK_M + B)``: the
+mask aligned to the end of the sequence. (The backend's ``prefill_fresh_16bit`` also
+passes the step's own 16-bit keys and values as a "cache" of one-token pages, with a
+table of each request's rows, for requests with no cached prefix.) Grid ``(num_heads, T // BLOCK_M + B)``: the
 second axis is an upper bound on the query tiles of the whole batch; request ``b``
 owns tiles ``(query_start_loc[b] - query_start_loc[0]) // BLOCK_M + b`` onwards (always
 enough of them), and each program finds its request by binary search over
@@ -264,10 +266,11 @@ def prefill_attention(
     first_seq: int = 0,
     kv_f16: bool = True,
 ) -> None:
-    """Launch the prefill kernel for requests ``first_seq:`` of the batch; the
-    requests before them must have one query token each (so their queries are rows
-    ``:first_seq`` of ``q``). No host sync: the grid comes from shapes and
-    ``first_seq`` only. ``kv_f16``: an fp8 cache's products in f16 where the queries are
+    """Launch the prefill kernel for requests ``first_seq:`` of these tables (their
+    rows of ``q`` from ``query_start_loc``). The grid counts ``q``'s rows from
+    ``first_seq`` on, exact when the requests before them have one query token each;
+    where they have more, or rows of ``q`` follow the last request, the surplus tiles
+    exit at once. No host sync: the grid comes from shapes and ``first_seq`` only. ``kv_f16``: an fp8 cache's products in f16 where the queries are
     16-bit (else in the queries' dtype)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_tokens = q.shape[0] - first_seq

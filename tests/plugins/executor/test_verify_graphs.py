@@ -180,3 +180,28 @@ def test_static_verify_batches_give_the_eager_and_plain_greedy_tokens(
     static, replays = _generate(model, True, own_k, **spec)
     assert static == plain
     assert replays[2] >= 3 and replays[3] == 0
+
+
+def test_the_fresh_prefill_option_runs_with_static_verify_batches(
+    tiny_model_factory, tmp_path
+) -> None:
+    # prefill_fresh_16bit (an 8-bit cache's fresh prompts over their own 16-bit keys and
+    # values): the verify graphs prepare static metadata with no host sequence lengths,
+    # and with drafts the greedy tokens stay those of the same option without them
+    model = tiny_model_factory("llama")
+    option = {"triton": {"prefill_fresh_16bit": 1}}
+    plain, _ = _generate(model, False, kv_cache_dtype="int8", plugin=option)
+    recorded = tmp_path / "plain.jsonl"
+    recorded.write_text(
+        "".join(
+            json.dumps({"prompt": p, "output": plain[f"r{i}"]}) + "\n"
+            for i, p in enumerate(PROMPTS)
+        )
+    )
+    replay = {"replay": {"acceptance": 0.6, "path": str(recorded)}}
+    static, replays = _generate(
+        model, True, kv_cache_dtype="int8", proposer="replay", num_speculative_tokens=2,
+        plugin={**option, **replay},
+    )  # fmt: skip
+    assert static == plain
+    assert replays[3] >= 3
