@@ -42,7 +42,7 @@ import msgspec
 import torch
 
 from tokenloom.config import EngineConfig, plugin_settings
-from tokenloom.plugins.attention import kv_quant
+from tokenloom.plugins.attention import fresh_prefill, kv_quant
 from tokenloom.plugins.attention.triton_kernels import decode_fp8_mma
 from tokenloom.plugins.attention.triton_kernels.decode import decode_attention
 from tokenloom.plugins.attention.triton_kernels.decode_rope import DecodeRope
@@ -257,24 +257,9 @@ class TritonAttention(AttentionBackend):
                 num_decodes += 1
             meta.extra["num_leading_decodes"] = num_decodes
             if self.prefill_fresh_16bit:
-                self._find_fresh(meta, num_decodes)
+                fresh_prefill.find_fresh(meta, num_decodes)
         if num_decodes:
             self._decode_scratch(num_decodes)
-
-    @staticmethod
-    def _find_fresh(meta: AttentionMetadata, num_decodes: int) -> None:
-        """The requests at the batch's end whose whole context is this step's tokens (no
-        cached prefix), after the leading decodes: ``meta.extra["fresh_from"]`` (the first
-        of them) and ``["fresh_max_len"]``, where there is one."""
-        q_lens, seq_lens = meta.query_lens_cpu, meta.seq_lens_cpu
-        if len(seq_lens) != len(q_lens):  # a capture's static metadata (verify graphs)
-            return
-        first = len(q_lens)
-        while first > num_decodes and 0 < q_lens[first - 1] == seq_lens[first - 1]:
-            first -= 1
-        if first < len(q_lens):
-            meta.extra["fresh_from"] = first
-            meta.extra["fresh_max_len"] = max(q_lens[first:])
 
     def forward(
         self,
@@ -350,13 +335,10 @@ class TritonAttention(AttentionBackend):
         if fresh < num_seqs:
             # requests with no cached prefix: their own 16-bit keys and values (rotated
             # above), read as a cache of one-token pages through a table of their rows
-            rows = torch.arange(int(meta.extra["fresh_max_len"]), device=q.device)
-            table = (meta.query_start_loc[:-1, None] + rows[None, :].int()).int()
-            if k.stride() != v.stride():  # the kernel reads both with the keys' strides
-                k, v = k.contiguous(), v.contiguous()
+            k_pages, v_pages, table = fresh_prefill.page_view(k, v, meta)
             self._prefill(
-                q, k.unsqueeze(1), v.unsqueeze(1), table, meta.seq_lens,
-                meta.query_start_loc, out, scale, fresh,
+                q, k_pages, v_pages, table, meta.seq_lens, meta.query_start_loc, out, scale,
+                fresh,
             )  # fmt: skip
         return out
 
