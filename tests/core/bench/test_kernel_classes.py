@@ -4,21 +4,15 @@ instead of presenting waiting time as work."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from script_module import load
 
-SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "kernel_classes.py"
 PEAKS = {"copy_bytes_s": 4.0e12, "bf16_flop_s": 800e12}
 
 
 @pytest.fixture(scope="module")
 def kc():
-    spec = importlib.util.spec_from_file_location("kernel_classes", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("kernel_classes")
 
 
 def test_byte_scales_follow_the_engine_settings(kc):

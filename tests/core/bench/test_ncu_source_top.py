@@ -5,20 +5,12 @@ from __future__ import annotations
 
 import csv
 import gzip
-import importlib.util
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "ncu_source_top.py"
+from script_module import load
+
 HEADER = ["Address", "Source", "Warp Stall Sampling (All Samples)",
           "Warp Stall Sampling (Not-issued Samples)", "stall_barrier", "stall_long_sb",
           "stall_selected", "stall_barrier (Not Issued)"]  # fmt: skip
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("ncu_source_top", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_samples_are_summed_by_reason_and_ranked_by_instruction(tmp_path):
@@ -32,7 +24,7 @@ def test_samples_are_summed_by_reason_and_ranked_by_instruction(tmp_path):
             ["0x7f00000020", "  SHF.R.S32.HI R62, RZ, 0x1f, R113", "30", "29", "0", "29", "1", "0"]
         )
         out.writerow(["0x7f00000030", "  EXIT", "", "", "", "", "", ""])  # no samples
-    ncu = _module()
+    ncu = load("ncu_source_top")
     header, rows = ncu.read(str(path))
     assert header == HEADER and len(rows) == 3
     lines = ncu.summary(header, rows, top=2)
