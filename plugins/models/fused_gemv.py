@@ -39,9 +39,10 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenloom.plugins.models import fused_ops
 from tokenloom.plugins.models.layers import Linear, RMSNorm, silu_and_mul
 from tokenloom.plugins.models.pdl import launch_options, release, wait
-from tokenloom.protocols.components.quant import QkvRope
+from tokenloom.protocols.components.quant import Fp8Rows, QkvRope
 
 FUSED_VERSION = 1  # part of its tuning key: bump when the kernel or its configs change
 # (BLOCK_N, BLOCK_K, num_warps): wider tiles than the plain GEMV's, to amortize the row
@@ -174,19 +175,26 @@ def norm_and_project(
     hidden: torch.Tensor,
     residual: torch.Tensor | None,
     silu: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    then: Linear | None = None,
+) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
     """``(linear(norm(hidden + residual)), hidden + residual)``: the residual stream's
     next value and the projection of its norm (with ``silu``, SiLU-and-mul of the
     merged gate/up projection). A None residual: the stream starts at ``hidden``.
     One kernel where the layer's one-row GEMV takes the norm (``Linear.fuses_norm``),
-    else the norm, the projection and SiLU in turn."""
+    else the norm, the projection and SiLU in turn. The norm comes quantized per token
+    where ``linear`` takes such rows (``Linear.takes_fp8_rows``), and so does SiLU's
+    result where ``then`` (the layer it feeds) does: then the first value is ``Fp8Rows``."""
     if linear.fuses_norm(hidden):
         assert linear.fused is not None
         return norm_gemv(
             hidden, residual, norm.weight, norm.eps, linear.weight, linear.fused, linear.bias, silu
         )
-    hidden, residual = add_norm(norm, hidden, residual)
-    return (project_silu(linear, hidden) if silu else linear(hidden)), residual
+    normed: torch.Tensor | Fp8Rows
+    if hidden.dim() == 2 and linear.takes_fp8_rows(hidden):
+        normed, residual = norm.add_and_norm_fp8(hidden, residual)
+    else:
+        normed, residual = add_norm(norm, hidden, residual)
+    return (project_silu(linear, normed, then) if silu else linear(normed)), residual
 
 
 def add_norm(
@@ -208,15 +216,32 @@ def project_rope(linear: Linear, x: torch.Tensor, rope: QkvRope) -> torch.Tensor
     return linear.kernel.apply_qkv_rope(x, linear.bias, rope)
 
 
-def project_silu(linear: Linear, x: torch.Tensor) -> torch.Tensor:
+def project_silu(
+    linear: Linear, x: torch.Tensor | Fp8Rows, then: Linear | None = None
+) -> torch.Tensor | Fp8Rows:
     """``silu_and_mul(linear(x))`` for a merged gate/up projection: inside the quantized
-    kernel's matmul where it offers that (``LinearKernel.apply_silu_and_mul``)."""
+    kernel's matmul where it offers that (``LinearKernel.apply_silu_and_mul``). Where
+    ``then`` takes the result's rows quantized per token (``Linear.takes_fp8_rows``),
+    SiLU-and-mul quantizes them in its kernel and returns ``Fp8Rows``."""
     halves = len(linear.output_sizes) == 2 and linear.output_sizes[0] == linear.output_sizes[1]
-    if linear.kernel is not None and linear.parallel != "row" and halves:
+    if (
+        isinstance(x, torch.Tensor)
+        and linear.kernel is not None
+        and linear.parallel != "row"
+        and halves
+    ):
         y = linear.kernel.apply_silu_and_mul(x, linear.bias)
         if y is not None:
             return y
-    return silu_and_mul(linear(x))
+    gate_up = linear(x)
+    if (
+        then is not None
+        and gate_up.dim() == 2
+        and gate_up.shape[1] // 2 <= fused_ops.FP8_ROW_MAX
+        and then.takes_fp8_rows(gate_up[:, : gate_up.shape[1] // 2])
+    ):
+        return fused_ops.silu_and_mul_fp8(gate_up)
+    return silu_and_mul(gate_up)
 
 
 def measure_fused(
@@ -229,7 +254,6 @@ def measure_fused(
     """(best fused config or None, unfused us, best fused us): the add+norm kernel and
     the plain GEMV (then SiLU) against each fused config, at one row, on ``w``'s GPU; a
     config must agree with the unfused result and be 3% faster."""
-    from tokenloom.plugins.models import fused_ops
     from tokenloom.plugins.models.cuda_timing import fastest_config
     from tokenloom.plugins.models.skinny_gemm import gemv
 

@@ -20,6 +20,10 @@ import triton.language as tl
 from tokenloom.plugins.attention import kv_quant
 from tokenloom.plugins.attention.triton_kernels.kv_write import quantize_with, scale_of
 from tokenloom.plugins.models.pdl import launch_options, release, release_early, wait
+from tokenloom.protocols.components.quant import Fp8Rows
+
+FP8_E4M3 = torch.float8_e4m3fn
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 # PTX on NVIDIA's CUDA; the interpreter runs no inline assembly (and its numpy never
 # contracts); a ROCm build of torch (whose GPUs are "cuda" devices too) takes no PTX
@@ -39,10 +43,12 @@ def _add_rms_norm_kernel(
     stride_r,
     n_cols,
     eps,
+    s_ptr,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
     EARLY: tl.constexpr,
+    FP8: tl.constexpr = False,
 ):
     # The next kernel (a projection: it reads only its weights before its wait) may start
     # at once: at batch 1 its weight tiles then stream during the tail of the GEMV before
@@ -63,8 +69,24 @@ def _add_rms_norm_kernel(
         tl.store(res_out_ptr + row * n_cols + offs, x, mask=mask)
     xf = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    normed = (xf * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * n_cols + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    normed = (xf * inv).to(res_out_ptr.dtype.element_ty).to(tl.float32)
+    y = (normed * w).to(res_out_ptr.dtype.element_ty)
+    if FP8:  # the next projection's per-token e4m3 rows (out_ptr e4m3, s_ptr a scale a row)
+        _store_fp8_row(y, out_ptr + row * n_cols, s_ptr + row, offs, mask)
+    else:
+        tl.store(out_ptr + row * n_cols + offs, y, mask=mask)
+
+
+@triton.jit
+def _store_fp8_row(y, q_row, s_row, offs, mask):
+    """A row's per-token e4m3 quantization, stored: ``kernels/fp8_quant.py``'s arithmetic
+    on the same 16-bit values (scale ``max|y| / 448``, IEEE divisions), so the same bits
+    as that kernel run on this row (masked lanes hold 0)."""
+    yf = y.to(tl.float32)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(yf), axis=0), 1e-12), 448.0)
+    tl.store(s_row, scale)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(yf, scale), -448.0), 448.0)
+    tl.store(q_row + offs, q.to(q_row.dtype.element_ty), mask=mask)
 
 
 def add_rms_norm(
@@ -72,13 +94,20 @@ def add_rms_norm(
     weight: torch.Tensor,  # [N]
     eps: float,
     residual: torch.Tensor | None = None,  # [T, N]
-) -> tuple[torch.Tensor, torch.Tensor]:
+    fp8: bool = False,
+) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
     """``(norm(x + residual), x + residual)``; without a residual, ``(norm(x), x)``.
+    With ``fp8`` the norm comes as ``Fp8Rows``: the 16-bit result quantized per token in
+    the same kernel, bit for bit what ``per_token_fp8`` makes of it (for an fp8
+    projection next, ``LinearKernel.takes_fp8_rows``).
     Under PDL the kernel lets the next one start at once (``pdl.release_early``);
     ``TOKENLOOM_NORM_EARLY_RELEASE=0`` (read at each call) releases after the wait."""
     rows, cols = x.shape
-    out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
-    summed = torch.empty_like(out) if residual is not None else x
+    out = torch.empty((rows, cols), dtype=FP8_E4M3 if fp8 else x.dtype, device=x.device)
+    scales = torch.empty((rows, 1), dtype=torch.float32, device=x.device) if fp8 else out
+    summed = (
+        torch.empty((rows, cols), dtype=x.dtype, device=x.device) if residual is not None else x
+    )
     if rows:
         block = triton.next_power_of_2(cols)
         _add_rms_norm_kernel[(rows,)](
@@ -91,13 +120,15 @@ def add_rms_norm(
             residual.stride(0) if residual is not None else 0,
             cols,
             eps,
+            scales,
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
             num_warps=min(16, max(1, block // 256)),
             EARLY=os.environ.get("TOKENLOOM_NORM_EARLY_RELEASE", "1") == "1",
+            FP8=fp8,
             **launch_options(x.device),
         )
-    return out, summed
+    return (Fp8Rows(out, scales, x.dtype) if fp8 else out), summed
 
 
 @triton.jit
@@ -135,6 +166,46 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
             **launch_options(gate_up.device),
         )
     return out
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(
+    in_ptr, q_ptr, s_ptr, stride_in, n_cols, OUT_DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """``_silu_and_mul_kernel``'s row (the same 16-bit rounding), quantized per token: one
+    program a whole row (``BLOCK >= n_cols``), as the one-pass ``per_token_fp8``."""
+    wait(USE_PDL)
+    release(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    gate = tl.load(in_ptr + row * stride_in + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(in_ptr + row * stride_in + n_cols + offs, mask=mask, other=0.0)
+    act = (gate * tl.sigmoid(gate)).to(OUT_DTYPE).to(tl.float32)
+    y = (act * up.to(tl.float32)).to(OUT_DTYPE)
+    _store_fp8_row(y, q_ptr + row * n_cols, s_ptr + row, offs, mask)
+
+
+FP8_ROW_MAX = 16384  # the widest row one program quantizes (per_token_fp8's one pass)
+
+
+def silu_and_mul_fp8(gate_up: torch.Tensor) -> Fp8Rows:  # [T, 2I] -> [T, I] e4m3 rows
+    """``silu_and_mul`` quantized per token in the same kernel (``Fp8Rows``; rows of at
+    most ``FP8_ROW_MAX``): what ``per_token_fp8`` makes of ``silu_and_mul``'s result."""
+    rows, width = gate_up.shape
+    cols = width // 2
+    assert cols <= FP8_ROW_MAX, cols
+    q = torch.empty((rows, cols), dtype=FP8_E4M3, device=gate_up.device)
+    scales = torch.empty((rows, 1), dtype=torch.float32, device=gate_up.device)
+    if rows:
+        block = triton.next_power_of_2(cols)
+        _silu_and_mul_fp8_kernel[(rows,)](
+            gate_up, q, scales, gate_up.stride(0), cols, OUT_DTYPE=_TL_DTYPES[gate_up.dtype],
+            BLOCK=block, num_warps=max(4, min(16, block // 1024)),
+            **launch_options(gate_up.device),
+        )  # fmt: skip
+    return Fp8Rows(q, scales, gate_up.dtype)
 
 
 @triton.jit

@@ -10,6 +10,7 @@ receive several checkpoint tensors; ``WeightSlot`` names such a range.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from torch import nn
 from tokenloom.plugins.models import parallel as parallel_state
 
 if TYPE_CHECKING:
-    from tokenloom.protocols.components.quant import LinearKernel
+    from tokenloom.protocols.components.quant import Fp8Rows, LinearKernel
 
 
 @dataclass(frozen=True)
@@ -140,9 +141,13 @@ class Linear(nn.Module):
                 self.out_features, self.in_features, dtype=w.dtype, device=w.device
             )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        """``x``: the input rows, or ``Fp8Rows`` where ``takes_fp8_rows`` said yes."""
         bias = None if self._reduce else self.bias
-        if self.kernel is not None:
+        if not isinstance(x, torch.Tensor):
+            assert self.kernel is not None
+            y = self.kernel.apply_fp8_rows(x, bias)
+        elif self.kernel is not None:
             y = self.kernel.apply(x, bias)
         elif self.gemv is not None and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1:
             from tokenloom.plugins.models.skinny_gemm import gemv
@@ -159,6 +164,17 @@ class Linear(nn.Module):
             if self.bias is not None:
                 y = y + self.bias
         return y
+
+    def takes_fp8_rows(self, x: torch.Tensor) -> bool:
+        """Whether the kernel before may hand this layer ``x``'s rows quantized per token
+        (``Fp8Rows``, the quantization folded into that kernel: ``fused_ops``' norm and
+        SiLU-and-mul) rather than ``x``. ``TOKENLOOM_FP8_FOLD_QUANT=0`` (read at each call)
+        keeps the quantization in the kernel's own launch."""
+        return (
+            self.kernel is not None
+            and self.kernel.takes_fp8_rows(x)
+            and os.environ.get("TOKENLOOM_FP8_FOLD_QUANT", "1") != "0"
+        )
 
     def fuses_norm(self, x: torch.Tensor) -> bool:
         """Whether ``fused_gemv.norm_and_project`` folds the norm before this layer (and SiLU after
@@ -284,7 +300,9 @@ class RMSNorm(nn.Module):
         if x.is_cuda and x.dim() == 2:
             from tokenloom.plugins.models import fused_ops
 
-            return fused_ops.add_rms_norm(x, self.weight, self.eps)[0]
+            normed = fused_ops.add_rms_norm(x, self.weight, self.eps)[0]
+            assert isinstance(normed, torch.Tensor)
+            return normed
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -296,9 +314,24 @@ class RMSNorm(nn.Module):
         if x.is_cuda:
             from tokenloom.plugins.models import fused_ops
 
-            return fused_ops.add_rms_norm(x, self.weight, self.eps, residual)
+            normed, summed = fused_ops.add_rms_norm(x, self.weight, self.eps, residual)
+            assert isinstance(normed, torch.Tensor)
+            return normed, summed
         summed = x + residual
         return self.forward(summed), summed
+
+    def add_and_norm_fp8(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[Fp8Rows, torch.Tensor]:
+        """``add_and_norm`` (a None residual: ``norm(x), x``) with the norm quantized per
+        token in the same kernel (CUDA, 2-D ``x``): for a projection that
+        ``takes_fp8_rows``."""
+        from tokenloom.plugins.models import fused_ops
+        from tokenloom.protocols.components.quant import Fp8Rows
+
+        normed, summed = fused_ops.add_rms_norm(x, self.weight, self.eps, residual, fp8=True)
+        assert isinstance(normed, Fp8Rows)
+        return normed, summed
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

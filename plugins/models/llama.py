@@ -251,7 +251,12 @@ class LlamaDecoderLayer(nn.Module):
             qkv = projected if projected is not None else attn.qkv_proj(hidden)
         hidden = attn.attend(rope, qkv, ctx, rotated)
         act, residual = norm_and_project(
-            self.post_attention_layernorm, mlp.gate_up_proj, hidden, residual, silu=True
+            self.post_attention_layernorm,
+            mlp.gate_up_proj,
+            hidden,
+            residual,
+            silu=True,
+            then=mlp.down_proj,
         )
         return mlp.down_proj(act), residual
 

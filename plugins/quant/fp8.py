@@ -40,7 +40,7 @@ from tokenloom.plugins.quant.common import (
     release_weight,
 )
 from tokenloom.plugins.quant.kernels.fp8_gemv import GEMV_ROWS, fp8_gemv, gemv_offered
-from tokenloom.protocols.components.quant import LinearKernel
+from tokenloom.protocols.components.quant import Fp8Rows, LinearKernel
 from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
 
@@ -75,37 +75,40 @@ class Fp8Kernel(LinearKernel):
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = flat(x)
         fp8_gpu = x.dtype in (torch.float16, torch.bfloat16) and _has_fp8_mma(x.device)
-        if fp8_gpu and x2.shape[0] <= self.gemv_rows:  # masked tiles: any N and K
-            y = self.gemv(x2, bias)
-        elif fp8_gpu and self.mma_shape:
-            y = self.scaled_mm(x2, bias)
+        if fp8_gpu and (x2.shape[0] <= self.gemv_rows or self.mma_shape):
+            from tokenloom.plugins.quant.kernels.fp8_quant import per_token_fp8
+
+            y = self.apply_fp8_rows(Fp8Rows(*per_token_fp8(x2), x.dtype), bias)
         else:
             y = self.reference(x2, bias)
         return y.view(*x.shape[:-1], y.shape[-1])
 
-    def scaled_mm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """fp8 tensor cores: ``x`` quantized per token, both scales applied in the GEMM."""
-        from tokenloom.plugins.quant.kernels.fp8_quant import per_token_fp8
+    def takes_fp8_rows(self, x: torch.Tensor) -> bool:
+        """The GPU paths (the GEMV, ``torch._scaled_mm``) quantize the rows first: a 2-D
+        16-bit input on a GPU with fp8 tensor cores, whatever its row count."""
+        return (
+            x.dim() == 2
+            and x.dtype in (torch.float16, torch.bfloat16)
+            and _has_fp8_mma(x.device)
+            and (x.shape[0] <= self.gemv_rows or self.mma_shape)
+        )
 
-        xq, x_scales = per_token_fp8(x)
+    def apply_fp8_rows(self, x: Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
+        """A few rows: the fp8 GEMV (``kernels/fp8_gemv.py``), which streams the weight
+        instead of padding a GEMM; more: ``torch._scaled_mm`` (fp8 tensor cores), both
+        scales applied in the GEMM."""
+        if x.q.shape[0] <= self.gemv_rows:  # masked tiles: any N and K
+            return fp8_gemv(x.q, x.scales, self.weight, self.scales, bias, x.dtype)
         y = torch._scaled_mm(
-            xq,
+            x.q,
             self.weight.t(),  # [K, N] column-major, as _scaled_mm wants its second operand
-            scale_a=x_scales,
+            scale_a=x.scales,
             scale_b=self.scales.t(),
             out_dtype=torch.bfloat16,
         )
         if bias is not None:
             y = y + bias
         return y.to(x.dtype)
-
-    def gemv(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """A few rows: ``x`` quantized per token as for ``scaled_mm``, then the fp8 GEMV
-        (``kernels/fp8_gemv.py``), which streams the weight instead of padding a GEMM."""
-        from tokenloom.plugins.quant.kernels.fp8_quant import per_token_fp8
-
-        xq, x_scales = per_token_fp8(x)
-        return fp8_gemv(xq, x_scales, self.weight, self.scales, bias, x.dtype)
 
     def reference(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The same quantization of ``x``, then dequantized operands in float32."""

@@ -35,6 +35,22 @@ class QkvRope:
     slot_mapping: torch.Tensor  # [1] int64; < 0: store nothing
 
 
+@dataclass(frozen=True)
+class Fp8Rows:
+    """A projection's input already quantized per token to float8 e4m3 by the kernel that
+    produced it (the norm, SiLU-and-mul: ``plugins.models.fused_ops``), for a kernel that
+    takes it (``LinearKernel.takes_fp8_rows``): ``x ~= q * scales`` row by row, with
+    ``scales = max|x_row| / 448`` of the 16-bit ``x`` the producer would have stored."""
+
+    q: torch.Tensor  # [T, K] float8_e4m3fn
+    scales: torch.Tensor  # [T, 1] float32
+    dtype: torch.dtype  # the 16-bit dtype x had, the projection's output dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
 class LinearKernel(ABC):
     """One linear layer's quantized weight and the matmul that reads it."""
 
@@ -63,6 +79,19 @@ class LinearKernel(ABC):
         None (the default): not done for this call; the caller projects with ``apply``
         and rotates and stores apart."""
         return None
+
+    def takes_fp8_rows(self, x: torch.Tensor) -> bool:
+        """Whether ``apply_fp8_rows`` would serve an input like ``x`` (its rows, dtype,
+        device): the kernel before may then hand over ``Fp8Rows`` instead of ``x``, its
+        quantization folded in (one kernel and one 16-bit round trip fewer a
+        projection). Yes only where those Triton kernels run: on CUDA (or under
+        ``TRITON_INTERPRET=1``). False by default."""
+        return False
+
+    def apply_fp8_rows(self, x: Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
+        """``apply`` on rows quantized per token (``Fp8Rows``), wherever ``takes_fp8_rows``
+        said yes for such an input: the same result as ``apply`` on the 16-bit rows."""
+        raise NotImplementedError(f"{type(self).__name__} takes no Fp8Rows")
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """The weight's rows ``ids`` (output channels) dequantized, ``[*ids.shape, in]``

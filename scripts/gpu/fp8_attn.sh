@@ -35,6 +35,8 @@
 #           no counters on the H200s' gVisor hosts); ncusrc38 the same per SASS instruction
 #   kern38d / wide38d: 5 stages without the block numbers ahead (unrun), the workload with it
 #   ovl38   scripts/gpu/overlap_probe.py: does the decode attention overlap the fp8 GEMMs (unrun)
+#   t39 / fresh39: session 39's GPU tests of prefill_fresh_16bit, and the workload with it
+#           against none (interleaved, two pairs)
 #   (since session 37 the fp8 defaults are MMA_DECODE's and FP8_PREFILL's: kern36's and
 #   wide36's "default" is then kern36's best, and pre37's before variants set 3 stages)
 #   ba35    fp8 weights + fp8 KV bench latency / throughput, before / after
@@ -207,6 +209,15 @@ for step in "$@"; do
       BEST=$(cat "$OUT/best38d" 2>/dev/null)
       [ -n "$BEST" ] && bench throughput fp8w38d-best after fp8 "${WIDE[@]}" $BEST
       [ -n "$BEST" ] && bench throughput fp8w38d-default after fp8 "${WIDE[@]}" ;;
+    t39)  # the fresh prefill's tests on the GPU (fp8 and int8 caches) and the verify graphs
+      py after -m pytest -q -s -m gpu -p no:cacheprovider tests/plugins/attention/test_prefill_fresh16.py \
+        tests/plugins/executor/test_verify_graphs.py > "$OUT/a-t39.log" 2>&1
+      echo "t39 rc=$?"; tail -3 "$OUT/a-t39.log" ;;
+    fresh39)  # the workload with prefill_fresh_16bit against none, interleaved (none, on, none, on)
+      for i in 1 2; do
+        bench throughput fp8f39-none$i after fp8 "${WIDE[@]}"
+        bench throughput fp8f39-fresh$i after fp8 "${WIDE[@]}" --plugin-option triton.prefill_fresh_16bit=1
+      done ;;
     ovl38)  # whether the decode attention and the fp8 GEMMs overlap on one GPU (two streams,
       # 300 rows each, the GEMMs' SM carveout swept; scripts/gpu/overlap_probe.py)
       timeout 400 env PYTHONPATH=/tmp/after:/tmp/site python3 scripts/gpu/overlap_probe.py \
