@@ -37,6 +37,9 @@
 #   ovl38   scripts/gpu/overlap_probe.py: does the decode attention overlap the fp8 GEMMs (unrun)
 #   t39 / fresh39: session 39's GPU tests of prefill_fresh_16bit, and the workload with it
 #           against none (interleaved, two pairs)
+#   t39q / fold39 / ba39: the fp8 activation quantization folded into the norm and
+#           SiLU-and-mul (TOKENLOOM_FP8_FOLD_QUANT): GPU tests, the workload off / on, bench
+#           latency / throughput before / after
 #   (since session 37 the fp8 defaults are MMA_DECODE's and FP8_PREFILL's: kern36's and
 #   wide36's "default" is then kern36's best, and pre37's before variants set 3 stages)
 #   ba35    fp8 weights + fp8 KV bench latency / throughput, before / after
@@ -214,10 +217,28 @@ for step in "$@"; do
         tests/plugins/executor/test_verify_graphs.py > "$OUT/a-t39.log" 2>&1
       echo "t39 rc=$?"; tail -3 "$OUT/a-t39.log" ;;
     fresh39)  # the workload with prefill_fresh_16bit against none, interleaved (none, on, none, on)
-      for i in 1 2; do
+      for i in $(seq ${PAIRS:-2}); do
         bench throughput fp8f39-none$i after fp8 "${WIDE[@]}"
         bench throughput fp8f39-fresh$i after fp8 "${WIDE[@]}" --plugin-option triton.prefill_fresh_16bit=1
       done ;;
+    t39q)  # the fp8 activation quantization folded into the norm and SiLU-and-mul: its GPU
+      # tests, and the fp8 kernels' GPU tests
+      py after -m pytest -q -s -m gpu -p no:cacheprovider tests/plugins/models/test_fp8_fold_quant.py \
+        tests/plugins/quant/test_gpu_kernels.py tests/plugins/quant/test_fp8_gemv.py \
+        tests/plugins/quant/test_fp8_quant.py > "$OUT/a-t39q.log" 2>&1
+      echo "t39q rc=$?"; tail -3 "$OUT/a-t39q.log" ;;
+    fold39)  # the workload, the fold off (TOKENLOOM_FP8_FOLD_QUANT=0) and on, interleaved
+      for i in $(seq ${PAIRS:-2}); do
+        TOKENLOOM_FP8_FOLD_QUANT=0 bench throughput fp8q39-off$i after fp8 "${WIDE[@]}"
+        TOKENLOOM_FP8_FOLD_QUANT=1 bench throughput fp8q39-on$i after fp8 "${WIDE[@]}"
+      done ;;
+    ba39)  # before (.snap/before.tar) / after, fp8 weights + fp8 KV, the default workloads
+      for i in 1 2; do
+        bench latency fp8-before$i before fp8 --kv-cache-dtype fp8
+        bench latency fp8-after$i after fp8 --kv-cache-dtype fp8
+      done
+      bench throughput fp8-before before fp8 --kv-cache-dtype fp8
+      bench throughput fp8-after after fp8 --kv-cache-dtype fp8 ;;
     ovl38)  # whether the decode attention and the fp8 GEMMs overlap on one GPU (two streams,
       # 300 rows each, the GEMMs' SM carveout swept; scripts/gpu/overlap_probe.py)
       timeout 400 env PYTHONPATH=/tmp/after:/tmp/site python3 scripts/gpu/overlap_probe.py \
