@@ -35,6 +35,7 @@
 #           no counters on the H200s' gVisor hosts); ncusrc38 the same per SASS instruction
 #   kern38d / wide38d: 5 stages without the block numbers ahead (unrun), the workload with it
 #   ovl38   scripts/gpu/overlap_probe.py: does the decode attention overlap the fp8 GEMMs (unrun)
+#   ovl39   the decode step as one chain against two half-batch chains on two streams
 #   t39 / fresh39: session 39's GPU tests of prefill_fresh_16bit, and the workload with it
 #           against none (interleaved, two pairs)
 #   t39q / fold39 / ba39: the fp8 activation quantization folded into the norm and
@@ -239,6 +240,12 @@ for step in "$@"; do
       done
       bench throughput fp8-before before fp8 --kv-cache-dtype fp8
       bench throughput fp8-after after fp8 --kv-cache-dtype fp8 ;;
+    ovl39)  # session 39: the decode step as one chain against two half-batch chains on two
+      # streams (scripts/gpu/overlap_probe.py --chains; 300 rows a half, carveouts 0 and 32)
+      timeout 400 env PYTHONPATH=/tmp/after:/tmp/site python3 scripts/gpu/overlap_probe.py \
+        --chains --carveouts ${CARVEOUTS:-0,32} --json "$OUT/a-ovl39.json" > "$OUT/ovl39.log" 2>&1 \
+        || { echo "ovl39 failed"; tail -5 "$OUT/ovl39.log"; }
+      grep -E "chains|error" "$OUT/ovl39.log" ;;
     ovl38)  # whether the decode attention and the fp8 GEMMs overlap on one GPU (two streams,
       # 300 rows each, the GEMMs' SM carveout swept; scripts/gpu/overlap_probe.py)
       timeout 400 env PYTHONPATH=/tmp/after:/tmp/site python3 scripts/gpu/overlap_probe.py \

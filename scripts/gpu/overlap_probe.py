@@ -30,6 +30,20 @@ so this is what the hardware allows, not yet what a schedule would get.
 
     python scripts/gpu/overlap_probe.py [--rows 300] [--context 1500] [--carveouts 0,16,32,48,66]
 
+``--chains`` (session 39) times the schedule itself, each layer's kernels in order (q/k/v
+GEMM, attention, o GEMM, gate/up GEMM, SiLU-and-mul, down GEMM; the fp8 GEMMs with
+their activation quantization) for 32 layers:
+
+- ``step``: today's decode step, one stream, the GEMMs at both halves' rows (``2 x
+  --rows``) and each layer's attention as the two halves' launches;
+- ``halves_sequential``: half A's whole chain, then half B's, one stream (the weights read
+  twice: what two micro-batches cost without overlap);
+- ``halves_concurrent``: A's chain on one stream beside B's on another, one graph;
+- ``halves_staggered``: the same, B starting when A's first attention ends (so that B's
+  GEMMs meet A's attention);
+
+for each carveout. The step's gain is ``step / halves_concurrent``.
+
 Prints a table and writes JSON to $OUT/overlap_probe.json (or --json PATH).
 """
 
@@ -72,6 +86,114 @@ def gemms(rows: int, layers: int) -> Callable[[], None]:
     return run
 
 
+def chain_gemms(rows: int, kernels: list[Fp8Kernel]) -> list[Callable[[], None]]:
+    """Each layer's MLP and attention projections at ``rows`` rows, over ``kernels`` (four
+    a layer, ``SHAPES``' order), as four callables a layer: q/k/v, o, gate/up with
+    SiLU-and-mul, down."""
+    from tokenloom.plugins.models.fused_ops import silu_and_mul
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    inputs = {k: torch.randn(rows, k, generator=gen, device="cuda").bfloat16() for _, k in SHAPES}
+    calls: list[Callable[[], None]] = []
+
+    def call(kernel: Fp8Kernel, x: torch.Tensor, silu: bool) -> Callable[[], None]:
+        def run() -> None:
+            y = kernel.apply(x, None)
+            if silu:
+                silu_and_mul(y)
+
+        return run
+
+    for i, kernel in enumerate(kernels):  # gate/up (i % 4 == 2), then SiLU-and-mul
+        calls.append(call(kernel, inputs[kernel.weight.shape[1]], i % 4 == 2))
+    return calls
+
+
+def chain(gemm_calls: list[Callable[[], None]], attention: list[list[Callable[[], None]]],
+          after_first: Callable[[], None] | None = None) -> Callable[[], None]:  # fmt: skip
+    """Layer by layer: q/k/v, each of ``attention``'s launches of the layer, o, gate/up,
+    down; ``after_first`` after the first layer's attention."""
+
+    def run() -> None:
+        for layer in range(len(gemm_calls) // 4):
+            qkv, o, gate_up, down = gemm_calls[4 * layer : 4 * layer + 4]
+            qkv()
+            for half in attention:
+                half[layer]()
+            if layer == 0 and after_first is not None:
+                after_first()
+            o()
+            gate_up()
+            down()
+
+    return run
+
+
+def chains(args: argparse.Namespace) -> list[dict[str, float]]:
+    """``--chains``: the decode step as one chain against two half-batch chains."""
+    attn_a, layers, error = build(args.rows, args.context, args.layers, "fp8", "cuda", {})
+    attn_b, _, _ = build(args.rows, args.context, layers, "fp8", "cuda", {})
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    kernels = []
+    for _ in range(layers):
+        for n, k in SHAPES:
+            w = torch.randn(n, k, generator=gen, device="cuda") / k**0.5
+            scales = w.abs().amax(1, keepdim=True).float() / 448.0
+            kernels.append(Fp8Kernel((w / scales).to(torch.float8_e4m3fn), scales))
+            del w
+    full = chain_gemms(2 * args.rows, kernels)
+    half_a, half_b = chain_gemms(args.rows, kernels), chain_gemms(args.rows, kernels)
+    a_layers, b_layers = attn_a.layers, attn_b.layers  # type: ignore[attr-defined]
+    step = chain(full, [a_layers, b_layers])
+    chain_a, chain_b = chain(half_a, [a_layers]), chain(half_b, [b_layers])
+    side = torch.cuda.Stream()
+
+    def staggered() -> None:
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        first_done = torch.cuda.Event()
+
+        def mark() -> None:
+            first_done.record(main)
+
+        def run_b() -> None:
+            side.wait_event(first_done)
+            with torch.cuda.stream(side):
+                chain_b()
+
+        def then() -> None:
+            mark()
+            run_b()
+
+        chain(half_a, [a_layers], after_first=then)()
+        main.wait_stream(side)
+
+    rows = []
+    for carveout in (int(c) for c in args.carveouts.split(",")):
+        torch._C._set_sm_carveout_experimental(carveout or None)
+        t_step = timed(step)
+
+        def sequential() -> None:
+            chain_a()
+            chain_b()
+
+        t_seq = timed(sequential)
+        t_par = timed(concurrent(chain_a, chain_b))
+        t_stag = timed(staggered)
+        rows.append({"carveout": carveout, "step_ms": t_step, "halves_sequential_ms": t_seq,
+                     "halves_concurrent_ms": t_par, "halves_staggered_ms": t_stag,
+                     "gain": t_step / min(t_par, t_stag)})  # fmt: skip
+        print(
+            f"chains carveout {carveout:3d}: step {t_step:7.3f} ms  halves sequential "
+            f"{t_seq:7.3f}  concurrent {t_par:7.3f}  staggered {t_stag:7.3f}  "
+            f"gain x{rows[-1]['gain']:.3f}",
+            flush=True,
+        )
+    torch._C._set_sm_carveout_experimental(None)
+    print(f"attention relative error vs torch: {error:.3g}")
+    return rows
+
+
 def timed(body: Callable[[], None]) -> float:
     """Median ms of a CUDA-graph replay of ``body`` (captured after one eager warm-up)."""
     body()
@@ -105,7 +227,15 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--carveouts", default="0,16,32,48,66")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--chains", action="store_true", help="the schedule (see above)")
     args = parser.parse_args()
+    if args.chains:
+        result = chains(args)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({"gpu": torch.cuda.get_device_name(), "rows_per_half": args.rows,
+                           "context": args.context, "chains": result}, f, indent=2)  # fmt: skip
+        return 0
     attention, layers, error = build(args.rows, args.context, args.layers, "fp8", "cuda", {})
     mlp = gemms(args.rows, layers)
     rows = []
