@@ -236,6 +236,9 @@ for step in "$@"; do
     lat39)  # bench latency, fp8 weights + fp8 KV, the fold off / on (one round)
       TOKENLOOM_FP8_FOLD_QUANT=0 bench latency fp8-fold-off after fp8 --kv-cache-dtype fp8
       TOKENLOOM_FP8_FOLD_QUANT=1 bench latency fp8-fold-on after fp8 --kv-cache-dtype fp8 ;;
+    thr39)  # bench throughput (the default workload), fp8 weights + fp8 KV, the fold off / on
+      TOKENLOOM_FP8_FOLD_QUANT=0 bench throughput fp8-fold-off after fp8 --kv-cache-dtype fp8
+      TOKENLOOM_FP8_FOLD_QUANT=1 bench throughput fp8-fold-on after fp8 --kv-cache-dtype fp8 ;;
     ba39)  # before (.snap/before.tar) / after, fp8 weights + fp8 KV, the default workloads
       for i in 1 2; do
         bench latency fp8-before$i before fp8 --kv-cache-dtype fp8

@@ -82,9 +82,12 @@ def _linear(out: int, inp: int, dtype) -> Linear:
     return layer
 
 
-@pytest.mark.parametrize("fold", ["1", "0"])
+@pytest.mark.parametrize("fold", ["1", "0", None])  # None: the default, off until measured
 def test_the_layer_hands_fp8_rows_where_the_projections_take_them(fold, monkeypatch):
-    monkeypatch.setenv("TOKENLOOM_FP8_FOLD_QUANT", fold)
+    if fold is None:
+        monkeypatch.delenv("TOKENLOOM_FP8_FOLD_QUANT", raising=False)
+    else:
+        monkeypatch.setenv("TOKENLOOM_FP8_FOLD_QUANT", fold)
     monkeypatch.setenv("TOKENLOOM_FUSED_NORM_GEMV", "0")
     torch.manual_seed(1)
     dtype, hidden_size, inter = torch.float16, 64, 96
