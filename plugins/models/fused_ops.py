@@ -20,6 +20,7 @@ import triton.language as tl
 from tokenloom.plugins.attention import kv_quant
 from tokenloom.plugins.attention.triton_kernels.kv_write import quantize_with, scale_of
 from tokenloom.plugins.models.pdl import launch_options, release, release_early, wait
+from tokenloom.plugins.quant.kernels.fp8_quant import ROW_BLOCK_MAX
 from tokenloom.protocols.components.quant import Fp8Rows
 
 FP8_E4M3 = torch.float8_e4m3fn
@@ -187,7 +188,7 @@ def _silu_and_mul_fp8_kernel(
     _store_fp8_row(y, q_ptr + row * n_cols, s_ptr + row, offs, mask)
 
 
-FP8_ROW_MAX = 16384  # the widest row one program quantizes (per_token_fp8's one pass)
+FP8_ROW_MAX = ROW_BLOCK_MAX  # the widest row one program quantizes (per_token_fp8's one pass)
 
 
 def silu_and_mul_fp8(gate_up: torch.Tensor) -> Fp8Rows:  # [T, 2I] -> [T, I] e4m3 rows

@@ -168,12 +168,12 @@ class Linear(nn.Module):
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:
         """Whether the kernel before may hand this layer ``x``'s rows quantized per token
         (``Fp8Rows``, the quantization folded into that kernel: ``fused_ops``' norm and
-        SiLU-and-mul) rather than ``x``. Opt-in until measured on the GPU:
-        ``TOKENLOOM_FP8_FOLD_QUANT=1`` (read at each call); otherwise the quantization
-        stays in the kernel's own launch."""
+        SiLU-and-mul) rather than ``x``. On by default since session 39 measured it
+        (docs/quantization.md); ``TOKENLOOM_FP8_FOLD_QUANT=0`` (read at each call) keeps
+        the quantization in the kernel's own launch."""
         return (
             self.kernel is not None
-            and os.environ.get("TOKENLOOM_FP8_FOLD_QUANT", "0") == "1"
+            and os.environ.get("TOKENLOOM_FP8_FOLD_QUANT", "1") != "0"
             and self.kernel.takes_fp8_rows(x)
         )
 

@@ -85,7 +85,8 @@ class Fp8Kernel(LinearKernel):
 
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:
         """The GPU paths (the GEMV, ``torch._scaled_mm``) quantize the rows first: a 2-D
-        16-bit input on a GPU with fp8 tensor cores, whatever its row count."""
+        16-bit input on a GPU with fp8 tensor cores, at the GEMV's rows or where the
+        shape suits ``_scaled_mm`` (as ``apply`` dispatches)."""
         return (
             x.dim() == 2
             and x.dtype in (torch.float16, torch.bfloat16)

@@ -82,7 +82,7 @@ def _linear(out: int, inp: int, dtype) -> Linear:
     return layer
 
 
-@pytest.mark.parametrize("fold", ["1", "0", None])  # None: the default, off until measured
+@pytest.mark.parametrize("fold", ["1", "0", None])  # None: the default, on since session 39
 def test_the_layer_hands_fp8_rows_where_the_projections_take_them(fold, monkeypatch):
     if fold is None:
         monkeypatch.delenv("TOKENLOOM_FP8_FOLD_QUANT", raising=False)
@@ -99,7 +99,7 @@ def test_the_layer_hands_fp8_rows_where_the_projections_take_them(fold, monkeypa
 
     act, summed = fused_gemv.norm_and_project(norm, gate_up, hidden, residual, True, down)
     out = down(act)
-    if fold == "1":
+    if fold != "0":
         assert isinstance(act, Fp8Rows)
         assert gate_up.kernel.calls == ["fp8"] and down.kernel.calls == ["fp8"]
     else:
@@ -108,16 +108,42 @@ def test_the_layer_hands_fp8_rows_where_the_projections_take_them(fold, monkeypa
     # against the unfolded kernels, quantized apart as the fp8 kernel would
     normed, expected_sum = fused_ops.add_rms_norm(hidden, norm.weight, 1e-6, residual)
     assert torch.equal(summed, expected_sum)
-    if fold == "1":
+    if fold != "0":
         q, s = per_token_fp8(normed)
         gu = ((q.float() * s) @ gate_up.kernel.weight.float().t()).to(dtype)
         q, s = per_token_fp8(fused_ops.silu_and_mul(gu))
         expected = ((q.float() * s) @ down.kernel.weight.float().t()).to(dtype)
         assert torch.equal(out, expected)
-    # without a taker after it, SiLU-and-mul stays 16-bit
+    # without a taker after it, SiLU-and-mul stays 16-bit (the norm still folds)
     gate_up.kernel.calls.clear()
     act2, _ = fused_gemv.norm_and_project(norm, gate_up, hidden, residual, True, None)
     assert isinstance(act2, torch.Tensor)
+    assert gate_up.kernel.calls == (["fp8"] if fold != "0" else ["16-bit"])
+    # the first layer (no residual yet): the norm of hidden itself, the stream is hidden
+    qkv = _linear(80, hidden_size, dtype)
+    y, stream = fused_gemv.norm_and_project(norm, qkv, hidden, None)
+    assert stream is hidden and qkv.kernel.calls == (["fp8"] if fold != "0" else ["16-bit"])
+    normed0, _ = fused_ops.add_rms_norm(hidden, norm.weight, 1e-6)
+    q, s = per_token_fp8(normed0)
+    expected0 = ((q.float() * s) @ qkv.kernel.weight.float().t()).to(dtype)
+    assert (
+        torch.equal(y, expected0)
+        if fold != "0"
+        else torch.equal(y, normed0 @ qkv.kernel.weight.t())
+    )
+
+
+def test_silu_and_mul_stays_16_bit_where_the_next_layer_declines(monkeypatch):
+    monkeypatch.delenv("TOKENLOOM_FP8_FOLD_QUANT", raising=False)
+    monkeypatch.setenv("TOKENLOOM_FUSED_NORM_GEMV", "0")
+    torch.manual_seed(2)
+    dtype = torch.float16
+    gate_up, down = _linear(64, 32, dtype), _linear(32, 32, dtype)
+    down.kernel.takes_fp8_rows = lambda x: False
+    x = torch.randn(2, 32, device=DEVICE).to(dtype)
+    act = fused_gemv.project_silu(gate_up, x, down)
+    assert isinstance(act, torch.Tensor)
+    assert torch.equal(act, fused_ops.silu_and_mul(x @ gate_up.kernel.weight.t()))
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the fp8 GEMMs need fp8 tensor cores")
