@@ -67,9 +67,9 @@ HIDDEN, INTERMEDIATE, QKV = 4096, 14336, 6144  # Llama-3-8B: 32 + 2 x 8 heads of
 SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
 
 
-def gemms(rows: int, layers: int) -> Callable[[], None]:
-    """Each layer's four fp8 GEMMs at ``rows`` rows, random weights, fixed inputs."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
+def fp8_kernels(layers: int, gen: torch.Generator) -> list[Fp8Kernel]:
+    """Each layer's four fp8 projections at Llama-3-8B shapes (``SHAPES``), random weights
+    from ``gen``, quantized per output channel: 7 GB over 32 layers, no L2 reuse."""
     kernels = []
     for _ in range(layers):
         for n, k in SHAPES:
@@ -77,6 +77,13 @@ def gemms(rows: int, layers: int) -> Callable[[], None]:
             scales = w.abs().amax(1, keepdim=True).float() / 448.0
             kernels.append(Fp8Kernel((w / scales).to(torch.float8_e4m3fn), scales))
             del w
+    return kernels
+
+
+def gemms(rows: int, layers: int) -> Callable[[], None]:
+    """Each layer's four fp8 GEMMs at ``rows`` rows, random weights, fixed inputs."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    kernels = fp8_kernels(layers, gen)
     inputs = {k: torch.randn(rows, k, generator=gen, device="cuda").bfloat16() for _, k in SHAPES}
 
     def run() -> None:
@@ -134,13 +141,7 @@ def chains(args: argparse.Namespace) -> list[dict[str, float]]:
     attn_a, layers, error = build(args.rows, args.context, args.layers, "fp8", "cuda", {})
     attn_b, _, _ = build(args.rows, args.context, layers, "fp8", "cuda", {})
     gen = torch.Generator(device="cuda").manual_seed(0)
-    kernels = []
-    for _ in range(layers):
-        for n, k in SHAPES:
-            w = torch.randn(n, k, generator=gen, device="cuda") / k**0.5
-            scales = w.abs().amax(1, keepdim=True).float() / 448.0
-            kernels.append(Fp8Kernel((w / scales).to(torch.float8_e4m3fn), scales))
-            del w
+    kernels = fp8_kernels(layers, gen)
     full = chain_gemms(2 * args.rows, kernels)
     half_a, half_b = chain_gemms(args.rows, kernels), chain_gemms(args.rows, kernels)
     a_layers, b_layers = attn_a.layers, attn_b.layers  # type: ignore[attr-defined]
