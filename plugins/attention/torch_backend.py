@@ -81,6 +81,7 @@ class TorchAttention(AttentionBackend):
 
     name = "torch"
     supports_quantized_kv = True
+    supports_micro_batches = True  # no scratch: each launch allocates its own
 
     def __init__(self, config: EngineConfig, model_info: ModelInfo) -> None:
         self.num_heads = int(model_info.num_heads)

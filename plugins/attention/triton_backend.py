@@ -83,6 +83,7 @@ class TritonAttention(AttentionBackend):
     accepts_written_kv = True
     accepts_rope = True
     supports_quantized_kv = True
+    supports_micro_batches = True  # a decode scratch per lane (_decode_scratch)
 
     def __init__(self, config: EngineConfig, model_info: ModelInfo, **overrides: int) -> None:
         self.num_heads = int(model_info.num_heads)
@@ -171,10 +172,10 @@ class TritonAttention(AttentionBackend):
         # the prefill's tiles by whether the cache is fp8 (FP8_PREFILL where measured);
         # read here once: the prefill_* attributes set later change nothing
         self.prefill_tiles = prefill_tiles(settings, defaults, measured)
-        # Decode partials, flat fp32, rows = batch * num_splits(batch) at its largest.
-        self._part_out: torch.Tensor | None = None  # [rows * num_heads * head_dim]
-        self._part_lse: torch.Tensor | None = None  # [rows * num_heads]
-        self._counters: torch.Tensor | None = None  # [batch * num_kv_heads] int32, zero
+        # Decode partials, flat fp32, rows = batch * num_splits(batch) at its largest, and
+        # the split counters: one set per lane (``meta.extra["lane"]``), so that two
+        # micro-batches' launches running at once never share them.
+        self._scratch: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def num_splits(self, batch: int) -> int:
         """KV splits for a decode batch of ``batch`` requests: enough programs for
@@ -209,21 +210,25 @@ class TritonAttention(AttentionBackend):
         # Rows of [num_heads, head_dim] partials the largest batch needs.
         return max(b * self.num_splits(b) for b in range(1, max_batch + 1))
 
-    def _decode_scratch(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _decode_scratch(
+        self, batch: int, lane: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Lane ``lane``'s partials ``[rows * num_heads * head_dim]``, their log-sum-exps
+        ``[rows * num_heads]`` and its zeroed counters ``[batch * num_kv_heads]``, grown
+        (outside any graph capture: ``prepare``) to the largest batch seen."""
         rows = batch * self.num_splits(batch)
-        if self._part_out is None or self._part_out.numel() < rows * self.num_heads * self.head_dim:
+        part_out, part_lse, counters = self._scratch.get(lane, (None, None, None))
+        if part_out is None or part_out.numel() < rows * self.num_heads * self.head_dim:
             rows = max(rows, self._scratch_rows(max(batch, self.max_num_seqs)))
-            self._part_out = torch.empty(
-                rows * self.num_heads * self.head_dim, dtype=torch.float32, device=self.device
-            )
-            self._part_lse = torch.empty(
-                rows * self.num_heads, dtype=torch.float32, device=self.device
-            )
-        if self._counters is None or self._counters.numel() < batch * self.num_kv_heads:
+            f32 = {"dtype": torch.float32, "device": self.device}
+            part_out = torch.empty(rows * self.num_heads * self.head_dim, **f32)
+            part_lse = torch.empty(rows * self.num_heads, **f32)
+        if counters is None or counters.numel() < batch * self.num_kv_heads:
             size = max(batch, self.max_num_seqs) * self.num_kv_heads
-            self._counters = torch.zeros(size, dtype=torch.int32, device=self.device)
-        assert self._part_lse is not None
-        return self._part_out, self._part_lse, self._counters
+            counters = torch.zeros(size, dtype=torch.int32, device=self.device)
+        assert part_lse is not None
+        self._scratch[lane] = (part_out, part_lse, counters)
+        return part_out, part_lse, counters
 
     def _rope_in_decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
@@ -259,7 +264,7 @@ class TritonAttention(AttentionBackend):
             if self.prefill_fresh_16bit:
                 fresh_prefill.find_fresh(meta, num_decodes)
         if num_decodes:
-            self._decode_scratch(num_decodes)
+            self._decode_scratch(num_decodes, int(meta.extra.get("lane", 0)))
 
     def forward(
         self,
@@ -296,7 +301,8 @@ class TritonAttention(AttentionBackend):
             num_decodes = int(meta.extra.get("num_leading_decodes", 0))
         if num_decodes:
             quantized = kv_quant.is_quantized(k_cache.dtype)
-            part_out, part_lse, counters = self._decode_scratch(num_decodes)
+            lane = int(meta.extra.get("lane", 0))
+            part_out, part_lse, counters = self._decode_scratch(num_decodes, lane)
             decode = decode_attention
             if self.decode_fp8_mma and decode_fp8_mma.supports(q, k_cache, v_cache):
                 decode = self._decode_fp8_mma

@@ -5,7 +5,9 @@ of B sequences replays the smallest bucket >= B: its inputs are copied into stat
 buffers, padding rows write nowhere (slot -1) and read one KV token, and the
 logits are computed outside the graph on the first B rows. ``run_pack`` fills the
 inputs from one side-stream upload and one kernel (``graph_inputs``); ``run``, from a
-built batch's device tensors (the draft proposer's).
+built batch's device tensors (the draft proposer's). Buckets of at least
+``micro_batch_min`` requests (``[plugin.model]``, off by default) are captured as two
+half-batches on two streams (``micro_batches``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from tokenloom.plugins.executor.batch import DecodePack
 from tokenloom.plugins.executor.graph_inputs import SideUploads, scatter_decode_inputs
+from tokenloom.plugins.executor.micro_batches import MIN_HALF, forward_halves, half_metas
 from tokenloom.protocols.components.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -47,6 +50,8 @@ class DecodeGraphs:
         hidden_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        micro_batch_min: int = 0,
+        micro_batch_turns: bool = True,
     ) -> None:
         self.model = model
         self.attn = attn
@@ -66,6 +71,13 @@ class DecodeGraphs:
         self.uploads: SideUploads | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.metas: dict[int, AttentionMetadata] = {}
+        # two micro-batches from this many requests (0: never), where the backend and
+        # the model can (``micro_batches``); their metadata by bucket, and the side stream
+        micro = attn.supports_micro_batches and hasattr(model, "forward_steps")
+        self.micro_min = max(micro_batch_min, 2 * MIN_HALF) if micro and micro_batch_min else 0
+        self.micro_turns = micro_batch_turns
+        self.half_metas: dict[int, tuple[AttentionMetadata, AttentionMetadata]] = {}
+        self.side: torch.cuda.Stream | None = None
         self.capture_seconds = 0.0
 
     def _meta(self, bs: int) -> AttentionMetadata:
@@ -79,8 +91,26 @@ class DecodeGraphs:
             decode_only=True,
         )
 
+    def _plan(self, bs: int) -> None:
+        """Bucket ``bs``'s metadata, and its halves' where it runs two micro-batches, each
+        prepared (the backend sizes its decode scratch here, outside any capture)."""
+        meta = self.metas[bs] = self._meta(bs)
+        if self.micro_min and bs >= self.micro_min:
+            self.half_metas[bs] = half_metas(meta, bs // 2)
+            for half in self.half_metas[bs]:
+                self.attn.prepare(half)
+        else:
+            self.attn.prepare(meta)
+
     def _run(self, bs: int) -> None:
         meta = self.metas[bs]
+        halves = self.half_metas.get(bs)
+        if halves is not None:
+            forward_halves(
+                self.model, self.input_ids[:bs], self.positions[:bs], halves, self.attn,
+                self.kv_caches, self.hidden[:bs], self.side, self.micro_turns,
+            )  # fmt: skip
+            return
         ctx = ForwardContext(attn=self.attn, meta=meta, kv_caches=self.kv_caches)
         self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], ctx)
 
@@ -89,10 +119,12 @@ class DecodeGraphs:
         started = time.perf_counter()
         pool: Any = None
         for bs in reversed(self.sizes):
-            meta = self._meta(bs)
-            self.attn.prepare(meta)
-            self.metas[bs] = meta
-            self._run(bs)  # warm-up: Triton compiles and autotunes outside capture
+            self._plan(bs)
+            if bs in self.half_metas and self.side is None:
+                self.side = torch.cuda.Stream(self.input_ids.device)
+            # warm-up: Triton compiles and autotunes outside capture (and cuBLAS makes
+            # the side stream's workspace)
+            self._run(bs)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
@@ -113,10 +145,12 @@ class DecodeGraphs:
         )  # fmt: skip
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - started
+        micro = f", two micro-batches from batch {min(self.half_metas)}" if self.half_metas else ""
         log.info(
-            "captured %d decode CUDA graphs (batch 1..%d) in %.1fs",
+            "captured %d decode CUDA graphs (batch 1..%d%s) in %.1fs",
             len(self.graphs),
             self.max_bs,
+            micro,
             self.capture_seconds,
         )
 

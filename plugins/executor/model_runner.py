@@ -26,8 +26,8 @@ from tokenloom.plugins.executor import staging
 from tokenloom.plugins.executor.batch import BatchBuilder, FlatBatch
 from tokenloom.plugins.executor.cuda_graphs import DecodeGraphs
 from tokenloom.plugins.executor.memory_profile import profile_num_blocks
-from tokenloom.plugins.executor.parallel.symmetric import TensorParallelSettings
 from tokenloom.plugins.executor.prompt_logprobs import PromptLogprobs
+from tokenloom.plugins.executor.settings import ModelExecutorSettings
 from tokenloom.plugins.executor.speculative import SpeculativeDecoder, speculation_configured
 from tokenloom.plugins.executor.verify_graphs import VerifyGraphs, verify_batch_sizes
 from tokenloom.plugins.models import parallel
@@ -191,6 +191,17 @@ class ModelRunner(Executor):
         gain = 2 * info.num_layers * plain / self.kv_bytes_per_block(block_size)
         return f"{name} with per-token-head scales, {gain:.2f}x the {model} blocks"
 
+    def _micro_batches(self) -> tuple[int, bool]:
+        """``[plugin.model]``'s micro_batch_min (0 under tensor parallelism: the halves'
+        collectives would share one communicator) and micro_batch_turns."""
+        from tokenloom.config import plugin_settings
+
+        settings = plugin_settings(self.config, "model", ModelExecutorSettings)
+        if settings.micro_batch_min and self.group.size > 1:
+            log.warning("micro_batch_min: one GPU only; off under tensor parallelism")
+            return 0, settings.micro_batch_turns
+        return settings.micro_batch_min, settings.micro_batch_turns
+
     def _capture_graphs(self) -> None:
         before = torch.cuda.memory_allocated()
         max_len = self.config.max_model_len or self.info.max_model_len
@@ -204,6 +215,7 @@ class ModelRunner(Executor):
             self.info.hidden_size,
             self.dtype,
             self.device,
+            *self._micro_batches(),
         )
         self.graphs.capture()
         self.verify_graphs = self._verify_graphs(-(-max_len // self.block_size), max_len)
@@ -344,6 +356,6 @@ def tokenloom_register_components() -> list[ComponentSpec]:
             "model",
             make_executor,
             "model runner, CUDA graphs, tensor parallel",
-            settings=TensorParallelSettings,
+            settings=ModelExecutorSettings,
         )
     ]

@@ -9,6 +9,7 @@ through ``ctx.attn`` over the paged KV cache of each layer.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -291,10 +292,26 @@ class LlamaModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
+        steps = self.forward_steps(input_ids, positions, ctx)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+
+    def forward_steps(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> Generator[None, None, torch.Tensor]:
+        """``forward`` one decoder layer a step: launches the embedding and the first
+        layer, yields, the next layer, ... and returns the final hidden states with the
+        last layer and the final norm. The executor interleaves two micro-batches' steps
+        (``plugins.executor.micro_batches``)."""
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary(positions)
         residual: torch.Tensor | None = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if i:
+                yield
             hidden, residual = layer(rope, hidden, residual, ctx)
         assert residual is not None  # there is at least one layer
         hidden, _ = self.norm.add_and_norm(hidden, residual)
@@ -329,6 +346,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids [T] int32 or int64, positions [T] int64 -> hidden [T, hidden]."""
         return self.model(input_ids, positions, ctx)
+
+    def forward_steps(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> Generator[None, None, torch.Tensor]:
+        """``forward`` a decoder layer at a time (``LlamaModel.forward_steps``)."""
+        return self.model.forward_steps(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32, the full vocabulary on every

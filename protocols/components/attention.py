@@ -64,6 +64,11 @@ class AttentionBackend(ABC):
     # ``[heads, D, tokens]``, behind the same ``[blocks, tokens, heads, D]`` view (its
     # strides differ: ``kv_quant.v_transposed``); the executor allocates the pool so.
     fp8_values_transposed: bool = False
+    # True when two decode launches of one step may run at once on two CUDA streams,
+    # each with its own metadata (two micro-batches: ``plugins.executor.micro_batches``):
+    # a launch keeps whatever scratch it writes apart per ``meta.extra["lane"]`` (0 or 1,
+    # absent = 0), which ``prepare`` sees first.
+    supports_micro_batches: bool = False
 
     def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027
         """Called once per step before the forward pass; may fill ``meta.extra``."""

@@ -41,6 +41,10 @@
 #   t39q / fold39 / ba39: the fp8 activation quantization folded into the norm and
 #           SiLU-and-mul (TOKENLOOM_FP8_FOLD_QUANT): GPU tests, the workload off / on, bench
 #           latency / throughput before / after
+#   t40 / mbt40 / mb40 / ba40: session 40's two micro-batches a decode step ([plugin.model]
+#           micro_batch_min, opt-in): its GPU tests; the default workload and the issue's
+#           workload with it off / on (MB: the smallest bucket split, TURNS=0: no turns);
+#           fp8 bench latency / throughput before / after (the default path: no change)
 #   (since session 37 the fp8 defaults are MMA_DECODE's and FP8_PREFILL's: kern36's and
 #   wide36's "default" is then kern36's best, and pre37's before variants set 3 stages)
 #   ba35    fp8 weights + fp8 KV bench latency / throughput, before / after
@@ -244,6 +248,31 @@ for step in "$@"; do
         bench latency fp8-before$i before fp8 --kv-cache-dtype fp8
         bench latency fp8-after$i after fp8 --kv-cache-dtype fp8
       done
+      bench throughput fp8-before before fp8 --kv-cache-dtype fp8
+      bench throughput fp8-after after fp8 --kv-cache-dtype fp8 ;;
+    t40)  # session 40: two micro-batches in one decode graph (two streams), and the graph
+      # decode path's GPU tests
+      py after -m pytest -q -s -m gpu -p no:cacheprovider tests/plugins/executor/test_micro_batches.py \
+        tests/plugins/executor/test_graph_decode_path.py tests/plugins/executor/test_verify_graphs.py \
+        > "$OUT/a-t40.log" 2>&1
+      echo "t40 rc=$?"; tail -3 "$OUT/a-t40.log" ;;
+    mbt40)  # the default workload (fits an H100), fp8 + fp8 KV, micro-batches off / on
+      MBO=(--plugin-option model.micro_batch_min=${MB:-128})
+      [ "${TURNS:-1}" = 0 ] && MBO+=(--plugin-option model.micro_batch_turns=false)
+      for i in $(seq ${PAIRS:-1}); do
+        bench throughput mbt40-off$i after fp8 --kv-cache-dtype fp8
+        bench throughput mbt40-on$i after fp8 --kv-cache-dtype fp8 "${MBO[@]}"
+      done ;;
+    mb40)  # the issue's workload (600 x 1,000 / 1,000, an H200), micro-batches off / on
+      MBO=(--plugin-option model.micro_batch_min=${MB:-256})
+      [ "${TURNS:-1}" = 0 ] && MBO+=(--plugin-option model.micro_batch_turns=false)
+      for i in $(seq ${PAIRS:-1}); do
+        bench throughput mb40-off$i after fp8 "${WIDE[@]}"
+        bench throughput mb40-on$i after fp8 "${WIDE[@]}" "${MBO[@]}"
+      done ;;
+    ba40)  # before (.snap/before.tar, f6be4af) / after, fp8 weights + fp8 KV, the defaults
+      bench latency fp8-before before fp8 --kv-cache-dtype fp8
+      bench latency fp8-after after fp8 --kv-cache-dtype fp8
       bench throughput fp8-before before fp8 --kv-cache-dtype fp8
       bench throughput fp8-after after fp8 --kv-cache-dtype fp8 ;;
     ovl39)  # session 39: the decode step as one chain against two half-batch chains on two

@@ -15,20 +15,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import msgspec
 import torch
 import torch.distributed as dist
 
+from tokenloom.plugins.executor.settings import ModelExecutorSettings
 from tokenloom.plugins.models.cuda_timing import median_cuda_us
 
 log = logging.getLogger("tokenloom.executor.parallel")
-
-
-class TensorParallelSettings(msgspec.Struct, forbid_unknown_fields=True):
-    """``[plugin.model]``, the ``model`` executor's table (its ComponentSpec declares
-    this Struct, so a mistyped key fails before weights load)."""
-
-    symm_mem_all_reduce: bool = False
 
 
 TUNE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -89,7 +82,7 @@ def enable(group: Any, config: Any, hidden: int, dtype: torch.dtype) -> None:
     point of its start-up."""
     from tokenloom.config import plugin_settings
 
-    wanted = plugin_settings(config, "model", TensorParallelSettings).symm_mem_all_reduce
+    wanted = plugin_settings(config, "model", ModelExecutorSettings).symm_mem_all_reduce
     if group.backend != "nccl" or not wanted:
         return
     symmetric = SymmetricAllReduce(config.max_num_seqs, hidden, dtype)

@@ -1,0 +1,21 @@
+"""``[plugin.model]``: the ``model`` executor's settings table."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class ModelExecutorSettings(msgspec.Struct, forbid_unknown_fields=True):
+    """``[plugin.model]`` (bench: ``--plugin-option model.KEY=VALUE``). The executor's
+    ComponentSpec declares this Struct, so a mistyped key fails before weights load."""
+
+    # a one-shot all-reduce through symmetric memory for decode's small messages, NCCL
+    # groups only (``parallel.symmetric``)
+    symm_mem_all_reduce: bool = False
+    # decode CUDA graphs of at least this many requests run the step as two half-batches
+    # on two streams, the attention of one beside the projections of the other
+    # (``micro_batches``); 0: off. One GPU only (no tensor parallelism yet).
+    micro_batch_min: int = 0
+    # with micro-batches, the two halves take turns at the attention (one half's
+    # attention never runs beside the other's); False lets both streams run free
+    micro_batch_turns: bool = True

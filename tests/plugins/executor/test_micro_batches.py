@@ -1,0 +1,196 @@
+"""Two micro-batches in one decode step (``plugins.executor.micro_batches``): the halves'
+metadata, the model's layer-by-layer forward, and the tokens of a step run as two halves
+against the same step whole. On the CPU the halves run one after the other on one stream
+(the arithmetic and the metadata; the Triton backend through the interpreter, with its
+decode scratch per lane); on a GPU in one CUDA graph on two streams."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenloom import LLM, SamplingParams
+from tokenloom.plugins.executor import cuda_graphs, micro_batches
+from tokenloom.plugins.executor.cuda_graphs import DecodeGraphs
+from tokenloom.plugins.executor.micro_batches import half_metas
+from tokenloom.protocols.components.attention import AttentionMetadata
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _decode_meta(rows: int) -> AttentionMetadata:
+    return AttentionMetadata(
+        slot_mapping=torch.arange(rows) * 16,
+        query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
+        seq_lens=torch.arange(1, rows + 1, dtype=torch.int32),
+        block_tables=torch.arange(rows * 3, dtype=torch.int32).view(rows, 3),
+        max_query_len=1,
+        max_seq_len=64,
+        decode_only=True,
+        extra={"kept": 1},
+    )
+
+
+def test_half_metas_are_views_of_each_half_on_their_own_lanes() -> None:
+    meta = _decode_meta(6)
+    first, second = half_metas(meta, 4)
+    assert first.seq_lens.tolist() == [1, 2, 3, 4] and second.seq_lens.tolist() == [5, 6]
+    assert second.slot_mapping.tolist() == [64, 80]
+    assert torch.equal(second.block_tables, meta.block_tables[4:])
+    assert first.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert second.query_start_loc.tolist() == [0, 1, 2]
+    assert (first.extra, second.extra) == ({"kept": 1, "lane": 0}, {"kept": 1, "lane": 1})
+    assert meta.extra == {"kept": 1}  # the step's own metadata is untouched
+    second.seq_lens.fill_(9)  # views: the graph's static buffers feed both halves
+    assert meta.seq_lens[4:].tolist() == [9, 9]
+    with pytest.raises(ValueError, match="decode"):
+        half_metas(AttentionMetadata(**{**meta.__dict__, "decode_only": False}), 3)
+    with pytest.raises(ValueError, match="half"):
+        half_metas(meta, 6)
+
+
+def test_the_model_s_steps_are_its_forward(tiny_model_factory) -> None:
+    """``forward_steps`` yields between decoder layers (one fewer yield than layers) and
+    returns what ``forward`` returns."""
+    llm = LLM(str(tiny_model_factory("llama")), dtype="float32", attention="torch")
+    try:
+        runner = llm.engine.executor
+        model = runner.model
+        layers = len(model.model.layers)
+        calls: list[int] = []
+        for i, layer in enumerate(model.model.layers):
+            layer.register_forward_pre_hook(lambda *_, i=i: calls.append(i))
+        steps = model.forward_steps(torch.tensor([5]), torch.tensor([0]), _empty_context(runner))
+        yields = 0
+        while True:
+            try:
+                next(steps)
+                yields += 1
+                assert calls == list(range(yields))  # a layer a step
+            except StopIteration as done:
+                hidden = done.value
+                break
+        assert yields == layers - 1 and calls == list(range(layers))
+        assert hidden.shape == (1, runner.info.hidden_size)
+    finally:
+        llm.shutdown()
+
+
+def _empty_context(runner):  # type: ignore[no-untyped-def]
+    from tokenloom.protocols.components.attention import ForwardContext
+
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([0]), query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens=torch.tensor([1], dtype=torch.int32),
+        block_tables=torch.zeros(1, 1, dtype=torch.int32), max_query_len=1, max_seq_len=16,
+        decode_only=True, query_lens_cpu=[1], seq_lens_cpu=[1],
+    )  # fmt: skip
+    runner.attn.prepare(meta)
+    return ForwardContext(runner.attn, meta, runner.kv_caches)
+
+
+class EagerGraphs(DecodeGraphs):
+    """``DecodeGraphs`` whose "replay" runs the captured forward eagerly on the static
+    buffers (no CUDA: the halves one after the other on one stream)."""
+
+    def capture(self) -> None:
+        for bs in self.sizes:
+            self._plan(bs)
+            self.graphs[bs] = None  # type: ignore[assignment]
+
+    def _upload(self, host: torch.Tensor) -> torch.Tensor:
+        return host
+
+    def _replay(self, bs: int) -> None:
+        self._run(bs)
+
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13], [20], list(range(30, 47)), [3, 4], [40, 41, 42, 43]]
+
+
+def _cpu_tokens(model: str, attention: str, micro: int, halves: list[int]) -> list[list[int]]:
+    llm = LLM(model, dtype="float32", attention=attention, max_num_seqs=8)
+    try:
+        runner = llm.engine.executor
+        runner.graphs = EagerGraphs(
+            runner.model, runner.attn, runner.kv_caches, 8, 64 // runner.block_size, 64,
+            runner.info.hidden_size, runner.dtype, runner.device, micro_batch_min=micro,
+        )  # fmt: skip
+        runner.graphs.capture()
+        run = runner.graphs._run
+
+        def counted(bs: int) -> None:
+            if bs in runner.graphs.half_metas:
+                halves.append(bs)
+            run(bs)
+
+        runner.graphs._run = counted  # type: ignore[method-assign]
+        params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        if attention == "triton" and micro:
+            assert set(runner.attn._scratch) == {0, 1}  # lane 1's scratch apart
+        return [list(o.outputs[0].token_ids) for o in outs]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("attention", ["torch", "triton"])
+def test_two_halves_give_the_whole_step_s_tokens(attention, tiny_model_factory, monkeypatch):
+    """Buckets of 4 and 8 requests as two halves (the rows' floor lowered for a tiny
+    batch): the same greedy tokens as each step whole."""
+    monkeypatch.setattr(cuda_graphs, "MIN_HALF", 2)
+    model = str(tiny_model_factory("llama"))
+    whole: list[int] = []
+    halves: list[int] = []
+    expected = _cpu_tokens(model, attention, 0, whole)
+    got = _cpu_tokens(model, attention, 4, halves)
+    assert not whole and halves and set(halves) <= {4, 8}
+    assert 8 in halves  # six requests decode together in the 8-request bucket
+    assert got == expected
+
+
+def test_micro_batches_need_a_backend_that_keeps_lanes_apart(tiny_model_factory) -> None:
+    llm = LLM(str(tiny_model_factory("llama")), dtype="float32", attention="torch")
+    try:
+        runner = llm.engine.executor
+
+        def graphs() -> DecodeGraphs:
+            return EagerGraphs(
+                runner.model, runner.attn, runner.kv_caches, 128, 4, 64,
+                runner.info.hidden_size, runner.dtype, runner.device, micro_batch_min=16,
+            )  # fmt: skip
+
+        assert graphs().micro_min == 2 * micro_batches.MIN_HALF  # raised to the rows' floor
+        runner.attn.supports_micro_batches = False  # an instance attribute, this test only
+        assert graphs().micro_min == 0
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs on two streams")
+@pytest.mark.parametrize("turns", [True, False])
+def test_two_streams_in_one_graph_give_the_whole_step_s_tokens(turns, tiny_model_factory):
+    """A tiny fp32 Llama, 80 requests at once (the 80-request bucket as two halves of 40,
+    each on its own stream in one CUDA graph, taking turns at the attention or not):
+    the greedy tokens of the graphs without micro-batches."""
+    model = str(tiny_model_factory("llama", hidden_size=256, intermediate_size=512,
+                                   num_heads=4, num_kv_heads=2))  # fmt: skip
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(1 + i % 23)] for i in range(80)]
+
+    def tokens(micro: int) -> tuple[list[list[int]], DecodeGraphs]:
+        plugin = {"model": {"micro_batch_min": micro, "micro_batch_turns": turns}}
+        llm = LLM(model, dtype="float32", device="cuda", attention="triton", max_num_seqs=80,
+                  plugin=plugin)  # fmt: skip
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            graphs = llm.engine.executor.graphs
+            return [list(o.outputs[0].token_ids) for o in outs], graphs
+        finally:
+            llm.shutdown()
+
+    whole, plain = tokens(0)
+    split, graphs = tokens(64)
+    assert not plain.half_metas and 80 in graphs.half_metas and graphs.side is not None
+    assert split == whole
