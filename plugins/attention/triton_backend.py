@@ -57,7 +57,7 @@ from tokenloom.plugins.attention.triton_settings import (
     mma_decode_tiles,
     prefill_tiles,
 )
-from tokenloom.plugins.models import fused_ops
+from tokenloom.plugins.models import rope_ops
 from tokenloom.plugins.models.pdl import pdl_on
 from tokenloom.protocols.components.attention import (
     AttentionBackend,
@@ -289,7 +289,7 @@ class TritonAttention(AttentionBackend):
                 decode_rope = DecodeRope(k, v, *rope.as_tuple(), meta.slot_mapping)
             else:
                 kv_write = (v, k_cache, v_cache, meta.slot_mapping)
-                fused_ops.qk_norm_rope_(q, k, *rope.as_tuple(), kv_write)
+                rope_ops.qk_norm_rope_(q, k, *rope.as_tuple(), kv_write)
             kv_written = True
         if not kv_written:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)

@@ -174,14 +174,14 @@ class LlamaAttention(nn.Module):
             # the backend norms, rotates and stores k/v (in its decode kernel: none here)
             written["rope"] = RopeInputs(*rope, q_w, k_w, eps)
         elif q.is_cuda:
-            from tokenloom.plugins.models import fused_ops
+            from tokenloom.plugins.models import rope_ops
 
             # The backend may let the rope kernel write the KV cache (one kernel less).
             kv_write = None
             if ctx.attn.accepts_written_kv:
                 kv_write = (v, k_cache, v_cache, ctx.meta.slot_mapping)
                 written["kv_written"] = True
-            fused_ops.qk_norm_rope_(q, k, *rope, q_w, k_w, eps, kv_write)  # in place, in qkv
+            rope_ops.qk_norm_rope_(q, k, *rope, q_w, k_w, eps, kv_write)  # in place, in qkv
         else:
             if self.q_norm is not None and self.k_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)

@@ -4,7 +4,7 @@ Each program rotates its query heads (with Qwen3's per-head RMSNorm first); the
 program whose KV slice ends at the new token also norms and rotates the new key and
 stores it and the value in the cache, then waits at a barrier so that its own loop
 reads them back. The other splits of the request never read that slot. The
-arithmetic is the rope kernel's (``fused_ops.norm_rope``): bit-equal in the interpreter;
+arithmetic is the rope kernel's (``rope_ops.norm_rope``): bit-equal in the interpreter;
 on the GPU the q/k norm's sum may reduce in another order. 16-bit or fp32 contiguous caches, head sizes that are powers of two.
 """
 
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenloom.plugins.models.fused_ops import norm_rope
+from tokenloom.plugins.models.rope_ops import norm_rope
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 are still in registers.
 
 At batch 1 a decoder layer ran a rope kernel between the q/k/v GEMV and the attention
-(``fused_ops.qk_norm_rope_``: rotate q and k in place, store k and v): 1.56 us on the
+(``rope_ops.qk_norm_rope_``: rotate q and k in place, store k and v): 1.56 us on the
 critical path of a Llama-3-8B layer on an H200 (session 24's profile), 50 us a step,
 nearly all of it the kernel boundary. Here a program of the GEMV takes ``BLOCK_N / 2``
 rows of one head's first half and the same rows of its second half (the pairs
@@ -17,7 +17,7 @@ made Triton lay out the accumulator differently (another order of the sums); the
 below keep the plain kernel's layout. Its second version was still off by one bf16 ulp in
 the heads' second halves on the H200: LLVM had folded one product of the rotation and
 the add into an ``fma.rn.bf16``, a different product here than in the rope kernel.
-``fused_ops.rotate_half`` (one rotation for both) rounds every product once. Measured
+``rope_ops.rotate_half`` (one rotation for both) rounds every product once. Measured
 (session 25, H200, Llama-3-8B, alternated twice): 1.729 -> 1.713 ms a step (-16 us); the
 GPU tests pass bit for bit.
 """
@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenloom.plugins.models.fused_ops import rotate_half
+from tokenloom.plugins.models.rope_ops import rotate_half
 from tokenloom.protocols.components.quant import QkvRope
 
 
@@ -39,7 +39,7 @@ def _rope_epilogue(y, y_ptr, offs_n, row, cos_ptr, sin_ptr, k_cache_ptr, v_cache
                    HALF: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_Q: tl.constexpr,
                    NUM_KV: tl.constexpr):  # fmt: skip
     """``y`` = rows ``row + [0, HALF)`` then the same rows ``D / 2`` on, of one head
-    (``offs_n``): stored rotated (q and k heads; rounded where ``fused_ops.norm_rope``
+    (``offs_n``): stored rotated (q and k heads; rounded where ``rope_ops.norm_rope``
     rounds, so the result is the unfused GEMV-then-rope's to the bit), and a k or v head
     also into its cache. The pairs meet through the output itself (stored, a barrier,
     reloaded as two halves): a reshape of ``y`` made Triton lay the GEMV's accumulator

@@ -10,7 +10,7 @@ from paged_batches import make_batch, model_info, relative_error
 
 from tokenloom.config import EngineConfig
 from tokenloom.plugins.attention.triton_backend import TritonAttention
-from tokenloom.plugins.models import fused_ops
+from tokenloom.plugins.models import rope_ops
 from tokenloom.protocols.components.attention import RopeInputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -61,8 +61,8 @@ def test_rope_in_the_decode_kernel_equals_the_rope_kernel_then_attention(
     )  # fmt: skip
     rope = rope_inputs(batch, qk_norm)
     calls = []
-    real = fused_ops.qk_norm_rope_
-    monkeypatch.setattr(fused_ops, "qk_norm_rope_", lambda *a: calls.append(1) or real(*a))
+    real = rope_ops.qk_norm_rope_
+    monkeypatch.setattr(rope_ops, "qk_norm_rope_", lambda *a: calls.append(1) or real(*a))
 
     out, k_cache, v_cache = run(batch, rope, decode_rope_min_batch=1)  # in the decode kernel
     assert not calls
@@ -84,8 +84,8 @@ def test_rope_in_the_decode_kernel_equals_the_rope_kernel_then_attention(
 def test_mixed_batches_fall_back_to_the_rope_kernel(monkeypatch):
     batch = make_batch([1, 3], [9, 20], num_heads=4, num_kv_heads=2, head_dim=32, device=DEVICE)
     calls = []
-    real = fused_ops.qk_norm_rope_
-    monkeypatch.setattr(fused_ops, "qk_norm_rope_", lambda *a: calls.append(1) or real(*a))
+    real = rope_ops.qk_norm_rope_
+    monkeypatch.setattr(rope_ops, "qk_norm_rope_", lambda *a: calls.append(1) or real(*a))
     rope = rope_inputs(batch, True)
     out, k_cache, v_cache = run(batch, rope, decode_rope_min_batch=1)
     assert calls == [1]
@@ -103,8 +103,8 @@ def test_mixed_batches_fall_back_to_the_rope_kernel(monkeypatch):
 def test_decode_batches_below_the_minimum_take_the_rope_kernel(monkeypatch):
     batch = make_batch([1, 1], [9, 20], num_heads=4, num_kv_heads=2, head_dim=32, device=DEVICE)
     calls = []
-    real = fused_ops.qk_norm_rope_
-    monkeypatch.setattr(fused_ops, "qk_norm_rope_", lambda *a: calls.append(1) or real(*a))
+    real = rope_ops.qk_norm_rope_
+    monkeypatch.setattr(rope_ops, "qk_norm_rope_", lambda *a: calls.append(1) or real(*a))
     run(batch, rope_inputs(batch, False), decode_rope_min_batch=3)
     assert calls == [1]
     run(batch, rope_inputs(batch, False), decode_rope_min_batch=2)
@@ -117,8 +117,8 @@ def test_heads_below_32_take_the_rope_kernel(monkeypatch):
     graphs from 64 rows up failed to compile on the H200 (the quant engine test)."""
     batch = make_batch([1, 1], [9, 20], num_heads=4, num_kv_heads=2, head_dim=16, device=DEVICE)
     calls = []
-    real = fused_ops.qk_norm_rope_
-    monkeypatch.setattr(fused_ops, "qk_norm_rope_", lambda *a: calls.append(1) or real(*a))
+    real = rope_ops.qk_norm_rope_
+    monkeypatch.setattr(rope_ops, "qk_norm_rope_", lambda *a: calls.append(1) or real(*a))
     out, _, _ = run(batch, rope_inputs(batch, False), decode_rope_min_batch=1)
     assert calls == [1]
     assert torch.isfinite(out[:2]).all()

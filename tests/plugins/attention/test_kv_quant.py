@@ -22,7 +22,7 @@ from tokenloom.plugins.attention.torch_backend import TorchAttention, gather_kv,
 from tokenloom.plugins.attention.triton_backend import TritonAttention
 from tokenloom.plugins.attention.triton_kernels import decode_fp8_mma
 from tokenloom.plugins.attention.triton_kernels.kv_write import write_kv
-from tokenloom.plugins.models import fused_ops
+from tokenloom.plugins.models import rope_ops
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # on a GPU these are GPU tests (the kernels run there), so `pytest -m gpu` selects them
@@ -214,7 +214,7 @@ def test_fused_rope_kernel_writes_the_quantized_rotated_keys_and_values(dtype, t
     angles = torch.rand(tokens, 1, head_dim // 2, generator=torch.Generator().manual_seed(1))
     cos, sin = angles.cos().half().to(DEVICE), angles.sin().half().to(DEVICE)
     kv_write = (batch.v, k_cache, v_cache, batch.meta.slot_mapping)
-    fused_ops.qk_norm_rope_(batch.q, batch.k, cos, sin, kv_write=kv_write)  # rotates k
+    rope_ops.qk_norm_rope_(batch.q, batch.k, cos, sin, kv_write=kv_write)  # rotates k
     write_kv_cache(batch.k, batch.v, ref_k, ref_v, batch.meta.slot_mapping)
     assert_same_quantized(k_cache, ref_k, dtype)
     assert_same_quantized(v_cache, ref_v, dtype)

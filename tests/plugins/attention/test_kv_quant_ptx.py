@@ -23,7 +23,7 @@ import triton
 
 from tokenloom.plugins.attention import kv_quant
 from tokenloom.plugins.attention.triton_kernels import kv_write
-from tokenloom.plugins.models import fused_ops
+from tokenloom.plugins.models import rope_ops
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 pytestmark = pytest.mark.skipif(not PTXAS.exists(), reason="Triton's NVIDIA backend is absent")
@@ -87,7 +87,7 @@ def fused_rope_ptx(cache: str) -> str:
     pointers |= dict.fromkeys(["k_cache_ptr", "v_cache_ptr"], cache)
     pointers |= {"k_scale_ptr": "fp32", "v_scale_ptr": "fp32"}
     return compile_ptx(
-        fused_ops._qk_norm_rope_kernel,
+        rope_ops._qk_norm_rope_kernel,
         pointers,
         dict(
             NUM_Q=32,

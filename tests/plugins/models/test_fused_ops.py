@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenloom.plugins.models import fused_ops
+from tokenloom.plugins.models import fused_ops, rope_ops
 from tokenloom.plugins.models.layers import RMSNorm
 from tokenloom.plugins.models.rope import apply_rotary
 
@@ -65,7 +65,7 @@ def test_qk_norm_rope_in_place_equals_norm_then_rotary(dtype, with_norm):
     q_dev = qkv_dev[:, : hq * d].view(tokens, hq, d)
     k_dev = qkv_dev[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)
     weights = (q_norm.weight.to(DEVICE), k_norm.weight.to(DEVICE)) if with_norm else (None, None)
-    fused_ops.qk_norm_rope_(q_dev, k_dev, cos.to(DEVICE), sin.to(DEVICE), *weights, eps=1e-6)
+    rope_ops.qk_norm_rope_(q_dev, k_dev, cos.to(DEVICE), sin.to(DEVICE), *weights, eps=1e-6)
     tol = 4 * _tol(dtype)
     torch.testing.assert_close(q_dev.cpu(), eq, rtol=tol, atol=tol)
     torch.testing.assert_close(k_dev.cpu(), ek, rtol=tol, atol=tol)
@@ -86,7 +86,7 @@ def test_qk_norm_rope_can_write_the_rotated_keys_and_values_into_the_paged_cache
     k_cache = torch.zeros(blocks, bs, hkv, d, dtype=dtype, device=DEVICE)
     v_cache = torch.zeros_like(k_cache)
     slots = torch.tensor([13, 2, -1, 7, 0], device=DEVICE)  # -1: a padding row, skipped
-    fused_ops.qk_norm_rope_(q, k, cos, sin, kv_write=(v, k_cache, v_cache, slots))
+    rope_ops.qk_norm_rope_(q, k, cos, sin, kv_write=(v, k_cache, v_cache, slots))
     flat_k, flat_v = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
     for token, slot in enumerate(slots.tolist()):
         if slot >= 0:

@@ -1,6 +1,6 @@
 """The merged q/k/v projection's one-row int4 GEMV with the rotation and the cache stores
 in its epilogue (``int4_qkv_rope``) equals, to the bit, the same GEMV then the rope
-kernel (``fused_ops.qk_norm_rope_`` writing the cache): the indexing of head pairs, the
+kernel (``rope_ops.qk_norm_rope_`` writing the cache): the indexing of head pairs, the
 rounding, the slots. In the interpreter on the CPU (fp32, fp16), its PTX on the GPU at
 the Llama-3-8B shape (bf16)."""
 
@@ -11,7 +11,7 @@ import torch
 from test_int4_gemv_h2 import _x
 from test_int4_gemv_nk import CUDA, DEVICE, DTYPES, _layer
 
-from tokenloom.plugins.models import fused_ops
+from tokenloom.plugins.models import rope_ops
 from tokenloom.plugins.quant.kernels.gemm_config import GemmConfig
 from tokenloom.plugins.quant.kernels.int4_gemv_nk import int4_nk_fused, launch_int4_nk
 from tokenloom.plugins.quant.kernels.int4_qkv_rope import rope_fits
@@ -42,7 +42,7 @@ def rope_kernel(y, rope):
     hq, hkv, d = rope.num_q_heads, rope.num_kv_heads, rope.head_dim
     q, k, v = y.split((hq * d, hkv * d, hkv * d), dim=1)
     k_cache, v_cache = torch.zeros_like(rope.k_cache), torch.zeros_like(rope.v_cache)
-    fused_ops.qk_norm_rope_(
+    rope_ops.qk_norm_rope_(
         q.view(1, hq, d), k.view(1, hkv, d), rope.cos.unsqueeze(1), rope.sin.unsqueeze(1),
         kv_write=(v.view(1, hkv, d), k_cache, v_cache, rope.slot_mapping),
     )  # fmt: skip

@@ -55,7 +55,7 @@ def test_silu_in_the_epilogue_matches_silu_of_the_reference(dtype, n, k, block_n
 
 
 def _check_rope(x, qweight, scales, bias, tiling, biased, rope):
-    """The epilogue against the GEMV then ``fused_ops.qk_norm_rope_``, to the bit."""
+    """The epilogue against the GEMV then ``rope_ops.qk_norm_rope_``, to the bit."""
     block_n, block_k, warps = tiling
     args = (x, qweight, scales, bias, block_n, block_k, warps, 1, biased)
     y = launch_int8_nk(*args, rope=rope)
