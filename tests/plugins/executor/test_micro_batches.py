@@ -89,6 +89,52 @@ def _empty_context(runner):  # type: ignore[no-untyped-def]
     return ForwardContext(runner.attn, meta, runner.kv_caches)
 
 
+def test_attention_launches_take_turns_across_streams(monkeypatch) -> None:
+    """``TakeTurns``: the first launch waits on nothing; each later one, on whichever
+    stream, waits on the event its predecessor recorded (CUDA's streams and events
+    stood in for by recorders)."""
+    log: list[tuple[str, ...]] = []
+
+    class Event:
+        count = 0
+
+        def __init__(self) -> None:
+            Event.count += 1
+            self.name = f"e{Event.count}"
+
+        def record(self, stream: Stream) -> None:
+            log.append(("record", self.name, stream.name))
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait_event(self, event: Event) -> None:
+            log.append(("wait", self.name, event.name))
+
+    current = [Stream("a")]
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: current[0])
+
+    class Backend:
+        name = "inner"
+
+        def forward(self, x: str) -> str:
+            log.append(("attend", current[0].name, x))
+            return x
+
+    turns = micro_batches.TakeTurns(Backend())  # type: ignore[arg-type]
+    assert turns.name == "inner"  # every other attribute is the backend's
+    for stream, x in (("a", "A0"), ("b", "B0"), ("a", "A1")):
+        current[0] = Stream(stream)
+        assert turns.forward(x) == x
+    assert log == [
+        ("attend", "a", "A0"), ("record", "e1", "a"),
+        ("wait", "b", "e1"), ("attend", "b", "B0"), ("record", "e2", "b"),
+        ("wait", "a", "e2"), ("attend", "a", "A1"), ("record", "e3", "a"),
+    ]  # fmt: skip
+
+
 class EagerGraphs(DecodeGraphs):
     """``DecodeGraphs`` whose "replay" runs the captured forward eagerly on the static
     buffers (no CUDA: the halves one after the other on one stream)."""
