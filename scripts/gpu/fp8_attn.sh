@@ -41,6 +41,7 @@
 #   t39q / fold39 / ba39: the fp8 activation quantization folded into the norm and
 #           SiLU-and-mul (TOKENLOOM_FP8_FOLD_QUANT): GPU tests, the workload off / on, bench
 #           latency / throughput before / after
+#   auto40  session 40's steps for whichever GPU comes (see below)
 #   t40 / mbt40 / mb40 / ba40: session 40's two micro-batches a decode step ([plugin.model]
 #           micro_batch_min, opt-in): its GPU tests; the default workload and the issue's
 #           workload with it off / on (MB: the smallest bucket split, TURNS=0: no turns);
@@ -112,6 +113,15 @@ sweep() {  # sweep N CFG...: the fp8-MMA decode per layer at 128 and 512 rows fo
 }
 WIDE=(--kv-cache-dtype fp8 --num-prompts 600 --min-len 1000 --max-len 1000 --max-num-seqs 640
       --max-graph-batch 640)
+if [ "${1:-}" = auto40 ]; then  # session 40 in one call on whichever GPU comes: the tests,
+  # then on an H200 the issue's workload and the default one, micro-batches off / on;
+  # elsewhere the default workload, before / after, and the chains probe at carveout 0
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    set -- t40 mb40 mbt40
+  else
+    export CARVEOUTS=${CARVEOUTS:-0}; set -- t40 mbt40 ba40 ovl39
+  fi
+fi
 for step in "$@"; do
   echo "[$(date +%T)] === $step"
   case $step in
