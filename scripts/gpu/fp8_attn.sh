@@ -72,8 +72,8 @@ bench() {  # bench latency|throughput TAG TREE QUANT [ARGS...]: one bench, its f
   local name=${kind:0:3} runs=3 limit=200
   [ "$kind" = throughput ] && runs=1 limit=300
   py "$tree" -m tokenloom bench "$kind" --model llama-3-8b --quant "$q" --runs $runs \
-    --out "$OUT/$name-$tag.json" "$@" > "$OUT/$name-$tag.log" 2>&1 \
-    || { echo "$name $tag failed"; tail -5 "$OUT/$name-$tag.log"; }
+    --out "$OUT/$name-$tag.json" "$@" > "${LOGS:-$OUT}/$name-$tag.log" 2>&1 \
+    || { echo "$name $tag failed"; tail -5 "${LOGS:-$OUT}/$name-$tag.log"; }
   python3 -c "import json; d = json.load(open('$OUT/$name-$tag.json')); \
 print('$name $tag', round(d['step_ms'], 4) if '$name' == 'lat' else \
 round(d['tokenloom']['output_tokens_per_s'], 1))" 2>/dev/null
@@ -116,6 +116,8 @@ WIDE=(--kv-cache-dtype fp8 --num-prompts 600 --min-len 1000 --max-len 1000 --max
 if [ "${1:-}" = auto40 ]; then  # session 40 in one call on whichever GPU comes: the tests,
   # then on an H200 the issue's workload and the default one, micro-batches off / on;
   # elsewhere the default workload, before / after, and the chains probe at carveout 0
+  # (the benches' logs stay on the machine: 8 files come back)
+  export LOGS=/tmp/benchlogs; mkdir -p "$LOGS"
   if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
     set -- t40 mb40 mbt40
   else
