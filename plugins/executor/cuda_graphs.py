@@ -74,9 +74,14 @@ class DecodeGraphs:
         # two micro-batches from this many requests (0: never), where the backend and
         # the model can (``micro_batches``); their metadata by bucket, and the side stream
         micro = attn.supports_micro_batches and hasattr(model, "forward_steps")
+        if micro_batch_min and not micro:
+            log.warning(
+                "micro_batch_min: attention %r or the model cannot split a decode step; off",
+                attn.name,
+            )
         self.micro_min = max(micro_batch_min, 2 * MIN_HALF) if micro and micro_batch_min else 0
         self.micro_turns = micro_batch_turns
-        self.half_metas: dict[int, tuple[AttentionMetadata, AttentionMetadata]] = {}
+        self.halves: dict[int, tuple[AttentionMetadata, AttentionMetadata]] = {}
         self.side: torch.cuda.Stream | None = None
         self.capture_seconds = 0.0
 
@@ -96,15 +101,15 @@ class DecodeGraphs:
         prepared (the backend sizes its decode scratch here, outside any capture)."""
         meta = self.metas[bs] = self._meta(bs)
         if self.micro_min and bs >= self.micro_min:
-            self.half_metas[bs] = half_metas(meta, bs // 2)
-            for half in self.half_metas[bs]:
+            self.halves[bs] = half_metas(meta, bs // 2)
+            for half in self.halves[bs]:
                 self.attn.prepare(half)
         else:
             self.attn.prepare(meta)
 
     def _run(self, bs: int) -> None:
         meta = self.metas[bs]
-        halves = self.half_metas.get(bs)
+        halves = self.halves.get(bs)
         if halves is not None:
             forward_halves(
                 self.model, self.input_ids[:bs], self.positions[:bs], halves, self.attn,
@@ -120,7 +125,7 @@ class DecodeGraphs:
         pool: Any = None
         for bs in reversed(self.sizes):
             self._plan(bs)
-            if bs in self.half_metas and self.side is None:
+            if bs in self.halves and self.side is None:
                 self.side = torch.cuda.Stream(self.input_ids.device)
             # warm-up: Triton compiles and autotunes outside capture (and cuBLAS makes
             # the side stream's workspace)
@@ -145,7 +150,7 @@ class DecodeGraphs:
         )  # fmt: skip
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - started
-        micro = f", two micro-batches from batch {min(self.half_metas)}" if self.half_metas else ""
+        micro = f", two micro-batches from batch {min(self.halves)}" if self.halves else ""
         log.info(
             "captured %d decode CUDA graphs (batch 1..%d%s) in %.1fs",
             len(self.graphs),

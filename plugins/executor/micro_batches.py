@@ -21,9 +21,11 @@ then read twice a step, once per half: the price.
   stepped in turn, A on the current stream, B on ``side`` (None: both on the current
   stream, one after the other, as on the CPU, which checks the arithmetic).
 
-One GPU only: under tensor parallelism the halves would issue concurrent collectives on
-one communicator. The one-row GEMVs' split counters are shared (``weight_gemv``), so a
-half must be larger than the GEMVs' rows (``MIN_HALF``).
+While half B's launches are issued, ``MICRO_BATCH_LANE`` is 1, so that a kernel with a
+reused scratch buffer (int4 / int8's whole-weight dequantization above 256 rows:
+``dequant``) takes lane 1's. One GPU only: under tensor parallelism the halves would issue
+concurrent collectives on one communicator. The one-row GEMVs' split counters are shared
+(``weight_gemv``), so a half must be larger than the GEMVs' rows (``MIN_HALF``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from tokenloom.protocols.components.attention import (
     AttentionMetadata,
     ForwardContext,
 )
+from tokenloom.protocols.components.quant import MICRO_BATCH_LANE
 
 MIN_HALF = 32  # rows a half needs at least (above every one-row GEMV path)
 
@@ -121,22 +124,29 @@ def forward_halves(
     outs = (out[:half], out[half:])
     running = [True, True]
     while any(running):
-        for i in (0, 1):
-            if running[i]:
-                running[i] = _step(steps[i], outs[i], streams[i])
+        for lane in (0, 1):
+            if running[lane]:
+                running[lane] = _step(steps[lane], outs[lane], streams[lane], lane)
     if side is not None:
         torch.cuda.current_stream().wait_stream(side)
 
 
 def _step(
-    steps: Generator[None, None, torch.Tensor], out: torch.Tensor, stream: torch.cuda.Stream | None
+    steps: Generator[None, None, torch.Tensor],
+    out: torch.Tensor,
+    stream: torch.cuda.Stream | None,
+    lane: int,
 ) -> bool:
-    """Launch one step of ``steps`` on ``stream`` (None: the current one); False once it
-    returned its hidden states (copied into ``out``)."""
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        try:
-            next(steps)
-        except StopIteration as done:
-            out.copy_(done.value)
-            return False
-    return True
+    """Launch one step of ``steps`` on ``stream`` (None: the current one) as ``lane``;
+    False once it returned its hidden states (copied into ``out``)."""
+    token = MICRO_BATCH_LANE.set(lane)
+    try:
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            try:
+                next(steps)
+            except StopIteration as done:
+                out.copy_(done.value)
+                return False
+        return True
+    finally:
+        MICRO_BATCH_LANE.reset(token)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 
@@ -15,7 +17,7 @@ class ModelExecutorSettings(msgspec.Struct, forbid_unknown_fields=True):
     # decode CUDA graphs of at least this many requests run the step as two half-batches
     # on two streams, the attention of one beside the projections of the other
     # (``micro_batches``); 0: off. One GPU only (no tensor parallelism yet).
-    micro_batch_min: int = 0
+    micro_batch_min: Annotated[int, msgspec.Meta(ge=0)] = 0
     # with micro-batches, the two halves take turns at the attention (one half's
     # attention never runs beside the other's); False lets both streams run free
     micro_batch_turns: bool = True

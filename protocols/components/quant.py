@@ -10,11 +10,18 @@ two compose without knowing each other.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
+# The micro-batch lane of the launches being issued: 0, or 1 while the executor issues a
+# decode step's second half on its own stream (``plugins.executor.micro_batches``). A
+# kernel that reuses one scratch buffer across calls keeps one per lane, since the two
+# halves' launches may run at once.
+MICRO_BATCH_LANE: ContextVar[int] = ContextVar("tokenloom_micro_batch_lane", default=0)
 
 
 @dataclass(frozen=True)

@@ -166,7 +166,7 @@ def _cpu_tokens(model: str, attention: str, micro: int, halves: list[int]) -> li
         run = runner.graphs._run
 
         def counted(bs: int) -> None:
-            if bs in runner.graphs.half_metas:
+            if bs in runner.graphs.halves:
                 halves.append(bs)
             run(bs)
 
@@ -238,5 +238,34 @@ def test_two_streams_in_one_graph_give_the_whole_step_s_tokens(turns, tiny_model
 
     whole, plain = tokens(0)
     split, graphs = tokens(64)
-    assert not plain.half_metas and 80 in graphs.half_metas and graphs.side is not None
+    assert not plain.halves and 80 in graphs.halves and graphs.side is not None
     assert split == whole
+
+
+def test_the_second_half_dequantizes_into_its_own_buffer() -> None:
+    """int4 / int8's whole-weight dequantization reuses one buffer; half B's launches
+    (lane 1) get another, since the halves' GEMMs may run at once."""
+    from tokenloom.plugins.quant.kernels import dequant
+    from tokenloom.protocols.components.quant import MICRO_BATCH_LANE
+
+    first = dequant.reserve(64, torch.float16, torch.device("cpu"))
+    token = MICRO_BATCH_LANE.set(1)
+    try:
+        second = dequant.reserve(64, torch.float16, torch.device("cpu"))
+    finally:
+        MICRO_BATCH_LANE.reset(token)
+    assert second.data_ptr() != first.data_ptr()
+    assert dequant.reserve(32, torch.float16, torch.device("cpu")).data_ptr() == first.data_ptr()
+    for lane in (0, 1):
+        token = MICRO_BATCH_LANE.set(lane)
+        dequant.release(torch.float16, torch.device("cpu"))
+        MICRO_BATCH_LANE.reset(token)
+
+
+def test_a_negative_micro_batch_min_is_refused() -> None:
+    from tokenloom.config import ConfigError, EngineConfig, plugin_settings
+    from tokenloom.plugins.executor.settings import ModelExecutorSettings
+
+    config = EngineConfig(plugin={"model": {"micro_batch_min": -1}})
+    with pytest.raises(ConfigError, match="micro_batch_min"):
+        plugin_settings(config, "model", ModelExecutorSettings)
