@@ -7,7 +7,11 @@ the step's requests are split in two halves, each a chain of its own layers on i
 CUDA stream, issued layer by layer from the host so that the two stay in phase, and
 captured into one CUDA graph: while half A attends, half B's projections can run, and
 the other way round (issue 12; docs/quantization.md, sessions 39 and 40). The weights are
-then read twice a step, once per half: the price.
+then read twice a step, once per half: the price. Measured on an H100 (session 40), the
+price is paid and the overlap does not come: the decode attention fills every SM and the
+cuBLAS GEMMs are persistent, so side by side they hide 17-20% of the shorter one, and a
+600-row fp8 step ran 1.6% slower split. Hence off by default; kernels confined to a share
+of the SMs would run under this same executor side.
 
 - ``half_metas``: the two halves' attention metadata, views of the step's static buffers
   (a decode step's ``query_start_loc`` is ``0..B``, so half B's is its first rows), the

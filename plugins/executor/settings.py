@@ -16,7 +16,9 @@ class ModelExecutorSettings(msgspec.Struct, forbid_unknown_fields=True):
     symm_mem_all_reduce: bool = False
     # decode CUDA graphs of at least this many requests run the step as two half-batches
     # on two streams, the attention of one beside the projections of the other
-    # (``micro_batches``); 0: off. One GPU only (no tensor parallelism yet).
+    # (``micro_batches``); 0: off. One GPU only (no tensor parallelism yet). Measured
+    # 3.7% slower on an H100 (fp8, default workload, from 128): today's kernels each
+    # fill the GPU, so they barely overlap (docs/quantization.md, session 40).
     micro_batch_min: Annotated[int, msgspec.Meta(ge=0)] = 0
     # with micro-batches, the two halves take turns at the attention (one half's
     # attention never runs beside the other's); False lets both streams run free
