@@ -42,6 +42,7 @@
 #           SiLU-and-mul (TOKENLOOM_FP8_FOLD_QUANT): GPU tests, the workload off / on, bench
 #           latency / throughput before / after
 #   auto40  session 40's steps for whichever GPU comes (see below)
+#   green40 the decode attention on N SMs (a green context) beside the GEMMs (unrun)
 #   t40 / mbt40 / mb40 / ba40: session 40's two micro-batches a decode step ([plugin.model]
 #           micro_batch_min, opt-in): its GPU tests; the default workload and the issue's
 #           workload with it off / on (MB: the smallest bucket split, TURNS=0: no turns);
@@ -287,6 +288,12 @@ for step in "$@"; do
       bench latency fp8-after after fp8 --kv-cache-dtype fp8
       bench throughput fp8-before before fp8 --kv-cache-dtype fp8
       bench throughput fp8-after after fp8 --kv-cache-dtype fp8 ;;
+    green40)  # session 40 (written, not yet run): the decode attention confined to N SMs (a
+      # CUDA green context) beside the fp8 GEMMs with carveout N; 132 = every SM, the baseline
+      timeout 300 env PYTHONPATH=/tmp/after:/tmp/site python3 scripts/gpu/overlap_probe.py \
+        --green ${GREEN:-132,100,88,66} --json "$OUT/green40.json" > "$OUT/green40.log" 2>&1 \
+        || { echo "green40 failed"; tail -5 "$OUT/green40.log"; }
+      grep -E "green|Error" "$OUT/green40.log" ;;
     ovl39)  # session 39: the decode step as one chain against two half-batch chains on two
       # streams (scripts/gpu/overlap_probe.py --chains; 300 rows a half, carveouts 0 and 32)
       timeout 400 env PYTHONPATH=/tmp/after:/tmp/site python3 scripts/gpu/overlap_probe.py \

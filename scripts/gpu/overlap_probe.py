@@ -44,6 +44,17 @@ their activation quantization) for 32 layers:
 
 for each carveout. The step's gain is ``step / halves_concurrent``.
 
+``--green N[,N...]`` (session 40; written, not yet run on a GPU) asks whether confining
+the attention to a share of the SMs lets the two overlap, which two plain streams did not
+(session 40 on an H100: 17-20% of the shorter hidden, the decode attention filling every
+SM). The attention runs on a stream of a CUDA green context of N SMs
+(``torch.cuda.green_contexts``), the GEMMs on the current stream with the cuBLAS carveout
+N, so that they take the other SMs; timed eagerly with CUDA events (green-context streams
+in a captured graph are not assumed), medians of ``--reps``:
+
+- ``attention``: alone on its N SMs; ``gemms``: alone, carveout N;
+- ``concurrent``: both at once; the overlap as above.
+
 Prints a table and writes JSON to $OUT/overlap_probe.json (or --json PATH).
 """
 
@@ -208,17 +219,85 @@ def timed(body: Callable[[], None]) -> float:
 def concurrent(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
     """``first`` on the current stream beside ``second`` on a side stream (fork and join,
     as a CUDA graph captures them)."""
-    side = torch.cuda.Stream()
+    return beside(torch.cuda.Stream(), second, first)
+
+
+def green_stream(num_sms: int) -> torch.cuda.Stream:
+    """A stream whose kernels run on ``num_sms`` SMs only (a CUDA green context; torch's
+    API moved from ``GreenContext.create(num_sms, device_id)`` to ``GreenContext(num_sms=)``
+    with ``Stream()``: both tried)."""
+    from torch.cuda import green_contexts
+
+    cls = green_contexts.GreenContext
+    try:
+        ctx = cls(num_sms=num_sms)
+    except TypeError:
+        ctx = cls.create(num_sms=num_sms, device_id=torch.cuda.current_device())
+    if not hasattr(ctx, "Stream"):
+        raise RuntimeError("this torch's GreenContext makes no stream (needs torch 2.12+)")
+    stream: torch.cuda.Stream = ctx.Stream()
+    green_stream.keep.append(ctx)  # type: ignore[attr-defined]
+    return stream
+
+
+green_stream.keep = []  # type: ignore[attr-defined]
+
+
+def eager_ms(body: Callable[[], None], reps: int) -> float:
+    """Median ms of ``body`` run eagerly (after two warm-up runs), CUDA events on the
+    current stream around it."""
+    for _ in range(2):
+        body()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        body()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def beside(
+    stream: torch.cuda.Stream, there: Callable[[], None], here: Callable[[], None]
+) -> Callable[[], None]:
+    """``there`` on ``stream`` while ``here`` runs on the current stream (fork, join)."""
 
     def run() -> None:
         main = torch.cuda.current_stream()
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            second()
-        first()
-        main.wait_stream(side)
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            there()
+        here()
+        main.wait_stream(stream)
 
     return run
+
+
+def green(args: argparse.Namespace) -> list[dict[str, float]]:
+    """``--green``: the attention confined to N SMs beside the GEMMs with carveout N."""
+    attention, layers, _ = build(args.rows, args.context, args.layers, "fp8", "cuda", {})
+    mlp = gemms(args.rows, layers)
+    rows = []
+    for n in (int(c) for c in args.green.split(",")):
+        stream = green_stream(n)
+        torch._C._set_sm_carveout_experimental(n)
+        confined = beside(stream, attention, lambda: None)
+        a, g = eager_ms(confined, args.reps), eager_ms(mlp, args.reps)
+
+        par = eager_ms(beside(stream, attention, mlp), args.reps)
+        overlap = (a + g - par) / min(a, g)
+        rows.append({"attention_sms": n, "attention_ms": a, "gemms_ms": g,
+                     "concurrent_ms": par, "overlap": overlap})  # fmt: skip
+        print(
+            f"green {n:3d} SMs: attention {a:7.3f} ms  gemms (carveout {n}) {g:7.3f} ms  "
+            f"concurrent {par:7.3f} ms  overlap {overlap:5.2f}",
+            flush=True,
+        )
+    torch._C._set_sm_carveout_experimental(None)
+    return rows
 
 
 def main() -> int:
@@ -229,7 +308,16 @@ def main() -> int:
     parser.add_argument("--carveouts", default="0,16,32,48,66")
     parser.add_argument("--json", default=None)
     parser.add_argument("--chains", action="store_true", help="the schedule (see above)")
+    parser.add_argument("--green", default="", help="SM counts for the attention (above)")
+    parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
+    if args.green:
+        result = green(args)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({"gpu": torch.cuda.get_device_name(), "rows": args.rows,
+                           "context": args.context, "green": result}, f, indent=2)  # fmt: skip
+        return 0
     if args.chains:
         result = chains(args)
         if args.json:
