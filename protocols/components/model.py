@@ -49,6 +49,12 @@ class Model(Protocol):
     a ``torch.nn.Module`` (the executor calls ``eval()``, ``modules()`` and
     ``parameters()`` on it). A Protocol rather than an ABC, because models subclass
     ``nn.Module``.
+
+    Optional: ``forward_steps(input_ids, positions, ctx)``, the same forward as a
+    generator that launches one decoder layer a step, yields between them, and returns
+    the final hidden states. With it (and a backend with ``supports_micro_batches``) the
+    executor may run a decode step as two half-batches on two streams
+    (``[plugin.model] micro_batch_min``; ``plugins.executor.micro_batches``).
     """
 
     def forward(
