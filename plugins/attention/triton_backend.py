@@ -43,6 +43,7 @@ import torch
 
 from tokenloom.config import EngineConfig, plugin_settings
 from tokenloom.plugins.attention import fresh_prefill, kv_quant
+from tokenloom.plugins.attention.decode_scratch import DecodeScratch
 from tokenloom.plugins.attention.triton_kernels import decode_fp8_mma
 from tokenloom.plugins.attention.triton_kernels.decode import decode_attention
 from tokenloom.plugins.attention.triton_kernels.decode_rope import DecodeRope
@@ -83,7 +84,7 @@ class TritonAttention(AttentionBackend):
     accepts_written_kv = True
     accepts_rope = True
     supports_quantized_kv = True
-    supports_micro_batches = True  # a decode scratch per lane (_decode_scratch)
+    supports_micro_batches = True  # a decode scratch per lane (DecodeScratch)
 
     def __init__(self, config: EngineConfig, model_info: ModelInfo, **overrides: int) -> None:
         self.num_heads = int(model_info.num_heads)
@@ -172,10 +173,11 @@ class TritonAttention(AttentionBackend):
         # the prefill's tiles by whether the cache is fp8 (FP8_PREFILL where measured);
         # read here once: the prefill_* attributes set later change nothing
         self.prefill_tiles = prefill_tiles(settings, defaults, measured)
-        # Decode partials, flat fp32, rows = batch * num_splits(batch) at its largest, and
-        # the split counters: one set per lane (``meta.extra["lane"]``), so that two
-        # micro-batches' launches running at once never share them.
-        self._scratch: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # the split-KV decode's partials and counters, one set per micro-batch lane
+        self.scratch = DecodeScratch(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.max_num_seqs, self.device,
+            self.num_splits,
+        )  # fmt: skip
 
     def num_splits(self, batch: int) -> int:
         """KV splits for a decode batch of ``batch`` requests: enough programs for
@@ -205,30 +207,6 @@ class TritonAttention(AttentionBackend):
         ``decode_prefetch_max_batch`` requests, no rope in the kernel (it writes the new
         token), 16-bit caches (an 8-bit tile spills under ``QUANT_DECODE``'s cap)."""
         return num_decodes <= self.decode_prefetch_max_batch and not quantized and rope is None
-
-    def _scratch_rows(self, max_batch: int) -> int:
-        # Rows of [num_heads, head_dim] partials the largest batch needs.
-        return max(b * self.num_splits(b) for b in range(1, max_batch + 1))
-
-    def _decode_scratch(
-        self, batch: int, lane: int = 0
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Lane ``lane``'s partials ``[rows * num_heads * head_dim]``, their log-sum-exps
-        ``[rows * num_heads]`` and its zeroed counters ``[batch * num_kv_heads]``, grown
-        (outside any graph capture: ``prepare``) to the largest batch seen."""
-        rows = batch * self.num_splits(batch)
-        part_out, part_lse, counters = self._scratch.get(lane, (None, None, None))
-        if part_out is None or part_out.numel() < rows * self.num_heads * self.head_dim:
-            rows = max(rows, self._scratch_rows(max(batch, self.max_num_seqs)))
-            f32 = {"dtype": torch.float32, "device": self.device}
-            part_out = torch.empty(rows * self.num_heads * self.head_dim, **f32)
-            part_lse = torch.empty(rows * self.num_heads, **f32)
-        if counters is None or counters.numel() < batch * self.num_kv_heads:
-            size = max(batch, self.max_num_seqs) * self.num_kv_heads
-            counters = torch.zeros(size, dtype=torch.int32, device=self.device)
-        assert part_lse is not None
-        self._scratch[lane] = (part_out, part_lse, counters)
-        return part_out, part_lse, counters
 
     def _rope_in_decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
@@ -264,7 +242,7 @@ class TritonAttention(AttentionBackend):
             if self.prefill_fresh_16bit:
                 fresh_prefill.find_fresh(meta, num_decodes)
         if num_decodes:
-            self._decode_scratch(num_decodes, int(meta.extra.get("lane", 0)))
+            self.scratch.get(num_decodes, int(meta.extra.get("lane", 0)))
 
     def forward(
         self,
@@ -302,7 +280,7 @@ class TritonAttention(AttentionBackend):
         if num_decodes:
             quantized = kv_quant.is_quantized(k_cache.dtype)
             lane = int(meta.extra.get("lane", 0))
-            part_out, part_lse, counters = self._decode_scratch(num_decodes, lane)
+            part_out, part_lse, counters = self.scratch.get(num_decodes, lane)
             decode = decode_attention
             if self.decode_fp8_mma and decode_fp8_mma.supports(q, k_cache, v_cache):
                 decode = self._decode_fp8_mma

@@ -121,7 +121,7 @@ def test_the_last_split_merges_and_leaves_the_counters_zero_for_the_next_launch(
     triton_attn, _ = backends(4, 2, 32, torch.float32, max_num_splits=4)
     first = forward(triton_attn, batch)
     assert relative_error(first, dense_reference(batch)) < TOLERANCE[torch.float32]
-    _, _, counters = triton_attn._decode_scratch(3)
+    _, _, counters = triton_attn.scratch.get(3)
     assert int(counters.abs().sum()) == 0
     assert torch.equal(forward(triton_attn, batch), first)
 
@@ -140,7 +140,7 @@ def test_kv_within_the_minimum_split_skips_the_partials():
     batch = make_batch([1, 1, 1], [150, 37, 3], device=DEVICE)
     triton_attn, _ = backends(4, 2, 32, torch.float32, max_num_splits=4)
     triton_attn.decode_min_split_tokens = 160  # 150 tokens in one program
-    part_out, part_lse, _ = triton_attn._decode_scratch(3)
+    part_out, part_lse, _ = triton_attn.scratch.get(3)
     part_out.fill_(7.0)
     part_lse.fill_(7.0)
     out = forward(triton_attn, batch)

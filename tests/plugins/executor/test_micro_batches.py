@@ -174,7 +174,7 @@ def _cpu_tokens(model: str, attention: str, micro: int, halves: list[int]) -> li
         params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         if attention == "triton" and micro:
-            assert set(runner.attn._scratch) == {0, 1}  # lane 1's scratch apart
+            assert set(runner.attn.scratch.lanes) == {0, 1}  # lane 1's scratch apart
         return [list(o.outputs[0].token_ids) for o in outs]
     finally:
         llm.shutdown()
