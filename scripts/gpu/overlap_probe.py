@@ -72,6 +72,7 @@ import triton.testing
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kvq_decode_bench import build  # noqa: E402
 
+from tokenloom.plugins.models.cuda_timing import median_cuda_us  # noqa: E402
 from tokenloom.plugins.quant.fp8 import Fp8Kernel  # noqa: E402
 
 HIDDEN, INTERMEDIATE, QKV = 4096, 14336, 6144  # Llama-3-8B: 32 + 2 x 8 heads of 128
@@ -244,20 +245,8 @@ green_stream.keep = []  # type: ignore[attr-defined]
 
 
 def eager_ms(body: Callable[[], None], reps: int) -> float:
-    """Median ms of ``body`` run eagerly (after two warm-up runs), CUDA events on the
-    current stream around it."""
-    for _ in range(2):
-        body()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        body()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    """Median ms of ``body`` run eagerly (``cuda_timing``'s events and warm-up)."""
+    return median_cuda_us(body, reps) / 1e3
 
 
 def beside(
@@ -311,20 +300,14 @@ def main() -> int:
     parser.add_argument("--green", default="", help="SM counts for the attention (above)")
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
-    if args.green:
-        result = green(args)
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump({"gpu": torch.cuda.get_device_name(), "rows": args.rows,
-                           "context": args.context, "green": result}, f, indent=2)  # fmt: skip
-        return 0
-    if args.chains:
-        result = chains(args)
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump({"gpu": torch.cuda.get_device_name(), "rows_per_half": args.rows,
-                           "context": args.context, "chains": result}, f, indent=2)  # fmt: skip
-        return 0
+    for mode, run in (("green", green), ("chains", chains)):
+        if getattr(args, mode):
+            result = run(args)
+            if args.json:
+                with open(args.json, "w", encoding="utf-8") as f:
+                    json.dump({"gpu": torch.cuda.get_device_name(), "rows_per_half": args.rows,
+                               "context": args.context, mode: result}, f, indent=2)  # fmt: skip
+            return 0
     attention, layers, error = build(args.rows, args.context, args.layers, "fp8", "cuda", {})
     mlp = gemms(args.rows, layers)
     rows = []
