@@ -7,7 +7,9 @@ logits are computed outside the graph on the first B rows. ``run_pack`` fills th
 inputs from one side-stream upload and one kernel (``graph_inputs``); ``run``, from a
 built batch's device tensors (the draft proposer's). Buckets of at least
 ``micro_batch_min`` requests (``[plugin.model]``, off by default) are captured as two
-half-batches on two streams (``micro_batches``).
+half-batches on two streams (``micro_batches``); with ``micro_batch_sms`` the streams sit
+on two green contexts, and where the driver will not capture those, such buckets run
+eagerly.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class DecodeGraphs:
         device: torch.device,
         micro_batch_min: int = 0,
         micro_batch_turns: bool = True,
+        micro_batch_sms: int = 0,
     ) -> None:
         self.model = model
         self.attn = attn
@@ -69,7 +72,7 @@ class DecodeGraphs:
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
         self.token_slots = torch.zeros(n, dtype=torch.int32, device=device)  # run_pack's rows
         self.uploads: SideUploads | None = None
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}  # None: run eagerly
         self.metas: dict[int, AttentionMetadata] = {}
         # two micro-batches from this many requests (0: never), where the backend and
         # the model can (``micro_batches``); their metadata by bucket, and the side stream
@@ -82,7 +85,12 @@ class DecodeGraphs:
         self.micro_min = max(micro_batch_min, 2 * MIN_HALF) if micro and micro_batch_min else 0
         self.micro_turns = micro_batch_turns
         self.halves: dict[int, tuple[AttentionMetadata, AttentionMetadata]] = {}
-        self.side: torch.cuda.Stream | None = None
+        # the halves' streams (half A's None: the capture stream) and, with micro_batch_sms,
+        # the attention's stream on a green context of that many SMs
+        self.micro_sms = micro_batch_sms
+        self.half_streams: tuple[torch.cuda.Stream | None, torch.cuda.Stream | None] = (None, None)
+        self.attention_stream: torch.cuda.Stream | None = None
+        self.micro_eager = False
         self.capture_seconds = 0.0
 
     def _meta(self, bs: int) -> AttentionMetadata:
@@ -107,13 +115,33 @@ class DecodeGraphs:
         else:
             self.attn.prepare(meta)
 
+    def _make_streams(self) -> None:
+        """The halves' streams: with ``micro_sms``, two green contexts (the attention's N
+        SMs and the rest, each half a stream there); else the capture stream and a side
+        stream."""
+        if not self.micro_sms:
+            self.half_streams = (None, torch.cuda.Stream(self.input_ids.device))
+            return
+        from tokenloom.plugins.executor.green_contexts import split
+
+        attention, projections = split(self.micro_sms, self.input_ids.device.index)
+        self.attention_stream = attention.stream()
+        self.half_streams = (projections.stream(), projections.stream())
+        log.info(
+            "micro-batches: the attention on a green context of %d SMs, the projections "
+            "on the other %d",
+            attention.sms,
+            projections.sms,
+        )
+
     def _run(self, bs: int) -> None:
         meta = self.metas[bs]
         halves = self.halves.get(bs)
         if halves is not None:
             forward_halves(
                 self.model, self.input_ids[:bs], self.positions[:bs], halves, self.attn,
-                self.kv_caches, self.hidden[:bs], self.side, self.micro_turns,
+                self.kv_caches, self.hidden[:bs], self.half_streams, self.micro_turns,
+                self.attention_stream,
             )  # fmt: skip
             return
         ctx = ForwardContext(attn=self.attn, meta=meta, kv_caches=self.kv_caches)
@@ -125,15 +153,31 @@ class DecodeGraphs:
         pool: Any = None
         for bs in reversed(self.sizes):
             self._plan(bs)
-            if bs in self.halves and self.side is None:
-                self.side = torch.cuda.Stream(self.input_ids.device)
+            if bs in self.halves and self.half_streams == (None, None):
+                self._make_streams()
             # warm-up: Triton compiles and autotunes outside capture (and cuBLAS makes
             # the side stream's workspace)
             self._run(bs)
             torch.cuda.synchronize()
+            if bs in self.halves and self.micro_eager:
+                self.graphs[bs] = None
+                continue
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._run(bs)
+            try:
+                with torch.cuda.graph(graph, pool=pool):
+                    self._run(bs)
+            except RuntimeError as e:
+                if not (bs in self.halves and self.attention_stream is not None):
+                    raise
+                # a capture over green-context streams, where the driver refuses it: the
+                # split buckets run eagerly (a few hundred rows: the GPU's step is tens
+                # of ms, far above the launches' host time)
+                log.warning("micro_batch_sms: no CUDA graph over green contexts (%s); "
+                            "the split buckets run eagerly", str(e).splitlines()[0])  # fmt: skip
+                torch.cuda.synchronize()
+                self.micro_eager = True
+                self.graphs[bs] = None
+                continue
             if pool is None:
                 pool = graph.pool()
             self.graphs[bs] = graph
@@ -151,6 +195,8 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - started
         micro = f", two micro-batches from batch {min(self.halves)}" if self.halves else ""
+        if self.micro_eager:
+            micro += " (eager)"
         log.info(
             "captured %d decode CUDA graphs (batch 1..%d%s) in %.1fs",
             len(self.graphs),
@@ -185,7 +231,12 @@ class DecodeGraphs:
         return self.uploads.upload(host)
 
     def _replay(self, bs: int) -> None:
-        self.graphs[bs].replay()
+        graph = self.graphs[bs]
+        if graph is None:
+            with torch.inference_mode():
+                self._run(bs)
+        else:
+            graph.replay()
 
     def run(
         self,
@@ -204,5 +255,5 @@ class DecodeGraphs:
             self.seq_lens[num:bs].fill_(1)
         cols = meta.block_tables.shape[1]
         self.block_tables[:num, :cols].copy_(meta.block_tables)
-        self.graphs[bs].replay()
+        self._replay(bs)
         return self.hidden[:num]

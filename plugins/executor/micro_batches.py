@@ -22,8 +22,12 @@ of the SMs would run under this same executor side.
   attentions never compete for the memory bandwidth, and each half's projections fill
   the other's attention.
 - ``forward_halves``: the model's ``forward_steps`` generators (a decoder layer a step),
-  stepped in turn, A on the current stream, B on ``side`` (None: both on the current
-  stream, one after the other, as on the CPU, which checks the arithmetic).
+  stepped in turn, each half on its stream (None: the current stream; both None: one
+  after the other, as on the CPU, which checks the arithmetic).
+- ``OnStream`` (session 41, ``[plugin.model] micro_batch_sms = N``): the SMs split in two
+  green contexts (``green_contexts``), every attention launch on a stream of the N SMs,
+  each half's projections on its own stream of the rest, so that neither kind of kernel
+  can take the other's SMs (the hardware's answer to session 40's 17-20%).
 
 While half B's launches are issued, ``MICRO_BATCH_LANE`` is 1, so that a kernel with a
 reused scratch buffer (int4 / int8's whole-weight dequantization above 256 rows:
@@ -100,6 +104,29 @@ class TakeTurns:
         return out
 
 
+class OnStream:
+    """``backend`` with its ``forward`` launched on ``stream`` (the attention's green
+    context, ``green_contexts``): the launch waits for the caller's stream, and the
+    caller's stream for it. One stream for both halves' attention also takes turns. Every
+    other attribute is the backend's."""
+
+    def __init__(self, backend: AttentionBackend, stream: torch.cuda.Stream) -> None:
+        self.backend = backend
+        self.stream = stream
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.backend, name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        here = torch.cuda.current_stream()
+        self.stream.wait_stream(here)
+        with torch.cuda.stream(self.stream):
+            out = self.backend.forward(*args, **kwargs)
+        here.wait_stream(self.stream)
+        out.record_stream(here)  # made on the attention's stream, used (and freed) on here
+        return out
+
+
 def forward_halves(
     model: Any,
     input_ids: torch.Tensor,
@@ -108,17 +135,27 @@ def forward_halves(
     attn: AttentionBackend,
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     out: torch.Tensor,
-    side: torch.cuda.Stream | None = None,
+    streams: tuple[torch.cuda.Stream | None, torch.cuda.Stream | None] = (None, None),
     turns: bool = True,
+    attention_stream: torch.cuda.Stream | None = None,
 ) -> None:
     """The step's final hidden states into ``out`` (``[B, hidden]``), half A (rows
-    ``metas[0]`` covers) on the current stream, half B on ``side``, a decoder layer of
-    each in turn; the current stream waits for ``side`` at the end."""
+    ``metas[0]`` covers) on ``streams[0]``, half B on ``streams[1]`` (None: the current
+    stream; both None: one after the other, as on the CPU, which checks the arithmetic), a
+    decoder layer of each in turn; the current stream waits for both at the end. With
+    ``attention_stream`` every attention launch runs there (``OnStream``: the attention's
+    green context, the halves' streams in the projections'); else, with ``turns``, the
+    launches take turns across the halves' streams (``TakeTurns``)."""
     half = int(metas[0].seq_lens.shape[0])
-    backend: Any = TakeTurns(attn) if side is not None and turns else attn
-    streams = (None, side)
-    if side is not None:
-        side.wait_stream(torch.cuda.current_stream())
+    live = [s for s in streams if s is not None]
+    backend: Any = attn
+    if attention_stream is not None:
+        backend = OnStream(attn, attention_stream)
+    elif live and turns:
+        backend = TakeTurns(attn)
+    current = torch.cuda.current_stream() if live or attention_stream is not None else None
+    for stream in live:
+        stream.wait_stream(current)
     steps = [
         model.forward_steps(
             input_ids[rows], positions[rows], ForwardContext(cast(AttentionBackend, backend), m, kv_caches)
@@ -131,8 +168,9 @@ def forward_halves(
         for lane in (0, 1):
             if running[lane]:
                 running[lane] = _step(steps[lane], outs[lane], streams[lane], lane)
-    if side is not None:
-        torch.cuda.current_stream().wait_stream(side)
+    for stream in live:
+        assert current is not None
+        current.wait_stream(stream)
 
 
 def _step(

@@ -191,16 +191,17 @@ class ModelRunner(Executor):
         gain = 2 * info.num_layers * plain / self.kv_bytes_per_block(block_size)
         return f"{name} with per-token-head scales, {gain:.2f}x the {model} blocks"
 
-    def _micro_batches(self) -> tuple[int, bool]:
+    def _micro_batches(self) -> tuple[int, bool, int]:
         """``[plugin.model]``'s micro_batch_min (0 under tensor parallelism: the halves'
-        collectives would share one communicator) and micro_batch_turns."""
+        collectives would share one communicator), micro_batch_turns and micro_batch_sms."""
         from tokenloom.config import plugin_settings
 
         settings = plugin_settings(self.config, "model", ModelExecutorSettings)
+        split = (settings.micro_batch_turns, settings.micro_batch_sms)
         if settings.micro_batch_min and self.group.size > 1:
             log.warning("micro_batch_min: one GPU only; off under tensor parallelism")
-            return 0, settings.micro_batch_turns
-        return settings.micro_batch_min, settings.micro_batch_turns
+            return 0, *split
+        return settings.micro_batch_min, *split
 
     def _capture_graphs(self) -> None:
         before = torch.cuda.memory_allocated()

@@ -23,3 +23,9 @@ class ModelExecutorSettings(msgspec.Struct, forbid_unknown_fields=True):
     # with micro-batches, the two halves take turns at the attention (one half's
     # attention never runs beside the other's); False lets both streams run free
     micro_batch_turns: bool = True
+    # with micro-batches, the attention's share of the SMs: the GPU is split into two
+    # green contexts (``green_contexts``), every attention launch on this many SMs (the
+    # driver rounds up), both halves' projections on the rest, so that neither takes the
+    # other's SMs; 0: plain streams on the whole GPU. Where the driver will not capture
+    # green-context streams in a CUDA graph, the split buckets run eagerly (session 41).
+    micro_batch_sms: Annotated[int, msgspec.Meta(ge=0)] = 0

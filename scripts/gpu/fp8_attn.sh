@@ -42,6 +42,12 @@
 #           SiLU-and-mul (TOKENLOOM_FP8_FOLD_QUANT): GPU tests, the workload off / on, bench
 #           latency / throughput before / after
 #   auto40  session 40's steps for whichever GPU comes (see below)
+#   auto41  session 41: t41, green41, then the engine with the best N (mbg41; mbw41 on an H200)
+#   t41     the micro-batch GPU tests, plain streams and green contexts
+#   green41 overlap_probe --green N --pipeline: attention on N SMs (a green context) beside
+#           the GEMMs on the rest, and two half batches pipelined over the partitions
+#   mbg41 / mbw41: the default / the issue's workload, micro-batches off, and on with the
+#           attention on SMS SMs (MB: the smallest bucket split)
 #   green40 the decode attention on N SMs (a green context) beside the GEMMs (unrun)
 #   t40 / mbt40 / mb40 / ba40: session 40's two micro-batches a decode step ([plugin.model]
 #           micro_batch_min, opt-in): its GPU tests; the default workload and the issue's
@@ -124,6 +130,11 @@ if [ "${1:-}" = auto40 ]; then  # session 40 in one call on whichever GPU comes:
   else
     export CARVEOUTS=${CARVEOUTS:-0}; set -- t40 mbt40 ba40 ovl39
   fi
+fi
+if [ "${1:-}" = auto41 ]; then  # session 41 in one call on whichever GPU comes
+  export LOGS=/tmp/benchlogs; mkdir -p "$LOGS"
+  set -- t41 green41 pick41 mbg41
+  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && set -- "$@" mbw41
 fi
 for step in "$@"; do
   echo "[$(date +%T)] === $step"
@@ -288,10 +299,35 @@ for step in "$@"; do
       bench latency fp8-after after fp8 --kv-cache-dtype fp8
       bench throughput fp8-before before fp8 --kv-cache-dtype fp8
       bench throughput fp8-after after fp8 --kv-cache-dtype fp8 ;;
+    t41)  # session 41: the micro-batch GPU tests (plain streams, and green contexts)
+      py after -m pytest -q -s -m gpu -p no:cacheprovider tests/plugins/executor/test_micro_batches.py \
+        tests/plugins/executor/test_graph_decode_path.py > "$OUT/a-t41.log" 2>&1
+      echo "t41 rc=$?"; grep -E "green contexts:|^FAILED|Error" "$OUT/a-t41.log" | head -8
+      tail -1 "$OUT/a-t41.log" ;;
+    green41)  # the attention on N SMs (green context) beside the GEMMs on the rest, and the
+      # two halves pipelined over the partitions against the whole step on every SM
+      timeout 420 env PYTHONPATH=/tmp/after:/tmp/site python3 scripts/gpu/overlap_probe.py \
+        --green ${GREEN:-40,56,66,80} --pipeline --json "$OUT/green41.json" \
+        > "$OUT/green41.log" 2>&1 || { echo "green41 failed"; tail -5 "$OUT/green41.log"; }
+      grep -E "green|Error" "$OUT/green41.log" ;;
+    pick41)  # SMS: the N whose pipelined halves gained most (none gained: 0, and stop)
+      SMS=$(python3 -c "import json; r = [x for x in json.load(open('$OUT/green41.json'))['green'] \
+if x.get('gain', 0) > 1]; print(max(r, key=lambda x: x['gain'])['attention_sms'] if r else 0)" \
+        2>/dev/null || echo 0)
+      echo "pick41: SMS=$SMS"; export SMS
+      [ "$SMS" = 0 ] && break ;;
+    mbg41)  # the default workload (fits an H100), fp8 + fp8 KV: off / green micro-batches
+      bench throughput mbg41-off after fp8 --kv-cache-dtype fp8
+      bench throughput mbg41-on after fp8 --kv-cache-dtype fp8 --plugin-option \
+        model.micro_batch_min=${MB:-128} --plugin-option model.micro_batch_sms=${SMS:-66} ;;
+    mbw41)  # the issue's workload (an H200): off / green micro-batches
+      bench throughput mbw41-off after fp8 "${WIDE[@]}"
+      bench throughput mbw41-on after fp8 "${WIDE[@]}" --plugin-option \
+        model.micro_batch_min=${MB:-256} --plugin-option model.micro_batch_sms=${SMS:-66} ;;
     green40)  # session 40 (written, not yet run): the decode attention confined to N SMs (a
       # CUDA green context) beside the fp8 GEMMs with carveout N; 132 = every SM, the baseline
       timeout 300 env PYTHONPATH=/tmp/after:/tmp/site python3 scripts/gpu/overlap_probe.py \
-        --green ${GREEN:-132,100,88,66} --json "$OUT/green40.json" > "$OUT/green40.log" 2>&1 \
+        --green ${GREEN:-40,56,66,80} --pipeline --json "$OUT/green40.json" > "$OUT/green40.log" 2>&1 \
         || { echo "green40 failed"; tail -5 "$OUT/green40.log"; }
       grep -E "green|Error" "$OUT/green40.log" ;;
     ovl39)  # session 39: the decode step as one chain against two half-batch chains on two

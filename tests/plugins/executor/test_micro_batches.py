@@ -135,6 +135,55 @@ def test_attention_launches_take_turns_across_streams(monkeypatch) -> None:
     ]  # fmt: skip
 
 
+def test_attention_runs_on_its_own_stream_between_waits(monkeypatch) -> None:
+    """``OnStream``: the attention's stream waits for the caller's, the launch runs on
+    it, the caller's waits for it, and the output is marked as used on the caller's
+    (CUDA's streams stood in for by recorders)."""
+    import contextlib
+
+    log: list[tuple[str, ...]] = []
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait_stream(self, other: Stream) -> None:
+            log.append(("wait", self.name, other.name))
+
+    class Out:
+        def record_stream(self, stream: Stream) -> None:
+            log.append(("used on", stream.name))
+
+    current = [Stream("half a")]
+
+    @contextlib.contextmanager
+    def on(stream: Stream):  # type: ignore[no-untyped-def]
+        before, current[0] = current[0], stream
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "stream", on)
+
+    class Backend:
+        name = "inner"
+
+        def forward(self, x: str) -> Out:
+            log.append(("attend", current[0].name, x))
+            return Out()
+
+    wrapped = micro_batches.OnStream(Backend(), Stream("attention"))  # type: ignore[arg-type]
+    assert wrapped.name == "inner"  # every other attribute is the backend's
+    wrapped.forward("A0")
+    assert current[0].name == "half a"
+    assert log == [
+        ("wait", "attention", "half a"), ("attend", "attention", "A0"),
+        ("wait", "half a", "attention"), ("used on", "half a"),
+    ]  # fmt: skip
+
+
 class EagerGraphs(DecodeGraphs):
     """``DecodeGraphs`` whose "replay" runs the captured forward eagerly on the static
     buffers (no CUDA: the halves one after the other on one stream)."""
@@ -215,17 +264,20 @@ def test_micro_batches_need_a_backend_that_keeps_lanes_apart(tiny_model_factory)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs on two streams")
-@pytest.mark.parametrize("turns", [True, False])
-def test_two_streams_in_one_graph_give_the_whole_step_s_tokens(turns, tiny_model_factory):
+@pytest.mark.parametrize("turns, sms", [(True, 0), (False, 0), (True, 48)])
+def test_two_streams_in_one_graph_give_the_whole_step_s_tokens(turns, sms, tiny_model_factory):
     """A tiny fp32 Llama, 80 requests at once (the 80-request bucket as two halves of 40,
-    each on its own stream in one CUDA graph, taking turns at the attention or not):
-    the greedy tokens of the graphs without micro-batches."""
+    each on its own stream in one CUDA graph, taking turns at the attention or not; with
+    ``sms``, the attention on a green context of that many SMs, the halves on the rest,
+    in a graph or eagerly where the driver will not capture them): the greedy tokens of
+    the graphs without micro-batches."""
     model = str(tiny_model_factory("llama", hidden_size=256, intermediate_size=512,
                                    num_heads=4, num_kv_heads=2))  # fmt: skip
     prompts = [[(7 * i + j) % 200 + 3 for j in range(1 + i % 23)] for i in range(80)]
 
     def tokens(micro: int) -> tuple[list[list[int]], DecodeGraphs]:
-        plugin = {"model": {"micro_batch_min": micro, "micro_batch_turns": turns}}
+        plugin = {"model": {"micro_batch_min": micro, "micro_batch_turns": turns,
+                            "micro_batch_sms": sms}}  # fmt: skip
         llm = LLM(model, dtype="float32", device="cuda", attention="triton", max_num_seqs=80,
                   plugin=plugin)  # fmt: skip
         try:
@@ -238,7 +290,9 @@ def test_two_streams_in_one_graph_give_the_whole_step_s_tokens(turns, tiny_model
 
     whole, plain = tokens(0)
     split, graphs = tokens(64)
-    assert not plain.halves and 80 in graphs.halves and graphs.side is not None
+    assert not plain.halves and 80 in graphs.halves and graphs.half_streams[1] is not None
+    assert (graphs.attention_stream is not None) == bool(sms)
+    print(f"green contexts: {bool(sms)}, split buckets eager: {graphs.micro_eager}")
     assert split == whole
 
 
@@ -262,10 +316,11 @@ def test_the_second_half_dequantizes_into_its_own_buffer() -> None:
         MICRO_BATCH_LANE.reset(token)
 
 
-def test_a_negative_micro_batch_min_is_refused() -> None:
+@pytest.mark.parametrize("key", ["micro_batch_min", "micro_batch_sms"])
+def test_a_negative_micro_batch_setting_is_refused(key: str) -> None:
     from tokenloom.config import ConfigError, EngineConfig, plugin_settings
     from tokenloom.plugins.executor.settings import ModelExecutorSettings
 
-    config = EngineConfig(plugin={"model": {"micro_batch_min": -1}})
-    with pytest.raises(ConfigError, match="micro_batch_min"):
+    config = EngineConfig(plugin={"model": {key: -1}})
+    with pytest.raises(ConfigError, match=key):
         plugin_settings(config, "model", ModelExecutorSettings)
