@@ -42,7 +42,7 @@
 #           SiLU-and-mul (TOKENLOOM_FP8_FOLD_QUANT): GPU tests, the workload off / on, bench
 #           latency / throughput before / after
 #   auto40  session 40's steps for whichever GPU comes (see below)
-#   auto41  session 41: t41, green41, then the engine with the best N (mbg41; mbw41 on an H200)
+#   auto41  session 41: t41, green41, then the engine with the best N (mbg41; on an H200 mbw41)
 #   t41     the micro-batch GPU tests, plain streams and green contexts
 #   green41 overlap_probe --green N --pipeline: attention on N SMs (a green context) beside
 #           the GEMMs on the rest, and two half batches pipelined over the partitions
@@ -133,8 +133,8 @@ if [ "${1:-}" = auto40 ]; then  # session 40 in one call on whichever GPU comes:
 fi
 if [ "${1:-}" = auto41 ]; then  # session 41 in one call on whichever GPU comes
   export LOGS=/tmp/benchlogs; mkdir -p "$LOGS"
-  set -- t41 green41 pick41 mbg41
-  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && set -- "$@" mbw41
+  set -- t41 green41 pick41 mbg41  # an H200: the issue's workload instead of the default
+  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && set -- t41 green41 pick41 mbw41
 fi
 for step in "$@"; do
   echo "[$(date +%T)] === $step"
