@@ -119,12 +119,18 @@ class DecodeGraphs:
         """The halves' streams: with ``micro_sms``, two green contexts (the attention's N
         SMs and the rest, each half a stream there); else the capture stream and a side
         stream."""
+        plain = (None, torch.cuda.Stream(self.input_ids.device))
         if not self.micro_sms:
-            self.half_streams = (None, torch.cuda.Stream(self.input_ids.device))
+            self.half_streams = plain
             return
         from tokenloom.plugins.executor.green_contexts import split
 
-        attention, projections = split(self.micro_sms, self.input_ids.device.index)
+        try:
+            attention, projections = split(self.micro_sms, self.input_ids.device.index)
+        except (OSError, AttributeError, RuntimeError) as e:  # no driver support, bad count
+            log.warning("micro_batch_sms: no green contexts (%s); plain streams", e)
+            self.half_streams = plain
+            return
         self.attention_stream = attention.stream()
         self.half_streams = (projections.stream(), projections.stream())
         log.info(

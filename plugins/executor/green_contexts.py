@@ -107,6 +107,9 @@ def split(sms: int, device_index: int | None = None) -> tuple[GreenContext, Gree
         lib.cuDeviceGetDevResource(device, whole, CU_DEV_RESOURCE_TYPE_SM),
         "cuDeviceGetDevResource",
     )
+    total = torch.cuda.get_device_properties(index).multi_processor_count
+    if not 0 < sms < total:
+        raise RuntimeError(f"{sms} SMs for a green context: this device has {total}")
     groups = ctypes.c_uint(1)
     _check(
         lib,
