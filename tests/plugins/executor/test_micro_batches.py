@@ -324,3 +324,30 @@ def test_a_negative_micro_batch_setting_is_refused(key: str) -> None:
     config = EngineConfig(plugin={"model": {key: -1}})
     with pytest.raises(ConfigError, match=key):
         plugin_settings(config, "model", ModelExecutorSettings)
+
+
+def test_green_contexts_that_cannot_be_made_fall_back_to_plain_streams(
+    tiny_model_factory, monkeypatch, caplog
+) -> None:
+    """``micro_batch_sms`` where the driver has no green contexts (or the count is past
+    the device's SMs): a warning, and the halves on the capture stream and a side one."""
+    from tokenloom.plugins.executor import green_contexts
+
+    def refuse(sms: int, index: int | None = None) -> None:
+        raise RuntimeError(f"{sms} SMs for a green context: this device has 8")
+
+    monkeypatch.setattr(green_contexts, "split", refuse)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: "side")
+    llm = LLM(str(tiny_model_factory("llama")), dtype="float32", attention="torch")
+    try:
+        runner = llm.engine.executor
+        graphs = EagerGraphs(
+            runner.model, runner.attn, runner.kv_caches, 128, 4, 64, runner.info.hidden_size,
+            runner.dtype, runner.device, micro_batch_min=64, micro_batch_sms=200,
+        )  # fmt: skip
+        with caplog.at_level("WARNING", logger="tokenloom.executor"):
+            graphs._make_streams()
+        assert graphs.half_streams == (None, "side") and graphs.attention_stream is None
+        assert "no green contexts" in caplog.text and "has 8" in caplog.text
+    finally:
+        llm.shutdown()
