@@ -58,7 +58,9 @@ rest; timed eagerly with CUDA events, medians of ``--reps``:
   keeps green streams);
 - ``--pipeline``: the 2 x ``--rows`` decode step's chain on every SM (one stream) against
   two half batches pipelined over the partitions (every attention on the N SMs, every
-  GEMM on the rest; the attention of one half beside the GEMMs of the other).
+  GEMM on the rest; the attention of one half beside the GEMMs of the other);
+- then the GEMMs, both at once and the pipeline again with the cuBLAS carveout N (cuBLAS
+  sizing its persistent grids for the GEMMs' partition, not the whole GPU).
 
 Prints a table and writes JSON to $OUT/overlap_probe.json (or --json PATH).
 """
@@ -297,13 +299,23 @@ def green(args: argparse.Namespace) -> list[dict[str, float | str]]:
             flush=True,
         )
         graphs.append((row, both))
-        if args.pipeline:
-            run = pipelined(halves, attention_layers, part, rest)
+        run = pipelined(halves, attention_layers, part, rest) if args.pipeline else None
+        if run is not None:
             t_pipe = eager_ms(run, args.reps)
             row.update(step_ms=t_step, pipelined_ms=t_pipe, gain=t_step / t_pipe)
-            print(
-                f"green {part_ctx.sms:3d}: pipelined halves {t_pipe:7.3f} ms  gain x{t_step / t_pipe:.3f}"
-            )
+            print(f"green {part_ctx.sms:3d}: pipelined {t_pipe:7.3f} ms  x{t_step / t_pipe:.3f}")
+        # cuBLAS sized for the GEMMs' partition (the carveout: its SM count target) rather
+        # than the whole GPU, whose persistent grids would take two waves on the rest
+        torch._C._set_sm_carveout_experimental(part_ctx.sms)
+        g_c, par_c = eager_ms(gemms_there, args.reps), eager_ms(both, args.reps)
+        row.update(gemms_carveout_ms=g_c, concurrent_carveout_ms=par_c)
+        line = f"green {part_ctx.sms:3d}, carveout: gemms {g_c:7.3f} ms  concurrent {par_c:7.3f}"
+        if run is not None:
+            t_pipe_c = eager_ms(run, args.reps)
+            row.update(pipelined_carveout_ms=t_pipe_c, gain=max(t_step / t_pipe_c, t_step / t_pipe))
+            line += f"  pipelined {t_pipe_c:7.3f}  x{t_step / t_pipe_c:.3f}"
+        torch._C._set_sm_carveout_experimental(None)
+        print(line, flush=True)
         rows.append(row)
     for row, both in graphs:  # last: a failed capture may leave the context unusable
         try:
