@@ -90,6 +90,7 @@ class DecodeGraphs:
         self.micro_sms = micro_batch_sms
         self.half_streams: tuple[torch.cuda.Stream | None, torch.cuda.Stream | None] = (None, None)
         self.attention_stream: torch.cuda.Stream | None = None
+        self.attention_sms = 0
         self.micro_eager = False
         self.capture_seconds = 0.0
 
@@ -132,6 +133,7 @@ class DecodeGraphs:
             self.half_streams = plain
             return
         self.attention_stream = attention.stream()
+        self.attention_sms = attention.sms
         self.half_streams = (projections.stream(), projections.stream())
         log.info(
             "micro-batches: the attention on a green context of %d SMs, the projections "
@@ -144,11 +146,20 @@ class DecodeGraphs:
         meta = self.metas[bs]
         halves = self.halves.get(bs)
         if halves is not None:
-            forward_halves(
-                self.model, self.input_ids[:bs], self.positions[:bs], halves, self.attn,
-                self.kv_caches, self.hidden[:bs], self.half_streams, self.micro_turns,
-                self.attention_stream,
-            )  # fmt: skip
+            # on green contexts, cuBLAS sizes its persistent GEMM grids for the projections'
+            # SMs (the carveout: the attention's), not the whole GPU's
+            carve = self.attention_sms if self.attention_stream is not None else 0
+            if carve:
+                torch._C._set_sm_carveout_experimental(carve)
+            try:
+                forward_halves(
+                    self.model, self.input_ids[:bs], self.positions[:bs], halves, self.attn,
+                    self.kv_caches, self.hidden[:bs], self.half_streams, self.micro_turns,
+                    self.attention_stream,
+                )  # fmt: skip
+            finally:
+                if carve:
+                    torch._C._set_sm_carveout_experimental(None)
             return
         ctx = ForwardContext(attn=self.attn, meta=meta, kv_caches=self.kv_caches)
         self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], ctx)
