@@ -118,4 +118,8 @@ def split(sms: int, device_index: int | None = None) -> tuple[GreenContext, Gree
     )
     if groups.value != 1:
         raise RuntimeError(f"asked one group of {sms} SMs, got {groups.value}")
-    return _context(lib, device, part), _context(lib, device, rest)
+    first, second = _context(lib, device, part), _context(lib, device, rest)
+    if not (sms <= first.sms < total and first.sms + second.sms == total):
+        # a header whose CUdevResource puts the count elsewhere: what was asked, then
+        first.sms, second.sms = sms, total - sms
+    return first, second
