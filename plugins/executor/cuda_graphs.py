@@ -8,8 +8,7 @@ inputs from one side-stream upload and one kernel (``graph_inputs``); ``run``, f
 built batch's device tensors (the draft proposer's). Buckets of at least
 ``micro_batch_min`` requests (``[plugin.model]``, off by default) are captured as two
 half-batches on two streams (``micro_batches``); with ``micro_batch_sms`` the streams sit
-on two green contexts, and where the driver will not capture those, such buckets run
-eagerly.
+on two green contexts, and such buckets run eagerly (``_make_streams``).
 """
 
 from __future__ import annotations
@@ -128,16 +127,22 @@ class DecodeGraphs:
 
         try:
             attention, projections = split(self.micro_sms, self.input_ids.device.index)
+            streams = (projections.stream(), projections.stream())
+            self.attention_stream = attention.stream()
         except (OSError, AttributeError, RuntimeError) as e:  # no driver support, bad count
             log.warning("micro_batch_sms: no green contexts (%s); plain streams", e)
             self.half_streams = plain
             return
-        self.attention_stream = attention.stream()
         self.attention_sms = attention.sms
-        self.half_streams = (projections.stream(), projections.stream())
+        self.half_streams = streams
+        # Eagerly, never captured: whether a graph's kernel nodes keep the green context
+        # they were captured from is not documented, and a failed capture over forked
+        # streams can leave torch's allocator mid-capture. At the hundreds of rows worth
+        # splitting, a step's GPU time is far above its launches' host time.
+        self.micro_eager = True
         log.info(
             "micro-batches: the attention on a green context of %d SMs, the projections "
-            "on the other %d",
+            "on the other %d (eager steps)",
             attention.sms,
             projections.sms,
         )
@@ -148,7 +153,9 @@ class DecodeGraphs:
         if halves is not None:
             # on green contexts, cuBLAS sizes its persistent GEMM grids for the projections'
             # SMs (the carveout: the attention's), not the whole GPU's
+            # (cuBLASLt's paths: fp8 ``_scaled_mm``; plain cuBLAS and Triton ignore it)
             carve = self.attention_sms if self.attention_stream is not None else 0
+            before = torch._C._get_sm_carveout_experimental() if carve else None
             if carve:
                 torch._C._set_sm_carveout_experimental(carve)
             try:
@@ -159,7 +166,7 @@ class DecodeGraphs:
                 )  # fmt: skip
             finally:
                 if carve:
-                    torch._C._set_sm_carveout_experimental(None)
+                    torch._C._set_sm_carveout_experimental(before)
             return
         ctx = ForwardContext(attn=self.attn, meta=meta, kv_caches=self.kv_caches)
         self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], ctx)
@@ -180,21 +187,8 @@ class DecodeGraphs:
                 self.graphs[bs] = None
                 continue
             graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph, pool=pool):
-                    self._run(bs)
-            except RuntimeError as e:
-                if not (bs in self.halves and self.attention_stream is not None):
-                    raise
-                # a capture over green-context streams, where the driver refuses it: the
-                # split buckets run eagerly (a few hundred rows: the GPU's step is tens
-                # of ms, far above the launches' host time)
-                log.warning("micro_batch_sms: no CUDA graph over green contexts (%s); "
-                            "the split buckets run eagerly", str(e).splitlines()[0])  # fmt: skip
-                torch.cuda.synchronize()
-                self.micro_eager = True
-                self.graphs[bs] = None
-                continue
+            with torch.cuda.graph(graph, pool=pool):
+                self._run(bs)
             if pool is None:
                 pool = graph.pool()
             self.graphs[bs] = graph

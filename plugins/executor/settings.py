@@ -26,6 +26,6 @@ class ModelExecutorSettings(msgspec.Struct, forbid_unknown_fields=True):
     # with micro-batches, the attention's share of the SMs: the GPU is split into two
     # green contexts (``green_contexts``), every attention launch on this many SMs (the
     # driver rounds up), both halves' projections on the rest, so that neither takes the
-    # other's SMs; 0: plain streams on the whole GPU. Where the driver will not capture
-    # green-context streams in a CUDA graph, the split buckets run eagerly (session 41).
+    # other's SMs; 0: plain streams on the whole GPU. The split buckets then run eagerly,
+    # not from CUDA graphs (``DecodeGraphs._make_streams`` says why; session 41).
     micro_batch_sms: Annotated[int, msgspec.Meta(ge=0)] = 0

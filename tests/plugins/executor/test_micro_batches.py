@@ -269,8 +269,7 @@ def test_two_streams_in_one_graph_give_the_whole_step_s_tokens(turns, sms, tiny_
     """A tiny fp32 Llama, 80 requests at once (the 80-request bucket as two halves of 40,
     each on its own stream in one CUDA graph, taking turns at the attention or not; with
     ``sms``, the attention on a green context of that many SMs, the halves on the rest,
-    in a graph or eagerly where the driver will not capture them): the greedy tokens of
-    the graphs without micro-batches."""
+    eagerly): the greedy tokens of the graphs without micro-batches."""
     model = str(tiny_model_factory("llama", hidden_size=256, intermediate_size=512,
                                    num_heads=4, num_kv_heads=2))  # fmt: skip
     prompts = [[(7 * i + j) % 200 + 3 for j in range(1 + i % 23)] for i in range(80)]
@@ -292,7 +291,8 @@ def test_two_streams_in_one_graph_give_the_whole_step_s_tokens(turns, sms, tiny_
     split, graphs = tokens(64)
     assert not plain.halves and 80 in graphs.halves and graphs.half_streams[1] is not None
     assert (graphs.attention_stream is not None) == bool(sms)
-    print(f"green contexts: {bool(sms)}, split buckets eager: {graphs.micro_eager}")
+    assert graphs.micro_eager == bool(sms) and (graphs.graphs[80] is None) == bool(sms)
+    print(f"green contexts: {bool(sms)}, attention SMs {graphs.attention_sms}")
     assert split == whole
 
 
