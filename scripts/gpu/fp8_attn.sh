@@ -133,8 +133,8 @@ if [ "${1:-}" = auto40 ]; then  # session 40 in one call on whichever GPU comes:
 fi
 if [ "${1:-}" = auto41 ]; then  # session 41 in one call on whichever GPU comes
   export LOGS=/tmp/benchlogs; mkdir -p "$LOGS"
-  set -- t41 green41 pick41 mbg41  # an H200: the workload instead of the default
-  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && set -- t41 green41 pick41 mbw41
+  set -- green41 t41 pick41 mbg41  # an H200: the workload instead of the default
+  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && set -- green41 t41 pick41 mbw41
 fi
 for step in "$@"; do
   echo "[$(date +%T)] === $step"
