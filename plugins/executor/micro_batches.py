@@ -10,8 +10,10 @@ the other way round (issue 12; docs/quantization.md, sessions 39 and 40). The we
 then read twice a step, once per half: the price. Measured on an H100 (session 40), the
 price is paid and the overlap does not come: the decode attention fills every SM and the
 cuBLAS GEMMs are persistent, so side by side they hide 17-20% of the shorter one, and a
-600-row fp8 step ran 1.6% slower split. Hence off by default; kernels confined to a share
-of the SMs would run under this same executor side.
+600-row fp8 step ran 1.6% slower split. Session 41 confined each kind to its own SMs
+(``OnStream`` over green contexts, below): they then overlap 55-74%, but the decode
+attention's speed follows its SM count (88% of it on 80 of 132 SMs), so the pipelined
+halves stayed 1.6% slower than the whole step on an H100. Hence off by default.
 
 - ``half_metas``: the two halves' attention metadata, views of the step's static buffers
   (a decode step's ``query_start_loc`` is ``0..B``, so half B's is its first rows), the

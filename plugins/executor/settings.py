@@ -27,5 +27,7 @@ class ModelExecutorSettings(msgspec.Struct, forbid_unknown_fields=True):
     # green contexts (``green_contexts``), every attention launch on this many SMs (the
     # driver rounds up), both halves' projections on the rest, so that neither takes the
     # other's SMs; 0: plain streams on the whole GPU. The split buckets then run eagerly,
-    # not from CUDA graphs (``DecodeGraphs._make_streams`` says why; session 41).
+    # not from CUDA graphs (``DecodeGraphs._make_streams`` says why; session 41). Measured
+    # on an H100: the two kinds overlap 55-74% so, but the attention slows with fewer SMs
+    # and the pipelined halves stay 1.6% slower than the whole step (80 SMs at best).
     micro_batch_sms: Annotated[int, msgspec.Meta(ge=0)] = 0

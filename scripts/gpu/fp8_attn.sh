@@ -48,7 +48,6 @@
 #           the GEMMs on the rest, and two half batches pipelined over the partitions
 #   mbg41 / mbw41: the default / the issue's workload, micro-batches off, and on with the
 #           attention on SMS SMs (MB: the smallest bucket split)
-#   green40 the decode attention on N SMs (a green context) beside the GEMMs (unrun)
 #   t40 / mbt40 / mb40 / ba40: session 40's two micro-batches a decode step ([plugin.model]
 #           micro_batch_min, opt-in): its GPU tests; the default workload and the issue's
 #           workload with it off / on (MB: the smallest bucket split, TURNS=0: no turns);
@@ -324,12 +323,6 @@ if x.get('gain', 0) > 1]; print(max(r, key=lambda x: x['gain'])['attention_sms']
       bench throughput mbw41-off after fp8 "${WIDE[@]}"
       bench throughput mbw41-on after fp8 "${WIDE[@]}" --plugin-option \
         model.micro_batch_min=${MB:-256} --plugin-option model.micro_batch_sms=${SMS:-66} ;;
-    green40)  # session 40 (written, not yet run): the decode attention confined to N SMs (a
-      # CUDA green context) beside the fp8 GEMMs with carveout N; 132 = every SM, the baseline
-      timeout 300 env PYTHONPATH=/tmp/after:/tmp/site python3 scripts/gpu/overlap_probe.py \
-        --green ${GREEN:-40,56,66,80} --pipeline --json "$OUT/green40.json" > "$OUT/green40.log" 2>&1 \
-        || { echo "green40 failed"; tail -5 "$OUT/green40.log"; }
-      grep -E "green|Error" "$OUT/green40.log" ;;
     ovl39)  # session 39: the decode step as one chain against two half-batch chains on two
       # streams (scripts/gpu/overlap_probe.py --chains; 300 rows a half, carveouts 0 and 32)
       timeout 400 env PYTHONPATH=/tmp/after:/tmp/site python3 scripts/gpu/overlap_probe.py \
