@@ -137,8 +137,10 @@ class DecodeGraphs:
         self.half_streams = streams
         # Eagerly, never captured: whether a graph's kernel nodes keep the green context
         # they were captured from is not documented, and a failed capture over forked
-        # streams can leave torch's allocator mid-capture. At the hundreds of rows worth
-        # splitting, a step's GPU time is far above its launches' host time.
+        # streams can leave torch's allocator mid-capture. Measured since (session 41, an
+        # H100): a captured pair does keep the split (overlap_probe --green), and eager
+        # steps cost the engine 62% on the default workload (128-256 rows: the host's
+        # launches bound them). Capturing is the fix, if the split ever pays (it did not).
         self.micro_eager = True
         log.info(
             "micro-batches: the attention on a green context of %d SMs, the projections "
