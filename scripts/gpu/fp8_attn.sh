@@ -44,7 +44,7 @@
 #   auto40  session 40's steps for whichever GPU comes (see below)
 #   auto41  session 41: t41, green41, then the engine with the best N (mbg41; on an H200 mbw41)
 #   t41     the micro-batch GPU tests, plain streams and green contexts
-#   green41 overlap_probe --green N --pipeline: attention on N SMs (a green context) beside
+#   green41 green_probe.py --green N --pipeline: attention on N SMs (a green context) beside
 #           the GEMMs on the rest, and two half batches pipelined over the partitions
 #   mbg41 / mbw41: the default / the issue's workload, micro-batches off, and on with the
 #           attention on SMS SMs (MB: the smallest bucket split)
@@ -305,7 +305,7 @@ for step in "$@"; do
       tail -1 "$OUT/a-t41.log" ;;
     green41)  # the attention on N SMs (green context) beside the GEMMs on the rest, and the
       # two halves pipelined over the partitions against the whole step on every SM
-      timeout 420 env PYTHONPATH=/tmp/after:/tmp/site python3 scripts/gpu/overlap_probe.py \
+      timeout 420 env PYTHONPATH=/tmp/after:/tmp/site python3 scripts/gpu/green_probe.py \
         --green ${GREEN:-40,56,66,80} --pipeline --json "$OUT/green41.json" \
         > "$OUT/green41.log" 2>&1 || { echo "green41 failed"; tail -5 "$OUT/green41.log"; }
       grep -E "green|Error" "$OUT/green41.log" ;;
