@@ -22,27 +22,24 @@ from pathlib import Path
 
 import torch
 
-from tokenloom import LLM, SamplingParams
+from tokenloom import LLM
 from tokenloom.checkpoints.default_model import default_model
 from tokenloom.eval import TEXT_PATH
-from tokenloom.eval.perplexity import load_passages
+from tokenloom.eval.perplexity import (
+    bootstrap_log_ratios,
+    interval_pct,
+    load_passages,
+    measure_perplexity,
+)
 
 
-def passage_nlls(model: str, quant: str, passages: list[str]) -> list[tuple[float, int]]:
-    """Each passage's summed negative log-probability and its token count."""
+def passage_nlls(model: str, quant: str, passages: list[str]) -> tuple[list[float], list[int]]:
+    """Each passage's summed negative log-probability, and its token counts."""
     options = {"quant": quant} if quant != "none" else {}
     llm = LLM(model=model, dtype="float32", attention="torch", device="cpu", **options)
     try:
-        prompts = [llm.tokenizer.encode(p) for p in passages]
-        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=True)
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        result = []
-        for ids, out in zip(prompts, outputs, strict=True):
-            values = out.prompt_logprobs
-            if values is None or len(values) != len(ids) - 1:
-                raise RuntimeError(f"{model}: expected {len(ids) - 1} prompt logprobs")
-            result.append((-math.fsum(values), len(values)))
-        return result
+        result = measure_perplexity(llm, passages)
+        return result.passage_nlls, result.passage_tokens
     finally:
         llm.engine.shutdown()
 
@@ -56,41 +53,40 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=10000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--text", default=str(TEXT_PATH), help="the passages (eval's text)")
     args = parser.parse_args()
     if args.threshold is None:
         args.threshold = 5.0 if args.quant == "int4" else 1.0
     if args.samples < 1:
         parser.error("--samples: at least 1")
-    passages = load_passages(TEXT_PATH)
+    passages = load_passages(args.text)
     names = ["reference", *args.checkpoints]
-    nll = {"reference": passage_nlls(str(default_model()), "none", passages)}
+    ref_nlls, tokens = passage_nlls(str(default_model()), "none", passages)
+    nlls = {}
     for ckpt in args.checkpoints:
-        nll[ckpt] = passage_nlls(ckpt, args.quant, passages)
-    tokens = torch.tensor([n for _, n in nll["reference"]], dtype=torch.float64)
-    for name, rows in nll.items():  # one tokenizer: the same tokens scored by every model
-        if [n for _, n in rows] != tokens.long().tolist():
-            raise RuntimeError(f"{name}: its passages' token counts differ from the reference's")
-    sums = {k: torch.tensor([s for s, _ in v], dtype=torch.float64) for k, v in nll.items()}
-    gen = torch.Generator().manual_seed(args.seed)
-    draws = torch.randint(len(passages), (args.samples, len(passages)), generator=gen)
-    counts = tokens[draws].sum(1)
-    log_ppl = {k: (v[draws].sum(1) / counts) for k, v in sums.items()}  # per draw
-    point = {k: float(v.sum() / tokens.sum()) for k, v in sums.items()}
+        nlls[ckpt], counts = passage_nlls(ckpt, args.quant, passages)
+        if counts != tokens:  # one tokenizer: the same tokens scored by every model
+            raise RuntimeError(f"{ckpt}: its passages' token counts differ from the reference's")
+    # one seed: every model's resamples draw the same passages, so pairs are paired too
+    log_ppl = {"reference": torch.zeros(args.samples, dtype=torch.float64)}
+    point = {"reference": 0.0}
+    for k, v in nlls.items():
+        log_ppl[k] = bootstrap_log_ratios(v, ref_nlls, tokens, args.samples, args.seed)
+        point[k] = (math.fsum(v) - math.fsum(ref_nlls)) / sum(tokens)
 
     def pct(x: float) -> float:
         return 100 * (math.exp(x) - 1)
 
     report: dict[str, object] = {
-        "text": str(TEXT_PATH), "passages": len(passages), "tokens": int(tokens.sum()),
+        "text": str(args.text), "passages": len(passages), "tokens": sum(tokens),
         "samples": args.samples, "quant": args.quant, "threshold_pct": args.threshold, "models": {}, "pairs": {},
     }  # fmt: skip
     for k in names[1:]:
         diff = log_ppl[k] - log_ppl["reference"]
-        lo, hi = torch.quantile(diff, torch.tensor([0.025, 0.975], dtype=torch.float64))
         row = {
-            "perplexity": math.exp(point[k]),
+            "perplexity": math.exp(math.fsum(nlls[k]) / sum(tokens)),
             "vs_reference_pct": pct(point[k] - point["reference"]),
-            "interval_95_pct": [pct(float(lo)), pct(float(hi))],
+            "interval_95_pct": list(interval_pct(diff)),
             "p_below_threshold": float((diff < math.log1p(args.threshold / 100)).double().mean()),
         }
         report["models"][k] = row  # type: ignore[index]
@@ -101,10 +97,9 @@ def main() -> int:
     for i, a in enumerate(names[1:]):
         for b in names[i + 2 :]:
             diff = log_ppl[b] - log_ppl[a]
-            lo, hi = torch.quantile(diff, torch.tensor([0.025, 0.975], dtype=torch.float64))
             row = {
                 "b_over_a_pct": pct(point[b] - point[a]),
-                "interval_95_pct": [pct(float(lo)), pct(float(hi))],
+                "interval_95_pct": list(interval_pct(diff)),
             }
             report["pairs"][f"{b} vs {a}"] = row  # type: ignore[index]
             print(f"{b} vs {a}: {row['b_over_a_pct']:+.2f}% (95%: "

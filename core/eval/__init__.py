@@ -9,6 +9,9 @@ runs through the same code:
   after its first are predicted from the tokens before them. The per-token
   logprobs come from the engine itself (``SamplingParams.prompt_logprobs``), so they
   are exactly what the config under test computes, chunked prefill included.
+  Against the golden file's recording, the change is reported with its 95% interval
+  when the passages are resampled with replacement (paired: the same draw for both
+  models), because a passage's tokens are not independent of one another.
 - **Golden completions** (``golden.py``): the prompts of ``data/prompts.json``,
   recorded once with greedy decoding on the fp32 reference path into
   ``data/golden.json``, then replayed greedily under the config under test.

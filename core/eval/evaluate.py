@@ -60,6 +60,8 @@ def evaluate(
             text_sha256=text_sha256,
             perplexity=ppl.perplexity,
             num_text_tokens=ppl.num_tokens,
+            passage_nlls=ppl.passage_nlls,
+            passage_tokens=ppl.passage_tokens,
         )
         save_golden(golden_path, reference)
     scores = score(reference, run)

@@ -53,6 +53,9 @@ class GoldenSet(msgspec.Struct, omit_defaults=True):
     text_sha256: str = ""
     perplexity: float | None = None
     num_text_tokens: int = 0
+    # each passage's summed nll and predicted tokens (the report's interval pairs them)
+    passage_nlls: list[float] = []
+    passage_tokens: list[int] = []
 
     @property
     def is_recorded(self) -> bool:

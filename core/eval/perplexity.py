@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tokenloom.protocols.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from tokenloom.llm import LLM
 
 
@@ -21,6 +23,8 @@ class PerplexityResult:
     num_tokens: int  # predicted tokens: each passage's tokens after its first
     num_passages: int
     seconds: float
+    passage_nlls: list[float] = field(default_factory=list)  # each passage's nll_sum
+    passage_tokens: list[int] = field(default_factory=list)  # each passage's predicted tokens
 
 
 def load_passages(path: str | Path) -> list[str]:
@@ -42,7 +46,7 @@ def measure_perplexity(llm: LLM, passages: list[str]) -> PerplexityResult:
             )
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    nll_sum, num_tokens = 0.0, 0
+    nlls, counts = [], []
     for ids, out in zip(prompts, outputs, strict=True):
         values = out.prompt_logprobs
         if values is None or len(values) != len(ids) - 1:
@@ -50,12 +54,41 @@ def measure_perplexity(llm: LLM, passages: list[str]) -> PerplexityResult:
                 f"request {out.request_id}: expected {len(ids) - 1} prompt logprobs, got "
                 f"{None if values is None else len(values)}"
             )
-        nll_sum -= math.fsum(values)
-        num_tokens += len(values)
+        nlls.append(-math.fsum(values))
+        counts.append(len(values))
+    nll_sum, num_tokens = math.fsum(nlls), sum(counts)
     return PerplexityResult(
         perplexity=math.exp(nll_sum / num_tokens),
         nll_sum=nll_sum,
         num_tokens=num_tokens,
         num_passages=len(passages),
         seconds=time.perf_counter() - started,
+        passage_nlls=nlls,
+        passage_tokens=counts,
     )
+
+
+def bootstrap_log_ratios(
+    nlls: list[float], ref_nlls: list[float], tokens: list[int], samples: int, seed: int = 0
+) -> torch.Tensor:
+    """``log(perplexity / reference perplexity)`` over ``samples`` resamples of the
+    passages, drawn with replacement, the same draw for both models (paired). A passage
+    is the unit because its tokens are not independent of one another."""
+    import torch
+
+    if not len(nlls) == len(ref_nlls) == len(tokens) or not tokens:
+        raise ValueError("one summed nll and one token count per passage, for both models")
+    gen = torch.Generator().manual_seed(seed)
+    draws = torch.randint(len(tokens), (samples, len(tokens)), generator=gen)
+    diff = torch.tensor(nlls, dtype=torch.float64) - torch.tensor(ref_nlls, dtype=torch.float64)
+    return diff[draws].sum(1) / torch.tensor(tokens, dtype=torch.float64)[draws].sum(1)
+
+
+def interval_pct(log_ratios: torch.Tensor, level: float = 0.95) -> tuple[float, float]:
+    """The central ``level`` interval of the resampled ratios, as percent changes."""
+    import torch
+
+    tail = (1.0 - level) / 2
+    q = torch.tensor([tail, 1.0 - tail], dtype=torch.float64)
+    lo, hi = torch.quantile(log_ratios, q).tolist()
+    return 100 * math.expm1(lo), 100 * math.expm1(hi)

@@ -9,6 +9,10 @@ Keys of the report (``tokenloom eval --json PATH`` writes exactly this):
 - ``reference_perplexity`` (from the golden file), ``perplexity_delta`` (this minus
   the reference) and ``perplexity_delta_pct`` (relative, %); all three None when the
   golden file has no perplexity or was recorded on a different text.
+- ``perplexity_delta_pct_95``: ``[low, high]``, the 95% interval of
+  ``perplexity_delta_pct`` when the text's passages are resampled with replacement
+  (``BOOTSTRAP_SAMPLES`` draws, paired with the golden file's own per-passage figures);
+  None when the golden file has none for this text (recorded before they were kept).
 - ``exact_match_pct``, ``token_agreement_pct`` (defined in ``tokenloom.eval``),
   ``num_prompts``, ``num_exact``, ``num_agreed_tokens``, ``num_reference_tokens``,
   and ``prompts``: per prompt ``id``, ``exact``, ``agreed_tokens``,
@@ -23,9 +27,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from tokenloom.eval.perplexity import bootstrap_log_ratios, interval_pct
+
 if TYPE_CHECKING:
     from tokenloom.eval.golden import GoldenScores, GoldenSet
     from tokenloom.eval.perplexity import PerplexityResult
+
+BOOTSTRAP_SAMPLES = 10_000
 
 REPORT_KEYS = (
     "model",
@@ -39,6 +47,7 @@ REPORT_KEYS = (
     "reference_perplexity",
     "perplexity_delta",
     "perplexity_delta_pct",
+    "perplexity_delta_pct_95",
     "exact_match_pct",
     "token_agreement_pct",
     "num_prompts",
@@ -83,6 +92,15 @@ def build_report(
     if changed:
         warnings.append(f"prompts tokenized differently from the recording: {', '.join(changed)}")
     ppl = perplexity.perplexity
+    interval = None
+    if ref_ppl is not None and reference.passage_tokens == perplexity.passage_tokens:
+        ratios = bootstrap_log_ratios(
+            perplexity.passage_nlls,
+            reference.passage_nlls,
+            perplexity.passage_tokens,
+            BOOTSTRAP_SAMPLES,
+        )
+        interval = list(interval_pct(ratios))
     report = {
         "model": model,
         "config": config,
@@ -99,6 +117,7 @@ def build_report(
         "reference_perplexity": ref_ppl,
         "perplexity_delta": None if ref_ppl is None else ppl - ref_ppl,
         "perplexity_delta_pct": None if ref_ppl is None else 100.0 * (ppl / ref_ppl - 1.0),
+        "perplexity_delta_pct_95": interval,
         "exact_match_pct": scores.exact_match_pct,
         "token_agreement_pct": scores.token_agreement_pct,
         "num_prompts": len(scores.per_prompt),
@@ -118,6 +137,7 @@ def format_table(report: dict[str, Any]) -> str:
     reference = report["reference"]
     ref_ppl = report["reference_perplexity"]
     delta = report["perplexity_delta"]
+    interval = report["perplexity_delta_pct_95"]
     t = report["timings"]
     exact = f"{report['exact_match_pct']:.1f}% ({report['num_exact']}/{report['num_prompts']})"
     agreed = f"({report['num_agreed_tokens']}/{report['num_reference_tokens']} tokens)"
@@ -126,7 +146,11 @@ def format_table(report: dict[str, Any]) -> str:
             f"perplexity ({report['num_text_tokens']} tokens)",
             f"{report['perplexity']:.4f}",
             "-" if ref_ppl is None else f"{ref_ppl:.4f}",
-            "-" if delta is None else f"{delta:+.4f} ({report['perplexity_delta_pct']:+.2f}%)",
+            "-"
+            if delta is None
+            else f"{delta:+.4f} ({report['perplexity_delta_pct']:+.2f}%"
+            + ("" if interval is None else f"; 95%: {interval[0]:+.2f}% to {interval[1]:+.2f}%")
+            + ")",
         ),
         ("exact match", exact, "100%", ""),
         ("token agreement", f"{report['token_agreement_pct']:.1f}% {agreed}", "100%", ""),

@@ -52,6 +52,11 @@ def test_eval_cli_records_then_writes_the_documented_json(tiny_model_factory, tm
     assert report["reference"]["config"]["max_num_batched_tokens"] == 8192
     assert report["exact_match_pct"] == 100.0 and report["num_prompts"] == 2
     assert report["perplexity_delta"] is not None and abs(report["perplexity_delta"]) < 1e-3
+    lo, hi = report["perplexity_delta_pct_95"]  # paired with the recording's passages
+    assert lo <= report["perplexity_delta_pct"] <= hi and abs(lo) < 0.1 and abs(hi) < 0.1
+    golden = json.loads((tmp_path / "golden.json").read_text())
+    assert len(golden["passage_nlls"]) == len(golden["passage_tokens"]) == 2
+    assert sum(golden["passage_tokens"]) == report["num_text_tokens"]
     assert set(report["timings"]) == {
         "load_s",
         "perplexity_s",

@@ -73,6 +73,18 @@ def test_a_perturbed_model_agrees_less_than_fully(tiny_model_factory, files):
     assert report["exact_match_pct"] < 100.0
     assert report["token_agreement_pct"] < 100.0
     assert report["perplexity_delta"] != pytest.approx(0.0)
+    lo, hi = report["perplexity_delta_pct"], report["perplexity_delta_pct"]
+    assert report["perplexity_delta_pct_95"][0] <= lo and hi <= report["perplexity_delta_pct_95"][1]
+
+
+def test_a_golden_file_without_passage_figures_gives_no_interval(tiny_model_factory, files):
+    _evaluate(tiny_model_factory("llama"), files, record=True)
+    golden = json.loads((files / "golden.json").read_text())
+    del golden["passage_nlls"], golden["passage_tokens"]  # recorded before they were kept
+    (files / "golden.json").write_text(json.dumps(golden))
+    report = _evaluate(tiny_model_factory("llama", seed=1), files)
+    assert report["perplexity_delta_pct"] is not None
+    assert report["perplexity_delta_pct_95"] is None
 
 
 def test_evaluating_needs_a_recorded_golden_file(tiny_model_factory, files):

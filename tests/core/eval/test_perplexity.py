@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from tokenloom import LLM, SamplingParams
-from tokenloom.eval.perplexity import load_passages, measure_perplexity
+from tokenloom.eval.perplexity import (
+    bootstrap_log_ratios,
+    interval_pct,
+    load_passages,
+    measure_perplexity,
+)
 
 TEXT = (
     "The river runs slowly past the mill, and the herons wait in the reeds.\n\n"
@@ -60,6 +65,11 @@ def test_perplexity_equals_exp_mean_nll_from_transformers(model_dir, chunked_llm
     num_tokens = sum(len(values) for values in reference)
     assert result.num_tokens == num_tokens == sum(len(p) - 1 for p in prompts)
     assert result.num_passages == 3
+    # each passage's own figures, which the report's interval pairs with the reference's
+    assert result.passage_tokens == [len(values) for values in reference]
+    assert result.passage_nlls == pytest.approx(
+        [-math.fsum(values) for values in reference], rel=1e-4
+    )
     assert result.perplexity == pytest.approx(math.exp(nll / num_tokens), rel=1e-4)
 
 
@@ -88,3 +98,23 @@ def test_prompt_logprobs_are_computed_even_when_the_prefix_is_cached(chunked_llm
 def test_requests_without_prompt_logprobs_get_none(chunked_llm):
     out = chunked_llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1), use_tqdm=False)[0]
     assert out.prompt_logprobs is None
+
+
+def test_the_paired_interval_is_zero_for_the_same_model_and_brackets_a_uniform_loss():
+    tokens = [100, 150, 120, 90]
+    ref = [300.0, 420.0, 380.0, 250.0]
+    same = bootstrap_log_ratios(ref, ref, tokens, 500)
+    assert interval_pct(same) == (0.0, 0.0)
+    # 0.05 nats a token worse on every passage: every resample says exactly that
+    worse = [r + 0.05 * n for r, n in zip(ref, tokens, strict=True)]
+    lo, hi = interval_pct(bootstrap_log_ratios(worse, ref, tokens, 500))
+    assert lo == pytest.approx(100 * math.expm1(0.05)) and hi == pytest.approx(lo)
+    # worse on one passage only: the interval spans 0 (resamples without it) to well above
+    mixed = [ref[0] + 40.0, *ref[1:]]
+    ratios = bootstrap_log_ratios(mixed, ref, tokens, 2000)
+    lo, hi = interval_pct(ratios)
+    point = 100 * math.expm1(40.0 / sum(tokens))
+    assert lo < point < hi and lo >= 0.0 and hi > 2 * point
+    assert torch.equal(ratios, bootstrap_log_ratios(mixed, ref, tokens, 2000))  # seeded
+    with pytest.raises(ValueError, match="per passage"):
+        bootstrap_log_ratios(ref[:3], ref, tokens, 10)
