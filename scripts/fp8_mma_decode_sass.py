@@ -4,7 +4,7 @@ Triton pipelined its K/V copies: the buffers of K and V^T in shared memory, and 
 copy groups the main loop's wait leaves in flight (0: a program never loads while it
 computes; its next tile's copies are issued after the tile's products).
 
-    python scripts/fp8_mma_decode_sass.py [BLOCK_N,WARPS,STAGES[,META_AHEAD[,MAXNREG[,FOLD]]]] ...
+    python scripts/fp8_mma_decode_sass.py [BLOCK_N,WARPS,STAGES[,META_AHEAD[,MAXNREG[,FOLD[,PAGE]]]]] ...
 
 Session 35 (Triton 3.6): 128,4,2 (the default) has 2 buffers and 0 in flight, as have 3
 and 4 stages; 5 stages give 3 buffers with a tile in flight. META_AHEAD=1 (the block
@@ -40,12 +40,14 @@ def main() -> None:
     ttgir = os.path.join(tempfile.mkdtemp(), "kernel.ttgir")
     os.environ["TTGIR"] = ttgir  # compile_sm90 writes Triton's IR there
     for spec in sys.argv[1:] or ["128,4,2", "64,4,2", "128,8,2"]:
-        block_n, warps, stages, ahead, maxnreg, fold = ([*map(int, spec.split(",")), 0, 0, 0])[:6]
+        block_n, warps, stages, ahead, maxnreg, fold, page = (
+            [*map(int, spec.split(",")), 0, 0, 0, 0]
+        )[:7]
         os.environ.pop("MAXNREG", None)
         if maxnreg:
             os.environ["MAXNREG"] = str(maxnreg)
         consts = dict(NUM_HEADS=32, NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=128, BLOCK_H=16,
-                      BLOCK_N=block_n, PAGE_SIZE=16, HEADS_FIRST=True, USE_PDL=True,
+                      BLOCK_N=block_n, PAGE_SIZE=page or 16, HEADS_FIRST=True, USE_PDL=True,
                       META_AHEAD=bool(ahead), FOLD=bool(fold))  # fmt: skip
         sass, res, shared = compile_sm90(kernel, sig, consts, divisible, warps, stages)
         with open(ttgir) as f:
@@ -65,7 +67,7 @@ def main() -> None:
         # pipeliner issues them in the iteration that uses them (session 38's ncu samples)
         ldg = sum(n for op, n in ops.items() if op.startswith("LDG."))
         print(f"BLOCK_N {block_n}, {warps} warps, {stages} stages, META_AHEAD {ahead}, "
-              f"MAXNREG {maxnreg or '-'}, FOLD {fold}: {per_byte:.2f} per KV byte, "
+              f"MAXNREG {maxnreg or '-'}, FOLD {fold}, PAGE {page or 16}: {per_byte:.2f} per KV byte, "
               f"{bars} barriers, {ldg} global loads, {regs} registers, "
               f"{spills} spill instructions, {shared} B shared, {mma}; K/V buffers "
               f"{'/'.join(buffers)}, copy groups in flight at the loop's wait "
