@@ -43,6 +43,9 @@
 #           latency / throughput before / after
 #   auto40  session 40's steps for whichever GPU comes (see below)
 #   auto41  session 41: t41, green41, then the engine with the best N (mbg41; on an H200 mbw41)
+#   auto42  session 42: t39, then on an H200 fold39 (PAIRS=1) and freshw42 (the workload with the
+#           fresh prefill), elsewhere fresh42 (the default workload, fresh prefill off / on)
+#   auto42b t42 (test_int4_gemv_nk.py whole), then on an H200 wide42 and freshw42
 #   t41     the micro-batch GPU tests, plain streams and green contexts
 #   green41 green_probe.py --green N --pipeline: attention on N SMs (a green context) beside
 #           the GEMMs on the rest, and two half batches pipelined over the partitions
@@ -134,6 +137,19 @@ if [ "${1:-}" = auto41 ]; then  # session 41 in one call on whichever GPU comes
   export LOGS=/tmp/benchlogs; mkdir -p "$LOGS"
   set -- green41 t41 pick41 mbg41  # an H200: the issue's workload instead of the default
   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && set -- green41 t41 pick41 mbw41
+fi
+if [ "${1:-}" = auto42 ]; then  # session 42 on whichever GPU comes: the fresh prefill's GPU
+  # tests, then on an H200 the issue's workload with the fold off / on and the fresh prefill;
+  # elsewhere the default workload, the fresh prefill off / on (PAIRS pairs)
+  export LOGS=/tmp/benchlogs; mkdir -p "$LOGS"
+  set -- t39 fresh42
+  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && set -- t39 fold39 freshw42
+fi
+if [ "${1:-}" = auto42b ]; then  # session 42's second call: the int4 row-major test fixed for
+  # GPUs and the rest of its file; on an H200 then the issue's workload, default and fresh
+  export LOGS=/tmp/benchlogs; mkdir -p "$LOGS"
+  set -- t42
+  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && set -- t42 wide42 freshw42
 fi
 for step in "$@"; do
   echo "[$(date +%T)] === $step"
@@ -249,6 +265,21 @@ for step in "$@"; do
         bench throughput fp8f39-none$i after fp8 "${WIDE[@]}"
         bench throughput fp8f39-fresh$i after fp8 "${WIDE[@]}" --plugin-option triton.prefill_fresh_16bit=1
       done ;;
+    fresh42)  # the default workload (fits an H100), fp8 + fp8 KV: prefill_fresh_16bit off / on
+      for i in $(seq ${PAIRS:-2}); do
+        bench throughput fp8f42-none$i after fp8 --kv-cache-dtype fp8
+        bench throughput fp8f42-fresh$i after fp8 --kv-cache-dtype fp8 \
+          --plugin-option triton.prefill_fresh_16bit=1
+      done ;;
+    t42)  # test_int4_gemv_nk.py whole on the GPU (CUDA where present, not under -m gpu): its
+      # row-major engine test expected float32 to be stored row-major, which only bf16 is there
+      py after -m pytest -q -p no:cacheprovider tests/plugins/quant/test_int4_gemv_nk.py \
+        > "$OUT/a-t42.log" 2>&1
+      echo "t42 rc=$?"; grep -E "^FAILED" "$OUT/a-t42.log" | head -5; tail -1 "$OUT/a-t42.log" ;;
+    wide42)  # the issue's workload on today's defaults (the fold on)
+      bench throughput fp8w42-default after fp8 "${WIDE[@]}" ;;
+    freshw42)  # the issue's workload with prefill_fresh_16bit (fold39's "on" is its baseline)
+      bench throughput fp8f42w-fresh after fp8 "${WIDE[@]}" --plugin-option triton.prefill_fresh_16bit=1 ;;
     t39q)  # the fp8 activation quantization folded into the norm and SiLU-and-mul: its GPU
       # tests, and the fp8 kernels' GPU tests
       py after -m pytest -q -s -m gpu -p no:cacheprovider tests/plugins/models/test_fp8_fold_quant.py \
