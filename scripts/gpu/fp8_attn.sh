@@ -46,6 +46,7 @@
 #   auto42  session 42: t39, then on an H200 fold39 (PAIRS=1) and freshw42 (the workload with the
 #           fresh prefill), elsewhere fresh42 (the default workload, fresh prefill off / on)
 #   auto42b t42 (test_int4_gemv_nk.py whole), then on an H200 wide42 and freshw42
+#   t43     four quant test files whole (CUDA where present), failures named (-rf)
 #   t41     the micro-batch GPU tests, plain streams and green contexts
 #   green41 green_probe.py --green N --pipeline: attention on N SMs (a green context) beside
 #           the GEMMs on the rest, and two half batches pipelined over the partitions
@@ -276,6 +277,13 @@ for step in "$@"; do
       py after -m pytest -q -p no:cacheprovider tests/plugins/quant/test_int4_gemv_nk.py \
         > "$OUT/a-t42.log" 2>&1
       echo "t42 rc=$?"; grep -E "^FAILED" "$OUT/a-t42.log" | head -5; tail -1 "$OUT/a-t42.log" ;;
+    t43)  # session 42's H100 run of the quant tests whole (CUDA where present) timed out with 10
+      # failures, named from their positions in the collection (not from a summary): these files
+      # again, with the failures named (test_checkpoints' two were a device mismatch, fixed)
+      py after -m pytest -q -rf -p no:cacheprovider tests/plugins/quant/test_checkpoints.py \
+        tests/plugins/quant/test_int4_row_major.py tests/plugins/quant/test_int8_gemv_nk.py \
+        tests/plugins/quant/test_weight_gemm.py > "$OUT/a-t43.log" 2>&1
+      echo "t43 rc=$?"; grep -E "^FAILED" "$OUT/a-t43.log" | head -12; tail -1 "$OUT/a-t43.log" ;;
     wide42)  # the issue's workload on today's defaults (the fold on)
       bench throughput fp8w42-default after fp8 "${WIDE[@]}" ;;
     freshw42)  # the issue's workload with prefill_fresh_16bit (fold39's "on" is its baseline)

@@ -112,7 +112,8 @@ def test_fp8_checkpoint_loads_its_weights_and_per_tensor_scales(tiny, tmp_path, 
     try:
         attn = llm.engine.executor.model.model.layers[0].self_attn
         kernel = attn.qkv_proj.kernel
-        loaded = kernel.weight.float() * kernel.scales  # each part keeps its own scale
+        # each part keeps its own scale; on the engine's device (CUDA where present)
+        loaded = (kernel.weight.float() * kernel.scales).cpu()
         prefix = "model.layers.0.self_attn"
         expected = torch.cat([stored[f"{prefix}.{p}"] for p in ("q_proj", "k_proj", "v_proj")])
         assert torch.equal(loaded, expected)
@@ -213,7 +214,8 @@ def test_block_wise_fp8_checkpoint_loads_requantized_per_channel(tiny, tmp_path)
     llm = LLM(str(_rewrite(tiny, tmp_path / "fp8b", convert, qc)), dtype="float32", quant="fp8")
     try:
         mlp = llm.engine.executor.model.model.layers[1].mlp
-        loaded = mlp.gate_up_proj.kernel.weight.float() * mlp.gate_up_proj.kernel.scales
+        kernel = mlp.gate_up_proj.kernel
+        loaded = (kernel.weight.float() * kernel.scales).cpu()  # CUDA where present
         prefix = "model.layers.1.mlp"
         expected = torch.cat([stored[f"{prefix}.gate_proj"], stored[f"{prefix}.up_proj"]])
         row_max = expected.abs().amax(dim=1, keepdim=True)
