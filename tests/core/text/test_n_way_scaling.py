@@ -5,6 +5,7 @@ changed, and ``Generation`` counts its finished choices instead of scanning them
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -57,11 +58,21 @@ def _seconds_to_finish(tokenizer: Tokenizer, n: int) -> float:
         assert finished == set(range(n))
         return time.perf_counter() - started
 
-    return min(asyncio.run(run()) for _ in range(2))
+    gc.collect()
+    gc.disable()  # a collection landing in one run only would time the collector, not n
+    try:
+        return asyncio.run(run())
+    finally:
+        gc.enable()
 
 
 def test_finishing_an_n_way_request_scales_linearly_in_n(tokenizer: Tokenizer) -> None:
-    small, large = _seconds_to_finish(tokenizer, 500), _seconds_to_finish(tokenizer, 2000)
+    # the best of five interleaved pairs: a busy machine (another process on the CPU) once
+    # stretched one run of the larger size to 9x the smaller's
+    pairs = [
+        (_seconds_to_finish(tokenizer, 500), _seconds_to_finish(tokenizer, 2000)) for _ in range(5)
+    ]
+    small, large = min(p[0] for p in pairs), min(p[1] for p in pairs)
     # 4x the choices: linear is ~4x; the quadratic path this replaces was ~16-30x.
     assert large / small < 7.0, (small, large)
 
