@@ -47,6 +47,8 @@
 #           fresh prefill), elsewhere fresh42 (the default workload, fresh prefill off / on)
 #   auto42b t42 (test_int4_gemv_nk.py whole), then on an H200 wide42 and freshw42
 #   t43     four quant test files whole (CUDA where present), failures named (-rf)
+#   auto43  session 43: t44 (test_weight_gemm.py whole), then on an H200 wide42 and freshw42,
+#           elsewhere t44m (tests/plugins/models and executor whole, -v, T44M seconds)
 #   t41     the micro-batch GPU tests, plain streams and green contexts
 #   green41 green_probe.py --green N --pipeline: attention on N SMs (a green context) beside
 #           the GEMMs on the rest, and two half batches pipelined over the partitions
@@ -152,9 +154,27 @@ if [ "${1:-}" = auto42b ]; then  # session 42's second call: the int4 row-major 
   set -- t42
   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && set -- t42 wide42 freshw42
 fi
+if [ "${1:-}" = auto43 ]; then  # session 43 on whichever GPU comes: the weight GEMM's
+  # fallback tiling fixed (t44); on an H200 then the issue's workload, default and fresh;
+  # elsewhere the model and executor tests whole (CUDA where present, never run so)
+  export LOGS=/tmp/benchlogs; mkdir -p "$LOGS"
+  set -- t44 t44m
+  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && set -- t44 wide42 freshw42
+fi
 for step in "$@"; do
   echo "[$(date +%T)] === $step"
   case $step in
+    t44)  # t43's one failure (a fallback tiling over groups of 96 took 704 KB of shared
+      # memory in fp32): test_weight_gemm.py whole
+      py after -m pytest -q -rf -p no:cacheprovider tests/plugins/quant/test_weight_gemm.py \
+        > "$OUT/a-t44.log" 2>&1
+      echo "t44 rc=$?"; grep -E "^FAILED" "$OUT/a-t44.log" | head -12; tail -1 "$OUT/a-t44.log" ;;
+    t44m)  # the model and executor tests whole (CUDA where present), each result named as
+      # it comes (-v), so that a timeout still names the failures
+      timeout ${T44M:-300} env PYTHONPATH=/tmp/after:/tmp/site python3 -m pytest -v -rf \
+        -p no:cacheprovider tests/plugins/models tests/plugins/executor > "$OUT/a-t44m.log" 2>&1
+      echo "t44m rc=$?"; grep -E "FAILED|ERROR" "$OUT/a-t44m.log" | head -12
+      grep -cE " PASSED" "$OUT/a-t44m.log"; tail -1 "$OUT/a-t44m.log" ;;
     t29)
       py after -m pytest -q -s -m gpu -p no:cacheprovider tests/plugins/attention \
         tests/plugins/executor/test_graph_inputs.py > "$OUT/gpu-tests-t29.log" 2>&1

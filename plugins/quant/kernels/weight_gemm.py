@@ -255,27 +255,35 @@ def weight_gemm(
     assert qweight.is_contiguous() or nk or row4, "weights must be contiguous (or [N, K'])"
     assert scales.is_contiguous(), "scales must be contiguous"
     assert qweight.shape[0] * (8 if bits == 4 else 1) == k, (tuple(qweight.shape), k)
-    cfg = config or choose_config(m, n, k, _num_sms(x.device), nk_ok)
+
+    def fallback(nk_ok: bool = nk_ok, gather: bool = False) -> GemmConfig:
+        """``choose_config``'s tiling; where the dot tile must gather (``gather``, or
+        groups that do not nest with its K), 64 K deep and 3 stages at most (256 x 4
+        stages: 483 KB of shared memory in bf16, 704 KB in fp32)."""
+        chosen = choose_config(m, n, k, _num_sms(x.device), nk_ok)
+        if gather or (bits == 4 and not chosen.nk and not chosen.fits(bits, group)):
+            chosen = replace(chosen, expand=False, block_k=min(chosen.block_k, 64), num_stages=3)
+        return chosen
+
+    cfg = config or fallback()
     # the GEMVs over [K', N] would read [N, K'] storage wrongly: a kernel for this layout
     # (int4: the dot tile's gather path, which serves any group, a partial last one, and
     # zero points that are no integers, as int4_gemv_nk and the GEMVs do)
     if ((nk or row4) and (cfg.gemv or cfg.h2)) or (
         cfg.nk and not ((nk_ok or nk4_ok) and cfg.fits(bits, group))
     ):
-        cfg = choose_config(m, n, k, _num_sms(x.device), nk_ok)
-        if row4:  # the gather tile, 64 K deep and 3 stages at most (256 x 4 stages: 483 KB)
-            cfg = replace(cfg, expand=False, block_k=min(cfg.block_k, 64), num_stages=3)
+        cfg = fallback(gather=row4)
     if cfg.dequant and cfg.fits(bits, group):
         from tokenloom.plugins.quant.kernels.dequant import dequantize_into
 
         w = dequantize_into(qweight, scales, zeros, bits, group, x.dtype)
         return torch.nn.functional.linear(x, w, bias)
     if cfg.dequant:  # a format the whole-weight path cannot serve
-        cfg = choose_config(m, n, k, _num_sms(x.device), nk_ok)
+        cfg = fallback()
     if cfg.gemv and not gemv_fits(bits, group, cfg.block_k, zeros is not None, cfg.rows):
-        cfg = choose_config(m, n, k, _num_sms(x.device), nk_ok)  # a format the GEMV cannot serve
+        cfg = fallback()  # a format the GEMV cannot serve
     if cfg.h2 and not h2_fits(x, bits, group, cfg.block_k, zeros is not None):
-        cfg = choose_config(m, n, k, _num_sms(x.device))
+        cfg = fallback(False)
     if cfg.nk and bits == 4:
         extra = {} if cfg.mma else {"dp4a": cfg.dp4a}
         return (launch_int4_mma if cfg.mma else launch_int4_nk)(

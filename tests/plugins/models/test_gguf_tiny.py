@@ -70,10 +70,27 @@ def expected_weight(tensor, original: dict[str, torch.Tensor], hf_name: str) -> 
         return original[hf_name].half().float()
     if kind == "BF16":
         return original[hf_name].bfloat16().float()
+    shape = tuple(reversed(tensor.shape.tolist()))
+    if kind in ("Q4_0", "Q4_1"):  # spelled out: transformers dequantizes these since 5.2x only
+        return torch.from_numpy(q4_blocks(np.array(tensor.data).reshape(-1), kind)).reshape(shape)
     from transformers.integrations.gguf.dequant import dequantize
 
     raw = torch.from_numpy(np.array(tensor.data)).reshape(-1)
-    return dequantize(raw, int(tensor.tensor_type)).reshape(tuple(reversed(tensor.shape.tolist())))
+    return dequantize(raw, int(tensor.tensor_type)).reshape(shape)
+
+
+def q4_blocks(raw: np.ndarray, kind: str) -> np.ndarray:
+    """llama.cpp's Q4_0 / Q4_1 blocks of 32 weights: a float16 scale ``d`` (Q4_1: then a
+    float16 minimum ``m``), 16 bytes whose low nibbles are weights 0-15 and high nibbles
+    16-31; ``d (q - 8)`` or ``d q + m``."""
+    head = 2 if kind == "Q4_0" else 4
+    blocks = raw.view(np.uint8).reshape(-1, head + 16)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    q = np.concatenate([blocks[:, head:] & 0xF, blocks[:, head:] >> 4], axis=1).astype(np.float32)
+    if kind == "Q4_0":
+        return (d * (q - 8)).reshape(-1)
+    m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    return (d * q + m).reshape(-1)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
