@@ -35,7 +35,16 @@ from collections.abc import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overlap_probe import beside, build, chain, chain_gemms, eager_ms, fp8_kernels, timed  # noqa: E402
+from overlap_probe import (  # noqa: E402
+    beside,
+    build,
+    chain,
+    chain_gemms,
+    eager_ms,
+    fp8_kernels,
+    probe_parser,
+    timed,
+)
 
 
 def green(args: argparse.Namespace) -> list[dict[str, float | str]]:
@@ -168,14 +177,9 @@ def pipelined(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rows", type=int, default=300)
-    parser.add_argument("--context", type=int, default=1500)
-    parser.add_argument("--layers", type=int, default=32)
+    parser = probe_parser(__doc__)
     parser.add_argument("--green", required=True, help="SM counts for the attention (above)")
     parser.add_argument("--pipeline", action="store_true", help="(above)")
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--json", default=None)
     args = parser.parse_args()
     result = green(args)
     if args.json:

@@ -236,15 +236,21 @@ def beside(
     return run
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+def probe_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The probes' shared arguments: the decode step's shape, repetitions, JSON out."""
+    parser = argparse.ArgumentParser(description=doc)
     parser.add_argument("--rows", type=int, default=300)
     parser.add_argument("--context", type=int, default=1500)
     parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--carveouts", default="0,16,32,48,66")
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--chains", action="store_true", help="the schedule (see above)")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--json", default=None)
+    return parser
+
+
+def main() -> int:
+    parser = probe_parser(__doc__)
+    parser.add_argument("--carveouts", default="0,16,32,48,66")
+    parser.add_argument("--chains", action="store_true", help="the schedule (see above)")
     args = parser.parse_args()
     if args.chains:
         result = chains(args)
