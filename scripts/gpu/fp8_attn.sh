@@ -49,6 +49,7 @@
 #   t43     four quant test files whole (CUDA where present), failures named (-rf)
 #   auto43  session 43: t44 (test_weight_gemm.py whole), then on an H200 wide42 and freshw42,
 #           elsewhere t44m (tests/plugins/models and executor whole, -v, T44M seconds)
+#   t44n    the part of t44m that its 330 s did not reach (T44N seconds)
 #   t41     the micro-batch GPU tests, plain streams and green contexts
 #   green41 green_probe.py --green N --pipeline: attention on N SMs (a green context) beside
 #           the GEMMs on the rest, and two half batches pipelined over the partitions
@@ -169,6 +170,15 @@ for step in "$@"; do
       py after -m pytest -q -rf -p no:cacheprovider tests/plugins/quant/test_weight_gemm.py \
         > "$OUT/a-t44.log" 2>&1
       echo "t44 rc=$?"; grep -E "^FAILED" "$OUT/a-t44.log" | head -12; tail -1 "$OUT/a-t44.log" ;;
+    t44n)  # what t44m's 330 s did not reach: the model tests from test_pdl.py on, and
+      # the executor's (-v, T44N seconds)
+      M=tests/plugins/models
+      timeout ${T44N:-420} env PYTHONPATH=/tmp/after:/tmp/site python3 -m pytest -v -rf \
+        -p no:cacheprovider $M/test_pdl.py $M/test_random_weights.py $M/test_skinny_gemm.py \
+        $M/test_streamed_load.py $M/test_tuning_cache.py tests/plugins/executor \
+        > "$OUT/a-t44n.log" 2>&1
+      echo "t44n rc=$?"; grep -E "FAILED|ERROR" "$OUT/a-t44n.log" | head -12
+      grep -cE " PASSED" "$OUT/a-t44n.log"; tail -1 "$OUT/a-t44n.log" ;;
     t44m)  # the model and executor tests whole (CUDA where present), each result named as
       # it comes (-v), so that a timeout still names the failures
       timeout ${T44M:-300} env PYTHONPATH=/tmp/after:/tmp/site python3 -m pytest -v -rf \
