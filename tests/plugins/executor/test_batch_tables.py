@@ -99,8 +99,12 @@ def _greedy_tokens(model_dir: str) -> tuple[dict[str, list[int]], int]:
     from tokenloom import LLM, SamplingParams
     from tokenloom.protocols.requests import GenerateRequest
 
-    # A pool too small for all at once: preemptions, resumptions and slot reuse.
-    llm = LLM(model_dir, max_num_seqs=6, block_size=4, num_blocks=40, max_num_batched_tokens=64)
+    # A pool too small for all at once: preemptions, resumptions and slot reuse. On the
+    # CPU even beside a GPU, whose decode steps take the CUDA graphs' inputs instead.
+    llm = LLM(
+        model_dir, max_num_seqs=6, block_size=4, num_blocks=40, max_num_batched_tokens=64,
+        device="cpu",
+    )  # fmt: skip
     rng = random.Random(3)
     for i in range(9):
         prompt = [rng.randrange(1, 500) for _ in range(rng.randrange(3, 40))]

@@ -21,7 +21,7 @@ class EagerGraphs(DecodeGraphs):
             self.graphs[bs] = None  # type: ignore[assignment]
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
-        return host
+        return host.to(self.input_ids.device)  # beside a GPU, the engine's device
 
     def _replay(self, bs: int) -> None:
         self.attn.prepare(self.metas[bs])

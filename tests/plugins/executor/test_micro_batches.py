@@ -52,7 +52,8 @@ def test_half_metas_are_views_of_each_half_on_their_own_lanes() -> None:
 def test_the_model_s_steps_are_its_forward(tiny_model_factory) -> None:
     """``forward_steps`` yields between decoder layers (one fewer yield than layers) and
     returns what ``forward`` returns."""
-    llm = LLM(str(tiny_model_factory("llama")), dtype="float32", attention="torch")
+    # on the CPU: the inputs and the context below are host tensors
+    llm = LLM(str(tiny_model_factory("llama")), dtype="float32", attention="torch", device="cpu")
     try:
         runner = llm.engine.executor
         model = runner.model
@@ -194,7 +195,7 @@ class EagerGraphs(DecodeGraphs):
             self.graphs[bs] = None  # type: ignore[assignment]
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
-        return host
+        return host.to(self.input_ids.device)  # beside a GPU, the engine's device
 
     def _replay(self, bs: int) -> None:
         self._run(bs)
@@ -337,8 +338,9 @@ def test_green_contexts_that_cannot_be_made_fall_back_to_plain_streams(
         raise RuntimeError(f"{sms} SMs for a green context: this device has 8")
 
     monkeypatch.setattr(green_contexts, "split", refuse)
+    # on the CPU (a GPU's engine makes streams of its own, which the stand-in would break)
+    llm = LLM(str(tiny_model_factory("llama")), dtype="float32", attention="torch", device="cpu")
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: "side")
-    llm = LLM(str(tiny_model_factory("llama")), dtype="float32", attention="torch")
     try:
         runner = llm.engine.executor
         graphs = EagerGraphs(
