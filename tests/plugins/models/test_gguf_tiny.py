@@ -71,7 +71,7 @@ def expected_weight(tensor, original: dict[str, torch.Tensor], hf_name: str) -> 
     if kind == "BF16":
         return original[hf_name].bfloat16().float()
     shape = tuple(reversed(tensor.shape.tolist()))
-    if kind in ("Q4_0", "Q4_1"):  # spelled out: transformers dequantizes these since 5.2x only
+    if kind in ("Q4_0", "Q4_1"):  # spelled out: transformers 5.17 has no torch dequantizer for them
         return torch.from_numpy(q4_blocks(np.array(tensor.data).reshape(-1), kind)).reshape(shape)
     from transformers.integrations.gguf.dequant import dequantize
 
