@@ -73,6 +73,36 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     return msgspec.structs.replace(config, **changes) if changes else config
 
 
+def resolve_quant(config: EngineConfig, plugins: Any) -> EngineConfig:
+    """``quant = "none"`` (the default) on a checkpoint whose config.json says it is
+    quantized (``quantization_config``): the registered method that loads that format
+    (``protocols.components.quant.checkpoint_quant``), as vLLM reads it from the
+    checkpoint. A format none loads raises ConfigError; other configs come back as they
+    are (a .gguf file, a named shape, random weights: the loader has its own checks)."""
+    import json
+    from pathlib import Path
+
+    from tokenloom.protocols.components.quant import checkpoint_quant
+
+    path = Path(config.model or "") / "config.json"
+    if config.quant != "none" or config.load_format == "random" or not path.is_file():
+        return config
+    try:
+        hf_config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return config  # the loader names the problem
+    if not isinstance(hf_config, dict):
+        return config
+    try:
+        name = checkpoint_quant(hf_config, plugins)
+    except ValueError as exc:
+        raise ConfigError(f"quant: {exc}") from None
+    if name is None:
+        return config
+    log.info("quant: %s, as the checkpoint's quantization_config says", name)
+    return msgspec.structs.replace(config, quant=name)
+
+
 def async_scheduling_enabled(config: EngineConfig, executor: Executor) -> bool:
     """Whether the engine runs async scheduling: ``async_scheduling``, where None
     means on for CUDA; the executor must support pipelining. With speculative
@@ -149,7 +179,7 @@ class Engine:
                 '(proposer = "ngram", "draft", ...); got proposer = "none"'
             )
         pm.check_config(config)
-        config = resolve_config(config)
+        config = resolve_quant(resolve_config(config), pm)
         pm.configure(config)
         started = time.perf_counter()
         executor = pm.build("executor", config.executor, config, pm)

@@ -77,9 +77,12 @@ class Plan:
 def make_plan(config: EngineConfig, gpu_memory_gb: float | None, advice: bool = True) -> Plan:
     """The budget of ``config`` on one GPU of ``gpu_memory_gb`` GiB (default: the
     local GPU's total memory); when it does not fit, with ``advice``."""
+    from tokenloom.engine.engine_core import resolve_quant
+    from tokenloom.plugin_manager import PluginManager
     from tokenloom.plugins.attention import kv_quant
     from tokenloom.plugins.executor.model_runner import DTYPES
 
+    config = resolve_quant(config, PluginManager.default())
     if config.quant not in QUANTS:
         raise ValueError(f"quant: the planner knows {', '.join(QUANTS)}, got {config.quant!r}")
     shape = read_shape(config.model)

@@ -266,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(
         f"{args.rounding}: quantized in {time.perf_counter() - sampled:.0f} s; wrote {args.out} "
-        f"(load with --quant {args.method})"
+        f"(its config.json names the format: the engine loads it as {args.method})"
     )
     return 0
 

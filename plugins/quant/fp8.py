@@ -141,6 +141,7 @@ def fp8_kernel(layer: Linear, weight: torch.Tensor, scales: torch.Tensor) -> Fp8
 
 class Fp8Quant(WeightQuantMethod):
     name = "fp8"
+    checkpoint_formats = ("fp8", "fbgemm_fp8")
     static_input = False  # the checkpoint has input_scale tensors (read, not used)
     block: tuple[int, int] | None = None  # weight_block_size of a block-wise checkpoint
     per_channel = False  # fbgemm_fp8: weight_scale [N, 1], one per output row

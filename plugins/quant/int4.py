@@ -213,6 +213,7 @@ class Int4Quant(WeightQuantMethod):
     """RTN at load, or an AWQ / GPTQ checkpoint as its ``quantization_config`` says."""
 
     name = "int4"
+    checkpoint_formats = ("awq", "gptq")
     # the head in int8 unless the config says otherwise: its own 4 bits cost +45.6%
     # perplexity on the built-in model; int8's cost ~0.1% and halve the head's bytes
     # (docs/quantization.md, session 17)

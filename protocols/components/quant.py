@@ -135,6 +135,12 @@ class QuantMethod(ABC):
     # method finds another one by name (int4's LM head in int8). None: built directly.
     plugins: Any = None
 
+    # The ``quant_method`` values of a checkpoint's ``quantization_config`` (config.json)
+    # that this method loads as stored. The engine serves such a checkpoint with this
+    # method when the config leaves ``quant`` at "none" (``checkpoint_quant``), as vLLM
+    # reads the format from the checkpoint.
+    checkpoint_formats: tuple[str, ...] = ()
+
     def prepare_model(self, model: torch.nn.Module, hf_config: dict[str, Any]) -> None:  # noqa: B027
         """Before loading: adapt the model to the checkpoint's format (default: nothing)."""
 
@@ -169,3 +175,24 @@ def lm_head_method(config: Any, method: type[QuantMethod] | QuantMethod | Any) -
 def quantizes_lm_head(config: Any, method: type[QuantMethod] | QuantMethod | Any) -> bool:
     """Whether ``config`` quantizes the LM head at all (``lm_head_method``)."""
     return lm_head_method(config, method) is not None
+
+
+def checkpoint_quant(hf_config: dict[str, Any], plugins: Any) -> str | None:
+    """The registered quant method (of ``plugins``, a PluginManager) that loads the
+    checkpoint whose config.json is ``hf_config``, as its ``quantization_config``'s
+    ``quant_method`` names it (``QuantMethod.checkpoint_formats``); None for a 16-bit
+    checkpoint. Raises ValueError for a format that no registered method loads."""
+    qc = hf_config.get("quantization_config")
+    if not isinstance(qc, dict):
+        return None
+    fmt = str(qc.get("quant_method", "")).lower()
+    quants = [c for c in plugins.components() if c.kind == "quant"]
+    for c in quants:
+        if fmt in getattr(c.spec.factory, "checkpoint_formats", ()):
+            return c.name
+    readers = {f: c.name for c in quants for f in getattr(c.spec.factory, "checkpoint_formats", ())}
+    known = ", ".join(f"{f} ({name})" for f, name in sorted(readers.items())) or "none"
+    raise ValueError(
+        f"the checkpoint is quantized as {fmt!r} (config.json's quantization_config), "
+        f"a format no registered quant method loads; loaded: {known}"
+    )

@@ -257,3 +257,46 @@ def test_int4_checkpoint_shards_over_two_ranks(method, tiny, tmp_path):
         k = down.kernel
         got = dequantize_int4(k.qweight, k.scales, k.zeros, k.group, torch.float32)
         assert torch.equal(got, full[:, lo:hi])
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "awq", "gptq"])
+def test_a_quantized_checkpoint_loads_with_its_own_method_when_quant_is_left_none(
+    fmt, tiny, tmp_path
+):
+    """``quant = "none"`` (the default) on a checkpoint whose config.json names its
+    format serves it with the method that loads that format, token for token as when
+    the method is named; ``tokenloom plan`` counts it the same way."""
+    from tokenloom.config import load_config
+    from tokenloom.entrypoints.plan import make_plan
+
+    if fmt == "fp8":
+
+        def convert(prefix, w):
+            scale = w.float().abs().max() / 448.0
+            q = (w.float() / scale).to(torch.float8_e4m3fn)
+            return {f"{prefix}.weight": q, f"{prefix}.weight_scale": scale.reshape(())}
+
+        qc, method = {"quant_method": "fp8", "activation_scheme": "dynamic"}, "fp8"
+    else:
+        convert, qc, method = _int4_convert(fmt, 32, [], {}), _int4_config(fmt, 32, []), "int4"
+    quantized = _rewrite(tiny, tmp_path / fmt, convert, qc)
+    llm = LLM(str(quantized), dtype="float32")
+    try:
+        assert llm.engine.config.quant == method
+        assert llm.engine.executor.model.model.layers[0].mlp.down_proj.kernel is not None
+        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        auto = [list(o.outputs[0].token_ids) for o in outs]
+    finally:
+        llm.engine.shutdown()
+    assert auto == _tokens(quantized, method)
+    plan = make_plan(load_config(model=str(quantized), dtype="float32"), gpu_memory_gb=16)
+    assert plan.quant == method
+
+
+def test_a_checkpoint_in_a_format_no_method_loads_is_refused_by_name(tiny, tmp_path):
+    from tokenloom.config import ConfigError
+
+    qc = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    quantized = _rewrite(tiny, tmp_path / "bnb", lambda p, w: {f"{p}.weight": w}, qc)
+    with pytest.raises(ConfigError, match="'bitsandbytes'.*no registered quant method.*awq"):
+        LLM(str(quantized), dtype="float32")
