@@ -52,6 +52,8 @@
 #   t44n    the part of t44m that its 330 s did not reach (T44N seconds)
 #   t45     t44n's six failures (fixed in the tests, unrun on a GPU) and the executor files
 #           t44n did not reach
+#   ba44l / ba44t: bench latency / throughput, int4 and int8, before (.snap) / after (session
+#           43's weight_gemm fallback tilings; the served groups' tilings unchanged)
 #   t41     the micro-batch GPU tests, plain streams and green contexts
 #   green41 green_probe.py --green N --pipeline: attention on N SMs (a green context) beside
 #           the GEMMs on the rest, and two half batches pipelined over the partitions
@@ -181,6 +183,17 @@ for step in "$@"; do
         > "$OUT/a-t44n.log" 2>&1
       echo "t44n rc=$?"; grep -E "FAILED|ERROR" "$OUT/a-t44n.log" | head -12
       grep -cE " PASSED" "$OUT/a-t44n.log"; tail -1 "$OUT/a-t44n.log" ;;
+    ba44l)  # session 44: bench latency before (.snap/before.tar, c0c4ae0) / after session 43's
+      # weight_gemm fallback change (gather tilings capped at 64 deep, 3 stages), int4 / int8
+      for q in int4 int8; do
+        bench latency $q-before before $q
+        bench latency $q-after after $q
+      done ;;
+    ba44t)  # the same for bench throughput (the default workload)
+      for q in ${QS:-int4 int8}; do
+        bench throughput $q-before before $q
+        bench throughput $q-after after $q
+      done ;;
     t45)  # t44n's six failures, fixed in the tests (host tensors beside a GPU engine; a
       # stand-in Stream that broke the engine's own), and the executor files its 450 s did
       # not reach
