@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -98,7 +97,8 @@ def test_serve_tp2_answers_survives_a_dead_worker_and_leaves_no_process(tiny_mod
     port = _free_port()
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
     server = subprocess.Popen(
-        [str(Path(sys.executable).parent / "tokenloom"), "serve", model_dir, "-tp", "2"]
+        # the module, not the console script: a --target install (the GPU host's) has none
+        [sys.executable, "-m", "tokenloom", "serve", model_dir, "-tp", "2"]
         + flags
         + [f"--port={port}", "--frontends=openai"],
     )
