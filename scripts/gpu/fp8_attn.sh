@@ -52,6 +52,7 @@
 #   t44n    the part of t44m that its 330 s did not reach (T44N seconds)
 #   t45     t44n's six failures (fixed in the tests, unrun on a GPU) and the executor files
 #           t44n did not reach
+#   t46     t45's three failures (fixed in the tests), test_spec_gpu.py, test_checkpoints.py
 #   ba44l / ba44t: bench latency / throughput, int4 and int8, before (.snap) / after (session
 #           43's weight_gemm fallback tilings; the served groups' tilings unchanged)
 #   t41     the micro-batch GPU tests, plain streams and green contexts
@@ -183,6 +184,17 @@ for step in "$@"; do
         > "$OUT/a-t44n.log" 2>&1
       echo "t44n rc=$?"; grep -E "FAILED|ERROR" "$OUT/a-t44n.log" | head -12
       grep -cE " PASSED" "$OUT/a-t44n.log"; tail -1 "$OUT/a-t44n.log" ;;
+    t46)  # session 44: t45's three failures, fixed in the tests (the TP serve test as python
+      # -m tokenloom; the interpreter comparisons of test_verify_graphs skip on a GPU host),
+      # their GPU form (test_spec_gpu.py), and the pre-quantized checkpoints' tests (a
+      # checkpoint's own format taken when quant is left at none)
+      E=tests/plugins/executor
+      timeout ${T46:-400} env PYTHONPATH=/tmp/after:/tmp/site python3 -m pytest -v -rfs \
+        -p no:cacheprovider $E/test_tp_serve.py $E/test_verify_graphs.py \
+        tests/plugins/proposer/test_spec_gpu.py tests/plugins/quant/test_checkpoints.py \
+        > "$OUT/a-t46.log" 2>&1
+      echo "t46 rc=$?"; grep -E "FAILED|ERROR|SKIPPED" "$OUT/a-t46.log" | head -12
+      tail -1 "$OUT/a-t46.log" ;;
     ba44l)  # session 44: bench latency before (.snap/before.tar, c0c4ae0) / after session 43's
       # weight_gemm fallback change (gather tilings capped at 64 deep, 3 stages), int4 / int8
       for q in int4 int8; do
