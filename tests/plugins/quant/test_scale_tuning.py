@@ -130,7 +130,7 @@ def test_quantize_fp8_tunes_its_scales_by_default(tiny, tmp_path):
     args = ["--method", "fp8", "--out", str(out), "--calibration-tokens", "256"]
     assert main([str(tiny), *args, "--seq-len", "64", "--threads", "1"]) == 0
     about = json.loads((out / "quantize.json").read_text())
-    assert about["method"] == "gptq fp8 + tuned scales" and about["scale_tuning"]["steps"] == 64
+    assert about["method"] == "gptq fp8 + tuned scales" and about["scale_tuning"]["steps"] == 256
     assert about["scale_tuning"]["norms"]  # on by default
     assert about["scale_tuning"]["kl_after"] < about["scale_tuning"]["kl_before"]
 
