@@ -186,11 +186,14 @@ def checkpoint_quant(hf_config: dict[str, Any], plugins: Any) -> str | None:
     if not isinstance(qc, dict):
         return None
     fmt = str(qc.get("quant_method", "")).lower()
-    quants = [c for c in plugins.components() if c.kind == "quant"]
-    for c in quants:
-        if fmt in getattr(c.spec.factory, "checkpoint_formats", ()):
-            return c.name
-    readers = {f: c.name for c in quants for f in getattr(c.spec.factory, "checkpoint_formats", ())}
+    readers = {
+        f: c.name
+        for c in reversed(plugins.components())  # two readers of one format: the first by name
+        if c.kind == "quant"
+        for f in getattr(c.spec.factory, "checkpoint_formats", ())
+    }
+    if fmt in readers:
+        return readers[fmt]
     known = ", ".join(f"{f} ({name})" for f, name in sorted(readers.items())) or "none"
     raise ValueError(
         f"the checkpoint is quantized as {fmt!r} (config.json's quantization_config), "

@@ -97,8 +97,12 @@ def allocations(monkeypatch) -> list:
     return allocated
 
 
-def test_fp8_checkpoint_loads_its_weights_and_per_tensor_scales(tiny, tmp_path, allocations):
-    stored: dict[str, torch.Tensor] = {}
+FP8_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+
+
+def _fp8_convert(stored: dict[str, torch.Tensor]):
+    """The ``_rewrite`` conversion into an fp8 checkpoint's tensors (per-tensor scales);
+    the dequantized weights go into ``stored``."""
 
     def convert(prefix, w):
         scale = w.float().abs().max() / 448.0
@@ -106,8 +110,12 @@ def test_fp8_checkpoint_loads_its_weights_and_per_tensor_scales(tiny, tmp_path, 
         stored[prefix] = q.float() * scale
         return {f"{prefix}.weight": q, f"{prefix}.weight_scale": scale.reshape(())}
 
-    qc = {"quant_method": "fp8", "activation_scheme": "dynamic"}
-    fp8_dir = _rewrite(tiny, tmp_path / "fp8", convert, qc)
+    return convert
+
+
+def test_fp8_checkpoint_loads_its_weights_and_per_tensor_scales(tiny, tmp_path, allocations):
+    stored: dict[str, torch.Tensor] = {}
+    fp8_dir = _rewrite(tiny, tmp_path / "fp8", _fp8_convert(stored), FP8_CONFIG)
     llm = LLM(str(fp8_dir), dtype="float32", quant="fp8")
     try:
         attn = llm.engine.executor.model.model.layers[0].self_attn
@@ -270,13 +278,7 @@ def test_a_quantized_checkpoint_loads_with_its_own_method_when_quant_is_left_non
     from tokenloom.entrypoints.plan import make_plan
 
     if fmt == "fp8":
-
-        def convert(prefix, w):
-            scale = w.float().abs().max() / 448.0
-            q = (w.float() / scale).to(torch.float8_e4m3fn)
-            return {f"{prefix}.weight": q, f"{prefix}.weight_scale": scale.reshape(())}
-
-        qc, method = {"quant_method": "fp8", "activation_scheme": "dynamic"}, "fp8"
+        convert, qc, method = _fp8_convert({}), FP8_CONFIG, "fp8"
     else:
         convert, qc, method = _int4_convert(fmt, 32, [], {}), _int4_config(fmt, 32, []), "int4"
     quantized = _rewrite(tiny, tmp_path / fmt, convert, qc)
