@@ -135,8 +135,6 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             )
         if self.shutdown_grace_s < 0:
             raise ConfigError(f"shutdown_grace_s: must be >= 0, got {self.shutdown_grace_s}")
-        if self.quant_lm_head and self.quant == "none":
-            raise ConfigError("quant_lm_head: needs a weight quantization method (--quant)")
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

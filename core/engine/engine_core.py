@@ -77,8 +77,9 @@ def resolve_quant(config: EngineConfig, plugins: Any) -> EngineConfig:
     """``quant = "none"`` (the default) on a checkpoint whose config.json says it is
     quantized (``quantization_config``): the registered method that loads that format
     (``protocols.components.quant.checkpoint_quant``), as vLLM reads it from the
-    checkpoint. A format none loads raises ConfigError; other configs come back as they
-    are (a .gguf file, a named shape, random weights: the loader has its own checks)."""
+    checkpoint. A format none loads raises ConfigError, as does ``quant_lm_head`` on a
+    model that stays 16-bit; other configs come back as they are (a .gguf file, a named
+    shape, random weights: the loader has its own checks)."""
     import json
     from pathlib import Path
 
@@ -86,21 +87,29 @@ def resolve_quant(config: EngineConfig, plugins: Any) -> EngineConfig:
 
     path = Path(config.model or "") / "config.json"
     if config.quant != "none" or config.load_format == "random" or not path.is_file():
-        return config
+        return _head_needs_a_method(config)
     try:
         hf_config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):
         return config  # the loader names the problem
     if not isinstance(hf_config, dict):
-        return config
+        return _head_needs_a_method(config)
     try:
         name = checkpoint_quant(hf_config, plugins)
     except ValueError as exc:
         raise ConfigError(f"quant: {exc}") from None
     if name is None:
-        return config
+        return _head_needs_a_method(config)
     log.info("quant: %s, as the checkpoint's quantization_config says", name)
     return msgspec.structs.replace(config, quant=name)
+
+
+def _head_needs_a_method(config: EngineConfig) -> EngineConfig:
+    """``quant_lm_head`` on a model that stays 16-bit: checked here, once the
+    checkpoint's own method is known (a quantized checkpoint needs no ``--quant``)."""
+    if config.quant_lm_head and config.quant == "none":
+        raise ConfigError("quant_lm_head: needs a weight quantization method (--quant)")
+    return config
 
 
 def async_scheduling_enabled(config: EngineConfig, executor: Executor) -> bool:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from tokenloom.config import EngineConfig
-from tokenloom.plugins.models.layers import Embedding, Linear
+from tokenloom.plugins.models.layers import Embedding, Linear, WeightSlot
 from tokenloom.protocols.components.quant import (
     LinearKernel,
     QkvRope,
@@ -201,3 +201,19 @@ def is_skipped(prefixes: list[str], skipped: list[str]) -> bool:
         for p in prefixes
         for s in skipped
     )
+
+
+def block_slot(param: nn.Parameter, dense: WeightSlot, block: tuple[int, int]) -> WeightSlot:
+    """A part's rows of a tensor stored in blocks of ``bn x bk`` weights (fp8 block
+    scales ``[N / bn, K / bk]``; packed words ``(1, 8)``; group scales ``(1, group)``):
+    this rank's shard in blocks, which must not cut one (a partial last block is
+    whole)."""
+    bn, bk = block
+    source = size = None
+    if dense.source is not None:
+        dim, begin, end = dense.source
+        div = bn if dim == 0 else bk
+        if begin % div or (end % div and end != dense.source_size):
+            raise ValueError(f"a shard {begin}..{end} cuts {div}-wide blocks")
+        source, size = (dim, begin // div, -(-end // div)), -(-(dense.source_size or 0) // div)
+    return WeightSlot(param, dense.start // bn, -(-dense.stop // bn), source, size)

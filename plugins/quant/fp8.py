@@ -11,7 +11,9 @@ with one scale per output channel (``quant_method: fbgemm_fp8``: ``weight_scale 
 float32, dynamic per-token activations, what ``tokenloom quantize --method fp8``
 writes) load their scales as they are (``activation_scale_ub`` is not applied). Block-wise
 checkpoints (``weight_block_size``, a ``weight_scale_inv`` per block) are dequantized
-after loading and quantized again per channel, one layer at a time.
+after loading and quantized again per channel, one layer at a time. compressed-tensors
+checkpoints of float 8-bit weights (per tensor, channel or block) load the same way
+(``compressed_tensors``).
 
 Each call quantizes the activations per token (``s_x = max|x_row| / 448``). On a GPU
 with fp8 tensor cores (compute capability 8.9+) the GEMM is ``torch._scaled_mm`` with
@@ -21,6 +23,7 @@ operands and multiplies in float32, with the same rounding of ``x`` and ``w`` to
 
 from __future__ import annotations
 
+import logging
 from functools import cache
 from typing import Any
 
@@ -31,6 +34,7 @@ from torch import nn
 from tokenloom.plugins.models.layers import Linear, Slots, WeightSlot
 from tokenloom.plugins.quant.common import (
     WeightQuantMethod,
+    block_slot,
     checkpoint_prefixes,
     flat,
     is_skipped,
@@ -43,6 +47,8 @@ from tokenloom.plugins.quant.kernels.fp8_gemv import GEMV_ROWS, fp8_gemv, gemv_o
 from tokenloom.protocols.components.quant import Fp8Rows, LinearKernel
 from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
+
+log = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -121,20 +127,6 @@ class Fp8Kernel(LinearKernel):
         return y.to(x.dtype)
 
 
-def block_slot(param: nn.Parameter, dense: WeightSlot, block: tuple[int, int]) -> WeightSlot:
-    """A part's rows of the block scales ``[N / bn, K / bk]`` (this rank's shard in
-    blocks; a shard must not cut a block)."""
-    bn, bk = block
-    source = size = None
-    if dense.source is not None:
-        dim, begin, end = dense.source
-        div = bn if dim == 0 else bk
-        if begin % div or (end % div and end != dense.source_size):
-            raise ValueError(f"a shard {begin}..{end} cuts {div}-wide fp8 blocks")
-        source, size = (dim, begin // div, -(-end // div)), -(-(dense.source_size or 0) // div)
-    return WeightSlot(param, dense.start // bn, -(-dense.stop // bn), source, size)
-
-
 def fp8_kernel(layer: Linear, weight: torch.Tensor, scales: torch.Tensor) -> Fp8Kernel:
     return Fp8Kernel(keep(layer, "weight_fp8", weight), keep(layer, "weight_scale", scales))
 
@@ -145,23 +137,50 @@ class Fp8Quant(WeightQuantMethod):
     static_input = False  # the checkpoint has input_scale tensors (read, not used)
     block: tuple[int, int] | None = None  # weight_block_size of a block-wise checkpoint
     per_channel = False  # fbgemm_fp8: weight_scale [N, 1], one per output row
+    block_scale_name = "weight_scale_inv"  # a block-wise checkpoint's scale tensors
+
+    @classmethod
+    def reads_checkpoint(cls, quantization_config: dict[str, Any]) -> bool:
+        from tokenloom.plugins.quant.compressed_tensors import scheme_for
+
+        qc = quantization_config
+        return super().reads_checkpoint(qc) or scheme_for(qc, "fp8") is not None
 
     def prepare_model(self, model: nn.Module, hf_config: dict[str, Any]) -> None:
         qc = quantization_config(hf_config)
         if qc is None:
             return
+        from tokenloom.plugins.quant import compressed_tensors as ct
+
         method = qc.get("quant_method")
-        if method not in ("fp8", "fbgemm_fp8"):
+        if ct.is_compressed_tensors(qc):
+            scheme = ct.require(qc, "fp8")
+            self.per_channel = scheme.strategy == "channel"
+            self.block = scheme.block if scheme.strategy == "block" else None
+            self.block_scale_name = "weight_scale"
+            acts = scheme.activations
+            self.static_input = acts is not None and not acts.get("dynamic", True)
+            if acts is None:
+                log.info("fp8: the checkpoint's activations are 16-bit; served W8A8 all the "
+                         "same, one scale per token")  # fmt: skip
+            if scheme.kv_scales:
+                ct.skip_kv_scales(model)
+            skip = scheme.ignores
+        elif method in ("fp8", "fbgemm_fp8"):
+            self.per_channel = method == "fbgemm_fp8"
+            block = qc.get("weight_block_size")
+            self.block = (int(block[0]), int(block[1])) if block else None
+            self.static_input = qc.get("activation_scheme", "dynamic") == "static"
+            skipped = list(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or [])
+
+            def skip(prefixes: list[str]) -> bool:
+                return is_skipped(prefixes, skipped)
+        else:
             raise ValueError(f"--quant fp8: the checkpoint is quantized with {method!r}")
-        self.per_channel = method == "fbgemm_fp8"
-        block = qc.get("weight_block_size")
-        self.block = (int(block[0]), int(block[1])) if block else None
         self.prequantized = True
-        self.static_input = qc.get("activation_scheme", "dynamic") == "static"
-        skipped = list(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or [])
         prefixes = checkpoint_prefixes(model)
         for name, layer in quantizable_linears(model):
-            if is_skipped(prefixes[name], skipped):
+            if skip(prefixes[name]):
                 continue
             parts = len(layer.output_sizes)
             device = layer.weight.device
@@ -205,7 +224,7 @@ class Fp8Quant(WeightQuantMethod):
                 layer.weight_fp8, slot.start, slot.stop, slot.source, slot.source_size
             )
             if self.block is not None:
-                result[f"{prefix}.weight_scale_inv"] = block_slot(
+                result[f"{prefix}.{self.block_scale_name}"] = block_slot(
                     layer.block_scales, slot, self.block
                 )
             elif self.per_channel:  # the rows' scales: sharded with the rows, not the inputs
@@ -255,6 +274,6 @@ def tokenloom_register_components() -> list[ComponentSpec]:
             "fp8",
             Fp8Quant,
             "fp8 e4m3 weights and activations (W8A8), per-channel and per-token scales; "
-            "fp8 and fbgemm_fp8 checkpoints",
+            "fp8, fbgemm_fp8 and compressed-tensors checkpoints",
         )
     ]

@@ -182,12 +182,11 @@ def int4_kernel(
     from tokenloom.plugins.quant.kernels.int4_gemv_nk import int4_nk_serves
 
     k = qweight.shape[0] * 8
-    if (
-        row_major_storage()
-        and int4_nk_serves(layer.weight.dtype, qweight.device, group, k)
-        and not qweight.t().is_contiguous()  # int4_tiles.int4_row_major
-    ):
-        qweight = qweight.t().contiguous().t()
+    if row_major_storage() and int4_nk_serves(layer.weight.dtype, qweight.device, group, k):
+        if not qweight.t().is_contiguous():  # int4_tiles.int4_row_major
+            qweight = qweight.t().contiguous().t()
+    elif not qweight.is_contiguous():  # a checkpoint's [N, K / 8] words (compressed-tensors)
+        qweight = qweight.contiguous()
     return Int4Kernel(
         keep(layer, "qweight", qweight),
         keep(layer, "scales", scales.to(layer.weight.dtype)),
@@ -219,6 +218,13 @@ class Int4Quant(WeightQuantMethod):
     # (docs/quantization.md, session 17)
     lm_head_default = "int8"
 
+    @classmethod
+    def reads_checkpoint(cls, quantization_config: dict[str, Any]) -> bool:
+        from tokenloom.plugins.quant.compressed_tensors import scheme_for
+
+        qc = quantization_config
+        return super().reads_checkpoint(qc) or scheme_for(qc, "int4") is not None
+
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.settings = plugin_settings(config, "int4", Int4Settings)
@@ -242,9 +248,13 @@ class Int4Quant(WeightQuantMethod):
                     )
                     self.gguf = blocks
             return
+        from tokenloom.plugins.quant import compressed_tensors as ct
         from tokenloom.plugins.quant.int4_checkpoints import Int4Checkpoint
 
-        self.checkpoint = Int4Checkpoint.from_config(qc)
+        if ct.is_compressed_tensors(qc):
+            self.checkpoint = ct.PackedInt4Checkpoint(ct.require(qc, "int4"))
+        else:
+            self.checkpoint = Int4Checkpoint.from_config(qc)
         self.group = self.checkpoint.group
         self.prequantized = True
         self.prepared = self.checkpoint.prepare(model)
@@ -270,8 +280,8 @@ def tokenloom_register_components() -> list[ComponentSpec]:
             "quant",
             "int4",
             Int4Quant,
-            "4-bit weights (W4A16), groups of 128; RTN at load, AWQ and GPTQ checkpoints, "
-            "GGUF Q4_0/Q4_1 blocks",
+            "4-bit weights (W4A16), groups of 128; RTN at load, AWQ, GPTQ and "
+            "compressed-tensors checkpoints, GGUF Q4_0/Q4_1 blocks",
             settings=Int4Settings,
         )
     ]

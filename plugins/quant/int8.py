@@ -1,5 +1,6 @@
 """Quant plugin ``int8``: weight-only int8 (W8A16), one symmetric scale per output
-channel, quantized at load from the 16/32-bit checkpoint, stored ``[N, K]``.
+channel, quantized at load from the 16/32-bit checkpoint, stored ``[N, K]``, or read from a
+compressed-tensors checkpoint of int8 weights per channel (``compressed_tensors``).
 
 ``q = round(w / s)`` in ``[-127, 127]`` with ``s = max|w_row| / 127``. On the GPU the
 layer runs the Triton kernels of ``kernels.weight_gemm``: ``int8_gemv_nk`` for decode
@@ -11,19 +12,33 @@ only error is the weights' rounding (half a step of ``max|w_row| / 127``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import logging
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from tokenloom.plugins.models.layers import Linear
-from tokenloom.plugins.quant.common import OneRowEpilogueKernel, WeightQuantMethod, flat, keep
+from tokenloom.plugins.models.layers import Linear, Slots, WeightSlot
+from tokenloom.plugins.quant.common import (
+    OneRowEpilogueKernel,
+    WeightQuantMethod,
+    block_slot,
+    checkpoint_prefixes,
+    flat,
+    keep,
+    quantizable_linears,
+    quantization_config,
+    release_weight,
+)
 from tokenloom.protocols.components.quant import LinearKernel, QkvRope
 from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
 
 if TYPE_CHECKING:
     from tokenloom.plugins.quant.kernels.gemm_config import GemmConfig
+
+log = logging.getLogger(__name__)
 
 QMAX = 127
 
@@ -113,6 +128,85 @@ class Int8Quant(WeightQuantMethod):
     lm_head_default = True
     serves_rows = True  # Int8Kernel.rows: a tied embedding's lookups
 
+    @classmethod
+    def reads_checkpoint(cls, quantization_config: dict[str, Any]) -> bool:
+        from tokenloom.plugins.quant.compressed_tensors import scheme_for
+
+        return scheme_for(quantization_config, "int8") is not None
+
+    def prepare_model(self, model: nn.Module, hf_config: dict[str, Any]) -> None:
+        """A compressed-tensors checkpoint of int8 weights (the only pre-quantized int8
+        format read): each layer's words and scales load into ``ckpt_*`` parameters."""
+        qc = quantization_config(hf_config)
+        if qc is None:
+            return
+        from tokenloom.plugins.quant import compressed_tensors as ct
+
+        if not ct.is_compressed_tensors(qc):
+            raise ValueError(
+                f"--quant int8: the checkpoint is quantized with {qc.get('quant_method')!r}"
+            )
+        scheme = ct.require(qc, "int8")
+        if scheme.activations is not None:
+            log.info("int8: the checkpoint's activations are quantized too; served W8A16")
+        if scheme.kv_scales:
+            ct.skip_kv_scales(model)
+        self.packed = scheme.format == "pack-quantized"
+        self.prequantized = True
+        prefixes = checkpoint_prefixes(model)
+        for name, layer in quantizable_linears(model):
+            if scheme.ignores(prefixes[name]):
+                continue
+            n, k = layer.out_features, layer.in_features
+            if self.packed and k % 4:
+                raise ValueError(f"{name}: {k} inputs do not pack into whole words")
+            parts, dev = len(layer.output_sizes), layer.weight.device
+            shapes = {
+                "ckpt_weight": ((n, k // 4), torch.int32) if self.packed else ((n, k), torch.int8),
+                "ckpt_scales": ((n, 1), torch.float32),
+                "ckpt_shape": ((2 * parts,), torch.int64),
+            }
+            for key, (shape, dtype) in shapes.items():
+                tensor = torch.empty(shape, dtype=dtype, device=dev)
+                layer.register_parameter(key, nn.Parameter(tensor, False))
+            release_weight(layer)
+            layer.slot_hook = self._slots
+            self.prepared.add(name)
+
+    def _slots(self, layer: Linear, dense: Slots) -> Slots:
+        result: Slots = {}
+        part = 0
+        for key, slot in dense.items():
+            if not key.endswith(".weight"):
+                result[key] = slot
+                continue
+            prefix = key.removesuffix(".weight")
+            name = "weight_packed" if self.packed else "weight"
+            units = (1, 4) if self.packed else (1, 1)
+            result[f"{prefix}.{name}"] = block_slot(layer.ckpt_weight, slot, units)
+            rows = slot.source if slot.source is not None and slot.source[0] == 0 else None
+            result[f"{prefix}.weight_scale"] = WeightSlot(  # one a row: whole on a K shard
+                layer.ckpt_scales, slot.start, slot.stop, rows, slot.source_size if rows else None
+            )
+            if self.packed:  # the full tensor's [N, K]: read, not needed
+                result[f"{prefix}.weight_shape"] = WeightSlot(
+                    layer.ckpt_shape, 2 * part, 2 * part + 2
+                )
+            part += 1
+        return result
+
+    def finish_kernel(self, layer: Linear) -> LinearKernel:
+        w = layer.ckpt_weight.data
+        if self.packed:  # four bytes a word, column 4 c + j in byte j, each plus 128
+            shifts = torch.arange(0, 32, 8, dtype=torch.int32, device=w.device)
+            w = (((w[:, :, None] >> shifts) & 0xFF) - 128).reshape(w.shape[0], -1)
+        q = w.to(torch.int8).contiguous()
+        scales = layer.ckpt_scales.data.t().contiguous()  # [1, N]
+        del layer.ckpt_weight, layer.ckpt_scales, layer.ckpt_shape
+        return Int8Kernel(
+            keep(layer, "qweight", q.t()), keep(layer, "weight_scale", scales), layer.weight.dtype
+        )
+
     def make_kernel(self, layer: Linear) -> LinearKernel:
         qweight, scales = quantize_int8(layer.weight.data)
         return Int8Kernel(
@@ -124,6 +218,9 @@ class Int8Quant(WeightQuantMethod):
 def tokenloom_register_components() -> list[ComponentSpec]:
     return [
         ComponentSpec(
-            "quant", "int8", Int8Quant, "int8 weights (W8A16), per-channel scales, Triton GEMM"
+            "quant",
+            "int8",
+            Int8Quant,
+            "int8 weights (W8A16), per-channel scales, Triton GEMM; compressed-tensors checkpoints",
         )
     ]

@@ -141,6 +141,15 @@ class QuantMethod(ABC):
     # reads the format from the checkpoint.
     checkpoint_formats: tuple[str, ...] = ()
 
+    @classmethod
+    def reads_checkpoint(cls, quantization_config: dict[str, Any]) -> bool:
+        """Whether this method loads the checkpoint whose config.json holds this
+        ``quantization_config``. Default: its ``quant_method`` is one of
+        ``checkpoint_formats``. A format that carries several schemes under one name
+        (``compressed-tensors``) is read by the method whose scheme it holds: such a
+        method overrides this to look inside."""
+        return str(quantization_config.get("quant_method", "")).lower() in cls.checkpoint_formats
+
     def prepare_model(self, model: torch.nn.Module, hf_config: dict[str, Any]) -> None:  # noqa: B027
         """Before loading: adapt the model to the checkpoint's format (default: nothing)."""
 
@@ -179,23 +188,25 @@ def quantizes_lm_head(config: Any, method: type[QuantMethod] | QuantMethod | Any
 
 def checkpoint_quant(hf_config: dict[str, Any], plugins: Any) -> str | None:
     """The registered quant method (of ``plugins``, a PluginManager) that loads the
-    checkpoint whose config.json is ``hf_config``, as its ``quantization_config``'s
-    ``quant_method`` names it (``QuantMethod.checkpoint_formats``); None for a 16-bit
-    checkpoint. Raises ValueError for a format that no registered method loads."""
+    checkpoint whose config.json is ``hf_config`` (``QuantMethod.reads_checkpoint``:
+    its ``quantization_config``'s ``quant_method``, and for a format of several
+    schemes the scheme); None for a 16-bit checkpoint. Two readers of one checkpoint:
+    the first by name. Raises ValueError for a checkpoint no registered method loads."""
     qc = hf_config.get("quantization_config")
     if not isinstance(qc, dict):
         return None
+    methods = [c for c in plugins.components() if c.kind == "quant"]  # sorted by name
+    for c in methods:
+        reads = getattr(c.spec.factory, "reads_checkpoint", None)
+        if reads is not None and reads(qc):
+            return str(c.name)
     fmt = str(qc.get("quant_method", "")).lower()
-    readers = {
-        f: c.name
-        for c in reversed(plugins.components())  # two readers of one format: the first by name
-        if c.kind == "quant"
+    known = ", ".join(
+        f"{f} ({c.name})"
+        for c in methods
         for f in getattr(c.spec.factory, "checkpoint_formats", ())
-    }
-    if fmt in readers:
-        return readers[fmt]
-    known = ", ".join(f"{f} ({name})" for f, name in sorted(readers.items())) or "none"
+    )
     raise ValueError(
         f"the checkpoint is quantized as {fmt!r} (config.json's quantization_config), "
-        f"a format no registered quant method loads; loaded: {known}"
+        f"a format or scheme no registered quant method loads; loaded: {known or 'none'}"
     )

@@ -141,13 +141,42 @@ def _int4_parts(w: torch.Tensor, group: int):
     return q, scales, zeros.to(torch.int32), deq
 
 
+def _ct_int4_parts(w: torch.Tensor, group: int, symmetric: bool):
+    """compressed-tensors' W4A16 tensors of ``w [N, K]`` and their dequantized values:
+    codes stored plus 8, zero points (asymmetric) packed along the outputs."""
+    if symmetric:  # q in -8..7 about 0, one float16 scale a group
+        n, k = w.shape
+        g = w.float().view(n, k // group, group)
+        scales = (g.abs().amax(dim=2) / 7).clamp(min=1e-8).half()  # [N, G]
+        q = (g / scales.float()[..., None]).round().clamp(-8, 7)
+        deq = (q * scales.float()[..., None]).view(n, k)
+        stored, zeros = (q + 8).view(n, k).to(torch.int32), None
+    else:  # int4's own RTN: unsigned codes and zero points are the stored ones
+        q, scales_gn, zeros_gn, deq = _int4_parts(w, group)
+        stored, scales, zeros = q.t().contiguous(), scales_gn.t(), zeros_gn.t().contiguous()
+    tensors = {
+        "weight_packed": pack_columns(stored, tuple(range(8))),  # [N, K / 8]
+        "weight_scale": scales.contiguous(),  # [N, G]
+        "weight_shape": torch.tensor(list(w.shape), dtype=torch.int64),
+    }
+    if zeros is not None:  # [N, G] -> [N / 8, G], row 8 r + j in nibble j
+        tensors["weight_zero_point"] = (
+            pack_columns(zeros.t().contiguous(), tuple(range(8))).t().contiguous()
+        )
+    return tensors, deq
+
+
 def _int4_convert(method: str, group: int, skipped: list, dequantized: dict):
-    """The ``_rewrite`` conversion into an AWQ or GPTQ checkpoint's tensors; the
-    dequantized weights go into ``dequantized``."""
+    """The ``_rewrite`` conversion into an AWQ, GPTQ or compressed-tensors (``ct``:
+    symmetric, ``ct-asym``: zero points) checkpoint's tensors; the dequantized weights
+    go into ``dequantized``."""
 
     def convert(prefix, w):
         if prefix.split(".")[-1] in skipped:  # modules_to_not_convert: stored 16-bit
             return {f"{prefix}.weight": w}
+        if method.startswith("ct"):
+            tensors, dequantized[prefix] = _ct_int4_parts(w, group, method == "ct")
+            return {f"{prefix}.{key}": t for key, t in tensors.items()}
         q, scales, zeros, deq = _int4_parts(w, group)
         dequantized[prefix] = deq
         if method == "awq":
@@ -168,14 +197,31 @@ def _int4_convert(method: str, group: int, skipped: list, dequantized: dict):
     return convert
 
 
+def _ct_config(weights: dict, activations: dict | None = None, **extra) -> dict:
+    """A compressed-tensors ``quantization_config`` of one scheme for every Linear."""
+    scheme = {"targets": ["Linear"], "weights": weights, "input_activations": activations}
+    fmt = extra.pop("format", None) or (
+        "float-quantized" if weights["type"] == "float" else "pack-quantized"
+    )
+    qc = {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed"}
+    return qc | {"config_groups": {"group_0": scheme}, "ignore": ["lm_head"]} | extra
+
+
 def _int4_config(method: str, group: int, skipped: list) -> dict:
+    if method.startswith("ct"):
+        weights = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": group}
+        weights |= {"symmetric": method == "ct", "actorder": None, "observer": "minmax"}
+        return _ct_config(weights, ignore=["lm_head"] + [f"re:.*{m}$" for m in skipped])
     qc = {"quant_method": method, "bits": 4, "group_size": group}
     qc["modules_to_not_convert"] = skipped
     qc.update({"version": "gemm", "zero_point": True} if method == "awq" else {"desc_act": False})
     return qc
 
 
-@pytest.mark.parametrize(("method", "skipped"), [("awq", []), ("gptq", []), ("awq", ["down_proj"])])
+@pytest.mark.parametrize(
+    ("method", "skipped"),
+    [("awq", []), ("gptq", []), ("awq", ["down_proj"]), ("ct", []), ("ct-asym", ["down_proj"])],
+)
 def test_int4_checkpoint_generates_as_its_dense_twin(method, skipped, tiny, tmp_path, allocations):
     group = 32  # the tiny model's K (64, 128) holds several groups
     dequantized: dict[str, torch.Tensor] = {}
@@ -235,7 +281,7 @@ def test_block_wise_fp8_checkpoint_loads_requantized_per_channel(tiny, tmp_path)
         llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("method", ["gptq", "awq", "ct-asym"])
 def test_int4_checkpoint_shards_over_two_ranks(method, tiny, tmp_path):
     # each rank's kernels hold its slice of the checkpoint: row-parallel layers (o, down)
     # a range of K, which GPTQ's g_idx check must read from the shard's first row
@@ -267,7 +313,7 @@ def test_int4_checkpoint_shards_over_two_ranks(method, tiny, tmp_path):
         assert torch.equal(got, full[:, lo:hi])
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "awq", "gptq"])
+@pytest.mark.parametrize("fmt", ["fp8", "awq", "gptq", "ct", "ct-fp8", "ct-int8"])
 def test_a_quantized_checkpoint_loads_with_its_own_method_when_quant_is_left_none(
     fmt, tiny, tmp_path
 ):
@@ -279,6 +325,10 @@ def test_a_quantized_checkpoint_loads_with_its_own_method_when_quant_is_left_non
 
     if fmt == "fp8":
         convert, qc, method = _fp8_convert({}), FP8_CONFIG, "fp8"
+    elif fmt == "ct-fp8":
+        convert, qc, method = _ct_fp8_convert("channel", {}), _ct_fp8_config("channel"), "fp8"
+    elif fmt == "ct-int8":
+        convert, qc, method = _ct_int8_convert(True, {}), _ct_int8_config(True), "int8"
     else:
         convert, qc, method = _int4_convert(fmt, 32, [], {}), _int4_config(fmt, 32, []), "int4"
     quantized = _rewrite(tiny, tmp_path / fmt, convert, qc)
@@ -302,3 +352,225 @@ def test_a_checkpoint_in_a_format_no_method_loads_is_refused_by_name(tiny, tmp_p
     quantized = _rewrite(tiny, tmp_path / "bnb", lambda p, w: {f"{p}.weight": w}, qc)
     with pytest.raises(ConfigError, match="'bitsandbytes'.*no registered quant method.*awq"):
         LLM(str(quantized), dtype="float32")
+
+
+FP8_WEIGHTS = {"type": "float", "num_bits": 8, "symmetric": True, "dynamic": False}
+TOKEN_FP8 = {"type": "float", "num_bits": 8, "strategy": "token", "dynamic": True}
+
+
+def _ct_fp8_config(strategy: str, activations: dict | None = TOKEN_FP8, **extra) -> dict:
+    block = [32, 32] if strategy == "block" else None
+    weights = FP8_WEIGHTS | {"strategy": strategy, "block_structure": block}
+    return _ct_config(weights, activations, **extra)
+
+
+def _ct_fp8_convert(strategy: str, stored: dict):
+    """compressed-tensors' fp8 tensors of a projection, one scale per tensor, output
+    channel or 32 x 32 block; the dequantized weights go into ``stored``."""
+    from tokenloom.plugins.quant.fp8 import quantize_fp8_rows
+
+    def convert(prefix, w):
+        if strategy == "channel":  # the load-time quantization's own rounding
+            q, scale = quantize_fp8_rows(w)
+            full = scale
+        elif strategy == "tensor":
+            scale = (w.float().abs().max() / 448.0).reshape(1)
+            full = scale
+            q = (w.float() / scale).to(torch.float8_e4m3fn)
+        else:
+            n, k = w.shape
+            scale = w.float().view(n // 32, 32, k // 32, 32).abs().amax(dim=(1, 3)) / 448.0
+            full = scale.repeat_interleave(32, 0).repeat_interleave(32, 1)
+            q = (w.float() / full).to(torch.float8_e4m3fn)
+        stored[prefix] = q.float() * full
+        return {f"{prefix}.weight": q, f"{prefix}.weight_scale": scale}
+
+    return convert
+
+
+@pytest.mark.parametrize(
+    ("strategy", "activations"),
+    [("channel", TOKEN_FP8), ("tensor", TOKEN_FP8 | {"strategy": "tensor", "dynamic": False}),
+     ("block", None)],
+)  # fmt: skip
+def test_compressed_tensors_fp8_loads_each_strategy(strategy, activations, tiny, tmp_path):
+    """Per channel: the very values of fp8 at load (the same tokens); per tensor: each
+    part keeps its scale; per block: quantized again per channel. Static activation
+    scales and a kv_cache_scheme's scales are read past; the LM head stays 16-bit."""
+    stored: dict[str, torch.Tensor] = {}
+    convert = _ct_fp8_convert(strategy, stored)
+    static = activations is not None and not activations["dynamic"]
+
+    def with_extras(prefix, w):
+        out = convert(prefix, w)
+        if static:
+            out[f"{prefix}.input_scale"] = torch.ones(1)
+        if prefix.endswith("k_proj"):  # a kv_cache_scheme's static scales
+            attn = prefix.removesuffix(".k_proj")
+            out |= {f"{attn}.k_scale": torch.ones(()), f"{attn}.v_scale": torch.ones(())}
+        return out
+
+    kv = {"type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": False}
+    qc = _ct_fp8_config(strategy, activations, kv_cache_scheme=kv)
+    path = _rewrite(tiny, tmp_path / f"ct-{strategy}", with_extras, qc)
+    llm = LLM(str(path), dtype="float32")  # quant left at none: the checkpoint says fp8
+    try:
+        assert llm.engine.config.quant == "fp8"
+        mlp = llm.engine.executor.model.model.layers[1].mlp
+        kernel = mlp.gate_up_proj.kernel
+        loaded = (kernel.weight.float() * kernel.scales).cpu()
+        prefix = "model.layers.1.mlp"
+        expected = torch.cat([stored[f"{prefix}.gate_proj"], stored[f"{prefix}.up_proj"]])
+        if strategy == "block":
+            row_max = expected.abs().amax(dim=1, keepdim=True)
+            assert bool(((loaded - expected).abs() <= row_max * 2**-4).all())
+        else:
+            assert torch.equal(loaded, expected)
+        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+    finally:
+        llm.engine.shutdown()
+    assert all(len(t) == 12 for t in tokens)
+    if strategy == "channel":
+        assert tokens == _tokens(tiny, "fp8")
+
+
+def _ct_int8_config(packed: bool, activations: dict | None = None) -> dict:
+    weights = {"type": "int", "num_bits": 8, "strategy": "channel", "symmetric": True}
+    fmt = "pack-quantized" if packed else "int-quantized"
+    return _ct_config(weights, activations, format=fmt)
+
+
+def _ct_int8_convert(packed: bool, dequantized: dict):
+    """compressed-tensors' int8 tensors (per output channel, symmetric): four bytes a
+    word plus 128 (pack-quantized) or int8 as is (int-quantized)."""
+
+    def convert(prefix, w):
+        n, k = w.shape
+        scale = (w.float().abs().amax(dim=1, keepdim=True) / 127).half()  # [N, 1]
+        q = (w.float() / scale.float()).round().clamp(-128, 127)
+        q[0, 0] = -128  # the format's whole range: int8 reads -128 too
+        dequantized[prefix] = q * scale.float()
+        out = {f"{prefix}.weight_scale": scale}
+        if packed:
+            u = (q + 128).to(torch.int64).view(n, k // 4, 4)
+            words = (u << torch.arange(0, 32, 8)).sum(dim=2)
+            out[f"{prefix}.weight_packed"] = words.to(torch.uint32).view(torch.int32)
+            out[f"{prefix}.weight_shape"] = torch.tensor([n, k], dtype=torch.int32)
+        else:
+            out[f"{prefix}.weight"] = q.to(torch.int8)
+        return out
+
+    return convert
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_compressed_tensors_int8_generates_as_its_dense_twin(packed, tiny, tmp_path):
+    dequantized: dict[str, torch.Tensor] = {}
+    qc = _ct_int8_config(packed, activations=TOKEN_FP8 | {"type": "int"})  # W8A8: served W8A16
+    path = _rewrite(tiny, tmp_path / "ct-int8", _ct_int8_convert(packed, dequantized), qc)
+    twin = _dense_twin(tiny, tmp_path / "dense", dequantized)
+    # the LM head: 16-bit in both (int8 quantizes its head by default)
+    llm = LLM(str(path), dtype="float32", quant="int8", quant_lm_head=False)
+    try:
+        kernel = llm.engine.executor.model.model.layers[0].self_attn.o_proj.kernel
+        w = (kernel.qweight.t().float() * kernel.scales.t()).cpu()
+        assert torch.equal(w, dequantized["model.layers.0.self_attn.o_proj"])
+        assert int(kernel.qweight.min()) == -128
+        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+    finally:
+        llm.engine.shutdown()
+    twin_llm = LLM(str(twin), dtype="float32")
+    try:
+        outs = twin_llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        assert tokens == [list(o.outputs[0].token_ids) for o in outs]
+    finally:
+        twin_llm.engine.shutdown()
+
+
+def test_compressed_tensors_schemes_no_method_serves_are_refused_by_name(tiny, tmp_path):
+    from tokenloom.config import ConfigError
+
+    def keep_dense(p, w):
+        return {f"{p}.weight": w}
+
+    w4a8 = _int4_config("ct", 32, [])
+    w4a8["config_groups"]["group_0"]["input_activations"] = TOKEN_FP8 | {"type": "int"}
+    mixed = _int4_config("ct", 32, [])
+    mixed["config_groups"]["group_1"] = _ct_fp8_config("channel")["config_groups"]["group_0"]
+    act_order = _int4_config("ct", 32, [])
+    act_order["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    cases = [
+        (w4a8, r"int 4-bit weights per group of 32, int 8-bit activations.*no method"),
+        (mixed, "2 quantization schemes"),
+        (act_order, "actorder: group"),
+    ]
+    for i, (qc, message) in enumerate(cases):
+        path = _rewrite(tiny, tmp_path / f"refused{i}", keep_dense, qc)
+        with pytest.raises(ConfigError, match=message):
+            LLM(str(path), dtype="float32")
+    # a method named for another method's scheme says which one serves it
+    path = _rewrite(tiny, tmp_path / "int4", keep_dense, _int4_config("ct", 32, []))
+    with pytest.raises(Exception, match=r"--quant fp8: .*pack-quantized.*\(--quant int4\)"):
+        LLM(str(path), dtype="float32", quant="fp8")
+
+
+def test_compressed_tensors_int8_shards_over_two_ranks(tiny, tmp_path):
+    # row-parallel layers (o, down) read a range of K's words; every rank reads whole
+    # per-row scales
+    from tokenloom.config import EngineConfig
+    from tokenloom.plugins.models import parallel
+    from tokenloom.plugins.models.loader import load_model
+    from tokenloom.plugins.quant.int8 import Int8Quant, dequantize_int8
+
+    class RankOf(parallel.ParallelGroup):
+        def __init__(self, rank: int, size: int) -> None:
+            self.rank, self.size = rank, size
+
+    dequantized: dict[str, torch.Tensor] = {}
+    path = _rewrite(
+        tiny, tmp_path / "ct8", _ct_int8_convert(True, dequantized), _ct_int8_config(True)
+    )
+    for name in ("mlp.down_proj", "mlp.gate_up_proj"):
+        for rank in (0, 1):
+            quant = Int8Quant(EngineConfig(quant="int8"))
+            with parallel.use(RankOf(rank, 2)):
+                model, _ = load_model(
+                    path,
+                    torch.float32,
+                    "cpu",
+                    prepare=quant.prepare_model,
+                    loaded=quant.layer_loaded,
+                )
+            quant.quantize_model(model)
+            layer = model.model.layers[0].get_submodule(name)
+            got = dequantize_int8(layer.kernel.qweight, layer.kernel.scales, torch.float32)
+            if name == "mlp.down_proj":
+                lo, hi = layer.in_range
+                assert (
+                    hi - lo == got.shape[1] < dequantized["model.layers.0.mlp.down_proj"].shape[1]
+                )
+                assert torch.equal(got, dequantized["model.layers.0.mlp.down_proj"][:, lo:hi])
+            else:
+                full = [dequantized[f"model.layers.0.mlp.{p}_proj"] for p in ("gate", "up")]
+                half = full[0].shape[0] // 2
+                rows = [w[rank * half : (rank + 1) * half] for w in full]
+                assert torch.equal(got, torch.cat(rows))
+
+
+def test_quant_lm_head_takes_the_checkpoint_s_own_method(tiny, tmp_path):
+    """``--quant-lm-head`` needs a weight method: a quantized checkpoint's own, with
+    ``quant`` left at none; a 16-bit model without ``--quant`` is refused."""
+    from tokenloom.config import ConfigError
+
+    with pytest.raises(ConfigError, match="quant_lm_head: needs a weight quantization method"):
+        LLM(str(tiny), dtype="float32", quant_lm_head=True)
+    qc = _ct_fp8_config("channel")
+    path = _rewrite(tiny, tmp_path / "ct-fp8", _ct_fp8_convert("channel", {}), qc)
+    llm = LLM(str(path), dtype="float32", quant_lm_head=True)
+    try:
+        assert llm.engine.config.quant == "fp8"
+        assert llm.engine.executor.model.lm_head.logits_kernel is not None
+    finally:
+        llm.engine.shutdown()

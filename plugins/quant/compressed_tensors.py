@@ -1,0 +1,316 @@
+"""Checkpoints in the compressed-tensors format (``quant_method: compressed-tensors``,
+what llm-compressor writes, and the format of most quantized checkpoints vLLM serves),
+read into the layouts of this package's methods.
+
+One format name covers many schemes; ``config_groups`` says which. Each group names
+the modules it ``targets`` and the quantization of their ``weights`` and
+``input_activations``; ``ignore`` lists the modules left 16-bit (names, or ``re:``
+patterns). The schemes read here, each by the method that serves it:
+
+- ``fp8``: float 8-bit weights (``float-quantized`` / ``naive-quantized``), one scale
+  per tensor, per output channel or per block; activations dynamic per token, static
+  (their ``input_scale`` read, not used: dynamic per-token scales are at least as
+  fine), or 16-bit (served W8A8 all the same, said at start-up). Tensors: ``weight``
+  (e4m3 ``[N, K]``) and ``weight_scale`` (``[1]``, ``[N, 1]`` or ``[N / bn, K / bk]``).
+- ``int4``: int 4-bit weights in groups (``pack-quantized``), 16-bit activations,
+  symmetric or with zero points. ``weight_packed [N, K / 8]`` int32 holds eight values
+  a word, column ``8 c + j`` in nibble ``j``, each stored plus 8 (``q`` in -8..7 as
+  0..15): exactly the transpose of ``int4``'s ``[K / 8, N]`` words, so the words load
+  as they are into its row-major ``[N, K / 8]`` storage. ``weight_scale [N, K / g]``;
+  ``weight_zero_point`` (asymmetric only) ``[N / 8, K / g]``, packed along the outputs
+  the same way and plus 8; symmetric means a zero point of 8 in int4's unsigned codes.
+- ``int8``: int 8-bit weights, one symmetric scale per output channel, activations
+  16-bit or quantized (served W8A16: the activations stay 16-bit, said at start-up):
+  ``weight_packed [N, K / 4]`` (``pack-quantized``, four bytes a word, each plus 128)
+  or ``weight`` int8 ``[N, K]`` (``int-quantized`` / ``naive-quantized``), and
+  ``weight_scale [N, 1]``.
+
+Refused by name: several schemes in one checkpoint, targets other than ``Linear``,
+activation-ordered groups (``actorder: group``, a ``weight_g_idx`` that permutes
+them), sparsity, checkpoints not stored ``compressed``, and every other scheme. Static
+KV-cache scales (``kv_cache_scheme``) are skipped: ``--kv-cache-dtype fp8`` scales each
+head as it writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenloom.plugins.models.layers import Linear, Slots, WeightSlot
+from tokenloom.plugins.quant.common import (
+    block_slot,
+    checkpoint_prefixes,
+    is_skipped,
+    quantizable_linears,
+    release_weight,
+)
+from tokenloom.plugins.quant.int4 import PACK, unpack_int4
+
+log = logging.getLogger(__name__)
+
+FORMAT = "compressed-tensors"
+FLOAT_FORMATS = ("float-quantized", "naive-quantized")
+INT8_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
+# the tensors of a kv_cache_scheme: per-layer static scales this engine does not use
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", "k_proj.output_scale", "v_proj.output_scale")
+
+
+def is_compressed_tensors(qc: dict[str, Any]) -> bool:
+    return str(qc.get("quant_method", "")).lower() == FORMAT
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """The one scheme a compressed-tensors checkpoint applies to its linear layers."""
+
+    format: str
+    type: str  # of the weights: "float" | "int"
+    bits: int
+    strategy: str  # "tensor" | "channel" | "group" | "block"
+    group: int | None
+    block: tuple[int, int] | None
+    symmetric: bool
+    activations: dict[str, Any] | None  # input_activations; None: 16-bit
+    ignore: tuple[str, ...]
+    kv_scales: bool  # a kv_cache_scheme: the checkpoint holds static KV scales
+
+    @classmethod
+    def from_config(cls, qc: dict[str, Any]) -> Scheme:
+        """Raises ValueError for a config this module cannot read (see the module)."""
+        status = str(qc.get("quantization_status", "compressed"))
+        if status != "compressed":
+            raise ValueError(
+                f"{FORMAT}: quantization_status {status!r}; only 'compressed' checkpoints "
+                "(the weights stored quantized) load"
+            )
+        sparsity = qc.get("sparsity_config") or {}
+        if str(sparsity.get("format", "dense")) != "dense":
+            raise ValueError(f"{FORMAT}: sparse weights ({sparsity.get('format')}) do not load")
+        groups = qc.get("config_groups") or {}
+        found: set[tuple[Any, ...]] = set()
+        for name, group in groups.items():
+            targets = list(group.get("targets") or [])
+            if targets != ["Linear"]:
+                raise ValueError(
+                    f"{FORMAT}: config group {name!r} targets {targets}; only ['Linear'] "
+                    "(one scheme for every linear layer) loads"
+                )
+            if group.get("output_activations"):
+                raise ValueError(f"{FORMAT}: config group {name!r} quantizes outputs")
+            weights = group.get("weights")
+            if not weights:
+                raise ValueError(f"{FORMAT}: config group {name!r} leaves the weights 16-bit")
+            acts = group.get("input_activations") or None
+            fmt = str(group.get("format") or qc.get("format") or "")
+            found.add((fmt, _frozen(weights), _frozen(acts)))
+        if len(found) != 1:
+            raise ValueError(
+                f"{FORMAT}: {len(found)} quantization schemes; one for every linear layer "
+                "is what loads"
+            )
+        fmt, weights_items, acts_items = found.pop()
+        weights, acts = dict(weights_items), dict(acts_items) if acts_items else None
+        if weights.get("actorder") == "group":
+            raise ValueError(
+                f"{FORMAT}: activation-ordered groups (actorder: group) are not supported: "
+                "they need a permutation in the GEMM"
+            )
+        block = weights.get("block_structure")
+        return cls(
+            format=fmt,
+            type=str(weights.get("type", "int")),
+            bits=int(weights.get("num_bits", 8)),
+            strategy=str(weights.get("strategy", "tensor")),
+            group=int(weights["group_size"]) if weights.get("group_size") else None,
+            block=(int(block[0]), int(block[1])) if block else None,
+            symmetric=bool(weights.get("symmetric", True)),
+            activations=acts,
+            ignore=tuple(str(i) for i in qc.get("ignore") or ()),
+            kv_scales=bool(qc.get("kv_cache_scheme")),
+        )
+
+    @property
+    def method(self) -> str | None:
+        """The method of this package that serves the scheme, None for none."""
+        strategy, w = self.strategy, (self.type, self.bits)
+        fp8_strategy = strategy in ("tensor", "channel") or (strategy == "block" and self.block)
+        if w == ("float", 8) and self.format in FLOAT_FORMATS and fp8_strategy:
+            return "fp8"
+        weight_only = self.activations is None and self.format == "pack-quantized"
+        if w == ("int", 4) and weight_only and strategy == "group" and self.group:
+            return "int4"
+        if w == ("int", 8) and self.format in INT8_FORMATS and strategy == "channel":
+            return "int8" if self.symmetric else None
+        return None
+
+    def describe(self) -> str:
+        acts = self.activations
+        a = "16-bit" if acts is None else f"{acts.get('type')} {acts.get('num_bits')}-bit"
+        g = f" of {self.group}" if self.group else ""
+        return (
+            f"{self.format}: {self.type} {self.bits}-bit weights per {self.strategy}{g}"
+            f"{'' if self.symmetric else ' with zero points'}, {a} activations"
+        )
+
+    def ignores(self, prefixes: list[str]) -> bool:
+        """Whether ``ignore`` leaves this layer (its merged parts' checkpoint names) 16-bit;
+        raises ValueError where it leaves some parts of a merged layer and not others."""
+        hits = [self._ignored(p) for p in prefixes]
+        if any(hits) and not all(hits):
+            raise ValueError(f"{FORMAT}: ignore leaves part of {prefixes} 16-bit, not all")
+        return bool(hits) and all(hits)
+
+    def _ignored(self, prefix: str) -> bool:
+        for pattern in self.ignore:
+            if pattern.startswith("re:"):
+                if re.match(pattern[3:], prefix):
+                    return True
+            elif is_skipped([prefix], [pattern]):
+                return True
+        return False
+
+
+def _frozen(d: dict[str, Any] | None) -> tuple[tuple[str, Any], ...] | None:
+    """A scheme's arguments, hashable, without the ones that do not change the tensors."""
+    if not d:
+        return None
+    skip = {"observer", "observer_kwargs"}
+    return tuple(sorted((k, _hashable(v)) for k, v in d.items() if k not in skip))
+
+
+def _hashable(v: Any) -> Any:
+    if isinstance(v, list):
+        return tuple(_hashable(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((k, _hashable(x)) for k, x in v.items()))
+    return v
+
+
+def scheme_for(qc: dict[str, Any], method: str) -> Scheme | None:
+    """The checkpoint's scheme where it is compressed-tensors and ``method`` serves it;
+    None for another format. Raises ValueError, naming the scheme, where the format is
+    compressed-tensors and no method here serves it (for ``reads_checkpoint``)."""
+    if not is_compressed_tensors(qc):
+        return None
+    scheme = Scheme.from_config(qc)
+    if scheme.method is None:
+        raise ValueError(
+            f"{FORMAT} scheme {scheme.describe()}: no method here serves it (fp8: float "
+            "8-bit weights; int4: int 4-bit groups, 16-bit activations; int8: int 8-bit "
+            "per channel, symmetric)"
+        )
+    return scheme if scheme.method == method else None
+
+
+def require(qc: dict[str, Any], method: str) -> Scheme:
+    """The scheme of a compressed-tensors checkpoint that ``method`` was asked to load;
+    ValueError where it is another method's."""
+    scheme = Scheme.from_config(qc)
+    if scheme.method != method:
+        served = f"--quant {scheme.method}" if scheme.method else "no method here"
+        raise ValueError(f"--quant {method}: the checkpoint is {scheme.describe()} ({served})")
+    if scheme.kv_scales:
+        log.info("%s: the checkpoint's static KV-cache scales are not used", FORMAT)
+    return scheme
+
+
+def skip_kv_scales(model: nn.Module) -> None:
+    """Let the loader pass over a kv_cache_scheme's static scales (not used here)."""
+    base = model.ignores_checkpoint_tensor
+
+    def ignores(name: str) -> bool:
+        return base(name) or name.endswith(KV_SCALE_SUFFIXES)
+
+    model.ignores_checkpoint_tensor = ignores  # type: ignore[method-assign]
+
+
+class PackedInt4Checkpoint:
+    """A compressed-tensors W4A16 checkpoint, read into the ``int4`` layout; the
+    interface of ``int4_checkpoints.Int4Checkpoint`` (``group``, ``prepare``,
+    ``convert``)."""
+
+    def __init__(self, scheme: Scheme) -> None:
+        assert scheme.group is not None
+        if scheme.group % PACK:
+            raise ValueError(f"--quant int4: group size {scheme.group} (a multiple of 8)")
+        self.scheme = scheme
+        self.group = scheme.group
+
+    def prepare(self, model: nn.Module) -> set[str]:
+        """Every quantized layer's checkpoint-layout parameters and slots; returns their
+        module names."""
+        if self.scheme.kv_scales:
+            skip_kv_scales(model)
+        prepared = set()
+        prefixes = checkpoint_prefixes(model)
+        for name, layer in quantizable_linears(model):
+            if self.scheme.ignores(prefixes[name]):
+                continue
+            n, k = layer.out_features, layer.in_features
+            if k % PACK or any(size % PACK for size in layer.output_sizes):
+                raise ValueError(f"{name}: {n} x {k} does not pack into whole words")
+            groups, parts, dev = -(-k // self.group), len(layer.output_sizes), layer.weight.device
+            shapes = {
+                "ckpt_packed": ((n, k // PACK), torch.int32),
+                "ckpt_scales": ((n, groups), torch.float32),
+                "ckpt_shape": ((2 * parts,), torch.int64),
+            }
+            if not self.scheme.symmetric:
+                shapes["ckpt_zeros"] = ((n // PACK, groups), torch.int32)
+            for key, (shape, dtype) in shapes.items():
+                tensor = torch.empty(shape, dtype=dtype, device=dev)
+                layer.register_parameter(key, nn.Parameter(tensor, False))
+            release_weight(layer)
+            layer.slot_hook = self._slots
+            prepared.add(name)
+        return prepared
+
+    def _slots(self, layer: Linear, dense: Slots) -> Slots:
+        result: Slots = {}
+        part = 0
+        for key, slot in dense.items():
+            if not key.endswith(".weight"):
+                result[key] = slot
+                continue
+            prefix = key.removesuffix(".weight")
+            result[f"{prefix}.weight_packed"] = block_slot(layer.ckpt_packed, slot, (1, PACK))
+            result[f"{prefix}.weight_scale"] = block_slot(layer.ckpt_scales, slot, (1, self.group))
+            if not self.scheme.symmetric:
+                result[f"{prefix}.weight_zero_point"] = block_slot(
+                    layer.ckpt_zeros, slot, (PACK, self.group)
+                )
+            # the full tensor's [N, K], whatever this rank's shard: read, not needed
+            result[f"{prefix}.weight_shape"] = WeightSlot(layer.ckpt_shape, 2 * part, 2 * part + 2)
+            part += 1
+        return result
+
+    def convert(self, layer: Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's loaded tensors as ``int4``'s ``(qweight [K / 8, N], scales [G, N],
+        zeros [G, N])``; frees the checkpoint-layout ones. ``qweight`` is the transposed
+        view of the stored ``[N, K / 8]`` words (``int4_kernel`` keeps or copies it)."""
+        qweight = layer.ckpt_packed.data.t()
+        scales = layer.ckpt_scales.data.t().contiguous()
+        if self.scheme.symmetric:
+            zeros = torch.full_like(scales, 8)
+        else:
+            zeros = unpack_int4(layer.ckpt_zeros.data).t().float()  # [G, N], 0..15
+            del layer.ckpt_zeros
+        del layer.ckpt_packed, layer.ckpt_scales, layer.ckpt_shape
+        return qweight, scales, zeros
+
+
+__all__ = [
+    "FORMAT",
+    "PackedInt4Checkpoint",
+    "Scheme",
+    "is_compressed_tensors",
+    "require",
+    "scheme_for",
+    "skip_kv_scales",
+]
