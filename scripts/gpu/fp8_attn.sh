@@ -52,6 +52,7 @@
 #   t44n    the part of t44m that its 330 s did not reach (T44N seconds)
 #   t45     t44n's six failures (fixed in the tests, unrun on a GPU) and the executor files
 #           t44n did not reach
+#   t47     session 45: test_checkpoints.py on the GPU (compressed-tensors among them)
 #   t46     t45's three failures (fixed in the tests), test_spec_gpu.py, test_checkpoints.py
 #   ba44l / ba44t: bench latency / throughput, int4 and int8, before (.snap) / after (session
 #           43's weight_gemm fallback tilings; the served groups' tilings unchanged)
@@ -184,6 +185,11 @@ for step in "$@"; do
         > "$OUT/a-t44n.log" 2>&1
       echo "t44n rc=$?"; grep -E "FAILED|ERROR" "$OUT/a-t44n.log" | head -12
       grep -cE " PASSED" "$OUT/a-t44n.log"; tail -1 "$OUT/a-t44n.log" ;;
+    t47)  # session 45: the pre-quantized checkpoints' tests on the GPU (compressed-tensors
+      # fp8 / int4 / int8 among them: int4's words load as the row-major storage as they are)
+      timeout ${T47:-300} env PYTHONPATH=/tmp/after:/tmp/site python3 -m pytest -q -rfs \
+        -p no:cacheprovider tests/plugins/quant/test_checkpoints.py > "$OUT/a-t47.log" 2>&1
+      echo "t47 rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/a-t47.log" | head -8; tail -1 "$OUT/a-t47.log" ;;
     t46)  # session 44: t45's three failures, fixed in the tests (the TP serve test as python
       # -m tokenloom; the interpreter comparisons of test_verify_graphs skip on a GPU host),
       # their GPU form (test_spec_gpu.py), and the pre-quantized checkpoints' tests (a
