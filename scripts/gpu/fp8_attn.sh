@@ -203,7 +203,7 @@ for step in "$@"; do
       tail -1 "$OUT/a-t46.log" ;;
     ba44l)  # session 44: bench latency before (.snap/before.tar, c0c4ae0) / after session 43's
       # weight_gemm fallback change (gather tilings capped at 64 deep, 3 stages), int4 / int8
-      for q in int4 int8; do
+      for q in ${QS:-int4 int8}; do
         bench latency $q-before before $q
         bench latency $q-after after $q
       done ;;
