@@ -92,6 +92,8 @@ class Scheme:
         sparsity = qc.get("sparsity_config") or {}
         if str(sparsity.get("format", "dense")) != "dense":
             raise ValueError(f"{FORMAT}: sparse weights ({sparsity.get('format')}) do not load")
+        if qc.get("transform_config"):
+            raise ValueError(f"{FORMAT}: online transforms (transform_config) do not load")
         groups = qc.get("config_groups") or {}
         found: set[tuple[Any, ...]] = set()
         for name, group in groups.items():
@@ -116,18 +118,26 @@ class Scheme:
             )
         fmt, weights_items, acts_items = found.pop()
         weights, acts = dict(weights_items), dict(acts_items) if acts_items else None
-        if weights.get("actorder") == "group":
+        # actorder "group" (also "dynamic", true) stores a weight_g_idx that permutes the
+        # groups; "weight" / "static" reorder only while quantizing and store none
+        if str(weights.get("actorder")).lower() in ("group", "dynamic", "true"):
             raise ValueError(
-                f"{FORMAT}: activation-ordered groups (actorder: group) are not supported: "
-                "they need a permutation in the GEMM"
+                f"{FORMAT}: activation-ordered groups (actorder: {weights['actorder']}) are "
+                "not supported: they need a permutation in the GEMM"
             )
+        group = int(weights.get("group_size") or 0)
+        strategy = weights.get("strategy") or (  # as the format infers a missing one
+            "tensor" if not group else "channel" if group == -1 else "group"
+        )
         block = weights.get("block_structure")
+        if isinstance(block, str):  # the older "NxM" form
+            block = block.lower().split("x")
         return cls(
             format=fmt,
             type=str(weights.get("type", "int")),
             bits=int(weights.get("num_bits", 8)),
-            strategy=str(weights.get("strategy", "tensor")),
-            group=int(weights["group_size"]) if weights.get("group_size") else None,
+            strategy=str(strategy),
+            group=group if group > 0 else None,
             block=(int(block[0]), int(block[1])) if block else None,
             symmetric=bool(weights.get("symmetric", True)),
             activations=acts,
@@ -220,6 +230,29 @@ def require(qc: dict[str, Any], method: str) -> Scheme:
     return scheme
 
 
+def static_inputs(scheme: Scheme) -> tuple[str, ...]:
+    """The per-layer tensors of static activation quantization (read, not used: the
+    methods here quantize activations per token, or not at all)."""
+    acts = scheme.activations
+    if acts is None or acts.get("dynamic", False):  # the format's default: static
+        return ()
+    return ("input_scale",) if acts.get("symmetric", True) else ("input_scale", "input_zero_point")
+
+
+def check_head(scheme: Scheme, model: nn.Module) -> None:
+    """Refuse, by name, a checkpoint whose untied LM head is quantized: none of the
+    methods here reads a quantized head (``--quant-lm-head`` quantizes it at load)."""
+    head = getattr(model, "lm_head", None)
+    inner = getattr(model, "model", model)
+    if head is None or head is getattr(inner, "embed_tokens", None):
+        return
+    if not scheme._ignored("lm_head"):
+        raise ValueError(
+            f"{FORMAT}: the checkpoint quantizes lm_head (ignore does not list it); a "
+            "quantized LM head is not read here"
+        )
+
+
 def skip_kv_scales(model: nn.Module) -> None:
     """Let the loader pass over a kv_cache_scheme's static scales (not used here)."""
     base = model.ignores_checkpoint_tensor
@@ -247,6 +280,7 @@ class PackedInt4Checkpoint:
         module names."""
         if self.scheme.kv_scales:
             skip_kv_scales(model)
+        check_head(self.scheme, model)
         prepared = set()
         prefixes = checkpoint_prefixes(model)
         for name, layer in quantizable_linears(model):
@@ -310,7 +344,9 @@ __all__ = [
     "PackedInt4Checkpoint",
     "Scheme",
     "is_compressed_tensors",
+    "check_head",
     "require",
     "scheme_for",
     "skip_kv_scales",
+    "static_inputs",
 ]

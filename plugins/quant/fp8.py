@@ -159,12 +159,13 @@ class Fp8Quant(WeightQuantMethod):
             self.block = scheme.block if scheme.strategy == "block" else None
             self.block_scale_name = "weight_scale"
             acts = scheme.activations
-            self.static_input = acts is not None and not acts.get("dynamic", True)
+            self.static_input = bool(ct.static_inputs(scheme))
             if acts is None:
                 log.info("fp8: the checkpoint's activations are 16-bit; served W8A8 all the "
                          "same, one scale per token")  # fmt: skip
             if scheme.kv_scales:
                 ct.skip_kv_scales(model)
+            ct.check_head(scheme, model)
             skip = scheme.ignores
         elif method in ("fp8", "fbgemm_fp8"):
             self.per_channel = method == "fbgemm_fp8"

@@ -127,12 +127,15 @@ class Int8Quant(WeightQuantMethod):
     # (docs/quantization.md, "The LM head"); ``--no-quant-lm-head`` keeps it 16-bit.
     lm_head_default = True
     serves_rows = True  # Int8Kernel.rows: a tied embedding's lookups
+    packed = False  # a compressed-tensors checkpoint's words: four bytes an int32
+    static_inputs: tuple[str, ...] = ()  # its static activation tensors, read past
 
     @classmethod
     def reads_checkpoint(cls, quantization_config: dict[str, Any]) -> bool:
         from tokenloom.plugins.quant.compressed_tensors import scheme_for
 
-        return scheme_for(quantization_config, "int8") is not None
+        qc = quantization_config
+        return super().reads_checkpoint(qc) or scheme_for(qc, "int8") is not None
 
     def prepare_model(self, model: nn.Module, hf_config: dict[str, Any]) -> None:
         """A compressed-tensors checkpoint of int8 weights (the only pre-quantized int8
@@ -151,7 +154,9 @@ class Int8Quant(WeightQuantMethod):
             log.info("int8: the checkpoint's activations are quantized too; served W8A16")
         if scheme.kv_scales:
             ct.skip_kv_scales(model)
+        ct.check_head(scheme, model)
         self.packed = scheme.format == "pack-quantized"
+        self.static_inputs = ct.static_inputs(scheme)  # read, not used: served W8A16
         self.prequantized = True
         prefixes = checkpoint_prefixes(model)
         for name, layer in quantizable_linears(model):
@@ -165,6 +170,7 @@ class Int8Quant(WeightQuantMethod):
                 "ckpt_weight": ((n, k // 4), torch.int32) if self.packed else ((n, k), torch.int8),
                 "ckpt_scales": ((n, 1), torch.float32),
                 "ckpt_shape": ((2 * parts,), torch.int64),
+                "ckpt_inputs": ((len(self.static_inputs) * parts,), torch.float32),
             }
             for key, (shape, dtype) in shapes.items():
                 tensor = torch.empty(shape, dtype=dtype, device=dev)
@@ -192,6 +198,9 @@ class Int8Quant(WeightQuantMethod):
                 result[f"{prefix}.weight_shape"] = WeightSlot(
                     layer.ckpt_shape, 2 * part, 2 * part + 2
                 )
+            for i, tensor in enumerate(self.static_inputs):  # one value a part
+                at = part * len(self.static_inputs) + i
+                result[f"{prefix}.{tensor}"] = WeightSlot(layer.ckpt_inputs, at, at + 1)
             part += 1
         return result
 
@@ -202,7 +211,7 @@ class Int8Quant(WeightQuantMethod):
             w = (((w[:, :, None] >> shifts) & 0xFF) - 128).reshape(w.shape[0], -1)
         q = w.to(torch.int8).contiguous()
         scales = layer.ckpt_scales.data.t().contiguous()  # [1, N]
-        del layer.ckpt_weight, layer.ckpt_scales, layer.ckpt_shape
+        del layer.ckpt_weight, layer.ckpt_scales, layer.ckpt_shape, layer.ckpt_inputs
         return Int8Kernel(
             keep(layer, "qweight", q.t()), keep(layer, "weight_scale", scales), layer.weight.dtype
         )

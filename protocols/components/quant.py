@@ -147,7 +147,8 @@ class QuantMethod(ABC):
         ``quantization_config``. Default: its ``quant_method`` is one of
         ``checkpoint_formats``. A format that carries several schemes under one name
         (``compressed-tensors``) is read by the method whose scheme it holds: such a
-        method overrides this to look inside."""
+        method overrides this to look inside, and may raise ValueError to say why a
+        checkpoint of its format cannot load (``checkpoint_quant`` then asks the others)."""
         return str(quantization_config.get("quant_method", "")).lower() in cls.checkpoint_formats
 
     def prepare_model(self, model: torch.nn.Module, hf_config: dict[str, Any]) -> None:  # noqa: B027
@@ -190,17 +191,31 @@ def checkpoint_quant(hf_config: dict[str, Any], plugins: Any) -> str | None:
     """The registered quant method (of ``plugins``, a PluginManager) that loads the
     checkpoint whose config.json is ``hf_config`` (``QuantMethod.reads_checkpoint``:
     its ``quantization_config``'s ``quant_method``, and for a format of several
-    schemes the scheme); None for a 16-bit checkpoint. Two readers of one checkpoint:
-    the first by name. Raises ValueError for a checkpoint no registered method loads."""
+    schemes the scheme; a factory without that method: ``checkpoint_formats``); None
+    for a 16-bit checkpoint. Two readers of one checkpoint: the first by name. A
+    reader that raises ValueError (a scheme of its format it cannot serve) passes the
+    question on; where none reads the checkpoint, the first such reason is raised,
+    else a ValueError that names the format and the formats the methods load."""
     qc = hf_config.get("quantization_config")
     if not isinstance(qc, dict):
         return None
-    methods = [c for c in plugins.components() if c.kind == "quant"]  # sorted by name
-    for c in methods:
-        reads = getattr(c.spec.factory, "reads_checkpoint", None)
-        if reads is not None and reads(qc):
-            return str(c.name)
     fmt = str(qc.get("quant_method", "")).lower()
+    methods = [c for c in plugins.components() if c.kind == "quant"]  # sorted by name
+    reason: ValueError | None = None
+    for c in methods:
+        factory = c.spec.factory
+        reads = getattr(factory, "reads_checkpoint", None)
+        try:
+            if (
+                reads(qc)
+                if reads is not None
+                else fmt in getattr(factory, "checkpoint_formats", ())
+            ):
+                return str(c.name)
+        except ValueError as exc:
+            reason = reason or exc
+    if reason is not None:
+        raise reason
     known = ", ".join(
         f"{f} ({c.name})"
         for c in methods

@@ -574,3 +574,118 @@ def test_quant_lm_head_takes_the_checkpoint_s_own_method(tiny, tmp_path):
         assert llm.engine.executor.model.lm_head.logits_kernel is not None
     finally:
         llm.engine.shutdown()
+
+
+def test_checkpoint_quant_asks_every_reader_and_plain_format_lists():
+    """A reader that cannot serve a compressed-tensors scheme passes the question on (a
+    third-party method that lists the format then gets it); a factory that only lists
+    ``checkpoint_formats`` (no ``reads_checkpoint``) is still chosen by them."""
+    from types import SimpleNamespace
+
+    from tokenloom.plugins.quant.fp8 import Fp8Quant
+    from tokenloom.plugins.quant.int4 import Int4Quant
+    from tokenloom.plugins.quant.int8 import Int8Quant
+    from tokenloom.protocols.components.quant import checkpoint_quant
+
+    def exl2(config):  # a factory function, not a QuantMethod subclass
+        raise AssertionError("not built here")
+
+    def w4a8(config):
+        raise AssertionError("not built here")
+
+    exl2.checkpoint_formats = ("exl2",)
+    w4a8.checkpoint_formats = ("compressed-tensors",)
+
+    def plugins(*factories):
+        comps = [
+            SimpleNamespace(kind="quant", name=n, spec=SimpleNamespace(factory=f))
+            for n, f in factories
+        ]
+        return SimpleNamespace(components=lambda: sorted(comps, key=lambda c: c.name))
+
+    builtin = [("fp8", Fp8Quant), ("int4", Int4Quant), ("int8", Int8Quant)]
+    qc = _int4_config("ct", 32, [])
+    qc["config_groups"]["group_0"]["input_activations"] = TOKEN_FP8 | {"type": "int"}
+    with pytest.raises(ValueError, match="no method here serves it"):
+        checkpoint_quant({"quantization_config": qc}, plugins(*builtin))
+    assert (
+        checkpoint_quant({"quantization_config": qc}, plugins(*builtin, ("w4a8", w4a8))) == "w4a8"
+    )
+    exl2_config = {"quantization_config": {"quant_method": "exl2"}}
+    assert checkpoint_quant(exl2_config, plugins(*builtin, ("exl2", exl2))) == "exl2"
+    w4a16 = {"quantization_config": _int4_config("ct", 32, [])}
+    assert checkpoint_quant(w4a16, plugins(*builtin, ("w4a8", w4a8))) == "int4"  # by name
+
+
+@pytest.mark.parametrize("actorder", ["dynamic", True, "Group"])
+def test_compressed_tensors_act_order_aliases_are_refused(actorder):
+    from tokenloom.plugins.quant.compressed_tensors import Scheme
+
+    qc = _int4_config("ct", 32, [])
+    qc["config_groups"]["group_0"]["weights"]["actorder"] = actorder
+    with pytest.raises(ValueError, match="activation-ordered groups"):
+        Scheme.from_config(qc)
+    qc["config_groups"]["group_0"]["weights"]["actorder"] = "weight"  # stores no g_idx
+    assert Scheme.from_config(qc).method == "int4"
+
+
+def test_compressed_tensors_scheme_defaults_follow_the_format():
+    """A missing strategy is inferred from the group size, a missing ``dynamic`` means
+    static, and a block size may be written "NxM"."""
+    from tokenloom.plugins.quant.compressed_tensors import Scheme, static_inputs
+
+    qc = _int4_config("ct", 32, [])
+    del qc["config_groups"]["group_0"]["weights"]["strategy"]
+    assert Scheme.from_config(qc).strategy == "group"
+    fp8 = _ct_fp8_config("block", {"type": "float", "num_bits": 8, "strategy": "tensor"})
+    fp8["config_groups"]["group_0"]["weights"]["block_structure"] = "32x32"
+    scheme = Scheme.from_config(fp8)
+    assert (scheme.block, scheme.method, static_inputs(scheme)) == (
+        (32, 32),
+        "fp8",
+        ("input_scale",),
+    )
+
+
+def test_compressed_tensors_int8_w8a8_with_static_activations_loads(tiny, tmp_path):
+    dequantized: dict[str, torch.Tensor] = {}
+    convert = _ct_int8_convert(False, dequantized)
+
+    def with_inputs(prefix, w):  # static, asymmetric activations: a scale and a zero point
+        return convert(prefix, w) | {
+            f"{prefix}.input_scale": torch.ones(1),
+            f"{prefix}.input_zero_point": torch.zeros(1, dtype=torch.int8),
+        }
+
+    acts = {"type": "int", "num_bits": 8, "strategy": "tensor", "dynamic": False}
+    qc = _ct_int8_config(False, acts | {"symmetric": False})
+    path = _rewrite(tiny, tmp_path / "w8a8", with_inputs, qc)
+    twin = _dense_twin(tiny, tmp_path / "dense", dequantized)
+    assert _tokens(path, "none") == _tokens(twin, "none")  # the head: 16-bit in both
+
+
+def test_compressed_tensors_refusals_by_name(tiny, tmp_path):
+    """A quantized LM head (ignore leaves it out), part of a merged layer ignored,
+    sparsity, online transforms and a checkpoint not stored compressed: each refused
+    with its reason, before any tensor is read."""
+    from tokenloom.config import ConfigError
+
+    def keep_dense(p, w):
+        return {f"{p}.weight": w}
+
+    head = _ct_fp8_config("channel", ignore=[])
+    part = _ct_fp8_config("channel", ignore=["lm_head", "re:.*q_proj$"])
+    sparse = _ct_fp8_config("channel", sparsity_config={"format": "sparse-24-bitmask"})
+    transform = _ct_fp8_config("channel", transform_config={"config_groups": {"u": {}}})
+    frozen = _ct_fp8_config("channel", quantization_status="frozen")
+    cases = [
+        (head, "quantizes lm_head"),
+        (part, "leaves part of"),
+        (sparse, "sparse weights"),
+        (transform, "online transforms"),
+        (frozen, "quantization_status 'frozen'"),
+    ]
+    for i, (qc, message) in enumerate(cases):
+        path = _rewrite(tiny, tmp_path / f"r{i}", keep_dense, qc)
+        with pytest.raises((ConfigError, ValueError), match=message):
+            LLM(str(path), dtype="float32")
