@@ -217,3 +217,33 @@ def block_slot(param: nn.Parameter, dense: WeightSlot, block: tuple[int, int]) -
             raise ValueError(f"a shard {begin}..{end} cuts {div}-wide blocks")
         source, size = (dim, begin // div, -(-end // div)), -(-(dense.source_size or 0) // div)
     return WeightSlot(param, dense.start // bn, -(-dense.stop // bn), source, size)
+
+
+class PermutedInputKernel(LinearKernel):
+    """A kernel over weights whose input channels are stored in another order:
+    ``y = inner(x[..., perm])``. Act-order GPTQ checkpoints (a ``g_idx`` that scatters
+    each group over the inputs) load with each group's rows gathered together, so the
+    kernels' contiguous groups hold them, and the activations are gathered the same
+    way at every call. None of the fused epilogues is offered (the gather would have to
+    run inside them): the layer runs ``apply``, then its SiLU or rope, as for any kernel."""
+
+    def __init__(self, inner: LinearKernel, perm: torch.Tensor) -> None:
+        self.inner = inner
+        self.perm = perm  # [K] int64: stored input channel i is the model's perm[i]
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.inner.apply(x.index_select(-1, self.perm), bias)
+
+
+def group_order(g_idx: torch.Tensor, group: int, name: str) -> torch.Tensor | None:
+    """The input order that gathers each group's rows (``g_idx[k]``: the group of input
+    ``k``) into contiguous runs of ``group``; None where they already are. Raises
+    ValueError where the groups are not runs of ``group`` once sorted."""
+    k = g_idx.shape[-1]
+    natural = torch.arange(k, device=g_idx.device) // group
+    if bool((g_idx == natural).all()):
+        return None
+    perm = torch.sort(g_idx.long(), stable=True).indices
+    if not bool((g_idx.long()[perm] == natural).all()):
+        raise ValueError(f"{name}: its g_idx groups are not {group} inputs each")
+    return perm

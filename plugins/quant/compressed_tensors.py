@@ -25,9 +25,11 @@ patterns). The schemes read here, each by the method that serves it:
   or ``weight`` int8 ``[N, K]`` (``int-quantized`` / ``naive-quantized``), and
   ``weight_scale [N, 1]``.
 
+Activation-ordered groups (``actorder: group``: a ``weight_g_idx`` that scatters each
+group over the inputs) load as act-order GPTQ does (``int4_checkpoints.act_order``).
 Refused by name: several schemes in one checkpoint, targets other than ``Linear``,
-activation-ordered groups (``actorder: group``, a ``weight_g_idx`` that permutes
-them), sparsity, checkpoints not stored ``compressed``, and every other scheme. Static
+sparsity, online transforms, a quantized LM head, checkpoints not stored
+``compressed``, and every other scheme. Static
 KV-cache scales (``kv_cache_scheme``) are skipped: ``--kv-cache-dtype fp8`` scales each
 head as it writes.
 """
@@ -50,7 +52,7 @@ from tokenloom.plugins.quant.common import (
     quantizable_linears,
     release_weight,
 )
-from tokenloom.plugins.quant.int4 import PACK, unpack_int4
+from tokenloom.plugins.quant.int4 import PACK, pack_int4, unpack_int4
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,7 @@ class Scheme:
     activations: dict[str, Any] | None  # input_activations; None: 16-bit
     ignore: tuple[str, ...]
     kv_scales: bool  # a kv_cache_scheme: the checkpoint holds static KV scales
+    act_order: bool = False  # groups scattered over the inputs: weight_g_idx [K] a part
 
     @classmethod
     def from_config(cls, qc: dict[str, Any]) -> Scheme:
@@ -118,13 +121,9 @@ class Scheme:
             )
         fmt, weights_items, acts_items = found.pop()
         weights, acts = dict(weights_items), dict(acts_items) if acts_items else None
-        # actorder "group" (also "dynamic", true) stores a weight_g_idx that permutes the
-        # groups; "weight" / "static" reorder only while quantizing and store none
-        if str(weights.get("actorder")).lower() in ("group", "dynamic", "true"):
-            raise ValueError(
-                f"{FORMAT}: activation-ordered groups (actorder: {weights['actorder']}) are "
-                "not supported: they need a permutation in the GEMM"
-            )
+        # actorder "group" (also "dynamic", true) stores a weight_g_idx that scatters the
+        # groups over the inputs; "weight" / "static" reorder only while quantizing
+        act_order = str(weights.get("actorder")).lower() in ("group", "dynamic", "true")
         group = int(weights.get("group_size") or 0)
         strategy = weights.get("strategy") or (  # as the format infers a missing one
             "tensor" if not group else "channel" if group == -1 else "group"
@@ -143,6 +142,7 @@ class Scheme:
             activations=acts,
             ignore=tuple(str(i) for i in qc.get("ignore") or ()),
             kv_scales=bool(qc.get("kv_cache_scheme")),
+            act_order=act_order,
         )
 
     @property
@@ -297,6 +297,8 @@ class PackedInt4Checkpoint:
             }
             if not self.scheme.symmetric:
                 shapes["ckpt_zeros"] = ((n // PACK, groups), torch.int32)
+            if self.scheme.act_order:
+                shapes["ckpt_g_idx"] = ((parts * k,), torch.int32)
             for key, (shape, dtype) in shapes.items():
                 tensor = torch.empty(shape, dtype=dtype, device=dev)
                 layer.register_parameter(key, nn.Parameter(tensor, False))
@@ -319,12 +321,24 @@ class PackedInt4Checkpoint:
                 result[f"{prefix}.weight_zero_point"] = block_slot(
                     layer.ckpt_zeros, slot, (PACK, self.group)
                 )
+            if self.scheme.act_order:  # one group index an input: this rank's inputs
+                k = layer.in_features
+                source = slot.source if slot.source and slot.source[0] == 1 else None
+                result[f"{prefix}.weight_g_idx"] = WeightSlot(
+                    layer.ckpt_g_idx,
+                    part * k,
+                    (part + 1) * k,
+                    None if source is None else (0, source[1], source[2]),
+                    slot.source_size if source else None,
+                )
             # the full tensor's [N, K], whatever this rank's shard: read, not needed
             result[f"{prefix}.weight_shape"] = WeightSlot(layer.ckpt_shape, 2 * part, 2 * part + 2)
             part += 1
         return result
 
-    def convert(self, layer: Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def convert(
+        self, layer: Linear
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The layer's loaded tensors as ``int4``'s ``(qweight [K / 8, N], scales [G, N],
         zeros [G, N])``; frees the checkpoint-layout ones. ``qweight`` is the transposed
         view of the stored ``[N, K / 8]`` words (``int4_kernel`` keeps or copies it)."""
@@ -335,8 +349,18 @@ class PackedInt4Checkpoint:
         else:
             zeros = unpack_int4(layer.ckpt_zeros.data).t().float()  # [G, N], 0..15
             del layer.ckpt_zeros
+        perm = None
+        if self.scheme.act_order:
+            from tokenloom.plugins.quant.int4_checkpoints import act_order
+
+            g_idx = layer.ckpt_g_idx.data.view(-1, layer.in_features)
+            perm = act_order(g_idx, self.group, layer)
+            if perm is not None:  # the words' columns in the gathered order
+                q = unpack_int4(qweight.contiguous()).index_select(0, perm)
+                qweight = pack_int4(q).t().contiguous().t()  # [N, K / 8] storage again
+            del layer.ckpt_g_idx
         del layer.ckpt_packed, layer.ckpt_scales, layer.ckpt_shape
-        return qweight, scales, zeros
+        return qweight, scales, zeros, perm
 
 
 __all__ = [

@@ -269,8 +269,13 @@ class Int4Quant(WeightQuantMethod):
 
     def finish_kernel(self, layer: Linear) -> LinearKernel:
         assert self.checkpoint is not None
-        qweight, scales, zeros = self.checkpoint.convert(layer)
-        return int4_kernel(layer, qweight, scales, zeros, self.group)
+        qweight, scales, zeros, perm = self.checkpoint.convert(layer)
+        kernel = int4_kernel(layer, qweight, scales, zeros, self.group)
+        if perm is None:
+            return kernel
+        from tokenloom.plugins.quant.common import PermutedInputKernel
+
+        return PermutedInputKernel(kernel, keep(layer, "input_perm", perm))
 
 
 @hookimpl

@@ -14,7 +14,9 @@ differ in where the packing runs:
 The checkpoint tensors load as they are stored (output columns are this rank's
 range of the full tensor, so tensor parallelism composes), then ``convert`` repacks
 one layer at a time and frees the originals. Act-order GPTQ (``desc_act``: a
-``g_idx`` that is not ``k // group``) is refused: it needs a permutation in the GEMM.
+``g_idx`` that is not ``k // group``) loads with each group's rows gathered together
+and the layer's inputs gathered the same way at every call (``act_order``); it is
+refused on a shard of the inputs (tensor-parallel row-parallel layers).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch import nn
 from tokenloom.plugins.models.layers import Linear, Slots, WeightSlot
 from tokenloom.plugins.quant.common import (
     checkpoint_prefixes,
+    group_order,
     is_skipped,
     quantizable_linears,
     release_weight,
@@ -75,8 +78,6 @@ class Int4Checkpoint:
             raise ValueError(f"--quant int4: the checkpoint has {bits}-bit weights")
         if method == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":
             raise ValueError(f"--quant int4: AWQ version {qc.get('version')!r}; only 'gemm'")
-        if method == "gptq" and qc.get("desc_act"):
-            raise ValueError("--quant int4: act-order GPTQ (desc_act) is not supported")
         if method == "awq" and qc.get("zero_point") is False:
             raise ValueError("--quant int4: AWQ without zero points is not supported")
         group = int(qc.get("group_size", qc.get("q_group_size", 128)))
@@ -163,19 +164,20 @@ class Int4Checkpoint:
             size = (dense.source_size or 0) // div
         return ColumnSlot(param, dense.start // n_div, dense.stop // n_div, source, size)
 
-    def convert(self, layer: Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The layer's loaded tensors in the int4 layout ``(qweight, scales, zeros)``;
-        frees the checkpoint-layout ones."""
-        k = layer.in_features
+    def convert(
+        self, layer: Linear
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The layer's loaded tensors in the int4 layout ``(qweight, scales, zeros,
+        perm)``; frees the checkpoint-layout ones. ``perm``: None, or for act-order GPTQ
+        the input order that gathers each group (``group_order``), the words' rows
+        already in that order (the kernel gathers its inputs: ``PermutedInputKernel``)."""
+        perm = None
         if self.method == "gptq":
-            g_idx = layer.ckpt_g_idx.data.view(-1, k)
-            first = layer.in_range[0]  # a row-parallel rank's shard starts there
-            expected = (
-                torch.arange(k, device=g_idx.device, dtype=g_idx.dtype) + first
-            ) // self.group
-            if not bool((g_idx == expected).all()):
-                raise ValueError("--quant int4: a GPTQ g_idx is not k // group (act-order)")
+            g_idx = layer.ckpt_g_idx.data.view(-1, layer.in_features)
+            perm = act_order(g_idx, self.group, layer)
             qweight = layer.ckpt_qweight.data
+            if perm is not None:
+                qweight = pack_int4(unpack_int4(qweight).index_select(0, perm))
             zeros = unpack_columns(layer.ckpt_qzeros.data, tuple(range(PACK)))
             del layer.ckpt_g_idx
         else:
@@ -184,7 +186,26 @@ class Int4Checkpoint:
         zeros = (zeros + self.zero_offset) & 0xF
         scales = layer.ckpt_scales.data
         del layer.ckpt_qweight, layer.ckpt_qzeros, layer.ckpt_scales
-        return qweight.contiguous(), scales, zeros
+        return qweight.contiguous(), scales, zeros, perm
+
+
+def act_order(g_idx: torch.Tensor, group: int, layer: Linear) -> torch.Tensor | None:
+    """The input order of an act-order layer (``g_idx [parts, K]``, one row per merged
+    part, which must agree: the parts share their input), None for groups in order. A
+    rank's shard of the inputs (row parallel) must start and end with whole groups in
+    order: act-order scatters a group over every shard, so it is refused there."""
+    first = layer.in_range[0]
+    natural = (torch.arange(g_idx.shape[1], device=g_idx.device) + first) // group
+    if bool((g_idx == natural).all()):  # a row-parallel shard: its own range of groups
+        return None
+    if layer.in_features != layer.full_in_features:
+        raise ValueError(
+            "--quant int4: an act-order g_idx on a shard of the inputs (tensor parallel, "
+            "row-parallel layers): a group is spread over every rank"
+        )
+    if not bool((g_idx == g_idx[0]).all()):
+        raise ValueError("--quant int4: the merged parts of a layer have different g_idx")
+    return group_order(g_idx[0], group, "--quant int4")
 
 
 __all__ = ["AWQ_ORDER", "ColumnSlot", "Int4Checkpoint", "unpack_columns", "unpack_int4"]

@@ -166,10 +166,44 @@ def _ct_int4_parts(w: torch.Tensor, group: int, symmetric: bool):
     return tensors, deq
 
 
+def _act_order_convert(method: str, group: int, dequantized: dict):
+    """``gptq-act`` / ``ct-act``: act-order checkpoints. Each input size gets one fixed
+    scatter (merged parts share their input, so their g_idx agree): the groups are runs
+    of ``group`` in a random order of the inputs, input ``order[i]`` in group ``i // group``."""
+    from tokenloom.plugins.quant.int4_checkpoints import unpack_columns
+
+    def convert(prefix, w):
+        k = w.shape[1]
+        order = torch.randperm(k, generator=torch.Generator().manual_seed(k))
+        inverse = torch.argsort(order)
+        g_idx = (torch.arange(k) // group)[inverse].to(torch.int32)
+        if method == "ct-act":
+            tensors, deq = _ct_int4_parts(w[:, order], group, True)
+            codes = unpack_columns(tensors["weight_packed"], tuple(range(8)))[:, inverse]
+            tensors |= {"weight_packed": pack_columns(codes, tuple(range(8)))}
+            tensors["weight_g_idx"] = g_idx
+        else:
+            q, scales, zeros, deq = _int4_parts(w[:, order], group)
+            q = q[inverse]
+            packed = (q.view(k // 8, 8, -1) << (torch.arange(8)[None, :, None] * 4)).sum(1)
+            tensors = {
+                "qweight": packed.to(torch.int32),
+                "qzeros": pack_columns((zeros - 1) & 0xF, tuple(range(8))),
+                "scales": scales,
+                "g_idx": g_idx,
+            }
+        dequantized[prefix] = deq[:, inverse].contiguous()
+        return {f"{prefix}.{key}": t for key, t in tensors.items()}
+
+    return convert
+
+
 def _int4_convert(method: str, group: int, skipped: list, dequantized: dict):
     """The ``_rewrite`` conversion into an AWQ, GPTQ or compressed-tensors (``ct``:
-    symmetric, ``ct-asym``: zero points) checkpoint's tensors; the dequantized weights
-    go into ``dequantized``."""
+    symmetric, ``ct-asym``: zero points) checkpoint's tensors, or an act-order one
+    (``gptq-act``, ``ct-act``); the dequantized weights go into ``dequantized``."""
+    if method.endswith("-act"):
+        return _act_order_convert(method, group, dequantized)
 
     def convert(prefix, w):
         if prefix.split(".")[-1] in skipped:  # modules_to_not_convert: stored 16-bit
@@ -210,17 +244,27 @@ def _ct_config(weights: dict, activations: dict | None = None, **extra) -> dict:
 def _int4_config(method: str, group: int, skipped: list) -> dict:
     if method.startswith("ct"):
         weights = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": group}
-        weights |= {"symmetric": method == "ct", "actorder": None, "observer": "minmax"}
+        actorder = "group" if method == "ct-act" else None
+        weights |= {"symmetric": method != "ct-asym", "actorder": actorder, "observer": "minmax"}
         return _ct_config(weights, ignore=["lm_head"] + [f"re:.*{m}$" for m in skipped])
-    qc = {"quant_method": method, "bits": 4, "group_size": group}
+    qc = {"quant_method": method.removesuffix("-act"), "bits": 4, "group_size": group}
     qc["modules_to_not_convert"] = skipped
-    qc.update({"version": "gemm", "zero_point": True} if method == "awq" else {"desc_act": False})
+    desc_act = {"desc_act": method == "gptq-act"}
+    qc.update({"version": "gemm", "zero_point": True} if method == "awq" else desc_act)
     return qc
 
 
 @pytest.mark.parametrize(
     ("method", "skipped"),
-    [("awq", []), ("gptq", []), ("awq", ["down_proj"]), ("ct", []), ("ct-asym", ["down_proj"])],
+    [
+        ("awq", []),
+        ("gptq", []),
+        ("awq", ["down_proj"]),
+        ("ct", []),
+        ("ct-asym", ["down_proj"]),
+        ("gptq-act", []),
+        ("ct-act", []),
+    ],
 )
 def test_int4_checkpoint_generates_as_its_dense_twin(method, skipped, tiny, tmp_path, allocations):
     group = 32  # the tiny model's K (64, 128) holds several groups
@@ -229,6 +273,18 @@ def test_int4_checkpoint_generates_as_its_dense_twin(method, skipped, tiny, tmp_
     quantized = _rewrite(tiny, tmp_path / method, convert, _int4_config(method, group, skipped))
     twin = _dense_twin(tiny, tmp_path / "dense", dequantized)
     assert _tokens(quantized, "int4") == _tokens(twin, "none")
+    if method.endswith("-act"):  # the groups gathered, the inputs gathered at each call
+        from tokenloom.plugins.quant.common import PermutedInputKernel
+
+        llm = LLM(str(quantized), dtype="float32", quant="int4")
+        try:
+            down = llm.engine.executor.model.model.layers[0].mlp.down_proj
+            assert isinstance(down.kernel, PermutedInputKernel)
+            x = torch.randn(3, down.in_features, device=down.input_perm.device)
+            want = x.cpu() @ dequantized["model.layers.0.mlp.down_proj"].t()
+            torch.testing.assert_close(down.kernel.apply(x, None).cpu(), want)
+        finally:
+            llm.engine.shutdown()
     if skipped:
         allocations.clear()
         llm = LLM(str(quantized), dtype="float32", quant="int4")
@@ -245,11 +301,27 @@ def test_int4_checkpoint_generates_as_its_dense_twin(method, skipped, tiny, tmp_
             llm.engine.shutdown()
 
 
-def test_act_order_gptq_is_refused(tiny, tmp_path):
-    qc = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True}
-    quantized = _rewrite(tiny, tmp_path / "gptq", lambda p, w: {f"{p}.weight": w}, qc)
-    with pytest.raises(Exception, match="act-order"):
-        LLM(str(quantized), dtype="float32", quant="int4")
+def test_act_order_gptq_is_refused_on_a_shard_of_the_inputs(tiny, tmp_path):
+    # a row-parallel rank's inputs hold a part of every act-order group
+    from tokenloom.config import EngineConfig
+    from tokenloom.plugins.models import parallel
+    from tokenloom.plugins.models.loader import load_model
+    from tokenloom.plugins.quant.int4 import Int4Quant
+
+    class RankOf(parallel.ParallelGroup):
+        def __init__(self, rank: int, size: int) -> None:
+            self.rank, self.size = rank, size
+
+    convert = _int4_convert("gptq-act", 32, [], {})
+    path = _rewrite(tiny, tmp_path / "gptq-act", convert, _int4_config("gptq-act", 32, []))
+    quant = Int4Quant(EngineConfig(quant="int4"))
+    with (
+        parallel.use(RankOf(0, 2)),
+        pytest.raises(ValueError, match="act-order g_idx on a shard of the inputs"),
+    ):
+        load_model(
+            path, torch.float32, "cpu", prepare=quant.prepare_model, loaded=quant.layer_loaded
+        )
 
 
 def test_block_wise_fp8_checkpoint_loads_requantized_per_channel(tiny, tmp_path):
@@ -499,12 +571,9 @@ def test_compressed_tensors_schemes_no_method_serves_are_refused_by_name(tiny, t
     w4a8["config_groups"]["group_0"]["input_activations"] = TOKEN_FP8 | {"type": "int"}
     mixed = _int4_config("ct", 32, [])
     mixed["config_groups"]["group_1"] = _ct_fp8_config("channel")["config_groups"]["group_0"]
-    act_order = _int4_config("ct", 32, [])
-    act_order["config_groups"]["group_0"]["weights"]["actorder"] = "group"
     cases = [
         (w4a8, r"int 4-bit weights per group of 32, int 8-bit activations.*no method"),
         (mixed, "2 quantization schemes"),
-        (act_order, "actorder: group"),
     ]
     for i, (qc, message) in enumerate(cases):
         path = _rewrite(tiny, tmp_path / f"refused{i}", keep_dense, qc)
@@ -618,15 +687,14 @@ def test_checkpoint_quant_asks_every_reader_and_plain_format_lists():
 
 
 @pytest.mark.parametrize("actorder", ["dynamic", True, "Group"])
-def test_compressed_tensors_act_order_aliases_are_refused(actorder):
+def test_compressed_tensors_act_order_aliases_are_read_as_groups(actorder):
     from tokenloom.plugins.quant.compressed_tensors import Scheme
 
     qc = _int4_config("ct", 32, [])
     qc["config_groups"]["group_0"]["weights"]["actorder"] = actorder
-    with pytest.raises(ValueError, match="activation-ordered groups"):
-        Scheme.from_config(qc)
+    assert Scheme.from_config(qc).act_order  # a weight_g_idx a layer part
     qc["config_groups"]["group_0"]["weights"]["actorder"] = "weight"  # stores no g_idx
-    assert Scheme.from_config(qc).method == "int4"
+    assert not Scheme.from_config(qc).act_order
 
 
 def test_compressed_tensors_scheme_defaults_follow_the_format():
