@@ -179,10 +179,16 @@ def test_the_lm_head_follows_the_method_s_default_when_unset(method, tiny_model_
 
 
 def test_quant_lm_head_needs_a_weight_method():
+    # checked when the engine resolves its quant method (a quantized checkpoint's own
+    # method counts: test_checkpoints.py), not when the config is built
     from tokenloom.config import ConfigError
+    from tokenloom.engine.engine_core import resolve_quant
+    from tokenloom.plugin_manager import PluginManager
 
+    config = EngineConfig(quant_lm_head=True)
     with pytest.raises(ConfigError, match="quant_lm_head"):
-        EngineConfig(quant_lm_head=True)
+        resolve_quant(config, PluginManager.default())
+    assert resolve_quant(EngineConfig(quant="int8", quant_lm_head=True), None).quant == "int8"
 
 
 def test_int4_builds_its_int8_head_from_the_engine_s_plugins(tiny_model_factory, monkeypatch):
