@@ -757,3 +757,42 @@ def test_compressed_tensors_refusals_by_name(tiny, tmp_path):
         path = _rewrite(tiny, tmp_path / f"r{i}", keep_dense, qc)
         with pytest.raises((ConfigError, ValueError), match=message):
             LLM(str(path), dtype="float32")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("method", ["ct", "ct-asym", "ct-act", "gptq-act"])
+def test_int4_checkpoints_on_the_gpu_kernels(method, tiny_model_factory, tmp_path):
+    """bf16 on the GPU: the checkpoint's words feed the Triton kernels (compressed-
+    tensors' ``[N, K / 8]`` words as the row-major storage the one-row GEMV streams),
+    every projection of a layer gives ``x W^T`` of its dequantized weight at 1 and 16
+    rows, and the model generates in its CUDA graphs."""
+    shape = {"hidden_size": 1024, "intermediate_size": 2048, "num_heads": 8, "num_kv_heads": 2}
+    model = Path(tiny_model_factory("llama", **shape))
+    dequantized: dict[str, torch.Tensor] = {}
+    convert = _int4_convert(method, 128, [], dequantized)
+    path = _rewrite(model, tmp_path / method, convert, _int4_config(method, 128, []))
+    llm = LLM(str(path), dtype="bfloat16", quant="int4")
+    try:
+        layer = llm.engine.executor.model.model.layers[0]
+        parts = {
+            layer.self_attn.qkv_proj: ("self_attn", ("q_proj", "k_proj", "v_proj")),
+            layer.self_attn.o_proj: ("self_attn", ("o_proj",)),
+            layer.mlp.gate_up_proj: ("mlp", ("gate_proj", "up_proj")),
+            layer.mlp.down_proj: ("mlp", ("down_proj",)),
+        }
+        for linear, (block, names) in parts.items():
+            w = torch.cat([dequantized[f"model.layers.0.{block}.{n}"] for n in names]).cuda()
+            kernel = getattr(linear.kernel, "inner", linear.kernel)
+            assert kernel.configs is not None  # the Triton kernels, not the reference
+            if method.startswith("ct"):
+                assert kernel.qweight.t().is_contiguous()  # [N, K / 8] words, row-major
+            for m in (1, 16):
+                x = torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16)
+                expected = x.double() @ w.double().t()
+                y = linear.kernel.apply(x, None).double()
+                assert float((y - expected).norm() / expected.norm()) < 1e-2, (names, m)
+        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+    finally:
+        llm.engine.shutdown()
