@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from tokenloom.config import EngineConfig
-from tokenloom.plugins.models.layers import Embedding, Linear, WeightSlot
+from tokenloom.plugins.models.layers import Embedding, Linear, Slots, WeightSlot
 from tokenloom.protocols.components.quant import (
     LinearKernel,
     QkvRope,
@@ -200,6 +200,49 @@ def is_skipped(prefixes: list[str], skipped: list[str]) -> bool:
         s and (p == s or p.startswith(s + ".") or s in p.split(".") or p.endswith("." + s))
         for p in prefixes
         for s in skipped
+    )
+
+
+def checkpoint_params(
+    layer: Linear, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+) -> None:
+    """Give ``layer`` an empty frozen parameter per ``name: (shape, dtype)`` on its
+    device (a pre-quantized checkpoint's tensors land there), and free its dense weight."""
+    for name, (shape, dtype) in shapes.items():
+        tensor = torch.empty(shape, dtype=dtype, device=layer.weight.device)
+        layer.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+    release_weight(layer)
+
+
+def weight_parts(dense: Slots, result: Slots) -> Iterator[tuple[str, int, WeightSlot]]:
+    """A merged layer's dense slots, part by part: ``(checkpoint prefix, index, slot)``
+    of each part's weight; the other slots (a bias) go into ``result`` as they are."""
+    part = 0
+    for key, slot in dense.items():
+        if not key.endswith(".weight"):
+            result[key] = slot
+            continue
+        yield key.removesuffix(".weight"), part, slot
+        part += 1
+
+
+def row_slot(param: nn.Parameter, dense: WeightSlot) -> WeightSlot:
+    """One value per output row (per-channel scales): the rows of ``dense``, read whole
+    on a shard of the inputs."""
+    rows = dense.source if dense.source is not None and dense.source[0] == 0 else None
+    return WeightSlot(param, dense.start, dense.stop, rows, dense.source_size if rows else None)
+
+
+def input_slot(param: nn.Parameter, dense: WeightSlot, part: int, k: int) -> WeightSlot:
+    """One value per input (a ``g_idx``), part ``part`` of ``param [parts * K]``: this
+    rank's range on a shard of the inputs."""
+    source = dense.source if dense.source and dense.source[0] == 1 else None
+    return WeightSlot(
+        param,
+        part * k,
+        (part + 1) * k,
+        None if source is None else (0, source[1], source[2]),
+        dense.source_size if source else None,
     )
 
 

@@ -47,10 +47,12 @@ from torch import nn
 from tokenloom.plugins.models.layers import Linear, Slots, WeightSlot
 from tokenloom.plugins.quant.common import (
     block_slot,
+    checkpoint_params,
     checkpoint_prefixes,
+    input_slot,
     is_skipped,
     quantizable_linears,
-    release_weight,
+    weight_parts,
 )
 from tokenloom.plugins.quant.int4 import PACK, pack_int4, unpack_int4
 
@@ -289,7 +291,7 @@ class PackedInt4Checkpoint:
             n, k = layer.out_features, layer.in_features
             if k % PACK or any(size % PACK for size in layer.output_sizes):
                 raise ValueError(f"{name}: {n} x {k} does not pack into whole words")
-            groups, parts, dev = -(-k // self.group), len(layer.output_sizes), layer.weight.device
+            groups, parts = -(-k // self.group), len(layer.output_sizes)
             shapes = {
                 "ckpt_packed": ((n, k // PACK), torch.int32),
                 "ckpt_scales": ((n, groups), torch.float32),
@@ -299,41 +301,25 @@ class PackedInt4Checkpoint:
                 shapes["ckpt_zeros"] = ((n // PACK, groups), torch.int32)
             if self.scheme.act_order:
                 shapes["ckpt_g_idx"] = ((parts * k,), torch.int32)
-            for key, (shape, dtype) in shapes.items():
-                tensor = torch.empty(shape, dtype=dtype, device=dev)
-                layer.register_parameter(key, nn.Parameter(tensor, False))
-            release_weight(layer)
+            checkpoint_params(layer, shapes)
             layer.slot_hook = self._slots
             prepared.add(name)
         return prepared
 
     def _slots(self, layer: Linear, dense: Slots) -> Slots:
         result: Slots = {}
-        part = 0
-        for key, slot in dense.items():
-            if not key.endswith(".weight"):
-                result[key] = slot
-                continue
-            prefix = key.removesuffix(".weight")
+        for prefix, part, slot in weight_parts(dense, result):
             result[f"{prefix}.weight_packed"] = block_slot(layer.ckpt_packed, slot, (1, PACK))
             result[f"{prefix}.weight_scale"] = block_slot(layer.ckpt_scales, slot, (1, self.group))
             if not self.scheme.symmetric:
                 result[f"{prefix}.weight_zero_point"] = block_slot(
                     layer.ckpt_zeros, slot, (PACK, self.group)
                 )
-            if self.scheme.act_order:  # one group index an input: this rank's inputs
-                k = layer.in_features
-                source = slot.source if slot.source and slot.source[0] == 1 else None
-                result[f"{prefix}.weight_g_idx"] = WeightSlot(
-                    layer.ckpt_g_idx,
-                    part * k,
-                    (part + 1) * k,
-                    None if source is None else (0, source[1], source[2]),
-                    slot.source_size if source else None,
-                )
+            if self.scheme.act_order:  # one group index an input
+                g_idx = input_slot(layer.ckpt_g_idx, slot, part, layer.in_features)
+                result[f"{prefix}.weight_g_idx"] = g_idx
             # the full tensor's [N, K], whatever this rank's shard: read, not needed
             result[f"{prefix}.weight_shape"] = WeightSlot(layer.ckpt_shape, 2 * part, 2 * part + 2)
-            part += 1
         return result
 
     def convert(

@@ -42,6 +42,8 @@ from tokenloom.plugins.quant.common import (
     quantizable_linears,
     quantization_config,
     release_weight,
+    row_slot,
+    weight_parts,
 )
 from tokenloom.plugins.quant.kernels.fp8_gemv import GEMV_ROWS, fp8_gemv, gemv_offered
 from tokenloom.protocols.components.quant import Fp8Rows, LinearKernel
@@ -215,13 +217,8 @@ class Fp8Quant(WeightQuantMethod):
     def _slots(self, layer: Linear, dense: Slots) -> Slots:
         """Each part's ``weight`` into the fp8 rows, its scale(s) into one element."""
         result: Slots = {}
-        part = 0
-        for key, slot in dense.items():
-            if not key.endswith(".weight"):
-                result[key] = slot  # the bias stays 16-bit
-                continue
-            prefix = key.removesuffix(".weight")
-            result[key] = WeightSlot(
+        for prefix, part, slot in weight_parts(dense, result):  # the bias stays 16-bit
+            result[f"{prefix}.weight"] = WeightSlot(
                 layer.weight_fp8, slot.start, slot.stop, slot.source, slot.source_size
             )
             if self.block is not None:
@@ -229,19 +226,11 @@ class Fp8Quant(WeightQuantMethod):
                     layer.block_scales, slot, self.block
                 )
             elif self.per_channel:  # the rows' scales: sharded with the rows, not the inputs
-                rows = slot.source if slot.source is not None and slot.source[0] == 0 else None
-                result[f"{prefix}.weight_scale"] = WeightSlot(
-                    layer.row_scales,
-                    slot.start,
-                    slot.stop,
-                    rows,
-                    slot.source_size if rows else None,
-                )
+                result[f"{prefix}.weight_scale"] = row_slot(layer.row_scales, slot)
             else:
                 result[f"{prefix}.weight_scale"] = WeightSlot(layer.part_scales, part, part + 1)
             if self.static_input:
                 result[f"{prefix}.input_scale"] = WeightSlot(layer.input_scales, part, part + 1)
-            part += 1
         return result
 
     def make_kernel(self, layer: Linear) -> LinearKernel:

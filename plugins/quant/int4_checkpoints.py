@@ -31,9 +31,11 @@ from tokenloom.plugins.models.layers import Linear, Slots, WeightSlot
 from tokenloom.plugins.quant.common import (
     checkpoint_prefixes,
     group_order,
+    input_slot,
     is_skipped,
     quantizable_linears,
     release_weight,
+    weight_parts,
 )
 from tokenloom.plugins.quant.int4 import PACK, pack_int4, unpack_int4
 
@@ -122,12 +124,7 @@ class Int4Checkpoint:
 
     def _slots(self, layer: Linear, dense: Slots) -> Slots:
         result: Slots = {}
-        part = 0
-        for key, slot in dense.items():
-            if not key.endswith(".weight"):
-                result[key] = slot
-                continue
-            prefix = key.removesuffix(".weight")
+        for prefix, part, slot in weight_parts(dense, result):
             start, stop = slot.start, slot.stop
             if start % PACK or stop % PACK:
                 raise ValueError(f"{prefix}: output rows {start}..{stop} are not whole words")
@@ -137,17 +134,10 @@ class Int4Checkpoint:
             )
             result[f"{prefix}.qzeros"] = self._slot(layer.ckpt_qzeros, slot, PACK, self.group)
             result[f"{prefix}.scales"] = self._slot(layer.ckpt_scales, slot, 1, self.group)
-            if self.method == "gptq":
-                k = layer.in_features
-                source = slot.source if slot.source and slot.source[0] == 1 else None
-                result[f"{prefix}.g_idx"] = WeightSlot(
-                    layer.ckpt_g_idx,
-                    part * k,
-                    (part + 1) * k,
-                    None if source is None else (0, source[1], source[2]),
-                    slot.source_size if source else None,
+            if self.method == "gptq":  # one group index an input
+                result[f"{prefix}.g_idx"] = input_slot(
+                    layer.ckpt_g_idx, slot, part, layer.in_features
                 )
-            part += 1
         return result
 
     @staticmethod

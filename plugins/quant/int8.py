@@ -24,12 +24,14 @@ from tokenloom.plugins.quant.common import (
     OneRowEpilogueKernel,
     WeightQuantMethod,
     block_slot,
+    checkpoint_params,
     checkpoint_prefixes,
     flat,
     keep,
     quantizable_linears,
     quantization_config,
-    release_weight,
+    row_slot,
+    weight_parts,
 )
 from tokenloom.protocols.components.quant import LinearKernel, QkvRope
 from tokenloom.protocols.components.registry import ComponentSpec
@@ -165,35 +167,24 @@ class Int8Quant(WeightQuantMethod):
             n, k = layer.out_features, layer.in_features
             if self.packed and k % 4:
                 raise ValueError(f"{name}: {k} inputs do not pack into whole words")
-            parts, dev = len(layer.output_sizes), layer.weight.device
+            parts = len(layer.output_sizes)
             shapes = {
                 "ckpt_weight": ((n, k // 4), torch.int32) if self.packed else ((n, k), torch.int8),
                 "ckpt_scales": ((n, 1), torch.float32),
                 "ckpt_shape": ((2 * parts,), torch.int64),
                 "ckpt_inputs": ((len(self.static_inputs) * parts,), torch.float32),
             }
-            for key, (shape, dtype) in shapes.items():
-                tensor = torch.empty(shape, dtype=dtype, device=dev)
-                layer.register_parameter(key, nn.Parameter(tensor, False))
-            release_weight(layer)
+            checkpoint_params(layer, shapes)
             layer.slot_hook = self._slots
             self.prepared.add(name)
 
     def _slots(self, layer: Linear, dense: Slots) -> Slots:
         result: Slots = {}
-        part = 0
-        for key, slot in dense.items():
-            if not key.endswith(".weight"):
-                result[key] = slot
-                continue
-            prefix = key.removesuffix(".weight")
+        for prefix, part, slot in weight_parts(dense, result):
             name = "weight_packed" if self.packed else "weight"
             units = (1, 4) if self.packed else (1, 1)
             result[f"{prefix}.{name}"] = block_slot(layer.ckpt_weight, slot, units)
-            rows = slot.source if slot.source is not None and slot.source[0] == 0 else None
-            result[f"{prefix}.weight_scale"] = WeightSlot(  # one a row: whole on a K shard
-                layer.ckpt_scales, slot.start, slot.stop, rows, slot.source_size if rows else None
-            )
+            result[f"{prefix}.weight_scale"] = row_slot(layer.ckpt_scales, slot)
             if self.packed:  # the full tensor's [N, K]: read, not needed
                 result[f"{prefix}.weight_shape"] = WeightSlot(
                     layer.ckpt_shape, 2 * part, 2 * part + 2
@@ -201,7 +192,6 @@ class Int8Quant(WeightQuantMethod):
             for i, tensor in enumerate(self.static_inputs):  # one value a part
                 at = part * len(self.static_inputs) + i
                 result[f"{prefix}.{tensor}"] = WeightSlot(layer.ckpt_inputs, at, at + 1)
-            part += 1
         return result
 
     def finish_kernel(self, layer: Linear) -> LinearKernel:
