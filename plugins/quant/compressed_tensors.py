@@ -333,7 +333,7 @@ class PackedInt4Checkpoint:
         if self.scheme.symmetric:
             zeros = torch.full_like(scales, 8)
         else:
-            zeros = unpack_int4(layer.ckpt_zeros.data).t().float()  # [G, N], 0..15
+            zeros = unpack_int4(layer.ckpt_zeros.data).t().float().contiguous()  # [G, N]
             del layer.ckpt_zeros
         perm = None
         if self.scheme.act_order:

@@ -189,8 +189,9 @@ def int4_kernel(
         qweight = qweight.contiguous()
     return Int4Kernel(
         keep(layer, "qweight", qweight),
-        keep(layer, "scales", scales.to(layer.weight.dtype)),
-        keep(layer, "qzeros", zeros.to(layer.weight.dtype)),
+        # the GPU kernels read both as contiguous [G, N] (a reader may hand views)
+        keep(layer, "scales", scales.to(layer.weight.dtype).contiguous()),
+        keep(layer, "qzeros", zeros.to(layer.weight.dtype).contiguous()),
         group,
     )
 
