@@ -35,13 +35,13 @@ from tokenloom.plugins.models.layers import Linear, Slots, WeightSlot
 from tokenloom.plugins.quant.common import (
     WeightQuantMethod,
     block_slot,
+    checkpoint_params,
     checkpoint_prefixes,
     flat,
     is_skipped,
     keep,
     quantizable_linears,
     quantization_config,
-    release_weight,
     row_slot,
     weight_parts,
 )
@@ -185,32 +185,22 @@ class Fp8Quant(WeightQuantMethod):
         for name, layer in quantizable_linears(model):
             if skip(prefixes[name]):
                 continue
-            parts = len(layer.output_sizes)
-            device = layer.weight.device
-            shape = (layer.out_features, layer.in_features)
-            layer.register_parameter(
-                "weight_fp8", nn.Parameter(torch.empty(shape, dtype=FP8, device=device), False)
-            )
-            for extra in ("part_scales", "input_scales"):
-                layer.register_parameter(
-                    extra, nn.Parameter(torch.empty(parts, device=device), False)
-                )
+            parts, n, k = len(layer.output_sizes), layer.out_features, layer.in_features
+            shapes = {
+                "weight_fp8": ((n, k), FP8),
+                "part_scales": ((parts,), torch.float32),
+                "input_scales": ((parts,), torch.float32),
+            }
             if self.per_channel:
-                layer.register_parameter(
-                    "row_scales",
-                    nn.Parameter(torch.empty(layer.out_features, 1, device=device), False),
-                )
+                shapes["row_scales"] = ((n, 1), torch.float32)
             if self.block is not None:
                 bn, bk = self.block
                 if any(size % bn for size in layer.output_sizes):
                     raise ValueError(
                         f"{name}: output parts {layer.output_sizes} cut {bn}-row blocks"
                     )
-                rows, cols = layer.out_features // bn, -(-layer.in_features // bk)
-                layer.register_parameter(
-                    "block_scales", nn.Parameter(torch.empty(rows, cols, device=device), False)
-                )
-            release_weight(layer)
+                shapes["block_scales"] = ((n // bn, -(-k // bk)), torch.float32)
+            checkpoint_params(layer, shapes)
             layer.slot_hook = self._slots
             self.prepared.add(name)
 

@@ -29,12 +29,12 @@ from torch import nn
 
 from tokenloom.plugins.models.layers import Linear, Slots, WeightSlot
 from tokenloom.plugins.quant.common import (
+    checkpoint_params,
     checkpoint_prefixes,
     group_order,
     input_slot,
     is_skipped,
     quantizable_linears,
-    release_weight,
     weight_parts,
 )
 from tokenloom.plugins.quant.int4 import PACK, pack_int4, unpack_int4
@@ -100,24 +100,17 @@ class Int4Checkpoint:
                 continue
             n, k = layer.out_features, layer.in_features
             groups = -(-k // self.group)
-            device, dtype = layer.weight.device, torch.int32
+            i32 = torch.int32
             if self.method == "gptq":
                 shapes = {
-                    "ckpt_qweight": (k // PACK, n),
-                    "ckpt_g_idx": (len(layer.output_sizes) * k,),
+                    "ckpt_qweight": ((k // PACK, n), i32),
+                    "ckpt_g_idx": ((len(layer.output_sizes) * k,), i32),
                 }
             else:
-                shapes = {"ckpt_qweight": (k, n // PACK)}
-            shapes["ckpt_qzeros"] = (groups, n // PACK)
-            for key, shape in shapes.items():
-                layer.register_parameter(
-                    key, nn.Parameter(torch.empty(shape, dtype=dtype, device=device), False)
-                )
-            layer.register_parameter(
-                "ckpt_scales",
-                nn.Parameter(torch.empty(groups, n, dtype=torch.float16, device=device), False),
-            )
-            release_weight(layer)
+                shapes = {"ckpt_qweight": ((k, n // PACK), i32)}
+            shapes["ckpt_qzeros"] = ((groups, n // PACK), i32)
+            shapes["ckpt_scales"] = ((groups, n), torch.float16)
+            checkpoint_params(layer, shapes)
             layer.slot_hook = self._slots
             prepared.add(name)
         return prepared
