@@ -10,7 +10,7 @@ an empty tensor, so its memory is really freed.
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -204,14 +204,18 @@ def is_skipped(prefixes: list[str], skipped: list[str]) -> bool:
 
 
 def checkpoint_params(
-    layer: Linear, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    layer: Linear,
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    slot_hook: Callable[[Linear, Slots], Slots],
 ) -> None:
-    """Give ``layer`` an empty frozen parameter per ``name: (shape, dtype)`` on its
-    device (a pre-quantized checkpoint's tensors land there), and free its dense weight."""
+    """Prepare ``layer`` for a pre-quantized checkpoint: an empty frozen parameter per
+    ``name: (shape, dtype)`` on its device (the checkpoint's tensors land there), its
+    dense weight freed, and ``slot_hook`` mapping its dense slots to those parameters."""
     for name, (shape, dtype) in shapes.items():
         tensor = torch.empty(shape, dtype=dtype, device=layer.weight.device)
         layer.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
     release_weight(layer)
+    layer.slot_hook = slot_hook
 
 
 def weight_parts(dense: Slots, result: Slots) -> Iterator[tuple[str, int, WeightSlot]]:

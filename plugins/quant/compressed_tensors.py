@@ -301,8 +301,7 @@ class PackedInt4Checkpoint:
                 shapes["ckpt_zeros"] = ((n // PACK, groups), torch.int32)
             if self.scheme.act_order:
                 shapes["ckpt_g_idx"] = ((parts * k,), torch.int32)
-            checkpoint_params(layer, shapes)
-            layer.slot_hook = self._slots
+            checkpoint_params(layer, shapes, self._slots)
             prepared.add(name)
         return prepared
 

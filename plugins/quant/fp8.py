@@ -200,8 +200,7 @@ class Fp8Quant(WeightQuantMethod):
                         f"{name}: output parts {layer.output_sizes} cut {bn}-row blocks"
                     )
                 shapes["block_scales"] = ((n // bn, -(-k // bk)), torch.float32)
-            checkpoint_params(layer, shapes)
-            layer.slot_hook = self._slots
+            checkpoint_params(layer, shapes, self._slots)
             self.prepared.add(name)
 
     def _slots(self, layer: Linear, dense: Slots) -> Slots:

@@ -110,8 +110,7 @@ class Int4Checkpoint:
                 shapes = {"ckpt_qweight": ((k, n // PACK), i32)}
             shapes["ckpt_qzeros"] = ((groups, n // PACK), i32)
             shapes["ckpt_scales"] = ((groups, n), torch.float16)
-            checkpoint_params(layer, shapes)
-            layer.slot_hook = self._slots
+            checkpoint_params(layer, shapes, self._slots)
             prepared.add(name)
         return prepared
 

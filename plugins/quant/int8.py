@@ -174,8 +174,7 @@ class Int8Quant(WeightQuantMethod):
                 "ckpt_shape": ((2 * parts,), torch.int64),
                 "ckpt_inputs": ((len(self.static_inputs) * parts,), torch.float32),
             }
-            checkpoint_params(layer, shapes)
-            layer.slot_hook = self._slots
+            checkpoint_params(layer, shapes, self._slots)
             self.prepared.add(name)
 
     def _slots(self, layer: Linear, dense: Slots) -> Slots:
