@@ -52,6 +52,7 @@
 #   t44n    the part of t44m that its 330 s did not reach (T44N seconds)
 #   t45     t44n's six failures (fixed in the tests, unrun on a GPU) and the executor files
 #           t44n did not reach
+#   ao45    session 45: the act-order gather's cost at one row (scripts/gpu/act_order_bench.py)
 #   t47     session 45: test_checkpoints.py on the GPU (compressed-tensors among them)
 #   t46     t45's three failures (fixed in the tests), test_spec_gpu.py, test_checkpoints.py
 #   ba44l / ba44t: bench latency / throughput, int4 and int8, before (.snap) / after (session
@@ -185,6 +186,8 @@ for step in "$@"; do
         > "$OUT/a-t44n.log" 2>&1
       echo "t44n rc=$?"; grep -E "FAILED|ERROR" "$OUT/a-t44n.log" | head -12
       grep -cE " PASSED" "$OUT/a-t44n.log"; tail -1 "$OUT/a-t44n.log" ;;
+    ao45)  # session 45: what the act-order input gather costs at one row (4 projections)
+      py after scripts/gpu/act_order_bench.py --out "$OUT/ao45.json" ;;
     t47)  # session 45: the pre-quantized checkpoints' tests on the GPU (compressed-tensors
       # fp8 / int4 / int8 among them: int4's words load as the row-major storage as they are)
       timeout ${T47:-300} env PYTHONPATH=/tmp/after:/tmp/site python3 -m pytest -q -rfs \
