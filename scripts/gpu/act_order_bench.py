@@ -11,37 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
+from tokenloom.plugins.models.cuda_timing import time_graph
 from tokenloom.plugins.quant.common import PermutedInputKernel
 from tokenloom.plugins.quant.int4 import Int4Kernel, quantize_int4
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-
-
-def graph_time(fn, x: torch.Tensor, reps: int = 200, rounds: int = 7) -> float:
-    """Median microseconds of one ``fn(x)``, ``reps`` replays of a captured graph a round."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn(x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn(x)
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / reps)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -57,8 +34,8 @@ def main() -> None:
         kernel = Int4Kernel(qweight, scales, zeros, 128)
         permuted = PermutedInputKernel(kernel, torch.randperm(k, device="cuda"))
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        plain = graph_time(lambda v, kern=kernel: kern.apply(v, None), x)
-        gathered = graph_time(lambda v, kern=permuted: kern.apply(v, None), x)
+        plain = time_graph(lambda kern=kernel, v=x: kern.apply(v, None), 200, 7)
+        gathered = time_graph(lambda kern=permuted, v=x: kern.apply(v, None), 200, 7)
         rows.append(
             {"projection": name, "n": n, "k": k, "plain_us": plain, "act_order_us": gathered}
         )
