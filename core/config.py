@@ -99,6 +99,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _choice("dtype", self.dtype, DTYPES)
         _choice("device", self.device, DEVICES)
         _choice("load_format", self.load_format, LOAD_FORMATS)
+        if self.kv_cache_dtype == "fp8_e4m3":  # vLLM's spelling of the same cache
+            self.kv_cache_dtype = "fp8"
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _choice("distributed_backend", self.distributed_backend, DISTRIBUTED_BACKENDS)
         _at_least("tensor_parallel_size", self.tensor_parallel_size, 1)

@@ -106,3 +106,12 @@ def test_builtin_settings_bad_values_fail_naming_the_key() -> None:
         _pm().check_config(load_config(plugin={"int4": {"group_size": 12}}))
     with pytest.raises(ConfigError, match=r"plugin\.draft\.cuda_graphs: Expected `bool`"):
         _pm().check_config(load_config(plugin={"draft": {"cuda_graphs": "maybe"}}))
+
+
+def test_kv_cache_dtype_takes_vllm_s_fp8_e4m3_and_refuses_e5m2() -> None:
+    from tokenloom.config import EngineConfig
+
+    assert EngineConfig(kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8"
+    assert load_config(kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8"
+    with pytest.raises(ConfigError, match="kv_cache_dtype: must be one of auto, fp8, int8"):
+        EngineConfig(kv_cache_dtype="fp8_e5m2")
