@@ -191,7 +191,8 @@ for step in "$@"; do
     t47)  # session 45: the pre-quantized checkpoints' tests on the GPU (compressed-tensors
       # fp8 / int4 / int8 among them: int4's words load as the row-major storage as they are)
       timeout ${T47:-300} env PYTHONPATH=/tmp/after:/tmp/site python3 -m pytest -q -rfs \
-        -p no:cacheprovider tests/plugins/quant/test_checkpoints.py > "$OUT/a-t47.log" 2>&1
+        -p no:cacheprovider tests/plugins/quant/test_checkpoints.py \
+        tests/plugins/quant/test_compressed_tensors.py > "$OUT/a-t47.log" 2>&1
       echo "t47 rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/a-t47.log" | head -8; tail -1 "$OUT/a-t47.log" ;;
     t46)  # session 44: t45's three failures, fixed in the tests (the TP serve test as python
       # -m tokenloom; the interpreter comparisons of test_verify_graphs skip on a GPU host),
