@@ -52,6 +52,7 @@ from tokenloom.plugins.quant.common import (
     input_slot,
     is_skipped,
     quantizable_linears,
+    row_slot,
     weight_parts,
 )
 from tokenloom.plugins.quant.int4 import PACK, pack_int4, unpack_int4
@@ -220,15 +221,18 @@ def scheme_for(qc: dict[str, Any], method: str) -> Scheme | None:
     return scheme if scheme.method == method else None
 
 
-def require(qc: dict[str, Any], method: str) -> Scheme:
-    """The scheme of a compressed-tensors checkpoint that ``method`` was asked to load;
-    ValueError where it is another method's."""
+def require(qc: dict[str, Any], method: str, model: nn.Module) -> Scheme:
+    """The scheme of a compressed-tensors checkpoint that ``method`` was asked to load
+    into ``model`` (ValueError where it is another method's, or its LM head is
+    quantized: ``check_head``); a ``kv_cache_scheme``'s static scales are passed over."""
     scheme = Scheme.from_config(qc)
     if scheme.method != method:
         served = f"--quant {scheme.method}" if scheme.method else "no method here"
         raise ValueError(f"--quant {method}: the checkpoint is {scheme.describe()} ({served})")
     if scheme.kv_scales:
         log.info("%s: the checkpoint's static KV-cache scales are not used", FORMAT)
+        skip_kv_scales(model)
+    check_head(scheme, model)
     return scheme
 
 
@@ -280,9 +284,6 @@ class PackedInt4Checkpoint:
     def prepare(self, model: nn.Module) -> set[str]:
         """Every quantized layer's checkpoint-layout parameters and slots; returns their
         module names."""
-        if self.scheme.kv_scales:
-            skip_kv_scales(model)
-        check_head(self.scheme, model)
         prepared = set()
         prefixes = checkpoint_prefixes(model)
         for name, layer in quantizable_linears(model):
@@ -348,14 +349,75 @@ class PackedInt4Checkpoint:
         return qweight, scales, zeros, perm
 
 
+class Int8Checkpoint:
+    """A compressed-tensors checkpoint of int8 weights per output channel, read into the
+    ``int8`` layout: ``weight_packed [N, K / 4]`` (``pack-quantized``: four bytes a word,
+    column ``4 c + j`` in byte ``j``, each plus 128) or ``weight`` int8 ``[N, K]``, and
+    ``weight_scale [N, 1]``; static activation tensors read past (served W8A16)."""
+
+    def __init__(self, scheme: Scheme) -> None:
+        self.scheme = scheme
+        self.packed = scheme.format == "pack-quantized"
+        self.static_inputs = static_inputs(scheme)
+
+    def prepare(self, model: nn.Module) -> set[str]:
+        """Every quantized layer's checkpoint-layout parameters and slots; returns their
+        module names."""
+        prepared = set()
+        prefixes = checkpoint_prefixes(model)
+        for name, layer in quantizable_linears(model):
+            if self.scheme.ignores(prefixes[name]):
+                continue
+            n, k = layer.out_features, layer.in_features
+            if self.packed and k % 4:
+                raise ValueError(f"{name}: {k} inputs do not pack into whole words")
+            parts = len(layer.output_sizes)
+            shapes = {
+                "ckpt_weight": ((n, k // 4), torch.int32) if self.packed else ((n, k), torch.int8),
+                "ckpt_scales": ((n, 1), torch.float32),
+                "ckpt_shape": ((2 * parts,), torch.int64),
+                "ckpt_inputs": ((len(self.static_inputs) * parts,), torch.float32),
+            }
+            checkpoint_params(layer, shapes, self._slots)
+            prepared.add(name)
+        return prepared
+
+    def _slots(self, layer: Linear, dense: Slots) -> Slots:
+        result: Slots = {}
+        for prefix, part, slot in weight_parts(dense, result):
+            name = "weight_packed" if self.packed else "weight"
+            units = (1, 4) if self.packed else (1, 1)
+            result[f"{prefix}.{name}"] = block_slot(layer.ckpt_weight, slot, units)
+            result[f"{prefix}.weight_scale"] = row_slot(layer.ckpt_scales, slot)
+            if self.packed:  # the full tensor's [N, K]: read, not needed
+                result[f"{prefix}.weight_shape"] = WeightSlot(
+                    layer.ckpt_shape, 2 * part, 2 * part + 2
+                )
+            for i, tensor in enumerate(self.static_inputs):  # one value a part
+                at = part * len(self.static_inputs) + i
+                result[f"{prefix}.{tensor}"] = WeightSlot(layer.ckpt_inputs, at, at + 1)
+        return result
+
+    def convert(self, layer: Linear) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's loaded tensors as ``int8``'s ``(q [N, K] int8, scales [1, N])``;
+        frees the checkpoint-layout ones."""
+        w = layer.ckpt_weight.data
+        if self.packed:
+            shifts = torch.arange(0, 32, 8, dtype=torch.int32, device=w.device)
+            w = (((w[:, :, None] >> shifts) & 0xFF) - 128).reshape(w.shape[0], -1)
+        q = w.to(torch.int8).contiguous()
+        scales = layer.ckpt_scales.data.t().contiguous()
+        del layer.ckpt_weight, layer.ckpt_scales, layer.ckpt_shape, layer.ckpt_inputs
+        return q, scales
+
+
 __all__ = [
     "FORMAT",
+    "Int8Checkpoint",
     "PackedInt4Checkpoint",
     "Scheme",
     "is_compressed_tensors",
-    "check_head",
     "require",
     "scheme_for",
-    "skip_kv_scales",
     "static_inputs",
 ]

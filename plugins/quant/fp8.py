@@ -156,7 +156,7 @@ class Fp8Quant(WeightQuantMethod):
 
         method = qc.get("quant_method")
         if ct.is_compressed_tensors(qc):
-            scheme = ct.require(qc, "fp8")
+            scheme = ct.require(qc, "fp8", model)
             self.per_channel = scheme.strategy == "channel"
             self.block = scheme.block if scheme.strategy == "block" else None
             self.block_scale_name = "weight_scale"
@@ -165,9 +165,6 @@ class Fp8Quant(WeightQuantMethod):
             if acts is None:
                 log.info("fp8: the checkpoint's activations are 16-bit; served W8A8 all the "
                          "same, one scale per token")  # fmt: skip
-            if scheme.kv_scales:
-                ct.skip_kv_scales(model)
-            ct.check_head(scheme, model)
             skip = scheme.ignores
         elif method in ("fp8", "fbgemm_fp8"):
             self.per_channel = method == "fbgemm_fp8"

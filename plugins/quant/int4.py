@@ -253,7 +253,7 @@ class Int4Quant(WeightQuantMethod):
         from tokenloom.plugins.quant.int4_checkpoints import Int4Checkpoint
 
         if ct.is_compressed_tensors(qc):
-            self.checkpoint = ct.PackedInt4Checkpoint(ct.require(qc, "int4"))
+            self.checkpoint = ct.PackedInt4Checkpoint(ct.require(qc, "int4", model))
         else:
             self.checkpoint = Int4Checkpoint.from_config(qc)
         self.group = self.checkpoint.group

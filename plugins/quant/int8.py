@@ -19,19 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenloom.plugins.models.layers import Linear, Slots, WeightSlot
+from tokenloom.plugins.models.layers import Linear
 from tokenloom.plugins.quant.common import (
     OneRowEpilogueKernel,
     WeightQuantMethod,
-    block_slot,
-    checkpoint_params,
-    checkpoint_prefixes,
     flat,
     keep,
-    quantizable_linears,
     quantization_config,
-    row_slot,
-    weight_parts,
 )
 from tokenloom.protocols.components.quant import LinearKernel, QkvRope
 from tokenloom.protocols.components.registry import ComponentSpec
@@ -129,8 +123,7 @@ class Int8Quant(WeightQuantMethod):
     # (docs/quantization.md, "The LM head"); ``--no-quant-lm-head`` keeps it 16-bit.
     lm_head_default = True
     serves_rows = True  # Int8Kernel.rows: a tied embedding's lookups
-    packed = False  # a compressed-tensors checkpoint's words: four bytes an int32
-    static_inputs: tuple[str, ...] = ()  # its static activation tensors, read past
+    checkpoint: Any = None  # compressed_tensors.Int8Checkpoint when pre-quantized
 
     @classmethod
     def reads_checkpoint(cls, quantization_config: dict[str, Any]) -> bool:
@@ -141,7 +134,7 @@ class Int8Quant(WeightQuantMethod):
 
     def prepare_model(self, model: nn.Module, hf_config: dict[str, Any]) -> None:
         """A compressed-tensors checkpoint of int8 weights (the only pre-quantized int8
-        format read): each layer's words and scales load into ``ckpt_*`` parameters."""
+        format read): each layer's tensors load as stored (``Int8Checkpoint``)."""
         qc = quantization_config(hf_config)
         if qc is None:
             return
@@ -151,56 +144,15 @@ class Int8Quant(WeightQuantMethod):
             raise ValueError(
                 f"--quant int8: the checkpoint is quantized with {qc.get('quant_method')!r}"
             )
-        scheme = ct.require(qc, "int8")
+        scheme = ct.require(qc, "int8", model)
         if scheme.activations is not None:
             log.info("int8: the checkpoint's activations are quantized too; served W8A16")
-        if scheme.kv_scales:
-            ct.skip_kv_scales(model)
-        ct.check_head(scheme, model)
-        self.packed = scheme.format == "pack-quantized"
-        self.static_inputs = ct.static_inputs(scheme)  # read, not used: served W8A16
+        self.checkpoint = ct.Int8Checkpoint(scheme)
         self.prequantized = True
-        prefixes = checkpoint_prefixes(model)
-        for name, layer in quantizable_linears(model):
-            if scheme.ignores(prefixes[name]):
-                continue
-            n, k = layer.out_features, layer.in_features
-            if self.packed and k % 4:
-                raise ValueError(f"{name}: {k} inputs do not pack into whole words")
-            parts = len(layer.output_sizes)
-            shapes = {
-                "ckpt_weight": ((n, k // 4), torch.int32) if self.packed else ((n, k), torch.int8),
-                "ckpt_scales": ((n, 1), torch.float32),
-                "ckpt_shape": ((2 * parts,), torch.int64),
-                "ckpt_inputs": ((len(self.static_inputs) * parts,), torch.float32),
-            }
-            checkpoint_params(layer, shapes, self._slots)
-            self.prepared.add(name)
-
-    def _slots(self, layer: Linear, dense: Slots) -> Slots:
-        result: Slots = {}
-        for prefix, part, slot in weight_parts(dense, result):
-            name = "weight_packed" if self.packed else "weight"
-            units = (1, 4) if self.packed else (1, 1)
-            result[f"{prefix}.{name}"] = block_slot(layer.ckpt_weight, slot, units)
-            result[f"{prefix}.weight_scale"] = row_slot(layer.ckpt_scales, slot)
-            if self.packed:  # the full tensor's [N, K]: read, not needed
-                result[f"{prefix}.weight_shape"] = WeightSlot(
-                    layer.ckpt_shape, 2 * part, 2 * part + 2
-                )
-            for i, tensor in enumerate(self.static_inputs):  # one value a part
-                at = part * len(self.static_inputs) + i
-                result[f"{prefix}.{tensor}"] = WeightSlot(layer.ckpt_inputs, at, at + 1)
-        return result
+        self.prepared = self.checkpoint.prepare(model)
 
     def finish_kernel(self, layer: Linear) -> LinearKernel:
-        w = layer.ckpt_weight.data
-        if self.packed:  # four bytes a word, column 4 c + j in byte j, each plus 128
-            shifts = torch.arange(0, 32, 8, dtype=torch.int32, device=w.device)
-            w = (((w[:, :, None] >> shifts) & 0xFF) - 128).reshape(w.shape[0], -1)
-        q = w.to(torch.int8).contiguous()
-        scales = layer.ckpt_scales.data.t().contiguous()  # [1, N]
-        del layer.ckpt_weight, layer.ckpt_scales, layer.ckpt_shape, layer.ckpt_inputs
+        q, scales = self.checkpoint.convert(layer)
         return Int8Kernel(
             keep(layer, "qweight", q.t()), keep(layer, "weight_scale", scales), layer.weight.dtype
         )
