@@ -203,9 +203,13 @@ def is_skipped(prefixes: list[str], skipped: list[str]) -> bool:
     )
 
 
+# a checkpoint-layout parameter's name: (shape, dtype)
+ParamShapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
 def checkpoint_params(
     layer: Linear,
-    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    shapes: ParamShapes,
     slot_hook: Callable[[Linear, Slots], Slots],
 ) -> None:
     """Prepare ``layer`` for a pre-quantized checkpoint: an empty frozen parameter per
@@ -216,6 +220,25 @@ def checkpoint_params(
         layer.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
     release_weight(layer)
     layer.slot_hook = slot_hook
+
+
+def prepare_checkpoint_layers(
+    model: nn.Module,
+    skip: Callable[[list[str]], bool],
+    shapes: Callable[[str, Linear], ParamShapes],
+    slot_hook: Callable[[Linear, Slots], Slots],
+) -> set[str]:
+    """A pre-quantized checkpoint's reader, the loop every format shares: each
+    quantizable layer that the checkpoint does not ``skip`` (given its parts' checkpoint
+    names) gets ``checkpoint_params(layer, shapes(name, layer), slot_hook)``; returns
+    the module names of those layers."""
+    prepared = set()
+    prefixes = checkpoint_prefixes(model)
+    for name, layer in quantizable_linears(model):
+        if not skip(prefixes[name]):
+            checkpoint_params(layer, shapes(name, layer), slot_hook)
+            prepared.add(name)
+    return prepared
 
 
 def weight_parts(dense: Slots, result: Slots) -> Iterator[tuple[str, int, WeightSlot]]:

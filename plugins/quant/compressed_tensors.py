@@ -46,12 +46,11 @@ from torch import nn
 
 from tokenloom.plugins.models.layers import Linear, Slots, WeightSlot
 from tokenloom.plugins.quant.common import (
+    ParamShapes,
     block_slot,
-    checkpoint_params,
-    checkpoint_prefixes,
     input_slot,
     is_skipped,
-    quantizable_linears,
+    prepare_checkpoint_layers,
     row_slot,
     weight_parts,
 )
@@ -284,27 +283,23 @@ class PackedInt4Checkpoint:
     def prepare(self, model: nn.Module) -> set[str]:
         """Every quantized layer's checkpoint-layout parameters and slots; returns their
         module names."""
-        prepared = set()
-        prefixes = checkpoint_prefixes(model)
-        for name, layer in quantizable_linears(model):
-            if self.scheme.ignores(prefixes[name]):
-                continue
-            n, k = layer.out_features, layer.in_features
-            if k % PACK or any(size % PACK for size in layer.output_sizes):
-                raise ValueError(f"{name}: {n} x {k} does not pack into whole words")
-            groups, parts = -(-k // self.group), len(layer.output_sizes)
-            shapes = {
-                "ckpt_packed": ((n, k // PACK), torch.int32),
-                "ckpt_scales": ((n, groups), torch.float32),
-                "ckpt_shape": ((2 * parts,), torch.int64),
-            }
-            if not self.scheme.symmetric:
-                shapes["ckpt_zeros"] = ((n // PACK, groups), torch.int32)
-            if self.scheme.act_order:
-                shapes["ckpt_g_idx"] = ((parts * k,), torch.int32)
-            checkpoint_params(layer, shapes, self._slots)
-            prepared.add(name)
-        return prepared
+        return prepare_checkpoint_layers(model, self.scheme.ignores, self._shapes, self._slots)
+
+    def _shapes(self, name: str, layer: Linear) -> ParamShapes:
+        n, k = layer.out_features, layer.in_features
+        if k % PACK or any(size % PACK for size in layer.output_sizes):
+            raise ValueError(f"{name}: {n} x {k} does not pack into whole words")
+        groups, parts = -(-k // self.group), len(layer.output_sizes)
+        shapes = {
+            "ckpt_packed": ((n, k // PACK), torch.int32),
+            "ckpt_scales": ((n, groups), torch.float32),
+            "ckpt_shape": ((2 * parts,), torch.int64),
+        }
+        if not self.scheme.symmetric:
+            shapes["ckpt_zeros"] = ((n // PACK, groups), torch.int32)
+        if self.scheme.act_order:
+            shapes["ckpt_g_idx"] = ((parts * k,), torch.int32)
+        return shapes
 
     def _slots(self, layer: Linear, dense: Slots) -> Slots:
         result: Slots = {}
@@ -363,24 +358,19 @@ class Int8Checkpoint:
     def prepare(self, model: nn.Module) -> set[str]:
         """Every quantized layer's checkpoint-layout parameters and slots; returns their
         module names."""
-        prepared = set()
-        prefixes = checkpoint_prefixes(model)
-        for name, layer in quantizable_linears(model):
-            if self.scheme.ignores(prefixes[name]):
-                continue
-            n, k = layer.out_features, layer.in_features
-            if self.packed and k % 4:
-                raise ValueError(f"{name}: {k} inputs do not pack into whole words")
-            parts = len(layer.output_sizes)
-            shapes = {
-                "ckpt_weight": ((n, k // 4), torch.int32) if self.packed else ((n, k), torch.int8),
-                "ckpt_scales": ((n, 1), torch.float32),
-                "ckpt_shape": ((2 * parts,), torch.int64),
-                "ckpt_inputs": ((len(self.static_inputs) * parts,), torch.float32),
-            }
-            checkpoint_params(layer, shapes, self._slots)
-            prepared.add(name)
-        return prepared
+        return prepare_checkpoint_layers(model, self.scheme.ignores, self._shapes, self._slots)
+
+    def _shapes(self, name: str, layer: Linear) -> ParamShapes:
+        n, k = layer.out_features, layer.in_features
+        if self.packed and k % 4:
+            raise ValueError(f"{name}: {k} inputs do not pack into whole words")
+        parts = len(layer.output_sizes)
+        return {
+            "ckpt_weight": ((n, k // 4), torch.int32) if self.packed else ((n, k), torch.int8),
+            "ckpt_scales": ((n, 1), torch.float32),
+            "ckpt_shape": ((2 * parts,), torch.int64),
+            "ckpt_inputs": ((len(self.static_inputs) * parts,), torch.float32),
+        }
 
     def _slots(self, layer: Linear, dense: Slots) -> Slots:
         result: Slots = {}

@@ -33,14 +33,13 @@ from torch import nn
 
 from tokenloom.plugins.models.layers import Linear, Slots, WeightSlot
 from tokenloom.plugins.quant.common import (
+    ParamShapes,
     WeightQuantMethod,
     block_slot,
-    checkpoint_params,
-    checkpoint_prefixes,
     flat,
     is_skipped,
     keep,
-    quantizable_linears,
+    prepare_checkpoint_layers,
     quantization_config,
     row_slot,
     weight_parts,
@@ -178,27 +177,23 @@ class Fp8Quant(WeightQuantMethod):
         else:
             raise ValueError(f"--quant fp8: the checkpoint is quantized with {method!r}")
         self.prequantized = True
-        prefixes = checkpoint_prefixes(model)
-        for name, layer in quantizable_linears(model):
-            if skip(prefixes[name]):
-                continue
-            parts, n, k = len(layer.output_sizes), layer.out_features, layer.in_features
-            shapes = {
-                "weight_fp8": ((n, k), FP8),
-                "part_scales": ((parts,), torch.float32),
-                "input_scales": ((parts,), torch.float32),
-            }
-            if self.per_channel:
-                shapes["row_scales"] = ((n, 1), torch.float32)
-            if self.block is not None:
-                bn, bk = self.block
-                if any(size % bn for size in layer.output_sizes):
-                    raise ValueError(
-                        f"{name}: output parts {layer.output_sizes} cut {bn}-row blocks"
-                    )
-                shapes["block_scales"] = ((n // bn, -(-k // bk)), torch.float32)
-            checkpoint_params(layer, shapes, self._slots)
-            self.prepared.add(name)
+        self.prepared |= prepare_checkpoint_layers(model, skip, self._shapes, self._slots)
+
+    def _shapes(self, name: str, layer: Linear) -> ParamShapes:
+        parts, n, k = len(layer.output_sizes), layer.out_features, layer.in_features
+        shapes: ParamShapes = {
+            "weight_fp8": ((n, k), FP8),
+            "part_scales": ((parts,), torch.float32),
+            "input_scales": ((parts,), torch.float32),
+        }
+        if self.per_channel:
+            shapes["row_scales"] = ((n, 1), torch.float32)
+        if self.block is not None:
+            bn, bk = self.block
+            if any(size % bn for size in layer.output_sizes):
+                raise ValueError(f"{name}: output parts {layer.output_sizes} cut {bn}-row blocks")
+            shapes["block_scales"] = ((n // bn, -(-k // bk)), torch.float32)
+        return shapes
 
     def _slots(self, layer: Linear, dense: Slots) -> Slots:
         """Each part's ``weight`` into the fp8 rows, its scale(s) into one element."""

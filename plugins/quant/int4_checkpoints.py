@@ -29,12 +29,11 @@ from torch import nn
 
 from tokenloom.plugins.models.layers import Linear, Slots, WeightSlot
 from tokenloom.plugins.quant.common import (
-    checkpoint_params,
-    checkpoint_prefixes,
+    ParamShapes,
     group_order,
     input_slot,
     is_skipped,
-    quantizable_linears,
+    prepare_checkpoint_layers,
     weight_parts,
 )
 from tokenloom.plugins.quant.int4 import PACK, pack_int4, unpack_int4
@@ -93,26 +92,24 @@ class Int4Checkpoint:
     def prepare(self, model: nn.Module) -> set[str]:
         """Give every quantized layer its checkpoint-layout parameters and slots;
         returns their module names."""
-        prepared = set()
-        prefixes = checkpoint_prefixes(model)
-        for name, layer in quantizable_linears(model):
-            if is_skipped(prefixes[name], list(self.skipped)):
-                continue
-            n, k = layer.out_features, layer.in_features
-            groups = -(-k // self.group)
-            i32 = torch.int32
-            if self.method == "gptq":
-                shapes = {
-                    "ckpt_qweight": ((k // PACK, n), i32),
-                    "ckpt_g_idx": ((len(layer.output_sizes) * k,), i32),
-                }
-            else:
-                shapes = {"ckpt_qweight": ((k, n // PACK), i32)}
-            shapes["ckpt_qzeros"] = ((groups, n // PACK), i32)
-            shapes["ckpt_scales"] = ((groups, n), torch.float16)
-            checkpoint_params(layer, shapes, self._slots)
-            prepared.add(name)
-        return prepared
+        return prepare_checkpoint_layers(model, self._skips, self._shapes, self._slots)
+
+    def _skips(self, prefixes: list[str]) -> bool:
+        return is_skipped(prefixes, list(self.skipped))
+
+    def _shapes(self, name: str, layer: Linear) -> ParamShapes:
+        n, k = layer.out_features, layer.in_features
+        groups, i32 = -(-k // self.group), torch.int32
+        if self.method == "gptq":
+            shapes: ParamShapes = {
+                "ckpt_qweight": ((k // PACK, n), i32),
+                "ckpt_g_idx": ((len(layer.output_sizes) * k,), i32),
+            }
+        else:
+            shapes = {"ckpt_qweight": ((k, n // PACK), i32)}
+        shapes["ckpt_qzeros"] = ((groups, n // PACK), i32)
+        shapes["ckpt_scales"] = ((groups, n), torch.float16)
+        return shapes
 
     def _slots(self, layer: Linear, dense: Slots) -> Slots:
         result: Slots = {}
