@@ -13,14 +13,11 @@ patterns). The schemes read here, each by the method that serves it:
   fine), or 16-bit (served W8A8 all the same, said at start-up). Tensors: ``weight``
   (e4m3 ``[N, K]``) and ``weight_scale`` (``[1]``, ``[N, 1]`` or ``[N / bn, K / bk]``).
 - ``int4``: int 4-bit weights in groups (``pack-quantized``), 16-bit activations,
-  symmetric or with zero points. ``weight_packed [N, K / 8]`` int32 holds eight values
-  a word, column ``8 c + j`` in nibble ``j``, each stored plus 8 (``q`` in -8..7 as
-  0..15): exactly the transpose of ``int4``'s ``[K / 8, N]`` words, so the words load
-  as they are into its row-major ``[N, K / 8]`` storage. ``weight_scale [N, K / g]``;
-  ``weight_zero_point`` (asymmetric only) ``[N / 8, K / g]``, packed along the outputs
-  the same way and plus 8; symmetric means a zero point of 8 in int4's unsigned codes.
+  symmetric or with zero points; read by ``int4_checkpoints.PackedInt4Checkpoint``,
+  beside int4's other readers (its words load as they are).
 - ``int8``: int 8-bit weights, one symmetric scale per output channel, activations
-  16-bit or quantized (served W8A16: the activations stay 16-bit, said at start-up):
+  16-bit or quantized (served W8A16: the activations stay 16-bit, said at start-up);
+  read by ``Int8Checkpoint`` below (int8 has no other checkpoint format):
   ``weight_packed [N, K / 4]`` (``pack-quantized``, four bytes a word, each plus 128)
   or ``weight`` int8 ``[N, K]`` (``int-quantized`` / ``naive-quantized``), and
   ``weight_scale [N, 1]``.
@@ -48,13 +45,11 @@ from tokenloom.plugins.models.layers import Linear, Slots, WeightSlot
 from tokenloom.plugins.quant.common import (
     ParamShapes,
     block_slot,
-    input_slot,
     is_skipped,
     prepare_checkpoint_layers,
     row_slot,
     weight_parts,
 )
-from tokenloom.plugins.quant.int4 import PACK, pack_int4, unpack_int4
 
 log = logging.getLogger(__name__)
 
@@ -268,82 +263,6 @@ def skip_kv_scales(model: nn.Module) -> None:
     model.ignores_checkpoint_tensor = ignores  # type: ignore[method-assign]
 
 
-class PackedInt4Checkpoint:
-    """A compressed-tensors W4A16 checkpoint, read into the ``int4`` layout; the
-    interface of ``int4_checkpoints.Int4Checkpoint`` (``group``, ``prepare``,
-    ``convert``)."""
-
-    def __init__(self, scheme: Scheme) -> None:
-        assert scheme.group is not None
-        if scheme.group % PACK:
-            raise ValueError(f"--quant int4: group size {scheme.group} (a multiple of 8)")
-        self.scheme = scheme
-        self.group = scheme.group
-
-    def prepare(self, model: nn.Module) -> set[str]:
-        """Every quantized layer's checkpoint-layout parameters and slots; returns their
-        module names."""
-        return prepare_checkpoint_layers(model, self.scheme.ignores, self._shapes, self._slots)
-
-    def _shapes(self, name: str, layer: Linear) -> ParamShapes:
-        n, k = layer.out_features, layer.in_features
-        if k % PACK or any(size % PACK for size in layer.output_sizes):
-            raise ValueError(f"{name}: {n} x {k} does not pack into whole words")
-        groups, parts = -(-k // self.group), len(layer.output_sizes)
-        shapes = {
-            "ckpt_packed": ((n, k // PACK), torch.int32),
-            "ckpt_scales": ((n, groups), torch.float32),
-            "ckpt_shape": ((2 * parts,), torch.int64),
-        }
-        if not self.scheme.symmetric:
-            shapes["ckpt_zeros"] = ((n // PACK, groups), torch.int32)
-        if self.scheme.act_order:
-            shapes["ckpt_g_idx"] = ((parts * k,), torch.int32)
-        return shapes
-
-    def _slots(self, layer: Linear, dense: Slots) -> Slots:
-        result: Slots = {}
-        for prefix, part, slot in weight_parts(dense, result):
-            result[f"{prefix}.weight_packed"] = block_slot(layer.ckpt_packed, slot, (1, PACK))
-            result[f"{prefix}.weight_scale"] = block_slot(layer.ckpt_scales, slot, (1, self.group))
-            if not self.scheme.symmetric:
-                result[f"{prefix}.weight_zero_point"] = block_slot(
-                    layer.ckpt_zeros, slot, (PACK, self.group)
-                )
-            if self.scheme.act_order:  # one group index an input
-                g_idx = input_slot(layer.ckpt_g_idx, slot, part, layer.in_features)
-                result[f"{prefix}.weight_g_idx"] = g_idx
-            # the full tensor's [N, K], whatever this rank's shard: read, not needed
-            result[f"{prefix}.weight_shape"] = WeightSlot(layer.ckpt_shape, 2 * part, 2 * part + 2)
-        return result
-
-    def convert(
-        self, layer: Linear
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The layer's loaded tensors as ``int4``'s ``(qweight [K / 8, N], scales [G, N],
-        zeros [G, N])``; frees the checkpoint-layout ones. ``qweight`` is the transposed
-        view of the stored ``[N, K / 8]`` words (``int4_kernel`` keeps or copies it)."""
-        qweight = layer.ckpt_packed.data.t()
-        scales = layer.ckpt_scales.data.t().contiguous()
-        if self.scheme.symmetric:
-            zeros = torch.full_like(scales, 8)
-        else:
-            zeros = unpack_int4(layer.ckpt_zeros.data).t().float().contiguous()  # [G, N]
-            del layer.ckpt_zeros
-        perm = None
-        if self.scheme.act_order:
-            from tokenloom.plugins.quant.int4_checkpoints import act_order
-
-            g_idx = layer.ckpt_g_idx.data.view(-1, layer.in_features)
-            perm = act_order(g_idx, self.group, layer)
-            if perm is not None:  # the words' columns in the gathered order
-                q = unpack_int4(qweight.contiguous()).index_select(0, perm)
-                qweight = pack_int4(q).t().contiguous().t()  # [N, K / 8] storage again
-            del layer.ckpt_g_idx
-        del layer.ckpt_packed, layer.ckpt_scales, layer.ckpt_shape
-        return qweight, scales, zeros, perm
-
-
 class Int8Checkpoint:
     """A compressed-tensors checkpoint of int8 weights per output channel, read into the
     ``int8`` layout: ``weight_packed [N, K / 4]`` (``pack-quantized``: four bytes a word,
@@ -404,7 +323,6 @@ class Int8Checkpoint:
 __all__ = [
     "FORMAT",
     "Int8Checkpoint",
-    "PackedInt4Checkpoint",
     "Scheme",
     "is_compressed_tensors",
     "require",

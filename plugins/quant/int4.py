@@ -250,10 +250,10 @@ class Int4Quant(WeightQuantMethod):
                     self.gguf = blocks
             return
         from tokenloom.plugins.quant import compressed_tensors as ct
-        from tokenloom.plugins.quant.int4_checkpoints import Int4Checkpoint
+        from tokenloom.plugins.quant.int4_checkpoints import Int4Checkpoint, PackedInt4Checkpoint
 
         if ct.is_compressed_tensors(qc):
-            self.checkpoint = ct.PackedInt4Checkpoint(ct.require(qc, "int4", model))
+            self.checkpoint = PackedInt4Checkpoint(ct.require(qc, "int4", model))
         else:
             self.checkpoint = Int4Checkpoint.from_config(qc)
         self.group = self.checkpoint.group

@@ -1,4 +1,5 @@
-"""AWQ and GPTQ 4-bit checkpoints, read into the ``int4`` layout.
+"""4-bit checkpoints, read into the ``int4`` layout: AWQ and GPTQ (``Int4Checkpoint``),
+and compressed-tensors' W4A16 (``PackedInt4Checkpoint``).
 
 Both store, per projection, ``qweight`` (int32 words of eight 4-bit values),
 ``qzeros`` (the zero points, packed the same way along the outputs) and ``scales``
@@ -22,7 +23,7 @@ refused on a shard of the inputs (tensor-parallel row-parallel layers).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ from torch import nn
 from tokenloom.plugins.models.layers import Linear, Slots, WeightSlot
 from tokenloom.plugins.quant.common import (
     ParamShapes,
+    block_slot,
     group_order,
     input_slot,
     is_skipped,
@@ -37,6 +39,9 @@ from tokenloom.plugins.quant.common import (
     weight_parts,
 )
 from tokenloom.plugins.quant.int4 import PACK, pack_int4, unpack_int4
+
+if TYPE_CHECKING:
+    from tokenloom.plugins.quant.compressed_tensors import Scheme
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's nibble j holds output column AWQ_ORDER[j]
 
@@ -168,6 +173,86 @@ class Int4Checkpoint:
         return qweight.contiguous(), scales, zeros, perm
 
 
+class PackedInt4Checkpoint:
+    """A compressed-tensors W4A16 checkpoint (``pack-quantized`` int 4-bit groups; the
+    scheme parsed by ``compressed_tensors.Scheme``), read into the ``int4`` layout; the
+    interface of ``Int4Checkpoint`` (``group``, ``prepare``, ``convert``).
+
+    ``weight_packed [N, K / 8]`` int32 holds eight values a word, column ``8 c + j`` in
+    nibble ``j``, each stored plus 8: exactly the transpose of ``int4``'s ``[K / 8, N]``
+    words, so the words load as they are into its row-major ``[N, K / 8]`` storage.
+    ``weight_scale [N, K / g]``; ``weight_zero_point`` (asymmetric only) ``[N / 8, K / g]``,
+    packed along the outputs the same way and plus 8; symmetric means a zero point of 8."""
+
+    def __init__(self, scheme: Scheme) -> None:
+        assert scheme.group is not None
+        if scheme.group % PACK:
+            raise ValueError(f"--quant int4: group size {scheme.group} (a multiple of 8)")
+        self.scheme = scheme
+        self.group = scheme.group
+
+    def prepare(self, model: nn.Module) -> set[str]:
+        """Every quantized layer's checkpoint-layout parameters and slots; returns their
+        module names."""
+        return prepare_checkpoint_layers(model, self.scheme.ignores, self._shapes, self._slots)
+
+    def _shapes(self, name: str, layer: Linear) -> ParamShapes:
+        n, k = layer.out_features, layer.in_features
+        if k % PACK or any(size % PACK for size in layer.output_sizes):
+            raise ValueError(f"{name}: {n} x {k} does not pack into whole words")
+        groups, parts = -(-k // self.group), len(layer.output_sizes)
+        shapes = {
+            "ckpt_packed": ((n, k // PACK), torch.int32),
+            "ckpt_scales": ((n, groups), torch.float32),
+            "ckpt_shape": ((2 * parts,), torch.int64),
+        }
+        if not self.scheme.symmetric:
+            shapes["ckpt_zeros"] = ((n // PACK, groups), torch.int32)
+        if self.scheme.act_order:
+            shapes["ckpt_g_idx"] = ((parts * k,), torch.int32)
+        return shapes
+
+    def _slots(self, layer: Linear, dense: Slots) -> Slots:
+        result: Slots = {}
+        for prefix, part, slot in weight_parts(dense, result):
+            result[f"{prefix}.weight_packed"] = block_slot(layer.ckpt_packed, slot, (1, PACK))
+            result[f"{prefix}.weight_scale"] = block_slot(layer.ckpt_scales, slot, (1, self.group))
+            if not self.scheme.symmetric:
+                result[f"{prefix}.weight_zero_point"] = block_slot(
+                    layer.ckpt_zeros, slot, (PACK, self.group)
+                )
+            if self.scheme.act_order:  # one group index an input
+                g_idx = input_slot(layer.ckpt_g_idx, slot, part, layer.in_features)
+                result[f"{prefix}.weight_g_idx"] = g_idx
+            # the full tensor's [N, K], whatever this rank's shard: read, not needed
+            result[f"{prefix}.weight_shape"] = WeightSlot(layer.ckpt_shape, 2 * part, 2 * part + 2)
+        return result
+
+    def convert(
+        self, layer: Linear
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The layer's loaded tensors as ``int4``'s ``(qweight [K / 8, N], scales [G, N],
+        zeros [G, N])``; frees the checkpoint-layout ones. ``qweight`` is the transposed
+        view of the stored ``[N, K / 8]`` words (``int4_kernel`` keeps or copies it)."""
+        qweight = layer.ckpt_packed.data.t()
+        scales = layer.ckpt_scales.data.t().contiguous()
+        if self.scheme.symmetric:
+            zeros = torch.full_like(scales, 8)
+        else:
+            zeros = unpack_int4(layer.ckpt_zeros.data).t().float().contiguous()  # [G, N]
+            del layer.ckpt_zeros
+        perm = None
+        if self.scheme.act_order:
+            g_idx = layer.ckpt_g_idx.data.view(-1, layer.in_features)
+            perm = act_order(g_idx, self.group, layer)
+            if perm is not None:  # the words' columns in the gathered order
+                q = unpack_int4(qweight.contiguous()).index_select(0, perm)
+                qweight = pack_int4(q).t().contiguous().t()  # [N, K / 8] storage again
+            del layer.ckpt_g_idx
+        del layer.ckpt_packed, layer.ckpt_scales, layer.ckpt_shape
+        return qweight, scales, zeros, perm
+
+
 def act_order(g_idx: torch.Tensor, group: int, layer: Linear) -> torch.Tensor | None:
     """The input order of an act-order layer (``g_idx [parts, K]``, one row per merged
     part, which must agree: the parts share their input), None for groups in order. A
@@ -187,4 +272,11 @@ def act_order(g_idx: torch.Tensor, group: int, layer: Linear) -> torch.Tensor | 
     return group_order(g_idx[0], group, "--quant int4")
 
 
-__all__ = ["AWQ_ORDER", "ColumnSlot", "Int4Checkpoint", "unpack_columns", "unpack_int4"]
+__all__ = [
+    "AWQ_ORDER",
+    "ColumnSlot",
+    "Int4Checkpoint",
+    "PackedInt4Checkpoint",
+    "unpack_columns",
+    "unpack_int4",
+]

@@ -54,6 +54,7 @@
 #           t44n did not reach
 #   ao45    session 45: the act-order gather's cost at one row (scripts/gpu/act_order_bench.py)
 #   t47     session 45: test_checkpoints.py on the GPU (compressed-tensors among them)
+#   auto46  session 46: on an H200 wide42, freshw42, ao45; elsewhere ao45, t47
 #   t46     t45's three failures (fixed in the tests), test_spec_gpu.py, test_checkpoints.py
 #   ba44l / ba44t: bench latency / throughput, int4 and int8, before (.snap) / after (session
 #           43's weight_gemm fallback tilings; the served groups' tilings unchanged)
@@ -168,6 +169,13 @@ if [ "${1:-}" = auto43 ]; then  # session 43 on whichever GPU comes: the weight 
   export LOGS=/tmp/benchlogs; mkdir -p "$LOGS"
   set -- t44 t44m
   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && set -- t44 wide42 freshw42
+fi
+if [ "${1:-}" = auto46 ]; then  # session 46 on whichever GPU comes: on an H200 the issue's
+  # workload (default, fresh prefill), then the act-order gather; elsewhere the gather and
+  # the pre-quantized checkpoints' GPU tests (their readers now share one loop)
+  export LOGS=/tmp/benchlogs; mkdir -p "$LOGS"
+  set -- ao45 t47
+  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && set -- wide42 freshw42 ao45
 fi
 for step in "$@"; do
   echo "[$(date +%T)] === $step"
