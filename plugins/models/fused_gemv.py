@@ -42,7 +42,7 @@ import triton.language as tl
 from tokenloom.plugins.models import fused_ops
 from tokenloom.plugins.models.layers import Linear, RMSNorm, silu_and_mul
 from tokenloom.plugins.models.pdl import launch_options, release, wait
-from tokenloom.protocols.components.quant import Fp8Rows, QkvRope
+from tokenloom.protocols.components.quant import Fp8Rows, PermutedRows, QkvRope
 
 FUSED_VERSION = 1  # part of its tuning key: bump when the kernel or its configs change
 # (BLOCK_N, BLOCK_K, num_warps): wider tiles than the plain GEMV's, to amortize the row
@@ -176,21 +176,28 @@ def norm_and_project(
     residual: torch.Tensor | None,
     silu: bool = False,
     then: Linear | None = None,
-) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
+) -> tuple[torch.Tensor | Fp8Rows | PermutedRows, torch.Tensor]:
     """``(linear(norm(hidden + residual)), hidden + residual)``: the residual stream's
     next value and the projection of its norm (with ``silu``, SiLU-and-mul of the
     merged gate/up projection). A None residual: the stream starts at ``hidden``.
     One kernel where the layer's one-row GEMV takes the norm (``Linear.fuses_norm``),
     else the norm, the projection and SiLU in turn. The norm comes quantized per token
     where ``linear`` takes such rows (``Linear.takes_fp8_rows``), and so does SiLU's
-    result where ``then`` (the layer it feeds) does: then the first value is ``Fp8Rows``."""
+    result where ``then`` (the layer it feeds) does: then the first value is ``Fp8Rows``.
+    Where ``linear`` keeps its inputs in another order (``Linear.input_order``: act-order
+    weights) the norm stores its columns so (and SiLU for ``then`` likewise:
+    ``PermutedRows``), in place of a gather before the projection."""
     if linear.fuses_norm(hidden):
         assert linear.fused is not None
         return norm_gemv(
             hidden, residual, norm.weight, norm.eps, linear.weight, linear.fused, linear.bias, silu
         )
-    normed: torch.Tensor | Fp8Rows
-    if hidden.dim() == 2 and linear.takes_fp8_rows(hidden):
+    normed: torch.Tensor | Fp8Rows | PermutedRows
+    order = linear.input_order
+    if order is not None:  # the norm stores its columns in the kernel's input order
+        gathered, residual = add_norm(norm, hidden, residual, order)
+        normed = PermutedRows(gathered)
+    elif hidden.dim() == 2 and linear.takes_fp8_rows(hidden):
         normed, residual = norm.add_and_norm_fp8(hidden, residual)
     else:
         normed, residual = add_norm(norm, hidden, residual)
@@ -198,13 +205,16 @@ def norm_and_project(
 
 
 def add_norm(
-    norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor | None
+    norm: RMSNorm,
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    order: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norm(hidden + residual), hidden + residual)``; a None residual: the stream starts
-    at ``hidden``."""
+    at ``hidden``. With ``order`` the norm's columns come gathered (``RMSNorm.forward``)."""
     if residual is None:
-        return norm(hidden), hidden
-    return norm.add_and_norm(hidden, residual)
+        return norm(hidden, order), hidden
+    return norm.add_and_norm(hidden, residual, order)
 
 
 def project_rope(linear: Linear, x: torch.Tensor, rope: QkvRope) -> torch.Tensor | None:
@@ -217,12 +227,14 @@ def project_rope(linear: Linear, x: torch.Tensor, rope: QkvRope) -> torch.Tensor
 
 
 def project_silu(
-    linear: Linear, x: torch.Tensor | Fp8Rows, then: Linear | None = None
-) -> torch.Tensor | Fp8Rows:
+    linear: Linear, x: torch.Tensor | Fp8Rows | PermutedRows, then: Linear | None = None
+) -> torch.Tensor | Fp8Rows | PermutedRows:
     """``silu_and_mul(linear(x))`` for a merged gate/up projection: inside the quantized
     kernel's matmul where it offers that (``LinearKernel.apply_silu_and_mul``). Where
     ``then`` takes the result's rows quantized per token (``Linear.takes_fp8_rows``),
-    SiLU-and-mul quantizes them in its kernel and returns ``Fp8Rows``."""
+    SiLU-and-mul quantizes them in its kernel and returns ``Fp8Rows``; where ``then``
+    keeps its inputs in another order (``Linear.input_order``), it stores them so and
+    returns ``PermutedRows``."""
     halves = len(linear.output_sizes) == 2 and linear.output_sizes[0] == linear.output_sizes[1]
     if (
         isinstance(x, torch.Tensor)
@@ -234,6 +246,8 @@ def project_silu(
         if y is not None:
             return y
     gate_up = linear(x)
+    if then is not None and then.input_order is not None:
+        return PermutedRows(silu_and_mul(gate_up, then.input_order))
     if (
         then is not None
         and gate_up.dim() == 2

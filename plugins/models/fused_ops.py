@@ -37,11 +37,13 @@ def _add_rms_norm_kernel(
     n_cols,
     eps,
     s_ptr,
+    order_ptr,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
     EARLY: tl.constexpr,
     FP8: tl.constexpr = False,
+    ORDER: tl.constexpr = False,
 ):
     # The next kernel (a projection: it reads only its weights before its wait) may start
     # at once: at batch 1 its weight tiles then stream during the tail of the GEMV before
@@ -52,6 +54,9 @@ def _add_rms_norm_kernel(
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait
+    if ORDER:  # the output in the next projection's input order: column j is offs[j]'s
+        at = tl.load(order_ptr + offs, mask=mask, other=0)
+        w_at = tl.load(w_ptr + at, mask=mask, other=0.0).to(tl.float32)
     wait(USE_PDL)
     if not EARLY:
         release(USE_PDL)
@@ -62,6 +67,13 @@ def _add_rms_norm_kernel(
         tl.store(res_out_ptr + row * n_cols + offs, x, mask=mask)
     xf = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    if ORDER:  # the same sums at the gathered columns (the same bits as gathering y)
+        x = tl.load(x_ptr + row * stride_x + at, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + row * stride_r + at, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        xf = x.to(tl.float32)
+        w = w_at
     normed = (xf * inv).to(res_out_ptr.dtype.element_ty).to(tl.float32)
     y = (normed * w).to(res_out_ptr.dtype.element_ty)
     if FP8:  # the next projection's per-token e4m3 rows (out_ptr e4m3, s_ptr a scale a row)
@@ -88,13 +100,17 @@ def add_rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,  # [T, N]
     fp8: bool = False,
+    order: torch.Tensor | None = None,  # [N] int64
 ) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
     """``(norm(x + residual), x + residual)``; without a residual, ``(norm(x), x)``.
     With ``fp8`` the norm comes as ``Fp8Rows``: the 16-bit result quantized per token in
     the same kernel, bit for bit what ``per_token_fp8`` makes of it (for an fp8
-    projection next, ``LinearKernel.takes_fp8_rows``).
+    projection next, ``LinearKernel.takes_fp8_rows``). With ``order`` the norm's columns
+    come gathered, ``norm(...)[:, order]`` bit for bit (for a projection whose weights
+    keep their inputs in that order, ``LinearKernel.input_order``; not with ``fp8``).
     Under PDL the kernel lets the next one start at once (``pdl.release_early``);
     ``TOKENLOOM_NORM_EARLY_RELEASE=0`` (read at each call) releases after the wait."""
+    assert not (fp8 and order is not None), "fp8 rows come in order"
     rows, cols = x.shape
     out = torch.empty((rows, cols), dtype=FP8_E4M3 if fp8 else x.dtype, device=x.device)
     scales = torch.empty((rows, 1), dtype=torch.float32, device=x.device) if fp8 else out
@@ -114,11 +130,13 @@ def add_rms_norm(
             cols,
             eps,
             scales,
+            order if order is not None else x,
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
             num_warps=min(16, max(1, block // 256)),
             EARLY=os.environ.get("TOKENLOOM_NORM_EARLY_RELEASE", "1") == "1",
             FP8=fp8,
+            ORDER=order is not None,
             **launch_options(x.device),
         )
     return (Fp8Rows(out, scales, x.dtype) if fp8 else out), summed
@@ -126,15 +144,27 @@ def add_rms_norm(
 
 @triton.jit
 def _silu_and_mul_kernel(
-    in_ptr, out_ptr, stride_in, n_cols, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+    in_ptr,
+    out_ptr,
+    order_ptr,
+    stride_in,
+    n_cols,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    ORDER: tl.constexpr = False,
 ):
+    if ORDER:  # column j of the output is column order[j]'s (read before the wait)
+        first = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        at = tl.load(order_ptr + first, mask=first < n_cols, other=0)
     wait(USE_PDL)
     release(USE_PDL)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
-    gate = tl.load(in_ptr + row * stride_in + offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(in_ptr + row * stride_in + n_cols + offs, mask=mask, other=0.0)
+    if not ORDER:
+        at = offs
+    gate = tl.load(in_ptr + row * stride_in + at, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(in_ptr + row * stride_in + n_cols + at, mask=mask, other=0.0)
     act = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(
         out_ptr + row * n_cols + offs,
@@ -143,7 +173,13 @@ def _silu_and_mul_kernel(
     )
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+def silu_and_mul(
+    gate_up: torch.Tensor,  # [T, 2I]
+    order: torch.Tensor | None = None,  # [I] int64
+) -> torch.Tensor:
+    """``silu(gate) * up`` ``[T, I]``; with ``order`` its columns gathered,
+    ``(silu(gate) * up)[:, order]`` (for a projection whose weights keep their inputs in
+    that order, ``LinearKernel.input_order``)."""
     rows, width = gate_up.shape
     cols = width // 2
     out = torch.empty((rows, cols), dtype=gate_up.dtype, device=gate_up.device)
@@ -152,10 +188,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
         _silu_and_mul_kernel[(rows, triton.cdiv(cols, block))](
             gate_up,
             out,
+            order if order is not None else gate_up,
             gate_up.stride(0),
             cols,
             BLOCK=block,
             num_warps=4,
+            ORDER=order is not None,
             **launch_options(gate_up.device),
         )
     return out

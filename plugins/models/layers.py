@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenloom.plugins.models import parallel as parallel_state
+from tokenloom.protocols.components.quant import PermutedRows
 
 if TYPE_CHECKING:
     from tokenloom.protocols.components.quant import Fp8Rows, LinearKernel
@@ -141,10 +142,14 @@ class Linear(nn.Module):
                 self.out_features, self.in_features, dtype=w.dtype, device=w.device
             )
 
-    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
-        """``x``: the input rows, or ``Fp8Rows`` where ``takes_fp8_rows`` said yes."""
+    def forward(self, x: torch.Tensor | Fp8Rows | PermutedRows) -> torch.Tensor:
+        """``x``: the input rows, ``Fp8Rows`` where ``takes_fp8_rows`` said yes, or
+        ``PermutedRows`` gathered into ``input_order``."""
         bias = None if self._reduce else self.bias
-        if not isinstance(x, torch.Tensor):
+        if isinstance(x, PermutedRows):
+            assert self.kernel is not None
+            y = self.kernel.apply_permuted(x.x, bias)
+        elif not isinstance(x, torch.Tensor):
             assert self.kernel is not None
             y = self.kernel.apply_fp8_rows(x, bias)
         elif self.kernel is not None:
@@ -164,6 +169,12 @@ class Linear(nn.Module):
             if self.bias is not None:
                 y = y + self.bias
         return y
+
+    @property
+    def input_order(self) -> torch.Tensor | None:
+        """The order in which the kernel's weights keep their inputs (None: as the model
+        computes them): the kernel before may store its rows so (``PermutedRows``)."""
+        return None if self.kernel is None else self.kernel.input_order
 
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:
         """Whether the kernel before may hand this layer ``x``'s rows quantized per token
@@ -297,29 +308,33 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
+        """``norm(x)``; with ``order`` its columns gathered, ``norm(x)[..., order]`` (for
+        a projection that keeps its inputs in that order: ``Linear.input_order``)."""
         if x.is_cuda and x.dim() == 2:
             from tokenloom.plugins.models import fused_ops
 
-            normed = fused_ops.add_rms_norm(x, self.weight, self.eps)[0]
+            normed = fused_ops.add_rms_norm(x, self.weight, self.eps, order=order)[0]
             assert isinstance(normed, torch.Tensor)
             return normed
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        y = self.weight * x32.to(x.dtype)
+        return y if order is None else y.index_select(-1, order)
 
     def add_and_norm(
-        self, x: torch.Tensor, residual: torch.Tensor
+        self, x: torch.Tensor, residual: torch.Tensor, order: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(x + residual), x + residual)``: the residual stream in one pass."""
+        """``(norm(x + residual), x + residual)``: the residual stream in one pass (the
+        norm's columns in ``order``, as ``forward``)."""
         if x.is_cuda:
             from tokenloom.plugins.models import fused_ops
 
-            normed, summed = fused_ops.add_rms_norm(x, self.weight, self.eps, residual)
+            normed, summed = fused_ops.add_rms_norm(x, self.weight, self.eps, residual, order=order)
             assert isinstance(normed, torch.Tensor)
             return normed, summed
         summed = x + residual
-        return self.forward(summed), summed
+        return self.forward(summed, order), summed
 
     def add_and_norm_fp8(
         self, x: torch.Tensor, residual: torch.Tensor | None
@@ -335,10 +350,12 @@ class RMSNorm(nn.Module):
         return normed, summed
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up``; with ``order`` its columns gathered (``fused_ops.silu_and_mul``)."""
     if gate_up.is_cuda:
         from tokenloom.plugins.models import fused_ops
 
-        return fused_ops.silu_and_mul(gate_up)
+        return fused_ops.silu_and_mul(gate_up, order)
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    y = F.silu(gate) * up
+    return y if order is None else y.index_select(-1, order)

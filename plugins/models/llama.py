@@ -208,7 +208,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(inter, (shape.hidden_size,), False, dtype, "row")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(project_silu(self.gate_up_proj, hidden))
+        return self.down_proj(project_silu(self.gate_up_proj, hidden, self.down_proj))
 
     def slots(self, prefix: str) -> Slots:
         result = self.gate_up_proj.slots([f"{prefix}.gate_proj", f"{prefix}.up_proj"])

@@ -294,15 +294,22 @@ class PermutedInputKernel(LinearKernel):
     ``y = inner(x[..., perm])``. Act-order GPTQ checkpoints (a ``g_idx`` that scatters
     each group over the inputs) load with each group's rows gathered together, so the
     kernels' contiguous groups hold them, and the activations are gathered the same
-    way at every call. None of the fused epilogues is offered (the gather would have to
-    run inside them): the layer runs ``apply``, then its SiLU or rope, as for any kernel."""
+    way: by ``apply`` (one ``index_select`` more a call), or by the kernel before, which
+    stores its rows in that order (``input_order``; the norm and SiLU-and-mul do:
+    ``fused_gemv.norm_and_project``), then ``apply_permuted``. None of the fused
+    epilogues is offered (the gather would have to run inside them): the layer runs its
+    SiLU or rope apart, as for any kernel."""
 
     def __init__(self, inner: LinearKernel, perm: torch.Tensor) -> None:
         self.inner = inner
-        self.perm = perm  # [K] int64: stored input channel i is the model's perm[i]
+        self.input_order = perm  # [K] int64: stored input channel i is the model's perm[i]
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self.inner.apply(x.index_select(-1, self.perm), bias)
+        assert self.input_order is not None
+        return self.inner.apply(x.index_select(-1, self.input_order), bias)
+
+    def apply_permuted(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.inner.apply(x, bias)
 
 
 def group_order(g_idx: torch.Tensor, group: int, name: str) -> torch.Tensor | None:

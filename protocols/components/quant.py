@@ -58,8 +58,28 @@ class Fp8Rows:
         return self.q.shape
 
 
+@dataclass(frozen=True)
+class PermutedRows:
+    """A projection's input already gathered into its kernel's input order
+    (``LinearKernel.input_order``) by the kernel that produced it (the norm, SiLU-and-mul:
+    ``plugins.models.fused_ops``), for ``LinearKernel.apply_permuted``: ``x`` holds the
+    rows the model computes, ``rows[..., input_order]``."""
+
+    x: torch.Tensor  # [T, K]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.x.shape
+
+
 class LinearKernel(ABC):
     """One linear layer's quantized weight and the matmul that reads it."""
+
+    # None, or ``[K]`` int64: the order in which this kernel's weights hold their input
+    # channels (an act-order checkpoint's groups gathered together). ``apply`` then
+    # gathers its input itself, one launch more; the kernel before may instead store its
+    # rows in this order (``PermutedRows``) and the layer calls ``apply_permuted``.
+    input_order: torch.Tensor | None = None
 
     @abstractmethod
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -99,6 +119,11 @@ class LinearKernel(ABC):
         """``apply`` on rows quantized per token (``Fp8Rows``), wherever ``takes_fp8_rows``
         said yes for such an input: the same result as ``apply`` on the 16-bit rows."""
         raise NotImplementedError(f"{type(self).__name__} takes no Fp8Rows")
+
+    def apply_permuted(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``apply`` on rows already in ``input_order`` (``x = rows[..., input_order]``):
+        the same result as ``apply`` on the rows themselves."""
+        raise NotImplementedError(f"{type(self).__name__} keeps its inputs in order")
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """The weight's rows ``ids`` (output channels) dequantized, ``[*ids.shape, in]``

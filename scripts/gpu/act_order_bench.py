@@ -1,8 +1,15 @@
-"""What act-order costs at decode (session 45): one Llama-3-8B layer's four int4
-projections at 1 row, each replayed in a CUDA graph, as stored (``Int4Kernel``) and
-behind the input gather of act-order checkpoints (``PermutedInputKernel``: one
-``index_select`` more a projection; the fused SiLU / rope epilogues are not part of
-either side here). Prints microseconds per layer and the share of a 32-layer step.
+"""What act-order costs at decode: one Llama-3-8B layer's int4 projections at 1 row,
+each with the kernel that feeds it, replayed in a CUDA graph. Three forms a chain:
+
+- ``plain``: weights in order (``Int4Kernel``), the norm or SiLU-and-mul as usual;
+- ``gather``: act-order weights, the input gathered by the kernel (``PermutedInputKernel
+  .apply``: one ``index_select`` more a projection; session 45's only form);
+- ``folded``: act-order weights, the norm / SiLU-and-mul storing their columns in the
+  weights' input order (``fused_ops``' ``order``, then ``apply_permuted``; session 46).
+  o_proj's input comes from the attention, so it has no folded form.
+
+The fused SiLU / rope / norm epilogues of the one-row GEMV are not part of any side.
+Prints microseconds per chain and the step's extra over 32 layers.
 
     PYTHONPATH=... python3 scripts/gpu/act_order_bench.py [--out FILE.json]
 """
@@ -14,11 +21,27 @@ import json
 
 import torch
 
+from tokenloom.plugins.models import fused_ops
 from tokenloom.plugins.models.cuda_timing import time_graph
 from tokenloom.plugins.quant.common import PermutedInputKernel
 from tokenloom.plugins.quant.int4 import Int4Kernel, quantize_int4
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+HIDDEN, INTER = 4096, 14336
+# projection: (N, K, what feeds it: "norm" | "silu" | "attention")
+SHAPES = {
+    "qkv": (6144, HIDDEN, "norm"),
+    "o": (HIDDEN, HIDDEN, "attention"),
+    "gate_up": (2 * INTER, HIDDEN, "norm"),
+    "down": (HIDDEN, INTER, "silu"),
+}
+
+
+def kernels(n: int, k: int) -> tuple[Int4Kernel, PermutedInputKernel]:
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    qweight, scales, zeros = quantize_int4(w, 128)
+    qweight = qweight.t().contiguous().t()  # the row-major storage int4_kernel picks
+    kernel = Int4Kernel(qweight, scales, zeros, 128)
+    return kernel, PermutedInputKernel(kernel, torch.randperm(k, device="cuda"))
 
 
 def main() -> None:
@@ -26,26 +49,56 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     torch.manual_seed(0)
+    bf16 = {"device": "cuda", "dtype": torch.bfloat16}
+    hidden, residual = torch.randn(1, HIDDEN, **bf16), torch.randn(1, HIDDEN, **bf16)
+    norm_w = torch.rand(HIDDEN, **bf16) + 0.5
+    gate_up = torch.randn(1, 2 * INTER, **bf16)
+    attn_out = torch.randn(1, HIDDEN, **bf16)
     rows = []
-    for name, (n, k) in SHAPES.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        qweight, scales, zeros = quantize_int4(w, 128)
-        qweight = qweight.t().contiguous().t()  # the row-major storage int4_kernel picks
-        kernel = Int4Kernel(qweight, scales, zeros, 128)
-        permuted = PermutedInputKernel(kernel, torch.randperm(k, device="cuda"))
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        plain = time_graph(lambda kern=kernel, v=x: kern.apply(v, None), 200, 7)
-        gathered = time_graph(lambda kern=permuted, v=x: kern.apply(v, None), 200, 7)
-        rows.append(
-            {"projection": name, "n": n, "k": k, "plain_us": plain, "act_order_us": gathered}
+    for name, (n, k, feed) in SHAPES.items():
+        plain, act = kernels(n, k)
+        order = act.input_order
+        assert order is not None
+
+        def before(o: torch.Tensor | None = None, f: str = feed) -> torch.Tensor:
+            if f == "norm":
+                y = fused_ops.add_rms_norm(hidden, norm_w, 1e-5, residual, order=o)[0]
+            elif f == "silu":
+                y = fused_ops.silu_and_mul(gate_up, o)
+            else:
+                y = attn_out
+            assert isinstance(y, torch.Tensor)
+            return y
+
+        row = {
+            "projection": name,
+            "n": n,
+            "k": k,
+            "fed_by": feed,
+            "plain_us": time_graph(lambda p=plain: p.apply(before(), None), 200, 7),
+            "gather_us": time_graph(lambda a=act: a.apply(before(), None), 200, 7),
+        }
+        if feed != "attention":
+            row["folded_us"] = time_graph(
+                lambda a=act, o=order: a.apply_permuted(before(o), None), 200, 7
+            )
+            # the folded chain computes what the gathered one does, bit for bit
+            assert torch.equal(act.apply_permuted(before(order), None), act.apply(before(), None))
+        rows.append(row)
+        folded = f"  folded {row['folded_us']:7.2f} us" if "folded_us" in row else ""
+        print(
+            f"{name:8s} {n:6d} x {k:6d} after {feed:9s} plain {row['plain_us']:7.2f} us"
+            f"  gather {row['gather_us']:7.2f} us{folded}"
         )
-        print(f"{name:8s} {n:6d} x {k:6d}  plain {plain:7.2f} us  act-order {gathered:7.2f} us")
-    extra = sum(r["act_order_us"] - r["plain_us"] for r in rows)
-    print(f"per layer: +{extra:.2f} us; 32 layers: +{32 * extra / 1000:.3f} ms a decode step")
+    gather = sum(r["gather_us"] - r["plain_us"] for r in rows)
+    folded = sum(r.get("folded_us", r["gather_us"]) - r["plain_us"] for r in rows)
+    print(f"per layer over plain: gather +{gather:.2f} us, folded +{folded:.2f} us; 32 layers: "
+          f"+{32 * gather / 1000:.3f} / +{32 * folded / 1000:.3f} ms a decode step")  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows,
-                       "extra_us_per_layer": extra}, f, indent=1)  # fmt: skip
+                       "extra_us_per_layer": {"gather": gather, "folded": folded}},
+                      f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":

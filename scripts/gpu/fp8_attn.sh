@@ -55,6 +55,9 @@
 #   ao45    session 45: the act-order gather's cost at one row (scripts/gpu/act_order_bench.py)
 #   t47     session 45: test_checkpoints.py on the GPU (compressed-tensors among them)
 #   auto46  session 46: on an H200 wide42, freshw42, ao45; elsewhere ao45, t47
+#   auto46b session 46's act-order fold: ao45 (now the chains: plain, gather, folded), t48
+#           (its GPU tests), ba46l (bench latency bf16 / int4 before / after); ba46t the
+#           default workload's bench throughput before / after (QS, default bf16)
 #   t46     t45's three failures (fixed in the tests), test_spec_gpu.py, test_checkpoints.py
 #   ba44l / ba44t: bench latency / throughput, int4 and int8, before (.snap) / after (session
 #           43's weight_gemm fallback tilings; the served groups' tilings unchanged)
@@ -177,6 +180,12 @@ if [ "${1:-}" = auto46 ]; then  # session 46 on whichever GPU comes: on an H200 
   set -- ao45 t47
   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && set -- wide42 freshw42 ao45
 fi
+if [ "${1:-}" = auto46b ]; then  # session 46's act-order fold (the norm and SiLU-and-mul store
+  # their columns in the weights' input order): its chains timed, its GPU tests, and bench
+  # latency before / after (bf16, int4: both run the norm kernel, whose default is unchanged)
+  export LOGS=/tmp/benchlogs; mkdir -p "$LOGS"
+  set -- ao45 t48 ba46l
+fi
 for step in "$@"; do
   echo "[$(date +%T)] === $step"
   case $step in
@@ -196,6 +205,23 @@ for step in "$@"; do
       grep -cE " PASSED" "$OUT/a-t44n.log"; tail -1 "$OUT/a-t44n.log" ;;
     ao45)  # session 45: what the act-order input gather costs at one row (4 projections)
       py after scripts/gpu/act_order_bench.py --out "$OUT/ao45.json" ;;
+    t48)  # session 46: the fused norm / SiLU-and-mul kernels in an input order (bf16 on the
+      # GPU), and the act-order checkpoints end to end (the fold taken, tokens as the twin)
+      timeout ${T48:-240} env PYTHONPATH=/tmp/after:/tmp/site python3 -m pytest -q -rfs \
+        -p no:cacheprovider tests/plugins/models/test_fused_ops.py \
+        tests/plugins/quant/test_checkpoints.py -k "fused or act or silu or norm" \
+        > "$OUT/a-t48.log" 2>&1
+      echo "t48 rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/a-t48.log" | head -8; tail -1 "$OUT/a-t48.log" ;;
+    ba46l)  # bench latency before (.snap/before.tar, acd161c) / after, bf16 and int4
+      for q in ${QS:-none int4}; do
+        bench latency $q-before before $q
+        bench latency $q-after after $q
+      done ;;
+    ba46t)  # bench throughput (the default workload) before / after, bf16 (QS)
+      for q in ${QS:-none}; do
+        bench throughput $q-before before $q
+        bench throughput $q-after after $q
+      done ;;
     t47)  # session 45: the pre-quantized checkpoints' tests on the GPU (compressed-tensors
       # fp8 / int4 / int8 among them: int4's words load as the row-major storage as they are)
       timeout ${T47:-300} env PYTHONPATH=/tmp/after:/tmp/site python3 -m pytest -q -rfs \

@@ -49,6 +49,45 @@ def test_silu_and_mul_equals_torch(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_in_an_input_order_is_the_norm_gathered_bit_for_bit(dtype, with_residual):
+    # act-order weights keep their inputs permuted: the norm stores its columns so, the
+    # same bits as gathering its output (and the residual stream stays in order)
+    torch.manual_seed(3)
+    x = torch.randn(4, 40, dtype=dtype, device=DEVICE)
+    residual = torch.randn(4, 40, dtype=dtype, device=DEVICE) if with_residual else None
+    weight = _norm(40, dtype).weight.data.to(DEVICE)
+    order = torch.randperm(40, device=DEVICE)
+    plain, plain_sum = fused_ops.add_rms_norm(x, weight, 1e-6, residual)
+    gathered, summed = fused_ops.add_rms_norm(x, weight, 1e-6, residual, order=order)
+    assert isinstance(plain, torch.Tensor) and isinstance(gathered, torch.Tensor)
+    assert torch.equal(gathered, plain[:, order])
+    assert not torch.equal(gathered, plain)
+    assert torch.equal(summed, plain_sum)
+    # the torch layer (the CPU path) gathers the same columns
+    norm = _norm(40, dtype)
+    norm.weight.data = weight.cpu()
+    reference = norm(x.cpu() + residual.cpu() if residual is not None else x.cpu())
+    torch.testing.assert_close(
+        norm(x.cpu() + residual.cpu() if residual is not None else x.cpu(), order.cpu()),
+        reference[:, order.cpu()],
+        rtol=0,
+        atol=0,
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_in_an_input_order_is_its_result_gathered_bit_for_bit(dtype):
+    torch.manual_seed(4)
+    gate_up = torch.randn(3, 2 * 1500, dtype=dtype, device=DEVICE)  # two column blocks
+    order = torch.randperm(1500, device=DEVICE)
+    plain = fused_ops.silu_and_mul(gate_up)
+    gathered = fused_ops.silu_and_mul(gate_up, order)
+    assert torch.equal(gathered, plain[:, order])
+    assert not torch.equal(gathered, plain)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_norm", [False, True])
 def test_qk_norm_rope_in_place_equals_norm_then_rotary(dtype, with_norm):
     torch.manual_seed(2)

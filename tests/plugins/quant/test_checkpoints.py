@@ -93,7 +93,9 @@ def test_fp8_checkpoint_loads_its_weights_and_per_tensor_scales(tiny, tmp_path, 
         ("ct-act", []),
     ],
 )
-def test_int4_checkpoint_generates_as_its_dense_twin(method, skipped, tiny, tmp_path, allocations):
+def test_int4_checkpoint_generates_as_its_dense_twin(
+    method, skipped, tiny, tmp_path, allocations, monkeypatch
+):
     group = 32  # the tiny model's K (64, 128) holds several groups
     dequantized: dict[str, torch.Tensor] = {}
     convert = int4_convert(method, group, skipped, dequantized)
@@ -103,13 +105,39 @@ def test_int4_checkpoint_generates_as_its_dense_twin(method, skipped, tiny, tmp_
     if method.endswith("-act"):  # the groups gathered, the inputs gathered at each call
         from tokenloom.plugins.quant.common import PermutedInputKernel
 
+        gathered: set[int] = set()  # the kernels whose apply gathered its input
+        in_order: set[int] = set()  # those handed rows already in their input order
+        apply, permuted = PermutedInputKernel.apply, PermutedInputKernel.apply_permuted
+
+        def spy_apply(self, x, bias):
+            gathered.add(id(self))
+            return apply(self, x, bias)
+
+        def spy_permuted(self, x, bias):
+            in_order.add(id(self))
+            return permuted(self, x, bias)
+
+        monkeypatch.setattr(PermutedInputKernel, "apply", spy_apply)
+        monkeypatch.setattr(PermutedInputKernel, "apply_permuted", spy_permuted)
         llm = LLM(str(quantized), dtype="float32", quant="int4")
         try:
-            down = llm.engine.executor.model.model.layers[0].mlp.down_proj
+            layer = llm.engine.executor.model.model.layers[0]
+            attn, mlp = layer.self_attn, layer.mlp
+            llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)
+            # the norms store their columns in qkv's and gate/up's input order, SiLU in
+            # down's; only o (after the attention) gathers its own input
+            folded = {id(attn.qkv_proj.kernel), id(mlp.gate_up_proj.kernel)}
+            folded.add(id(mlp.down_proj.kernel))
+            assert folded <= in_order and not folded & gathered
+            assert id(attn.o_proj.kernel) in gathered
+            down = mlp.down_proj
             assert isinstance(down.kernel, PermutedInputKernel)
             x = torch.randn(3, down.in_features, device=down.input_perm.device)
             want = x.cpu() @ dequantized["model.layers.0.mlp.down_proj"].t()
             torch.testing.assert_close(down.kernel.apply(x, None).cpu(), want)
+            order = down.input_order
+            assert order is not None and not torch.equal(order, torch.arange(len(order)))
+            torch.testing.assert_close(down.kernel.apply_permuted(x[:, order], None).cpu(), want)
         finally:
             llm.engine.shutdown()
     if skipped:
