@@ -136,7 +136,8 @@ def test_int4_checkpoint_generates_as_its_dense_twin(
             want = x.cpu() @ dequantized["model.layers.0.mlp.down_proj"].t()
             torch.testing.assert_close(down.kernel.apply(x, None).cpu(), want)
             order = down.input_order
-            assert order is not None and not torch.equal(order, torch.arange(len(order)))
+            assert order is not None
+            assert not torch.equal(order, torch.arange(len(order), device=order.device))
             torch.testing.assert_close(down.kernel.apply_permuted(x[:, order], None).cpu(), want)
         finally:
             llm.engine.shutdown()
