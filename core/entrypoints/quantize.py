@@ -8,13 +8,11 @@ the directory (``plugins.quant.gptq_checkpoint``). The LM head and the embedding
 dense, as at load-time quantization.
 
 - ``--rounding learned`` (int4's default): each decoder layer's rounding learned to
-  reproduce the float model's stream (``plugins.quant.signround``);
-  ``--rounding gptq`` (fp8's default): GPTQ, each ``Linear``'s own output error
-  (``plugins.quant.gptq``).
+  reproduce the float model's stream (``plugins.quant.signround``); ``--rounding gptq``
+  (fp8's default): GPTQ, each ``Linear``'s own output error (``plugins.quant.gptq``).
 - ``--awq`` (int4, the default there): before a layer is rounded, its input channels
   are scaled by AWQ's searched scales (``plugins.quant.awq``), folded into the RMSNorm
-  weights and the up / v rows, which the checkpoint then holds (norms dense, up / v
-  quantized).
+  weights and the up / v rows, which the checkpoint then holds.
 - ``--tune-scales STEPS``: afterwards, the scales and (``--tune-norms``, on by default)
   the RMS norms' weights trained on the whole model's next-token distributions
   (``plugins.quant.scale_tuning``); with ``--tune-codes RATE`` (int4, learned rounding)
@@ -74,11 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="tokens of self-generated calibration text (default 16384)",
     )
+    parser.add_argument(
+        "--calibration-cache",
+        metavar="FILE",
+        help="JSON of sampled sequences: read if it exists (same model, --seq-len, --seed; "
+        "as many sequences or more), else written there",
+    )
     parser.add_argument("--seq-len", type=int, default=256, metavar="N", help="per sequence")
     parser.add_argument("--group-size", type=int, default=128, metavar="N", help="int4 groups")
-    parser.add_argument(
-        "--damping", type=float, default=0.01, metavar="F", help="of H's mean diagonal"
-    )
+    parser.add_argument("--damping", type=float, default=0.01, metavar="F", help="x mean H_ii")
     parser.add_argument(
         "--act-order",
         action=argparse.BooleanOptionalAction,
@@ -99,9 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--awq-clip",
         action="store_true",
-        help="with --awq: also AWQ's clipping search (each group's range shrunk by the "
-        "ratio, 1 to 0.55, of least rounded output error; it raised the perplexity of the "
-        "built-in model)",
+        help="with --awq: also AWQ's clipping search (each group's range shrunk, 1 to "
+        "0.55x, to the least output error; the built-in model measured worse with it)",
     )
     parser.add_argument(
         "--rounding",
@@ -186,8 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         metavar="N",
-        help="torch CPU threads (default 1; 0: one per core). Sampling runs many small "
-        "steps: with the cores shared, more threads measured several times slower",
+        help="torch CPU threads (default 1; 0: one per core; more measured slower shared)",
     )
     return parser
 
@@ -230,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_path = args.model or default_model()
     started = time.perf_counter()
     sequences = sample_calibration_tokens(
-        model_path, args.calibration_tokens, args.seq_len, args.seed
+        model_path, args.calibration_tokens, args.seq_len, args.seed, args.calibration_cache
     )
     sampled = time.perf_counter()
     print(

@@ -20,8 +20,10 @@ modules, run outside the engine with a causal attention over one sequence at a t
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -47,13 +49,41 @@ PROMPTS = (
 
 
 def sample_calibration_tokens(
-    model: str, num_tokens: int, seq_len: int = 256, seed: int = 0
+    model: str,
+    num_tokens: int,
+    seq_len: int = 256,
+    seed: int = 0,
+    cache: str | Path | None = None,
 ) -> list[list[int]]:
     """Token sequences of ``seq_len`` (prompt included), ``num_tokens`` in all
-    (rounded up to whole sequences), sampled from ``model`` in float32 on the CPU."""
+    (rounded up to whole sequences), sampled from ``model`` in float32 on the CPU.
+
+    ``cache``: a JSON file of sequences sampled before. Where it exists, it must be
+    of the same model, ``seq_len`` and ``seed``, and hold at least as many sequences:
+    the first ones are taken (sequence ``i`` is drawn with seed ``seed + i`` whatever
+    the count). Where it does not, the sample is written there."""
+    count = max(2, -(-num_tokens // seq_len))
+    key = {"model": str(Path(model).resolve()), "seq_len": seq_len, "seed": seed}
+    if cache is not None and Path(cache).exists():
+        saved = json.loads(Path(cache).read_text())
+        differ = [k for k, v in key.items() if saved.get(k) != v]
+        if differ or len(saved["sequences"]) < count:
+            raise ValueError(
+                f"calibration cache {cache}: "
+                + (f"{', '.join(differ)} differ" if differ else f"holds fewer than {count}")
+                + f" (it has {dict((k, saved.get(k)) for k in key)}, "
+                f"{len(saved['sequences'])} sequences)"
+            )
+        return [list(s) for s in saved["sequences"][:count]]
+    sequences = _sample(model, count, seq_len, seed)
+    if cache is not None:
+        Path(cache).write_text(json.dumps({**key, "sequences": sequences}))
+    return sequences
+
+
+def _sample(model: str, count: int, seq_len: int, seed: int) -> list[list[int]]:
     from tokenloom import LLM, SamplingParams
 
-    count = max(2, -(-num_tokens // seq_len))
     llm = LLM(model, dtype="float32", attention="torch", device="cpu", enable_prefix_caching=False)
     try:
         tok = llm.tokenizer

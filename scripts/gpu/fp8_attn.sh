@@ -55,6 +55,8 @@
 #   ao45    session 45: the act-order gather's cost at one row (scripts/gpu/act_order_bench.py)
 #   t47     session 45: test_checkpoints.py on the GPU (compressed-tensors among them)
 #   auto46  session 46: on an H200 wide42, freshw42, ao45; elsewhere ao45, t47
+#   auto47  session 47: t48 on any GPU; on an H200 then wide42, freshw42. lat47: bench
+#           latency bf16 / int4 / int8 on today's tree (QS)
 #   auto46b session 46's act-order fold: ao45 (now the chains: plain, gather, folded), t48
 #           (its GPU tests), ba46l (bench latency bf16 / int4 before / after); ba46t the
 #           default workload's bench throughput before / after (QS, default bf16)
@@ -180,6 +182,16 @@ if [ "${1:-}" = auto46 ]; then  # session 46 on whichever GPU comes: on an H200 
   set -- ao45 t47
   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && set -- wide42 freshw42 ao45
 fi
+if [ "${1:-}" = auto47 ]; then  # session 47: t48 (the act-order test's fixed line) on any GPU;
+  # on an H200 then the issue's workload on today's defaults and with the fresh prefill
+  export LOGS=/tmp/benchlogs; mkdir -p "$LOGS"
+  set -- t48
+  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && set -- t48 wide42 freshw42
+fi
+if [ "${1:-}" = lat47 ]; then  # session 47: bench latency bf16 / int4 / int8 on today's tree
+  export LOGS=/tmp/benchlogs; mkdir -p "$LOGS"
+  set -- l47
+fi
 if [ "${1:-}" = auto46b ]; then  # session 46's act-order fold (the norm and SiLU-and-mul store
   # their columns in the weights' input order): its chains timed, its GPU tests, and bench
   # latency before / after (bf16, int4: both run the norm kernel, whose default is unchanged)
@@ -212,6 +224,8 @@ for step in "$@"; do
         tests/plugins/quant/test_checkpoints.py -k "fused or act or silu or norm" \
         > "$OUT/a-t48.log" 2>&1
       echo "t48 rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/a-t48.log" | head -8; tail -1 "$OUT/a-t48.log" ;;
+    l47)  # bench latency on today's tree (QS)
+      for q in ${QS:-none int4 int8}; do bench latency $q-now after $q; done ;;
     ba46l)  # bench latency before (.snap/before.tar, acd161c) / after, bf16 and int4
       for q in ${QS:-none int4}; do
         bench latency $q-before before $q

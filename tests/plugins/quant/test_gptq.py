@@ -136,3 +136,23 @@ def test_quantize_writes_a_checkpoint_the_reader_loads_with_the_gptq_values(meth
         assert len(outs[0].outputs[0].token_ids) == 8
     finally:
         llm.engine.shutdown()
+
+
+def test_the_calibration_cache_is_written_then_read_and_must_match(tiny, tmp_path, monkeypatch):
+    from tokenloom.plugins.quant import calibration
+
+    cache = tmp_path / "sample.json"
+    sampled = calibration.sample_calibration_tokens(str(tiny), 192, 64, 3, cache)
+    assert len(sampled) == 3 and all(len(s) == 64 for s in sampled)
+    assert cache.exists()
+
+    def no_sampling(*_):  # type: ignore[no-untyped-def]
+        raise AssertionError("sampled again despite the cache")
+
+    monkeypatch.setattr(calibration, "_sample", no_sampling)
+    assert calibration.sample_calibration_tokens(str(tiny), 192, 64, 3, cache) == sampled
+    # fewer sequences: the first ones (sequence i is drawn with seed + i)
+    assert calibration.sample_calibration_tokens(str(tiny), 128, 64, 3, cache) == sampled[:2]
+    for wrong in ((192, 64, 4), (192, 32, 3), (256, 64, 3)):  # seed, length, too few
+        with pytest.raises(ValueError, match="calibration cache"):
+            calibration.sample_calibration_tokens(str(tiny), *wrong, cache)
