@@ -237,3 +237,35 @@ def silu_and_mul_fp8(gate_up: torch.Tensor) -> Fp8Rows:  # [T, 2I] -> [T, I] e4m
             **launch_options(gate_up.device),
         )  # fmt: skip
     return Fp8Rows(q, scales, gate_up.dtype)
+
+
+@triton.jit
+def _gather_columns_kernel(
+    in_ptr, order_ptr, out_ptr, stride_in, n_cols, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
+    # The successor is a projection, which reads only weights before its wait: it may
+    # start at once and stream its first weight tiles during this gather (as after the
+    # norm; pdl.release_early)
+    release_early(USE_PDL)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    at = tl.load(order_ptr + offs, mask=mask, other=0)  # the order: no kernel writes it
+    wait(USE_PDL)
+    row = tl.program_id(0)
+    x = tl.load(in_ptr + row * stride_in + at, mask=mask, other=0.0)
+    tl.store(out_ptr + row * n_cols + offs, x, mask=mask)
+
+
+def gather_columns(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``x[:, order]`` (``[T, K]``, ``order`` ``[K]`` int64) for the projection after it
+    (an act-order layer whose input no kernel of ours produces in its order: o_proj's,
+    after the attention). A PDL kernel, unlike ``index_select``: the projection's weight
+    loads start during it."""
+    rows, cols = x.shape
+    out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    if rows:
+        block = min(1024, triton.next_power_of_2(cols))
+        _gather_columns_kernel[(rows, triton.cdiv(cols, block))](
+            x, order, out, x.stride(0), cols, BLOCK=block, num_warps=4, **launch_options(x.device)
+        )
+    return out

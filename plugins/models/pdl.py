@@ -119,8 +119,9 @@ def release_early(USE_PDL: tl.constexpr):
     """``release`` before the wait: the next kernel may start while the one before this
     one still runs. Only where the successor reads nothing but weights before its own
     wait (never the decode attention, which relies on the kernel before it releasing
-    after its wait): the RMSNorm kernel (``fused_ops._add_rms_norm_kernel``), whose
-    successor is always a projection, and the one-row GEMVs under
+    after its wait): the RMSNorm kernel (``fused_ops._add_rms_norm_kernel``) and
+    act-order's gather (``fused_ops.gather_columns``), whose successor is always a
+    projection, and the one-row GEMVs under
     ``next_reads_weights_first`` (the o projection, followed by the add+norm);
     ``tests/plugins/models/test_pdl.py`` holds it to those."""
     if USE_PDL:

@@ -294,7 +294,7 @@ class PermutedInputKernel(LinearKernel):
     ``y = inner(x[..., perm])``. Act-order GPTQ checkpoints (a ``g_idx`` that scatters
     each group over the inputs) load with each group's rows gathered together, so the
     kernels' contiguous groups hold them, and the activations are gathered the same
-    way: by ``apply`` (one ``index_select`` more a call), or by the kernel before, which
+    way: by ``apply`` (one gather kernel more a call), or by the kernel before, which
     stores its rows in that order (``input_order``; the norm and SiLU-and-mul do:
     ``fused_gemv.norm_and_project``), then ``apply_permuted``. None of the fused
     epilogues is offered (the gather would have to run inside them): the layer runs its
@@ -306,6 +306,11 @@ class PermutedInputKernel(LinearKernel):
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         assert self.input_order is not None
+        # on the GPU a PDL kernel: the GEMV's weights stream during it
+        if x.is_cuda and x.dim() == 2 and x.stride(1) == 1:
+            from tokenloom.plugins.models.fused_ops import gather_columns
+
+            return self.inner.apply(gather_columns(x, self.input_order), bias)
         return self.inner.apply(x.index_select(-1, self.input_order), bias)
 
     def apply_permuted(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

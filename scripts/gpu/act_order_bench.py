@@ -2,8 +2,10 @@
 each with the kernel that feeds it, replayed in a CUDA graph. Three forms a chain:
 
 - ``plain``: weights in order (``Int4Kernel``), the norm or SiLU-and-mul as usual;
-- ``gather``: act-order weights, the input gathered by the kernel (``PermutedInputKernel
-  .apply``: one ``index_select`` more a projection; session 45's only form);
+- ``index_select``: act-order weights, the input gathered by torch first (session 45's
+  ``PermutedInputKernel.apply``);
+- ``gather``: the same by ``PermutedInputKernel.apply`` since session 46 (on the GPU
+  ``fused_ops.gather_columns``, a PDL kernel that lets the GEMV start during it);
 - ``folded``: act-order weights, the norm / SiLU-and-mul storing their columns in the
   weights' input order (``fused_ops``' ``order``, then ``apply_permuted``; session 46).
   o_proj's input comes from the attention, so it has no folded form.
@@ -44,6 +46,12 @@ def kernels(n: int, k: int) -> tuple[Int4Kernel, PermutedInputKernel]:
     return kernel, PermutedInputKernel(kernel, torch.randperm(k, device="cuda"))
 
 
+def plain_of(act: PermutedInputKernel) -> Int4Kernel:
+    inner = act.inner
+    assert isinstance(inner, Int4Kernel)
+    return inner
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
@@ -76,6 +84,11 @@ def main() -> None:
             "k": k,
             "fed_by": feed,
             "plain_us": time_graph(lambda p=plain: p.apply(before(), None), 200, 7),
+            "index_select_us": time_graph(
+                lambda a=act, o=order: plain_of(a).apply(before().index_select(-1, o), None),
+                200,
+                7,
+            ),
             "gather_us": time_graph(lambda a=act: a.apply(before(), None), 200, 7),
         }
         if feed != "attention":
@@ -88,17 +101,21 @@ def main() -> None:
         folded = f"  folded {row['folded_us']:7.2f} us" if "folded_us" in row else ""
         print(
             f"{name:8s} {n:6d} x {k:6d} after {feed:9s} plain {row['plain_us']:7.2f} us"
+            f"  index_select {row['index_select_us']:7.2f} us"
             f"  gather {row['gather_us']:7.2f} us{folded}"
         )
-    gather = sum(r["gather_us"] - r["plain_us"] for r in rows)
-    folded = sum(r.get("folded_us", r["gather_us"]) - r["plain_us"] for r in rows)
-    print(f"per layer over plain: gather +{gather:.2f} us, folded +{folded:.2f} us; 32 layers: "
-          f"+{32 * gather / 1000:.3f} / +{32 * folded / 1000:.3f} ms a decode step")  # fmt: skip
+    extra = {
+        "index_select": sum(r["index_select_us"] - r["plain_us"] for r in rows),
+        "gather": sum(r["gather_us"] - r["plain_us"] for r in rows),
+        "folded": sum(r.get("folded_us", r["gather_us"]) - r["plain_us"] for r in rows),
+    }
+    for form, us in extra.items():
+        print(f"{form:12s} +{us:6.2f} us a layer over plain, +{32 * us / 1000:.3f} ms a "
+              "32-layer decode step")  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows,
-                       "extra_us_per_layer": {"gather": gather, "folded": folded}},
-                      f, indent=1)  # fmt: skip
+                       "extra_us_per_layer": extra}, f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -55,7 +55,8 @@
 #   ao45    session 45: the act-order gather's cost at one row (scripts/gpu/act_order_bench.py)
 #   t47     session 45: test_checkpoints.py on the GPU (compressed-tensors among them)
 #   auto46  session 46: on an H200 wide42, freshw42, ao45; elsewhere ao45, t47
-#   auto47  session 47: t48 on any GPU; on an H200 then wide42, freshw42. lat47: bench
+#   auto47  session 47: t48, then on an H200 wide42, freshw42, elsewhere ao45, ba46l (before =
+#           .snap/before.tar, 9089b60: o's gather re-landed after it). lat47: bench
 #           latency bf16 / int4 / int8 on today's tree (QS)
 #   auto46b session 46's act-order fold: ao45 (now the chains: plain, gather, folded), t48
 #           (its GPU tests), ba46l (bench latency bf16 / int4 before / after); ba46t the
@@ -185,7 +186,7 @@ fi
 if [ "${1:-}" = auto47 ]; then  # session 47: t48 (the act-order test's fixed line) on any GPU;
   # on an H200 then the issue's workload on today's defaults and with the fresh prefill
   export LOGS=/tmp/benchlogs; mkdir -p "$LOGS"
-  set -- t48
+  set -- t48 ao45 ba46l
   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && set -- t48 wide42 freshw42
 fi
 if [ "${1:-}" = lat47 ]; then  # session 47: bench latency bf16 / int4 / int8 on today's tree
@@ -220,9 +221,8 @@ for step in "$@"; do
     t48)  # session 46: the fused norm / SiLU-and-mul kernels in an input order (bf16 on the
       # GPU), and the act-order checkpoints end to end (the fold taken, tokens as the twin)
       timeout ${T48:-240} env PYTHONPATH=/tmp/after:/tmp/site python3 -m pytest -q -rfs \
-        -p no:cacheprovider tests/plugins/models/test_fused_ops.py \
-        tests/plugins/quant/test_checkpoints.py -k "fused or act or silu or norm" \
-        > "$OUT/a-t48.log" 2>&1
+        -p no:cacheprovider tests/plugins/models/test_fused_ops.py tests/plugins/models/test_pdl.py \
+        tests/plugins/quant/test_checkpoints.py > "$OUT/a-t48.log" 2>&1
       echo "t48 rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/a-t48.log" | head -8; tail -1 "$OUT/a-t48.log" ;;
     l47)  # bench latency on today's tree (QS)
       for q in ${QS:-none int4 int8}; do bench latency $q-now after $q; done ;;

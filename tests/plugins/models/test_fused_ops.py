@@ -88,6 +88,14 @@ def test_silu_and_mul_in_an_input_order_is_its_result_gathered_bit_for_bit(dtype
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_gather_columns_is_index_select_bit_for_bit(dtype):
+    torch.manual_seed(5)
+    x = torch.randn(8, 3000, dtype=dtype, device=DEVICE)[:, :1500]  # a row stride > K
+    order = torch.randperm(1500, device=DEVICE)
+    assert torch.equal(fused_ops.gather_columns(x, order), x.index_select(-1, order))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_norm", [False, True])
 def test_qk_norm_rope_in_place_equals_norm_then_rotary(dtype, with_norm):
     torch.manual_seed(2)

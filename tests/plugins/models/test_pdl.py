@@ -137,8 +137,9 @@ def test_every_pdl_kernel_releases_only_after_its_wait():
     that calls ``release(USE_PDL)`` calls ``wait(USE_PDL)`` on an earlier line, and none
     returns before its wait (an exited program counts as released), so that when a
     kernel starts, every kernel but the one before it has finished. The exceptions
-    (``release_early``, before the wait): the RMSNorm kernel (its successor is a
-    projection, which reads only weights before its wait) and the one-row GEMVs under
+    (``release_early``, before the wait): the RMSNorm kernel and act-order's gather (the
+    successor of each is a projection, which reads only weights before its wait) and the
+    one-row GEMVs under
     ``pdl.next_reads_weights_first`` (set around the o projection alone, whose successor
     is the add+norm). A kernel after those (the norm, the gate/up GEMV) may start while
     two or three kernels before it still run; each reads only weights before its wait."""
@@ -179,8 +180,10 @@ def test_every_pdl_kernel_releases_only_after_its_wait():
     assert checked >= 15  # the decode path's kernels (15 in session 20)
     # the norm (a projection follows), and the one-row GEMVs when the o projection
     # runs them (pdl.next_reads_weights_first: the norm follows; only llama.py sets it)
+    # and act-order's gather (a projection follows it too)
     assert sorted(early) == [
-        "_add_rms_norm_kernel", "_gemv_kernel", "_int4_gemv_nk_kernel", "_int8_gemv_nk_kernel"
+        "_add_rms_norm_kernel", "_gather_columns_kernel", "_gemv_kernel",
+        "_int4_gemv_nk_kernel", "_int8_gemv_nk_kernel",
     ]  # fmt: skip
     # ... and the flag is set around the o projection alone (its successor: the add+norm)
     uses = [(path.name, line) for path in files
