@@ -55,7 +55,7 @@
 #   ao45    session 45: the act-order gather's cost at one row (scripts/gpu/act_order_bench.py)
 #   t47     session 45: test_checkpoints.py on the GPU (compressed-tensors among them)
 #   auto46  session 46: on an H200 wide42, freshw42, ao45; elsewhere ao45, t47
-#   auto47  session 47: t48, then on an H200 wide42, freshw42, elsewhere ao45, ba46l (before =
+#   auto47  session 47: on an H200 wide42, freshw42; elsewhere t48, ao45, ba46l (before =
 #           .snap/before.tar, 9089b60: o's gather re-landed after it). lat47: bench
 #           latency bf16 / int4 / int8 on today's tree (QS)
 #   auto46b session 46's act-order fold: ao45 (now the chains: plain, gather, folded), t48
@@ -183,11 +183,11 @@ if [ "${1:-}" = auto46 ]; then  # session 46 on whichever GPU comes: on an H200 
   set -- ao45 t47
   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && set -- wide42 freshw42 ao45
 fi
-if [ "${1:-}" = auto47 ]; then  # session 47: t48 (the act-order test's fixed line) on any GPU;
-  # on an H200 then the issue's workload on today's defaults and with the fresh prefill
+if [ "${1:-}" = auto47 ]; then  # session 47: on an H200 the issue's workload on today's
+  # defaults and with the fresh prefill; elsewhere o's gather: its tests, timing, benches
   export LOGS=/tmp/benchlogs; mkdir -p "$LOGS"
   set -- t48 ao45 ba46l
-  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && set -- t48 wide42 freshw42
+  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && set -- wide42 freshw42
 fi
 if [ "${1:-}" = lat47 ]; then  # session 47: bench latency bf16 / int4 / int8 on today's tree
   export LOGS=/tmp/benchlogs; mkdir -p "$LOGS"
