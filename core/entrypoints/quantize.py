@@ -2,10 +2,10 @@
 quantization into a checkpoint that ``--quant int4`` / ``--quant fp8`` load.
 
 Steps: sample calibration text from the model itself (``plugins.quant.calibration``),
-load the model in float32 on the CPU, round its decoder ``Linear`` layers one decoder
-layer at a time on the outputs of the layers before them, already quantized, and write
-the directory (``plugins.quant.gptq_checkpoint``). The LM head and the embedding stay
-dense, as at load-time quantization.
+then ``plugins.quant.calibrated``: load the model in float32 on ``--device`` (a GPU
+where there is one), round its decoder ``Linear`` layers one decoder layer at a time on
+the outputs of the layers before them, already quantized, and write the directory. The
+LM head and the embedding stay dense, as at load-time quantization.
 
 - ``--rounding learned`` (int4's default): each decoder layer's rounding learned to
   reproduce the float model's stream (``plugins.quant.signround``); ``--rounding gptq``
@@ -25,33 +25,9 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
 
 DTYPES = ("float32", "float16", "bfloat16")
-
-
-@dataclass
-class LearnedRounding:
-    """``--rounding learned``'s settings (``plugins.quant.signround.learn_layers``)."""
-
-    iters: int = 200
-    batch: int = 4
-    target: Literal["float", "local"] = "float"
-    per_token: bool = False
-    head_kl: bool = False
-
-
-@dataclass
-class ScaleTuning:
-    """``--tune-scales``'s settings (``plugins.quant.scale_tuning.tune_scales``)."""
-
-    steps: int
-    batch: int = 4
-    lr: float = 1e-3
-    norms: bool = True
-    codes: float = 0.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -183,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="of the tensors left dense: embedding, norms, LM head (default float32)",
     )
     parser.add_argument(
+        "--device",
+        default="auto",
+        help="where the model is sampled and quantized: cpu, cuda, cuda:N, or auto (cuda "
+        "where there is a GPU, else cpu; the default). float32 either way",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -223,19 +205,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from tokenloom.checkpoints.default_model import default_model
+    from tokenloom.plugins.quant.calibrated import LearnedRounding, ScaleTuning, quantize_checkpoint
     from tokenloom.plugins.quant.calibration import sample_calibration_tokens
 
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = device == "cuda" or device.removeprefix("cuda:").isdigit()
+    if device != "cpu" and not (cuda and torch.cuda.is_available()):
+        print(f"error: --device {args.device}: cpu or cuda (with a GPU)", file=sys.stderr)
+        return 2
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     model_path = args.model or default_model()
     started = time.perf_counter()
-    sequences = sample_calibration_tokens(
-        model_path, args.calibration_tokens, args.seq_len, args.seed, args.calibration_cache
-    )
+    try:
+        sequences = sample_calibration_tokens(
+            model_path, args.calibration_tokens, args.seq_len, args.seed,
+            args.calibration_cache, device,
+        )  # fmt: skip
+    except ValueError as e:  # a calibration cache of other settings
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     sampled = time.perf_counter()
     print(
         f"calibration: {len(sequences)} sequences of {args.seq_len} tokens sampled "
-        f"in {sampled - started:.0f} s",
+        f"in {sampled - started:.0f} s ({device})",
         flush=True,
     )
     about = {
@@ -265,135 +260,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if args.tune_scales
         else None,
+        device=device,
     )
     print(
         f"{args.rounding}: quantized in {time.perf_counter() - sampled:.0f} s; wrote {args.out} "
         f"(its config.json names the format: the engine loads it as {args.method})"
     )
     return 0
-
-
-def quantize_checkpoint(
-    model_path: str,
-    method: str,
-    out: Path,
-    sequences: list[list[int]],
-    group: int = 128,
-    damping: float = 0.01,
-    act_order: bool = False,
-    dtype: Any = None,
-    about: dict[str, Any] | None = None,
-    awq: bool = False,
-    awq_clip: bool = False,
-    learned: LearnedRounding | None = None,
-    tune: ScaleTuning | None = None,
-) -> None:
-    """Load ``model_path`` (directory or GGUF) in float32 on the CPU, GPTQ its
-    decoder layers for ``method`` (int4 | fp8) calibrated on ``sequences``, write the
-    checkpoint to ``out`` (dense tensors in ``dtype``, default float32). ``awq``
-    (int4): AWQ-scale each layer first; ``awq_clip``: and clip its groups. ``learned``:
-    learned rounding of each layer's output instead of GPTQ. ``tune``: then the
-    scales trained end to end on the float model's next-token distributions."""
-    import torch
-
-    from tokenloom.plugins.models.gguf import find_gguf
-    from tokenloom.plugins.models.loader import load_model, read_hf_config
-    from tokenloom.plugins.quant.calibration import quantize_sequentially
-    from tokenloom.plugins.quant.gptq import Fp8Grid, Grid, Int4Grid
-    from tokenloom.plugins.quant.gptq_checkpoint import (
-        checkpoint_tensors,
-        quantization_config,
-        write_checkpoint,
-    )
-
-    dtype = dtype or torch.float32
-    gguf = find_gguf(model_path)
-    if gguf is not None:
-        from tokenloom.plugins.models.gguf.checkpoint import converted_dir
-
-        source = converted_dir(gguf)
-    else:
-        source = Path(model_path)
-
-    def make_grid() -> Grid:
-        return Int4Grid(group, static=act_order) if method == "int4" else Fp8Grid()
-
-    scaler = None
-    if awq:
-        from tokenloom.plugins.quant.awq import AwqScaler, int4_rtn
-
-        if method != "int4":
-            raise ValueError("AWQ is implemented for int4 only")
-        scaler = AwqScaler(int4_rtn(group), clip_group=group if awq_clip else 0)
-    started = time.perf_counter()
-    model, _ = load_model(model_path, torch.float32, "cpu")
-    teacher = None
-    if tune is not None:
-        from tokenloom.plugins.quant.scale_tuning import teacher_log_probs, tune_scales
-
-        teacher = teacher_log_probs(model, sequences, tune.batch)  # the float model's
-    errors: dict[str, tuple[float, float]] = {}
-    if learned is None:
-        grids = quantize_sequentially(model, sequences, make_grid, damping, act_order, scaler)
-    else:
-        from tokenloom.plugins.quant.signround import learn_layers
-
-        grids = learn_layers(
-            model, sequences, method, group, learned.iters, learned.batch, learned.target,
-            prepare_layer=scaler, record=errors, per_token=learned.per_token,
-            head=(lambda x: model.compute_logits(model.model.norm(x))) if learned.head_kl else None,
-            keep_latent=tune is not None and tune.codes > 0,
-        )  # fmt: skip
-    tuned: dict[str, Any] = {}
-    if tune is not None and teacher is not None:
-        rounded = time.perf_counter()
-        kl = tune_scales(
-            model, sequences, grids, teacher, tune.steps, tune.batch, tune.lr, tune.norms,
-            tune.codes,
-        )  # fmt: skip
-        tuned = {
-            "scale_tuning": {
-                **vars(tune),
-                "kl_before": kl[0],
-                "kl_after": kl[1],
-                "seconds": round(time.perf_counter() - rounded, 1),
-            }
-        }
-    write_checkpoint(
-        out,
-        source,
-        read_hf_config(source),
-        checkpoint_tensors(model, grids, dtype),
-        quantization_config(method, group, damping),
-        dtype,
-        {
-            **(about or {}),
-            "source": Path(model_path).name,
-            "method": f"{'awq + ' if awq else ''}{'learned' if learned else 'gptq'} {method}"
-            + (" + tuned scales" if tune else ""),
-            "calibration_tokens": sum(len(s) for s in sequences),
-            **(
-                {"learned": vars(learned), "layer_errors": errors}
-                if learned
-                else {
-                    "damping": damping,
-                    "act_order": act_order,
-                    "sequential": "layer by layer, and Linear by Linear inside a layer",
-                }
-            ),
-            "quantize_seconds": round(time.perf_counter() - started, 1),
-            **(_awq_record(scaler) if scaler else {}),
-            **tuned,
-        },
-    )
-
-
-def _awq_record(scaler: Any) -> dict[str, Any]:
-    """What AWQ chose, for quantize.json."""
-    record = {"awq_alpha": scaler.alphas, "awq_error_vs_rtn": scaler.gains}
-    if scaler.clip_group:
-        record["awq_mean_clip_ratio"] = scaler.clips
-    return record
 
 
 if __name__ == "__main__":

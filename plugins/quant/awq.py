@@ -38,7 +38,7 @@ output error (``search_clip``); on the built-in model it raised the perplexity.
 
 The grid is int4 ``Int4Grid`` (asymmetric groups, fitted on the whole weight: the RTN
 of ``int4.py``). Built for the Llama-family layers of ``plugins.models.llama``
-(Llama, Mistral, Qwen2/3), unsharded (tensor parallel size 1), on the CPU.
+(Llama, Mistral, Qwen2/3), unsharded (tensor parallel size 1), on the model's device.
 """
 
 from __future__ import annotations
@@ -104,8 +104,8 @@ def search_clip(
     def clamp(ratio: torch.Tensor | float) -> torch.Tensor:
         return torch.maximum(torch.minimum(wg, hi * ratio), lo * ratio).reshape(n, -1)[:, :k]
 
-    best_error = torch.full((n, groups), float("inf"))
-    best_ratio = torch.ones(n, groups)
+    best_error = torch.full((n, groups), float("inf"), device=w.device)
+    best_ratio = torch.ones(n, groups, device=w.device)
     for ratio in ratios:
         d = torch.nn.functional.pad(w - quantize(clamp(ratio)), (0, pad)).view(n, groups, group)
         error = torch.einsum("ngi,gij,ngj->ng", d, blocks, d)
@@ -147,7 +147,7 @@ def search_scale(
     w = w.float()
     magnitude = stats.mean_abs()
     if tie is not None:
-        sums = torch.zeros(int(tie.max()) + 1).index_add_(0, tie, magnitude)
+        sums = torch.zeros(int(tie.max()) + 1, device=tie.device).index_add_(0, tie, magnitude)
         counts = torch.zeros_like(sums).index_add_(0, tie, torch.ones_like(magnitude))
         magnitude = (sums / counts)[tie]
     magnitude = magnitude.clamp(min=float(magnitude.max()) * MIN_MAGNITUDE + 1e-30)
@@ -173,8 +173,8 @@ def _capture_stats(
     """The input statistics of each of ``linears`` over the forwards ``run`` makes."""
     stats = {
         name: InputStats(
-            torch.zeros(m.in_features, dtype=torch.float64),
-            torch.zeros(m.in_features, m.in_features, dtype=torch.float64),
+            torch.zeros(m.in_features, dtype=torch.float64, device=m.weight.device),
+            torch.zeros(m.in_features, m.in_features, dtype=torch.float64, device=m.weight.device),
         )
         for name, m in linears.items()
     }
@@ -250,9 +250,10 @@ class AwqScaler:
         fold_into_norm(layer.post_attention_layernorm, s)
         scale("mlp.gate_up_proj", s)
 
-        tie = value_rows_of_o_inputs(attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        device = attn.o_proj.weight.device
+        tie = value_rows_of_o_inputs(attn.num_heads, attn.num_kv_heads, attn.head_dim, device)
         s = search("self_attn.o_proj", tie)
-        v_scale = torch.ones(attn.kv_size).index_copy_(0, tie, s)  # one per value row
+        v_scale = torch.ones(attn.kv_size, device=s.device).index_copy_(0, tie, s)  # a value row
         fold_into_rows(attn.qkv_proj, attn.q_size + attn.kv_size, v_scale)
         scale("self_attn.o_proj", s)
         s = search("self_attn.qkv_proj")
@@ -264,13 +265,15 @@ class AwqScaler:
         log.info("AWQ: layer %d, alpha: %s", index, ", ".join(chosen))
 
 
-def value_rows_of_o_inputs(num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+def value_rows_of_o_inputs(
+    num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """``[num_heads * head_dim]``: the value row (``g * head_dim + d``) each input
     channel ``h * head_dim + d`` of ``o_proj`` reads, ``g = h // (num_heads /
     num_kv_heads)`` (grouped-query attention repeats each value head)."""
     group = num_heads // num_kv_heads
-    heads = torch.arange(num_heads).repeat_interleave(head_dim) // group
-    return heads * head_dim + torch.arange(head_dim).repeat(num_heads)
+    heads = torch.arange(num_heads, device=device).repeat_interleave(head_dim) // group
+    return heads * head_dim + torch.arange(head_dim, device=device).repeat(num_heads)
 
 
 def scale_columns(linear: Linear, s: torch.Tensor) -> None:

@@ -54,14 +54,17 @@ def sample_calibration_tokens(
     seq_len: int = 256,
     seed: int = 0,
     cache: str | Path | None = None,
+    device: str = "cpu",
 ) -> list[list[int]]:
     """Token sequences of ``seq_len`` (prompt included), ``num_tokens`` in all
-    (rounded up to whole sequences), sampled from ``model`` in float32 on the CPU.
+    (rounded up to whole sequences), sampled from ``model`` in float32 on ``device``
+    (the engine's torch attention; a seed draws other text on another device).
 
     ``cache``: a JSON file of sequences sampled before. Where it exists, it must be
     of the same model, ``seq_len`` and ``seed``, and hold at least as many sequences:
     the first ones are taken (sequence ``i`` is drawn with seed ``seed + i`` whatever
-    the count). Where it does not, the sample is written there."""
+    the count), whichever device sampled them. Where it does not, the sample is written
+    there."""
     count = max(2, -(-num_tokens // seq_len))
     key = {"model": str(Path(model).resolve()), "seq_len": seq_len, "seed": seed}
     if cache is not None and Path(cache).exists():
@@ -75,16 +78,16 @@ def sample_calibration_tokens(
                 f"{len(saved['sequences'])} sequences)"
             )
         return [list(s) for s in saved["sequences"][:count]]
-    sequences = _sample(model, count, seq_len, seed)
+    sequences = _sample(model, count, seq_len, seed, device)
     if cache is not None:
         Path(cache).write_text(json.dumps({**key, "sequences": sequences}))
     return sequences
 
 
-def _sample(model: str, count: int, seq_len: int, seed: int) -> list[list[int]]:
+def _sample(model: str, count: int, seq_len: int, seed: int, device: str) -> list[list[int]]:
     from tokenloom import LLM, SamplingParams
 
-    llm = LLM(model, dtype="float32", attention="torch", device="cpu", enable_prefix_caching=False)
+    llm = LLM(model, dtype="float32", attention="torch", device=device, enable_prefix_caching=False)
     try:
         tok = llm.tokenizer
         start = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
@@ -163,9 +166,10 @@ def quantize_sequentially(
         kv_caches=[(torch.empty(0), torch.empty(0))] * len(inner.layers),
     )
     states = LayerStates(rope=[], hidden=[], residual=[])
+    device = inner.embed_tokens.weight.device
     for seq in sequences:
-        ids = torch.tensor(seq, dtype=torch.long)
-        states.rope.append(inner.rotary(torch.arange(len(seq))))
+        ids = torch.tensor(seq, dtype=torch.long, device=device)
+        states.rope.append(inner.rotary(torch.arange(len(seq), device=device)))
         states.hidden.append(inner.embed_tokens(ids).float())
         states.residual.append(None)
     grids: dict[str, Grid] = {}
@@ -222,7 +226,7 @@ def _capture(
 ) -> torch.Tensor:
     """``sum X^T X`` (float64) of ``linear``'s inputs over every sequence."""
     k = linear.in_features
-    h = torch.zeros(k, k, dtype=torch.float64)
+    h = torch.zeros(k, k, dtype=torch.float64, device=linear.weight.device)
 
     def hook(_: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
         x = args[0].reshape(-1, k).float()

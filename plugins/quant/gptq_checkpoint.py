@@ -71,7 +71,7 @@ def _projection_tensors(prefix: str, grid: Grid, rows: slice) -> dict[str, torch
             f"{prefix}.qweight": qweight[:, rows].contiguous(),
             f"{prefix}.qzeros": pack_columns((zeros[:, rows] - 1) & 0xF),  # stored z - 1
             f"{prefix}.scales": scales[:, rows].contiguous(),
-            f"{prefix}.g_idx": (torch.arange(k) // grid.group).to(torch.int32),
+            f"{prefix}.g_idx": (torch.arange(k, device="cpu") // grid.group).to(torch.int32),
         }
     assert isinstance(grid, Fp8Grid) and grid.codes is not None and grid.scales is not None
     return {
@@ -83,7 +83,7 @@ def _projection_tensors(prefix: str, grid: Grid, rows: slice) -> dict[str, torch
 def checkpoint_tensors(
     model: nn.Module, grids: dict[str, Grid], dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """Every tensor of the quantized checkpoint, by its Hugging Face name."""
+    """Every tensor of the quantized checkpoint, by its Hugging Face name, on the CPU."""
     layers = {id(module.weight): name for name, module in model.named_modules() if name in grids}
     tensors: dict[str, torch.Tensor] = {}
     for key, slot in model.checkpoint_slots().items():
@@ -93,7 +93,7 @@ def checkpoint_tensors(
             tensors.update(_projection_tensors(prefix, grids[name], slice(slot.start, slot.stop)))
         else:
             tensors[key] = slot.target().to(dtype).contiguous()
-    return tensors
+    return {key: t.cpu() for key, t in tensors.items()}  # written from host memory
 
 
 def write_checkpoint(

@@ -113,14 +113,19 @@ class _RowScales(nn.Module):
         return self()
 
 
-def _packs(sequences: list[list[int]], batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(ids, positions)`` of ``batch`` sequences at a time, packed."""
+def _packs(
+    sequences: list[list[int]], batch: int, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(ids, positions)`` of ``batch`` sequences at a time, packed, on ``device``."""
     length = len(sequences[0])
     if any(len(s) != length for s in sequences):
         raise ValueError("scale tuning packs sequences of one length")
     packs = [sequences[i : i + batch] for i in range(0, len(sequences), batch)]
     return [
-        (torch.tensor([t for s in p for t in s]), torch.arange(length).repeat(len(p)))
+        (
+            torch.tensor([t for s in p for t in s], device=device),
+            torch.arange(length, device=device).repeat(len(p)),
+        )
         for p in packs
     ]
 
@@ -130,12 +135,17 @@ def teacher_log_probs(
     model: nn.Module, sequences: list[list[int]], batch: int = 4
 ) -> list[torch.Tensor]:
     """The (float) model's next-token log-probabilities on every pack of ``sequences``,
-    stored as float16 ``[tokens, vocab]``: the targets of ``tune_scales``."""
+    stored as float16 ``[tokens, vocab]`` in host memory (2 bytes a token and vocabulary
+    entry: host memory is the larger), the targets of ``tune_scales``."""
     ctx = packed_context(model, len(sequences[0]))
     return [
-        F.log_softmax(model.compute_logits(model(ids, pos, ctx)), dim=-1).half()
-        for ids, pos in _packs(sequences, batch)
+        F.log_softmax(model.compute_logits(model(ids, pos, ctx)), dim=-1).half().cpu()
+        for ids, pos in _packs(sequences, batch, _device(model))
     ]
+
+
+def _device(model: nn.Module) -> torch.device:
+    return model.model.embed_tokens.weight.device
 
 
 def tune_scales(
@@ -181,7 +191,8 @@ def tune_scales(
                 offsets.append(v)
         if not offsets:
             log.warning("scale tuning: no learned rounding to train the codes from")
-    packs = _packs(sequences, batch)
+    device = _device(model)
+    packs = _packs(sequences, batch, device)
     if len(teacher) != len(packs):
         raise ValueError("teacher_log_probs must come from the same sequences and batch")
     ctx = packed_context(model, len(sequences[0]))
@@ -193,7 +204,8 @@ def tune_scales(
         ids, pos = packs[i]
         hidden = functional_call(model, weights, (ids, pos, ctx))
         logp = F.log_softmax(model.compute_logits(hidden), dim=-1)
-        return F.kl_div(logp, teacher[i].float(), log_target=True, reduction="batchmean")
+        target = teacher[i].to(device, non_blocking=True).float()
+        return F.kl_div(logp, target, log_target=True, reduction="batchmean")
 
     def mean_kl() -> float:
         with torch.no_grad():

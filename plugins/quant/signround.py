@@ -26,7 +26,7 @@ interval it lives in. The loss is the mean squared error of the layer's output s
 rounded (the quantized model's stream), targets from the float model's own stream
 (``target="float"``, as SignRound) or from the float layer on the quantized stream
 (``"local"``). Sequences of one length are packed ``batch`` at a time into one
-forward (``PackedAttention``). Built for the Llama-family layers, on the CPU.
+forward (``PackedAttention``). Built for the Llama-family layers, on the model's device.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ class Int4Rounding(nn.Module):
         padded = F.pad(w.float(), (0, groups * group - k))  # zeros: the range holds 0 anyway
         self.register_buffer("w", padded.view(n, groups, group))
         self.v = nn.Parameter(torch.zeros_like(self.w))
-        self.lo_clip = nn.Parameter(torch.ones(n, groups, 1))
-        self.hi_clip = nn.Parameter(torch.ones(n, groups, 1))
+        self.lo_clip = nn.Parameter(torch.ones(n, groups, 1, device=w.device))
+        self.hi_clip = nn.Parameter(torch.ones(n, groups, 1, device=w.device))
 
     def _grid(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(codes, scale, zero)`` as float32 (codes with gradients)."""
@@ -218,10 +218,11 @@ def learn_layers(
     ctx = packed_context(model, length)
     packs = [sequences[i : i + batch] for i in range(0, len(sequences), batch)]
     ropes, quant, fp = [], [], []
+    device = inner.embed_tokens.weight.device
     with torch.no_grad():
         for pack in packs:
-            ids = torch.tensor([t for s in pack for t in s], dtype=torch.long)
-            ropes.append(inner.rotary(torch.arange(length).repeat(len(pack))))
+            ids = torch.tensor([t for s in pack for t in s], dtype=torch.long, device=device)
+            ropes.append(inner.rotary(torch.arange(length, device=device).repeat(len(pack))))
             hidden = inner.embed_tokens(ids).float()
             quant.append((hidden, None))
             fp.append((hidden, None))

@@ -1,0 +1,135 @@
+"""``tokenloom quantize --device``: the calibrated pipeline (plugins/quant/calibrated.py)
+runs on the model's device. On the CPU, every pass (AWQ, GPTQ, learned rounding, scale
+tuning with norms and codes) runs a second time with the default device set to ``meta``:
+a tensor made without naming a device is then a meta tensor, mixing it with the model's
+raises, and the results must be the plain run's bit for bit. On a GPU (``gpu``), the
+command with ``--device cuda`` writes a checkpoint that serves, its GPTQ rounding that of
+the CPU run on the same calibration sample but for float noise."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tokenloom.plugins.quant.awq import AwqScaler, int4_rtn
+from tokenloom.plugins.quant.calibration import quantize_sequentially
+from tokenloom.plugins.quant.gptq import Fp8Grid, Int4Grid
+from tokenloom.plugins.quant.gptq_checkpoint import checkpoint_tensors
+from tokenloom.plugins.quant.scale_tuning import teacher_log_probs, tune_scales
+from tokenloom.plugins.quant.signround import learn_layers
+
+F32 = torch.float32
+
+
+def _sequences(count: int = 4, length: int = 24) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(11)
+    return torch.randint(0, 200, (count, length), generator=gen).tolist()
+
+
+def _every_pass(tiny, device: str, default: str | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of three quantized checkpoints of ``tiny`` (int4 AWQ + learned rounding
+    + scale, norm and code tuning; int4 AWQ + GPTQ, act-order; fp8 GPTQ + tuning), the
+    models loaded on ``device``, the passes run with ``default`` as the default device."""
+    from tokenloom.plugins.models.loader import load_model
+
+    sequences = _sequences()
+    models = [load_model(tiny, torch.float32, device)[0] for _ in range(3)]
+    out: dict[str, torch.Tensor] = {}
+    with torch.device(default) if default else contextlib.nullcontext():
+        model = models[0]
+        teacher = teacher_log_probs(model, sequences, batch=2)
+        grids = learn_layers(
+            model, sequences, "int4", group=32, iters=4, batch=2,
+            prepare_layer=AwqScaler(int4_rtn(32)), keep_latent=True,
+        )  # fmt: skip
+        tune_scales(model, sequences, grids, teacher, steps=3, batch=2, norms=True, codes=0.01)
+        out.update({f"learned.{k}": v for k, v in checkpoint_tensors(model, grids, F32).items()})
+
+        model = models[1]
+        grids = quantize_sequentially(
+            model, sequences, lambda: Int4Grid(32, static=True), act_order=True,
+            prepare_layer=AwqScaler(int4_rtn(32)),
+        )  # fmt: skip
+        out.update({f"gptq.{k}": v for k, v in checkpoint_tensors(model, grids, F32).items()})
+
+        model = models[2]
+        grids = quantize_sequentially(model, sequences, Fp8Grid)
+        teacher = teacher_log_probs(model, sequences, 2)
+        tune_scales(model, sequences, grids, teacher, steps=2, batch=2)
+        out.update({f"fp8.{k}": v for k, v in checkpoint_tensors(model, grids, F32).items()})
+    return out
+
+
+def test_every_pass_makes_its_tensors_on_the_models_device(tiny):
+    plain = _every_pass(tiny, "cpu")
+    strict = _every_pass(tiny, "cpu", default="meta")  # tensors made without a device: meta
+    assert plain.keys() == strict.keys()
+    assert any(k.endswith(".qweight") for k in plain)
+    assert any(k.endswith("weight_scale") for k in plain)
+    for key, tensor in plain.items():
+        assert strict[key].device.type == "cpu", key
+        assert torch.equal(strict[key], tensor), key
+
+
+def test_a_device_that_is_not_there_is_refused(tiny, tmp_path, capsys):
+    from tokenloom.entrypoints.quantize import main
+
+    args = [str(tiny), "--method", "int4", "--out", str(tmp_path / "q"), "--device"]
+    assert main([*args, "tpu"]) == 2
+    if not torch.cuda.is_available():
+        assert main([*args, "cuda"]) == 2
+    assert "--device" in capsys.readouterr().err
+
+
+def test_a_calibration_cache_of_other_settings_is_a_one_line_error(tiny, tmp_path, capsys):
+    from tokenloom.entrypoints.quantize import main
+
+    cache = tmp_path / "sample.json"
+    cache.write_text(json.dumps({"model": "elsewhere", "seq_len": 64, "seed": 0, "sequences": []}))
+    args = ["--method", "fp8", "--out", str(tmp_path / "q"), "--seq-len", "64"]
+    assert main([str(tiny), *args, "--calibration-cache", str(cache), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: calibration cache") and "model differ" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_quantize_on_cuda_writes_what_the_cpu_writes_and_it_serves(tiny, tmp_path):
+    from tokenloom import LLM, SamplingParams
+    from tokenloom.entrypoints.quantize import main
+
+    cache = tmp_path / "sample.json"  # one calibration sample for both devices
+    common = ["--calibration-tokens", "256", "--seq-len", "64", "--group-size", "32"]
+    common += ["--threads", "2"]
+    for device in ("cpu", "cuda"):
+        args = ["--method", "int4", "--rounding", "gptq", "--tune-scales", "0", *common]
+        args += ["--calibration-cache", str(cache), "--out", str(tmp_path / device)]
+        assert main([str(tiny), *args, "--device", device]) == 0
+    cpu, gpu = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("cpu", "cuda"))
+    assert cpu.keys() == gpu.keys()
+    qweights = [k for k in cpu if k.endswith(".qweight")]
+    assert qweights
+    for key in qweights:  # 8 codes a word: a word differs where one code does
+        same = (cpu[key] == gpu[key]).float().mean().item()
+        assert same > 0.9, (key, same)
+    about = json.loads((tmp_path / "cuda" / "quantize.json").read_text())
+    assert about["device"] == "cuda"
+
+    # the default recipe's steps on the GPU (learned rounding, then tuning with codes),
+    # its calibration text sampled there
+    out = tmp_path / "learned"
+    args = ["--method", "int4", "--iters", "16", "--tune-scales", "8", "--tune-codes", "0.01"]
+    assert main([str(tiny), *args, *common, "--out", str(out), "--device", "cuda"]) == 0
+    tuned = json.loads((out / "quantize.json").read_text())["scale_tuning"]
+    assert tuned["kl_after"] < tuned["kl_before"]
+    llm = LLM(str(out), dtype="float16")
+    try:
+        outs = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=8))
+        assert len(outs[0].outputs[0].token_ids) == 8
+    finally:
+        llm.engine.shutdown()
