@@ -20,6 +20,7 @@ modules, run outside the engine with a causal attention over one sequence at a t
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -113,6 +114,10 @@ def _sample(model: str, count: int, seq_len: int, seed: int, device: str) -> lis
         outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         llm.engine.shutdown()
+        del llm
+        if torch.device(device).type == "cuda":  # the sampler's weights and KV pool: give
+            gc.collect()  # them back before the float32 model loads there
+            torch.cuda.empty_cache()
     return [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
 
 
