@@ -47,6 +47,7 @@ PROMPTS = (
     "Give me some advice.",
     "Write a letter to a friend.",
 )
+PERIOD = 2 * len(PROMPTS)  # sequence i: BOS alone (i even) or PROMPTS[(i // 2) % len]
 
 
 def sample_calibration_tokens(
@@ -62,23 +63,27 @@ def sample_calibration_tokens(
     (the engine's torch attention; a seed draws other text on another device).
 
     ``cache``: a JSON file of sequences sampled before. Where it exists, it must be
-    of the same model, ``seq_len`` and ``seed``, and hold at least as many sequences:
-    the first ones are taken (sequence ``i`` is drawn with seed ``seed + i`` whatever
-    the count), whichever device sampled them. Where it does not, the sample is written
-    there."""
+    of the same model and ``seq_len``, and hold the sequences asked for: sequence ``i``
+    of a sample is drawn with seed ``seed + i`` and a prompt that repeats every
+    ``PERIOD`` sequences, whatever the count, so a cache of seed ``s`` serves seed ``s
+    + j * PERIOD`` from its sequence ``j * PERIOD`` on (whichever device sampled it).
+    Where it does not exist, the sample is written there."""
     count = max(2, -(-num_tokens // seq_len))
     key = {"model": str(Path(model).resolve()), "seq_len": seq_len, "seed": seed}
     if cache is not None and Path(cache).exists():
         saved = json.loads(Path(cache).read_text())
-        differ = [k for k, v in key.items() if saved.get(k) != v]
-        if differ or len(saved["sequences"]) < count:
+        offset = seed - saved.get("seed", seed)
+        differ = [k for k in ("model", "seq_len") if saved.get(k) != key[k]]
+        differ += ["seed"] if offset < 0 or offset % PERIOD else []
+        if differ or offset + count > len(saved["sequences"]):
             raise ValueError(
                 f"calibration cache {cache}: "
                 + (f"{', '.join(differ)} differ" if differ else f"holds fewer than {count}")
                 + f" (it has {dict((k, saved.get(k)) for k in key)}, "
-                f"{len(saved['sequences'])} sequences)"
+                f"{len(saved['sequences'])} sequences; it also serves seeds a multiple of "
+                f"{PERIOD} above its own)"
             )
-        return [list(s) for s in saved["sequences"][:count]]
+        return [list(s) for s in saved["sequences"][offset : offset + count]]
     sequences = _sample(model, count, seq_len, seed, device)
     if cache is not None:
         Path(cache).write_text(json.dumps({**key, "sequences": sequences}))

@@ -153,6 +153,23 @@ def test_the_calibration_cache_is_written_then_read_and_must_match(tiny, tmp_pat
     assert calibration.sample_calibration_tokens(str(tiny), 192, 64, 3, cache) == sampled
     # fewer sequences: the first ones (sequence i is drawn with seed + i)
     assert calibration.sample_calibration_tokens(str(tiny), 128, 64, 3, cache) == sampled[:2]
-    for wrong in ((192, 64, 4), (192, 32, 3), (256, 64, 3)):  # seed, length, too few
-        with pytest.raises(ValueError, match="calibration cache"):
+    for wrong in ((192, 64, 4), (192, 32, 3), (256, 64, 3), (128, 64, 2), (128, 64, 19)):
+        with pytest.raises(ValueError, match="calibration cache"):  # seed, length, too few
             calibration.sample_calibration_tokens(str(tiny), *wrong, cache)
+
+
+def test_a_calibration_cache_serves_seeds_a_prompt_period_above_its_own(tiny, tmp_path):
+    from tokenloom.plugins.quant import calibration
+
+    period, length = calibration.PERIOD, 64
+    cache = tmp_path / "sample.json"
+    whole = calibration.sample_calibration_tokens(
+        str(tiny), (period + 3) * length, length, 3, cache
+    )
+    fresh = calibration.sample_calibration_tokens(str(tiny), 3 * length, length, 3 + period)
+    assert fresh == whole[period:]  # what sampling at that seed draws, so the cache serves it
+    assert (
+        calibration.sample_calibration_tokens(str(tiny), 3 * length, length, 3 + period, cache)
+        == fresh
+    )
+    assert fresh != whole[:3]
