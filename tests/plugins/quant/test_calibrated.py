@@ -99,12 +99,14 @@ def test_a_calibration_cache_of_other_settings_is_a_one_line_error(tiny, tmp_pat
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_quantize_on_cuda_writes_what_the_cpu_writes_and_it_serves(tiny, tmp_path):
+def test_quantize_on_cuda_writes_what_the_cpu_writes_and_it_serves(tiny_model_factory, tmp_path):
     from tokenloom import LLM, SamplingParams
     from tokenloom.entrypoints.quantize import main
 
+    shape = {"hidden_size": 1024, "intermediate_size": 2048, "num_heads": 8, "num_kv_heads": 2}
+    tiny = tiny_model_factory("llama", **shape)  # shapes the GPU's int4 kernels take
     cache = tmp_path / "sample.json"  # one calibration sample for both devices
-    common = ["--calibration-tokens", "256", "--seq-len", "64", "--group-size", "32"]
+    common = ["--calibration-tokens", "256", "--seq-len", "64", "--group-size", "128"]
     common += ["--threads", "2"]
     for device in ("cpu", "cuda"):
         args = ["--method", "int4", "--rounding", "gptq", "--tune-scales", "0", *common]
@@ -120,14 +122,14 @@ def test_quantize_on_cuda_writes_what_the_cpu_writes_and_it_serves(tiny, tmp_pat
     about = json.loads((tmp_path / "cuda" / "quantize.json").read_text())
     assert about["device"] == "cuda"
 
-    # the default recipe's steps on the GPU (learned rounding, then tuning with codes),
+    # the default recipe's steps on the GPU (AWQ, learned rounding, then scale tuning),
     # its calibration text sampled there
     out = tmp_path / "learned"
-    args = ["--method", "int4", "--iters", "16", "--tune-scales", "8", "--tune-codes", "0.01"]
+    args = ["--method", "int4", "--iters", "16", "--tune-scales", "8"]
     assert main([str(tiny), *args, *common, "--out", str(out), "--device", "cuda"]) == 0
     tuned = json.loads((out / "quantize.json").read_text())["scale_tuning"]
     assert tuned["kl_after"] < tuned["kl_before"]
-    llm = LLM(str(out), dtype="float16")
+    llm = LLM(str(out), dtype="bfloat16")
     try:
         outs = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=8))
         assert len(outs[0].outputs[0].token_ids) == 8
