@@ -161,8 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--device",
         default="auto",
-        help="where the model is sampled and quantized: cpu, cuda, cuda:N, or auto (cuda "
-        "where there is a GPU, else cpu; the default). float32 either way",
+        choices=("auto", "cpu", "cuda"),
+        help="where the model is sampled and quantized: cpu, cuda (the current GPU: "
+        "CUDA_VISIBLE_DEVICES picks it), or auto (cuda where there is one, else cpu; the "
+        "default). float32 either way",
     )
     parser.add_argument(
         "--threads",
@@ -211,9 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    cuda = device == "cuda" or device.removeprefix("cuda:").isdigit()
-    if device != "cpu" and not (cuda and torch.cuda.is_available()):
-        print(f"error: --device {args.device}: cpu or cuda (with a GPU)", file=sys.stderr)
+    if device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda: no GPU here", file=sys.stderr)
         return 2
     if args.threads > 0:
         torch.set_num_threads(args.threads)

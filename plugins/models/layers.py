@@ -300,6 +300,15 @@ class Embedding(nn.Module):
         return WeightSlot(self.weight, 0, self.num_real_rows, (0, start, stop), self.num_embeddings)
 
 
+def fused(x: torch.Tensor) -> bool:
+    """Whether ``x`` takes the fused Triton kernels of ``fused_ops`` / ``rope_ops``: on a
+    GPU, with no gradient recorded. Those kernels write outputs autograd does not see,
+    so where gradients are recorded (a calibration's learned rounding and scale tuning
+    on a GPU: ``tokenloom quantize --device cuda``) the reference ops run; the engine
+    runs in inference mode, which records none."""
+    return x.is_cuda and not torch.is_grad_enabled()
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32, weight applied in the model dtype."""
 
@@ -311,7 +320,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
         """``norm(x)``; with ``order`` its columns gathered, ``norm(x)[..., order]`` (for
         a projection that keeps its inputs in that order: ``Linear.input_order``)."""
-        if x.is_cuda and x.dim() == 2:
+        if fused(x) and x.dim() == 2:
             from tokenloom.plugins.models import fused_ops
 
             normed = fused_ops.add_rms_norm(x, self.weight, self.eps, order=order)[0]
@@ -327,7 +336,7 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm(x + residual), x + residual)``: the residual stream in one pass (the
         norm's columns in ``order``, as ``forward``)."""
-        if x.is_cuda:
+        if fused(x):
             from tokenloom.plugins.models import fused_ops
 
             normed, summed = fused_ops.add_rms_norm(x, self.weight, self.eps, residual, order=order)
@@ -352,7 +361,7 @@ class RMSNorm(nn.Module):
 
 def silu_and_mul(gate_up: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(gate) * up``; with ``order`` its columns gathered (``fused_ops.silu_and_mul``)."""
-    if gate_up.is_cuda:
+    if fused(gate_up):
         from tokenloom.plugins.models import fused_ops
 
         return fused_ops.silu_and_mul(gate_up, order)

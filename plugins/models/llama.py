@@ -28,6 +28,7 @@ from tokenloom.plugins.models.layers import (
     Linear,
     RMSNorm,
     Slots,
+    fused,
     whole,
 )
 from tokenloom.plugins.models.rope import RotaryEmbedding, apply_rotary, rope_parameters
@@ -170,10 +171,10 @@ class LlamaAttention(nn.Module):
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
         if rotated:
             written["kv_written"] = True
-        elif q.is_cuda and ctx.attn.accepts_rope:
+        elif fused(q) and ctx.attn.accepts_rope:
             # the backend norms, rotates and stores k/v (in its decode kernel: none here)
             written["rope"] = RopeInputs(*rope, q_w, k_w, eps)
-        elif q.is_cuda:
+        elif fused(q):
             from tokenloom.plugins.models import rope_ops
 
             # The backend may let the rope kernel write the KV cache (one kernel less).

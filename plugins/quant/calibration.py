@@ -131,6 +131,7 @@ class CausalAttention:
     of one sequence, no KV cache (``k_cache``/``v_cache`` and ``meta`` unused)."""
 
     accepts_written_kv = False
+    accepts_rope = False  # the model rotates q and k (on a GPU too)
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, **_):  # type: ignore[no-untyped-def]
         group = q.shape[1] // k.shape[1]

@@ -145,6 +145,7 @@ class PackedAttention:
     other: causal attention inside each sequence."""
 
     accepts_written_kv = False
+    accepts_rope = False  # the model rotates q and k (on a GPU too)
 
     def __init__(self, length: int) -> None:
         self.length = length

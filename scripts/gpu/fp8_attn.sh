@@ -55,7 +55,8 @@
 #   ao45    session 45: the act-order gather's cost at one row (scripts/gpu/act_order_bench.py)
 #   t47     session 45: test_checkpoints.py on the GPU (compressed-tensors among them)
 #   auto46  session 46: on an H200 wide42, freshw42, ao45; elsewhere ao45, t47
-#   auto48  session 48: t49 (quantize --device cuda's tests), l47, then on an H200 wide42
+#   auto48  session 48: t49 (quantize --device cuda's tests), ba46l, then wide42 on an H200,
+#           else ba46t (before = .snap/before.tar, 1fbef6c)
 #   auto47  session 47: on an H200 wide42, freshw42; elsewhere t48, ao45, ba46l (before =
 #           .snap/before.tar, 9089b60: o's gather re-landed after it). lat47: bench
 #           latency bf16 / int4 / int8 on today's tree (QS)
@@ -190,11 +191,13 @@ if [ "${1:-}" = auto47 ]; then  # session 47: on an H200 the issue's workload on
   set -- t48 ao45 ba46l
   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && set -- wide42 freshw42
 fi
-if [ "${1:-}" = auto48 ]; then  # session 48 on an H200: int4 / int8 / bf16 at batch 1 on
-  # today's tree (issue 12's 2.5x and 1.6x), then the issue's workload on today's defaults
+if [ "${1:-}" = auto48 ]; then  # session 48: quantize --device cuda's tests (t49), bench
+  # latency bf16 / int4 before (.snap/before.tar = 1fbef6c) / after (the model's fused ops
+  # now also ask that no gradient be recorded); on an H200 then the issue's workload, else
+  # bench throughput before / after
   export LOGS=/tmp/benchlogs; mkdir -p "$LOGS"
-  set -- t49 l47 wide42
-  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || set -- t49 l47
+  set -- t49 ba46l ba46t
+  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && set -- t49 ba46l wide42
 fi
 if [ "${1:-}" = lat47 ]; then  # session 47: bench latency bf16 / int4 / int8 on today's tree
   export LOGS=/tmp/benchlogs; mkdir -p "$LOGS"
@@ -237,7 +240,7 @@ for step in "$@"; do
       echo "t49 rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/a-t49.log" | head -8; tail -1 "$OUT/a-t49.log" ;;
     l47)  # bench latency on today's tree (QS)
       for q in ${QS:-none int4 int8}; do bench latency $q-now after $q; done ;;
-    ba46l)  # bench latency before (.snap/before.tar, acd161c) / after, bf16 and int4
+    ba46l)  # bench latency before (.snap/before.tar) / after, bf16 and int4
       for q in ${QS:-none int4}; do
         bench latency $q-before before $q
         bench latency $q-after after $q
