@@ -165,6 +165,7 @@ def gptq(
     u = torch.linalg.cholesky(h_inv, upper=True).float()  # H^-1 = U^T U
     dynamic = grid.group and not grid.static
     rounded = torch.empty_like(w)
+    columns = order.tolist()  # once: not a device sync a column
     for first in range(0, k, block):
         last = min(first + block, k)
         chunk = w[:, first:last].clone()
@@ -174,7 +175,7 @@ def gptq(
             column = first + i
             if dynamic and column % grid.group == 0:
                 grid.fit(column, chunk[:, i : i + grid.group])
-            q = grid.round(chunk[:, i], int(order[column]))
+            q = grid.round(chunk[:, i], columns[column])
             rounded[:, column] = q
             error = (chunk[:, i] - q) / u_chunk[i, i]
             chunk[:, i + 1 :] -= error[:, None] * u_chunk[i, i + 1 :][None, :]
