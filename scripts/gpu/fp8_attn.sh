@@ -234,9 +234,9 @@ for step in "$@"; do
         -p no:cacheprovider tests/plugins/models/test_fused_ops.py tests/plugins/models/test_pdl.py \
         tests/plugins/quant/test_checkpoints.py > "$OUT/a-t48.log" 2>&1
       echo "t48 rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/a-t48.log" | head -8; tail -1 "$OUT/a-t48.log" ;;
-    t49)  # session 48: tokenloom quantize --device cuda (test_calibrated.py whole, on the GPU)
+    t49)  # session 48: tokenloom quantize --device cuda (test_quantize_device.py whole, on the GPU)
       timeout ${T49:-200} env PYTHONPATH=/tmp/after:/tmp/site python3 -m pytest -q -rfs \
-        -p no:cacheprovider tests/plugins/quant/test_calibrated.py > "$OUT/a-t49.log" 2>&1
+        -p no:cacheprovider tests/plugins/quant/test_quantize_device.py > "$OUT/a-t49.log" 2>&1
       echo "t49 rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/a-t49.log" | head -8; tail -1 "$OUT/a-t49.log" ;;
     l47)  # bench latency on today's tree (QS)
       for q in ${QS:-none int4 int8}; do bench latency $q-now after $q; done ;;
