@@ -70,14 +70,14 @@ class Int4Grid(Grid):
         self.static = static
         self.scales: list[torch.Tensor] = []  # per group [N] float32 (fp16 values)
         self.zeros: list[torch.Tensor] = []  # per group [N] float32 integers
-        self.codes: torch.Tensor | None = None  # [N, K] int32
+        self.codes: torch.Tensor | None = None  # [N, K] uint8 (a byte a weight)
         # learned rounding's weights and offsets, (w, v) [N, K] float32, with codes =
         # clamp(round(w / s + v) + z, 0, 15) at the rounding's scales: what
         # ``scale_tuning.tune_scales(codes=...)`` trains (``learn_layers(keep_latent=True)``)
         self.latent: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def start(self, w: torch.Tensor) -> None:
-        self.codes = torch.zeros(w.shape, dtype=torch.int32, device=w.device)
+        self.codes = torch.zeros(w.shape, dtype=torch.uint8, device=w.device)
         if self.static:
             for first in range(0, w.shape[1], self.group):
                 self.fit(first, w[:, first : first + self.group])
@@ -97,7 +97,7 @@ class Int4Grid(Grid):
         assert self.codes is not None
         scale, zero = self.scales[index // self.group], self.zeros[index // self.group]
         q = (torch.round(column / scale) + zero).clamp(0, 15)
-        self.codes[:, index] = q.to(torch.int32)
+        self.codes[:, index] = q.to(torch.uint8)
         return (q - zero) * scale
 
     def packed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

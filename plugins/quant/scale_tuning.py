@@ -27,6 +27,8 @@ Sequences of one length are packed ``batch`` at a time (``signround.PackedAttent
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,6 +42,53 @@ from tokenloom.plugins.quant.signround import packed_context, round_activations,
 log = get_logger(__name__)
 
 
+class _DequantizedLinear(torch.autograd.Function):
+    """``y = x W^T`` with ``W = (codes - zeros) * scales``, one scale and zero point per
+    group of ``group`` inputs (fp8: one scale a row, no zero points). ``W`` is made
+    again in the backward pass instead of kept: autograd keeps the input and the codes
+    (a byte a weight), where ``F.linear`` on a made weight keeps that float32 weight
+    and the product's two float32 factors, 12 bytes a weight, for every layer until
+    the backward pass (about 84 GB for an 8B model)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        scales: torch.Tensor,
+        codes: torch.Tensor,
+        zeros: torch.Tensor | None,
+        group: int,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x, scales, codes, zeros)
+        ctx.group = group
+        return F.linear(x, _steps(codes, zeros, group) * _expand(scales, group, codes.shape[1]))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, scales, codes, zeros = ctx.saved_tensors
+        n, k = codes.shape
+        steps = _steps(codes, zeros, ctx.group)
+        grad_x = grad_scales = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad @ (steps * _expand(scales, ctx.group, k))
+        if ctx.needs_input_grad[1]:
+            grad_w = grad.reshape(-1, n).t() @ x.reshape(-1, k)
+            grad_w = F.pad(grad_w.mul_(steps), (0, scales.shape[1] * ctx.group - k))
+            grad_scales = grad_w.view(n, scales.shape[1], ctx.group).sum(dim=2)
+        return grad_x, grad_scales, None, None, None
+
+
+def _expand(per_group: torch.Tensor, group: int, k: int) -> torch.Tensor:
+    """``[N, G]`` per group of ``group`` inputs -> ``[N, k]`` (``[N, 1]`` broadcasts)."""
+    return per_group if per_group.shape[1] == 1 else per_group.repeat_interleave(group, 1)[:, :k]
+
+
+def _steps(codes: torch.Tensor, zeros: torch.Tensor | None, group: int) -> torch.Tensor:
+    """``codes - zeros`` in float32, ``[N, K]``."""
+    steps = codes.float()
+    return steps if zeros is None else steps - _expand(zeros, group, codes.shape[1])
+
+
 class _Scales(nn.Module):
     """One ``Int4Grid``'s weight as ``(codes - zeros) * scales``, the scales trainable."""
 
@@ -48,10 +97,9 @@ class _Scales(nn.Module):
         assert grid.codes is not None
         n, k = grid.codes.shape
         self.group, self.k, self.grid = grid.group, k, grid
-        zeros = torch.stack(grid.zeros).t()  # [N, G]
         self.register_buffer("scale0", torch.stack(grid.scales).t().contiguous())  # [N, G]
-        self.register_buffer("codes0", grid.codes.float())  # [N, K], integers 0..15
-        self.register_buffer("zeros", zeros.repeat_interleave(self.group, dim=1)[:, :k])
+        self.register_buffer("codes0", grid.codes)  # [N, K] uint8, 0..15 (not a copy)
+        self.register_buffer("zeros", torch.stack(grid.zeros).t().contiguous())  # [N, G]
         self.t = nn.Parameter(torch.zeros_like(self.scale0))
         # ``train_codes``: learned rounding's weights and offsets (``Int4Grid.latent``),
         # codes = round(w / s + v) + z with v trainable, as in the layer-wise fit
@@ -64,7 +112,7 @@ class _Scales(nn.Module):
         if self.grid.latent is None:
             return None
         self.w, self.v = self.grid.latent[0], nn.Parameter(self.grid.latent[1])
-        if not torch.equal(self.codes(), self.codes0):
+        if not torch.equal(self.codes(), self.codes0.float()):
             raise ValueError("Int4Grid.latent does not give the grid's codes")
         return self.v
 
@@ -74,21 +122,30 @@ class _Scales(nn.Module):
 
     def codes(self) -> torch.Tensor:
         if self.w is None:
-            return self.codes0
+            return self.codes0.float()
         # against the rounding's own scales: a trained scale rescales the codes, it does
         # not move them (through round(w / s), its straight-through gradient is noise)
-        scale = self.scale0.repeat_interleave(self.group, dim=1)[:, : self.k]
-        return (round_ste(self.w / scale + self.v) + self.zeros).clamp(0, 15)
+        return (
+            round_ste(self.w / _expand(self.scale0, self.group, self.k) + self.v)
+            + _expand(self.zeros, self.group, self.k)
+        ).clamp(0, 15)
 
     def forward(self) -> torch.Tensor:
-        steps = self.codes() - self.zeros
-        return steps * self.scales().repeat_interleave(self.group, dim=1)[:, : self.k]
+        steps = self.codes() - _expand(self.zeros, self.group, self.k)
+        return steps * _expand(self.scales(), self.group, self.k)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """``x W^T``: the codes' bytes kept for the backward pass, not a float weight
+        (trained codes go through autograd's own path)."""
+        if self.w is not None:
+            return F.linear(x, self())
+        return _DequantizedLinear.apply(x, self.scales(), self.codes0, self.zeros, self.group)
 
     @torch.no_grad()
     def store(self) -> torch.Tensor:
         """Write the trained scales (and codes) into the grid; returns the weight they give."""
         self.grid.scales = list(self.scales().t().contiguous())
-        self.grid.codes = self.codes().to(self.grid.codes.dtype)  # type: ignore[union-attr]
+        self.grid.codes = self.codes().to(torch.uint8)
         self.grid.latent = None  # its offsets moved; and 8 bytes a weight freed
         return self()
 
@@ -100,17 +157,32 @@ class _RowScales(nn.Module):
         super().__init__()
         assert grid.codes is not None and grid.scales is not None
         self.grid = grid
-        self.register_buffer("codes", grid.codes.float())  # [N, K] e4m3 values
+        self.register_buffer("codes", grid.codes)  # [N, K] e4m3 (not a copy)
         self.register_buffer("scale0", grid.scales.float().clone())  # [N, 1]
         self.t = nn.Parameter(torch.zeros_like(self.scale0))
 
     def forward(self) -> torch.Tensor:
-        return self.codes * (self.scale0 * torch.exp(self.t))
+        return self.codes.float() * (self.scale0 * torch.exp(self.t))
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        scales = self.scale0 * torch.exp(self.t)
+        return _DequantizedLinear.apply(x, scales, self.codes, None, self.codes.shape[1])
 
     @torch.no_grad()
     def store(self) -> torch.Tensor:
         self.grid.scales = self.scale0 * torch.exp(self.t)
         return self()
+
+
+def _projection(linear: nn.Module, scales: _Scales | _RowScales) -> Any:
+    """A forward for ``linear`` (a ``layers.Linear``, one device, no kernel) that
+    multiplies by the trained weight of ``scales`` (``project``), plus its bias."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        y = scales.project(x)
+        return y if linear.bias is None else y + linear.bias
+
+    return forward
 
 
 def _packs(
@@ -199,8 +271,7 @@ def tune_scales(
     model.requires_grad_(False)
 
     def kl(i: int) -> torch.Tensor:
-        weights = {f"{n}.weight": s() for n, s in scales.items()}
-        weights.update({f"{n}.weight": w0 * torch.exp(u) for n, (w0, u) in gains.items()})
+        weights = {f"{n}.weight": w0 * torch.exp(u) for n, (w0, u) in gains.items()}
         ids, pos = packs[i]
         hidden = functional_call(model, weights, (ids, pos, ctx))
         logp = F.log_softmax(model.compute_logits(hidden), dim=-1)
@@ -216,6 +287,8 @@ def tune_scales(
         for n, g in grids.items()
         if isinstance(g, Fp8Grid)
     ]
+    for name, s in scales.items():  # each quantized Linear computes from its codes
+        model.get_submodule(name).forward = _projection(model.get_submodule(name), s)
     try:
         before = mean_kl()
         trained = [s.t for s in scales.values()] + [u for _, u in gains.values()]
@@ -240,7 +313,7 @@ def tune_scales(
         if offsets:
             with torch.no_grad():
                 moved = sum(
-                    int((s.codes() != s.codes0).sum())
+                    int((s.codes() != s.codes0.float()).sum())
                     for s in scales.values()
                     if isinstance(s, _Scales)
                 )
@@ -257,6 +330,8 @@ def tune_scales(
     finally:
         for hook in hooks:
             hook.remove()
+        for name in scales:
+            del model.get_submodule(name).forward  # the class's own again
     log.info("scale tuning: mean KL %.4g -> %.4g over %d packs", before, after, len(packs))
     return before, after
 

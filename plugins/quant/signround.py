@@ -100,7 +100,7 @@ class Int4Rounding(nn.Module):
         grid = Int4Grid(self.group, static=True)
         grid.scales = list(scale[:, :, 0].t().contiguous())
         grid.zeros = list(zero[:, :, 0].t().contiguous())
-        grid.codes = codes.flatten(1)[:, : self.k].to(torch.int32)
+        grid.codes = codes.flatten(1)[:, : self.k].to(torch.uint8)
         if latent:
             grid.latent = (
                 self.w.flatten(1)[:, : self.k].clone(),

@@ -75,6 +75,86 @@ def test_tuning_refuses_a_teacher_of_other_packs(tiny):
         tune_scales(model, sequences, grids, teacher, steps=1, batch=2)
 
 
+def _saved_bytes(run) -> int:
+    """Bytes of the distinct storages autograd keeps for the backward pass of ``run()``."""
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("method", ["int4", "fp8"])
+def test_the_tuned_projection_keeps_codes_not_a_float_weight(method):
+    """A quantized Linear's product in the tuning: its output and its gradients (input,
+    scales) equal autograd's through the float weight, while what it keeps for the
+    backward pass is the input and the codes' bytes, not the 12 bytes a weight that the
+    float weight and its product's factors take."""
+    from tokenloom.plugins.quant.gptq import Fp8Grid, Int4Grid
+    from tokenloom.plugins.quant.scale_tuning import _RowScales, _Scales
+
+    n, k, group = 96, 200, 64  # k not a multiple of the group: a short last group
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(n, k, generator=gen)
+    grid = Int4Grid(group) if method == "int4" else Fp8Grid()
+    grid.start(w)
+    for column in range(k):
+        if method == "int4" and column % group == 0:
+            grid.fit(column, w[:, column : column + group])
+        grid.round(w[:, column], column)
+    scales = _Scales(grid) if method == "int4" else _RowScales(grid)
+    with torch.no_grad():
+        scales.t.copy_(0.05 * torch.randn(scales.t.shape, generator=gen))
+    x = torch.randn(3, 5, k, generator=gen, requires_grad=True)
+    probe = torch.randn(3, 5, n, generator=gen)
+
+    def grads(project) -> tuple[torch.Tensor, ...]:
+        x.grad = scales.t.grad = None
+        y = project()
+        (y * probe).sum().backward()
+        return y.detach(), x.grad.clone(), scales.t.grad.clone()
+
+    mine = grads(lambda: scales.project(x))
+    reference = grads(lambda: torch.nn.functional.linear(x, scales()))
+    for a, b in zip(mine, reference, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert bool((mine[2] != 0).all())
+    kept = _saved_bytes(lambda: scales.project(x))
+    assert kept < x.numel() * 4 + n * k * 2, kept  # the input, a byte a code, the scales
+    assert _saved_bytes(lambda: torch.nn.functional.linear(x, scales())) > n * k * 8
+
+
+def test_the_tuned_kl_is_the_plain_models(tiny):
+    """The KL that tune_scales reports after tuning, through its own projections, is
+    the KL of the model's ordinary forward over the weights it wrote."""
+    import torch.nn.functional as F
+
+    from tokenloom.plugins.models.loader import load_model
+    from tokenloom.plugins.quant.signround import packed_context
+
+    model, _ = load_model(tiny, torch.float32, "cpu")
+    sequences = _sequences(count=4)
+    teacher = teacher_log_probs(model, sequences, batch=2)
+    grids = learn_layers(model, sequences, "int4", group=32, iters=0, batch=2)
+    _, after = tune_scales(model, sequences, grids, teacher, steps=6, batch=2, lr=5e-3)
+    assert "forward" not in vars(model.get_submodule(next(iter(grids))))  # put back
+    ctx = packed_context(model, len(sequences[0]))
+    plain = []
+    with torch.no_grad():
+        for i in range(0, len(sequences), 2):
+            pack = sequences[i : i + 2]
+            ids = torch.tensor([t for s in pack for t in s])
+            pos = torch.arange(len(pack[0])).repeat(len(pack))
+            logp = F.log_softmax(model.compute_logits(model(ids, pos, ctx)), dim=-1)
+            target = teacher[i // 2].float()
+            plain.append(float(F.kl_div(logp, target, log_target=True, reduction="batchmean")))
+    assert after == pytest.approx(sum(plain) / len(plain), rel=1e-5)
+
+
 def _assert_generates(checkpoint) -> None:
     """The written int4 checkpoint loads and greedily generates 8 tokens."""
     from tokenloom import LLM, SamplingParams
