@@ -173,3 +173,28 @@ def test_a_layer_on_cuda_records_the_gradients_the_cpu_records(tiny):
         assert expected is not None and got is not None, name
         scale = float(expected.abs().max())
         assert float((got.cpu() - expected).abs().max()) <= 1e-3 * scale, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_tuning_on_cuda_takes_less_than_the_float_weights(tiny_model_factory):
+    # what the scale tuning adds on the GPU above the loaded model and its codes: each
+    # projection keeps its input and codes for the backward pass, not a float weight
+    # (which, with its product's factors and the float codes and zero points the
+    # tuning used to copy, took about 20 bytes a quantized weight)
+    from tokenloom.plugins.models.loader import load_model
+
+    shape = {"hidden_size": 1024, "intermediate_size": 4096, "num_heads": 8}
+    tiny = tiny_model_factory("llama", num_layers=6, num_kv_heads=2, **shape)
+    model, _ = load_model(tiny, torch.float32, "cuda")
+    sequences = _sequences(4, 64)
+    teacher = teacher_log_probs(model, sequences, batch=2)
+    grids = learn_layers(model, sequences, "int4", group=128, iters=0, batch=2)  # nearest
+    weights = sum(model.get_submodule(n).weight.numel() for n in grids)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    before, after = tune_scales(model, sequences, grids, teacher, steps=4, batch=2, norms=True)
+    extra = torch.cuda.max_memory_allocated() - base
+    assert after < before
+    assert extra < 4 * weights, (extra / weights, weights)
