@@ -155,6 +155,11 @@ class LayerStates:
 
 
 @torch.no_grad()
+def model_device(model: nn.Module) -> torch.device:
+    """The device a loaded model's weights are on (its embedding's)."""
+    return model.model.embed_tokens.weight.device
+
+
 def quantize_sequentially(
     model: nn.Module,
     sequences: list[list[int]],
@@ -177,7 +182,7 @@ def quantize_sequentially(
         kv_caches=[(torch.empty(0), torch.empty(0))] * len(inner.layers),
     )
     states = LayerStates(rope=[], hidden=[], residual=[])
-    device = inner.embed_tokens.weight.device
+    device = model_device(model)
     for seq in sequences:
         ids = torch.tensor(seq, dtype=torch.long, device=device)
         states.rope.append(inner.rotary(torch.arange(len(seq), device=device)))

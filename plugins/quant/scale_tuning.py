@@ -36,6 +36,7 @@ from torch.func import functional_call
 
 from tokenloom.logging import get_logger
 from tokenloom.plugins.models.layers import RMSNorm
+from tokenloom.plugins.quant.calibration import model_device
 from tokenloom.plugins.quant.gptq import Fp8Grid, Grid, Int4Grid
 from tokenloom.plugins.quant.signround import packed_context, round_activations, round_ste
 
@@ -212,12 +213,8 @@ def teacher_log_probs(
     ctx = packed_context(model, len(sequences[0]))
     return [
         F.log_softmax(model.compute_logits(model(ids, pos, ctx)), dim=-1).half().cpu()
-        for ids, pos in _packs(sequences, batch, _device(model))
+        for ids, pos in _packs(sequences, batch, model_device(model))
     ]
-
-
-def _device(model: nn.Module) -> torch.device:
-    return model.model.embed_tokens.weight.device
 
 
 def tune_scales(
@@ -263,7 +260,7 @@ def tune_scales(
                 offsets.append(v)
         if not offsets:
             log.warning("scale tuning: no learned rounding to train the codes from")
-    device = _device(model)
+    device = model_device(model)
     packs = _packs(sequences, batch, device)
     if len(teacher) != len(packs):
         raise ValueError("teacher_log_probs must come from the same sequences and batch")

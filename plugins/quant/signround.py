@@ -41,6 +41,7 @@ from torch.func import functional_call
 
 from tokenloom.logging import get_logger
 from tokenloom.plugins.models.layers import Linear
+from tokenloom.plugins.quant.calibration import model_device
 from tokenloom.plugins.quant.fp8 import FP8, FP8_MAX, quantize_fp8_rows
 from tokenloom.plugins.quant.gptq import Fp8Grid, Grid, Int4Grid
 from tokenloom.protocols.components.attention import ForwardContext
@@ -219,7 +220,7 @@ def learn_layers(
     ctx = packed_context(model, length)
     packs = [sequences[i : i + batch] for i in range(0, len(sequences), batch)]
     ropes, quant, fp = [], [], []
-    device = inner.embed_tokens.weight.device
+    device = model_device(model)
     with torch.no_grad():
         for pack in packs:
             ids = torch.tensor([t for s in pack for t in s], dtype=torch.long, device=device)
