@@ -42,6 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--method", choices=("int4", "fp8"), required=True)
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory")
     parser.add_argument(
+        "--format",
+        default="gptq",
+        choices=("gptq", "compressed-tensors"),
+        help="of the checkpoint: gptq (int4 as GPTQ, fp8 as fbgemm_fp8; the default) or "
+        "compressed-tensors (llm-compressor's format); the same codes and scales",
+    )
+    parser.add_argument(
         "--calibration-tokens",
         type=int,
         default=16384,
@@ -262,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.tune_scales
         else None,
         device=device,
+        fmt=args.format,
     )
     print(
         f"{args.rounding}: quantized in {time.perf_counter() - sampled:.0f} s; wrote {args.out} "

@@ -58,13 +58,15 @@ def quantize_checkpoint(
     learned: LearnedRounding | None = None,
     tune: ScaleTuning | None = None,
     device: str = "cpu",
+    fmt: str = "gptq",
 ) -> None:
     """Load ``model_path`` (directory or GGUF) in float32 on ``device``, GPTQ its
     decoder layers for ``method`` (int4 | fp8) calibrated on ``sequences``, write the
     checkpoint to ``out`` (dense tensors in ``dtype``, default float32). ``awq``
     (int4): AWQ-scale each layer first; ``awq_clip``: and clip its groups. ``learned``:
     learned rounding of each layer's output instead of GPTQ. ``tune``: then the
-    scales trained end to end on the float model's next-token distributions."""
+    scales trained end to end on the float model's next-token distributions. ``fmt``:
+    of the checkpoint (``gptq_checkpoint.FORMATS``)."""
     import torch
 
     from tokenloom.plugins.models.gguf import find_gguf
@@ -134,8 +136,8 @@ def quantize_checkpoint(
         out,
         source,
         read_hf_config(source),
-        checkpoint_tensors(model, grids, dtype),
-        quantization_config(method, group, damping),
+        checkpoint_tensors(model, grids, dtype, fmt),
+        quantization_config(method, group, damping, fmt),
         dtype,
         {
             **(about or {}),

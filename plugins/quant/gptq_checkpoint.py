@@ -10,6 +10,17 @@ existing readers load (``--quant int4`` / ``--quant fp8``).
   output channel and dynamic per-token activation scales (vLLM and transformers read
   it): per projection ``weight [N, K]`` e4m3 and ``weight_scale [N, 1]`` float32.
 
+Or (``fmt="compressed-tensors"``) in the compressed-tensors format, as llm-compressor
+writes it and ``plugins.quant.compressed_tensors`` reads it, the same codes and scales:
+
+- int4: ``pack-quantized``, groups with zero points (``symmetric: false``, no
+  activation order): per projection ``weight_packed [N, K / 8]`` (code ``8 c + j`` of a
+  row in nibble ``j`` of word ``c``), ``weight_scale [N, G]`` float16,
+  ``weight_zero_point [N / 8, G]`` (packed along the outputs, stored as they are) and
+  ``weight_shape``.
+- fp8: ``float-quantized``, one scale per output channel, activations dynamic per
+  token: ``weight [N, K]`` e4m3 and ``weight_scale [N, 1]`` float32.
+
 A merged layer (q/k/v, gate/up) is split back into its checkpoint projections by the
 model's own ``checkpoint_slots``; every other tensor (embedding, norms, an untied LM
 head) is written dense in ``dtype``. The tokenizer files are copied from the source.
@@ -29,6 +40,7 @@ from tokenloom.plugins.quant.gptq import Fp8Grid, Grid, Int4Grid
 from tokenloom.plugins.quant.int4 import PACK
 
 FBGEMM_ACTIVATION_SCALE_UB = 1200.0  # the format's usual bound (read, not applied here)
+FORMATS = ("gptq", "compressed-tensors")  # int4 as GPTQ and fp8 as fbgemm_fp8, or both as CT
 METADATA_SKIPPED = ("config.json", "model.safetensors.index.json")
 
 
@@ -42,8 +54,12 @@ def pack_columns(values: torch.Tensor) -> torch.Tensor:
     return (words << shifts).sum(dim=2, dtype=torch.int32)  # bits never overlap
 
 
-def quantization_config(method: str, group: int, damping: float) -> dict[str, Any]:
-    """The ``quantization_config`` of config.json for ``method`` (int4 | fp8)."""
+def quantization_config(
+    method: str, group: int, damping: float, fmt: str = "gptq"
+) -> dict[str, Any]:
+    """The ``quantization_config`` of config.json for ``method`` (int4 | fp8) in ``fmt``."""
+    if fmt == "compressed-tensors":
+        return _compressed_tensors_config(method, group)
     if method == "int4":
         return {
             "quant_method": "gptq",
@@ -63,7 +79,41 @@ def quantization_config(method: str, group: int, damping: float) -> dict[str, An
     }
 
 
-def _projection_tensors(prefix: str, grid: Grid, rows: slice) -> dict[str, torch.Tensor]:
+def _compressed_tensors_config(method: str, group: int) -> dict[str, Any]:
+    if method == "int4":
+        fmt, activations = "pack-quantized", None
+        weights: dict[str, Any] = {"type": "int", "num_bits": 4, "strategy": "group"}
+        weights |= {"group_size": group, "symmetric": False, "actorder": None}
+    else:
+        fmt = "float-quantized"
+        weights = {"type": "float", "num_bits": 8, "strategy": "channel", "symmetric": True}
+        activations = {"type": "float", "num_bits": 8, "strategy": "token", "dynamic": True}
+        activations["symmetric"] = True
+    scheme = {"targets": ["Linear"], "weights": weights | {"dynamic": False}}
+    scheme["input_activations"] = activations
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": scheme},
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": None,
+    }
+
+
+def _projection_tensors(
+    prefix: str, grid: Grid, rows: slice, fmt: str = "gptq"
+) -> dict[str, torch.Tensor]:
+    if isinstance(grid, Int4Grid) and fmt == "compressed-tensors":
+        assert grid.codes is not None
+        _, scales, zeros = grid.packed()  # [G, N] float16, [G, N] int32 in 1..15
+        codes = grid.codes[rows]  # [n, K]
+        return {
+            f"{prefix}.weight_packed": pack_columns(codes),
+            f"{prefix}.weight_scale": scales[:, rows].t().contiguous(),
+            f"{prefix}.weight_zero_point": pack_columns(zeros[:, rows]).t().contiguous(),
+            f"{prefix}.weight_shape": torch.tensor(list(codes.shape), dtype=torch.int64),
+        }
     if isinstance(grid, Int4Grid):
         qweight, scales, zeros = grid.packed()
         k = qweight.shape[0] * PACK
@@ -81,16 +131,18 @@ def _projection_tensors(prefix: str, grid: Grid, rows: slice) -> dict[str, torch
 
 
 def checkpoint_tensors(
-    model: nn.Module, grids: dict[str, Grid], dtype: torch.dtype
+    model: nn.Module, grids: dict[str, Grid], dtype: torch.dtype, fmt: str = "gptq"
 ) -> dict[str, torch.Tensor]:
-    """Every tensor of the quantized checkpoint, by its Hugging Face name, on the CPU."""
+    """Every tensor of the quantized checkpoint in ``fmt`` (``FORMATS``), by its Hugging
+    Face name, on the CPU."""
     layers = {id(module.weight): name for name, module in model.named_modules() if name in grids}
     tensors: dict[str, torch.Tensor] = {}
     for key, slot in model.checkpoint_slots().items():
         name = layers.get(id(slot.param))
         if name is not None and key.endswith(".weight"):
             prefix = key.removesuffix(".weight")
-            tensors.update(_projection_tensors(prefix, grids[name], slice(slot.start, slot.stop)))
+            rows = slice(slot.start, slot.stop)
+            tensors.update(_projection_tensors(prefix, grids[name], rows, fmt))
         else:
             tensors[key] = slot.target().to(dtype).contiguous()
     return {key: t.cpu() for key, t in tensors.items()}  # written from host memory
