@@ -3,8 +3,8 @@ runs on the model's device. On the CPU, every pass (AWQ, GPTQ, learned rounding,
 tuning with norms and codes) runs a second time with the default device set to ``meta``:
 a tensor made without naming a device is then a meta tensor, mixing it with the model's
 raises, and the results must be the plain run's bit for bit. On a GPU (``gpu``), the
-command with ``--device cuda`` writes a checkpoint that serves, its GPTQ rounding that of
-the CPU run on the same calibration sample but for float noise."""
+command with ``--device cuda`` writes a checkpoint that serves, its GPTQ rounding as far
+from the float weights as the CPU run's on the same calibration sample."""
 
 from __future__ import annotations
 
@@ -64,8 +64,19 @@ def _every_pass(tiny, device: str, default: str | None = None) -> dict[str, torc
     return out
 
 
-def test_every_pass_makes_its_tensors_on_the_models_device(tiny):
+class _HostStepAdam(torch.optim.Adam):
+    """Adam whose step runs with the CPU as the default device: torch 2.11's Adam makes
+    its step counter without naming a device (a host scalar by design; torch 2.13's
+    names it), which the meta default device would turn into a meta tensor."""
+
+    def step(self, closure=None):  # type: ignore[override]
+        with torch.device("cpu"):
+            return super().step(closure)
+
+
+def test_every_pass_makes_its_tensors_on_the_models_device(tiny, monkeypatch):
     plain = _every_pass(tiny, "cpu")
+    monkeypatch.setattr(torch.optim, "Adam", _HostStepAdam)
     strict = _every_pass(tiny, "cpu", default="meta")  # tensors made without a device: meta
     assert plain.keys() == strict.keys()
     assert any(k.endswith(".qweight") for k in plain)
@@ -101,7 +112,7 @@ def test_a_calibration_cache_of_other_settings_is_a_one_line_error(tiny, tmp_pat
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_quantize_on_cuda_writes_what_the_cpu_writes_and_it_serves(tiny_model_factory, tmp_path):
+def test_quantize_on_cuda_rounds_as_the_cpu_does_and_it_serves(tiny_model_factory, tmp_path):
     from tokenloom import LLM, SamplingParams
     from tokenloom.entrypoints.quantize import main
 
@@ -110,17 +121,21 @@ def test_quantize_on_cuda_writes_what_the_cpu_writes_and_it_serves(tiny_model_fa
     cache = tmp_path / "sample.json"  # one calibration sample for both devices
     common = ["--calibration-tokens", "256", "--seq-len", "64", "--group-size", "128"]
     common += ["--threads", "2"]
-    for device in ("cpu", "cuda"):
-        args = ["--method", "int4", "--rounding", "gptq", "--tune-scales", "0", *common]
-        args += ["--calibration-cache", str(cache), "--out", str(tmp_path / device)]
+    for device in ("cpu", "cuda"):  # GPTQ alone: AWQ's choice of scale is discrete
+        args = ["--method", "int4", "--rounding", "gptq", "--tune-scales", "0", "--no-awq"]
+        args += [*common, "--calibration-cache", str(cache), "--out", str(tmp_path / device)]
         assert main([str(tiny), *args, "--device", device]) == 0
     cpu, gpu = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("cpu", "cuda"))
     assert cpu.keys() == gpu.keys()
-    qweights = [k for k in cpu if k.endswith(".qweight")]
-    assert qweights
-    for key in qweights:  # 8 codes a word: a word differs where one code does
-        same = (cpu[key] == gpu[key]).float().mean().item()
-        assert same > 0.9, (key, same)
+    # GPTQ is chaotic: a relative 1e-6 change of the weights leaves 18-47% of the packed
+    # words of this model equal (measured on the CPU), so the codes are not compared.
+    # Each projection's weight error is: on the CPU the same change moves it by 0.4%
+    # at most; a GPTQ that went wrong (its Hessian, its order) lands elsewhere.
+    source = load_file(str(tiny / "model.safetensors"))
+    errors = {d: _weight_errors(ckpt, source) for d, ckpt in (("cpu", cpu), ("cuda", gpu))}
+    assert len(errors["cpu"]) == 14
+    for key, expected in errors["cpu"].items():
+        assert abs(errors["cuda"][key] / expected - 1) < 0.02, (key, errors["cuda"][key], expected)
     about = json.loads((tmp_path / "cuda" / "quantize.json").read_text())
     assert about["device"] == "cuda"
 
@@ -137,6 +152,22 @@ def test_quantize_on_cuda_writes_what_the_cpu_writes_and_it_serves(tiny_model_fa
         assert len(outs[0].outputs[0].token_ids) == 8
     finally:
         llm.engine.shutdown()
+
+
+def _weight_errors(ckpt: dict[str, torch.Tensor], source: dict[str, torch.Tensor]):
+    """Each GPTQ projection's ``|Q - W| / |W|`` (Frobenius) against the source weight."""
+    from tokenloom.plugins.quant.int4 import dequantize_int4
+    from tokenloom.plugins.quant.int4_checkpoints import unpack_columns
+
+    errors = {}
+    for key in ckpt:
+        if key.endswith(".qweight"):
+            p = key.removesuffix(".qweight")
+            zeros = unpack_columns(ckpt[f"{p}.qzeros"], tuple(range(8))) + 1  # stored z - 1
+            q = dequantize_int4(ckpt[key], ckpt[f"{p}.scales"], zeros, 128, F32)
+            w = source[f"{p}.weight"].float()
+            errors[p] = float((q - w).norm() / w.norm())
+    return errors
 
 
 def _layer_grads(tiny, device: str) -> dict[str, torch.Tensor | None]:
