@@ -198,7 +198,7 @@ if [ "${1:-}" = auto49 ]; then  # session 49: t49 again (its two premises fixed)
   export LOGS=/tmp/benchlogs; mkdir -p "$LOGS"
   set -- t49
   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && QS="none int4" && \
-    set -- t49 l47 wide42
+    set -- t49 wide42 l47
 fi
 if [ "${1:-}" = auto48 ]; then  # session 48: quantize --device cuda's tests (t49), bench
   # latency bf16 / int4 before (.snap/before.tar = 1fbef6c) / after (the model's fused ops
