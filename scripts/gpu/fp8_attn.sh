@@ -55,8 +55,8 @@
 #   ao45    session 45: the act-order gather's cost at one row (scripts/gpu/act_order_bench.py)
 #   t47     session 45: test_checkpoints.py on the GPU (compressed-tensors among them)
 #   auto46  session 46: on an H200 wide42, freshw42, ao45; elsewhere ao45, t47
-#   auto49  session 49: t49 (its two premises fixed); on an H200 then l47 (bf16, int4) and
-#           wide42
+#   auto49  session 49: t49 (its two premises fixed); on an H200 then wide42 and l47
+#           (bf16, int4)
 #   auto48  session 48: t49 (quantize --device cuda's tests), ba46l, then wide42 on an H200,
 #           else ba46t (before = .snap/before.tar, 1fbef6c)
 #   auto47  session 47: on an H200 wide42, freshw42; elsewhere t48, ao45, ba46l (before =
@@ -194,7 +194,7 @@ if [ "${1:-}" = auto47 ]; then  # session 47: on an H200 the issue's workload on
   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && set -- wide42 freshw42
 fi
 if [ "${1:-}" = auto49 ]; then  # session 49: t49 again (its two premises fixed); on an H200
-  # then bench latency bf16 / int4 on today's tree and the workload
+  # then the workload and bench latency bf16 / int4 on today's tree
   export LOGS=/tmp/benchlogs; mkdir -p "$LOGS"
   set -- t49
   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && QS="none int4" && \
