@@ -154,12 +154,12 @@ class LayerStates:
     residual: list[torch.Tensor | None] = field(default_factory=list)
 
 
-@torch.no_grad()
 def model_device(model: nn.Module) -> torch.device:
     """The device a loaded model's weights are on (its embedding's)."""
     return model.model.embed_tokens.weight.device
 
 
+@torch.no_grad()
 def quantize_sequentially(
     model: nn.Module,
     sequences: list[list[int]],

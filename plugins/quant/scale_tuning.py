@@ -279,14 +279,15 @@ def tune_scales(
         with torch.no_grad():
             return sum(float(kl(i)) for i in range(len(packs))) / len(packs)
 
-    hooks = [
-        model.get_submodule(n).register_forward_pre_hook(round_activations)
-        for n, g in grids.items()
-        if isinstance(g, Fp8Grid)
-    ]
-    for name, s in scales.items():  # each quantized Linear computes from its codes
-        model.get_submodule(name).forward = _projection(model.get_submodule(name), s)
+    hooks = []
+    swapped: list[nn.Module] = []
     try:
+        for name, s in scales.items():  # each quantized Linear computes from its codes
+            linear = model.get_submodule(name)
+            if isinstance(s, _RowScales):
+                hooks.append(linear.register_forward_pre_hook(round_activations))
+            linear.forward = _projection(linear, s)
+            swapped.append(linear)
         before = mean_kl()
         trained = [s.t for s in scales.values()] + [u for _, u in gains.values()]
         groups: list[dict] = [{"params": trained, "lr": lr}]
@@ -327,8 +328,8 @@ def tune_scales(
     finally:
         for hook in hooks:
             hook.remove()
-        for name in scales:
-            del model.get_submodule(name).forward  # the class's own again
+        for linear in swapped:
+            del linear.forward  # the class's own again
     log.info("scale tuning: mean KL %.4g -> %.4g over %d packs", before, after, len(packs))
     return before, after
 

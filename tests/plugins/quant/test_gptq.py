@@ -173,3 +173,18 @@ def test_a_calibration_cache_serves_seeds_a_prompt_period_above_its_own(tiny, tm
         == fresh
     )
     assert fresh != whole[:3]
+
+
+def test_the_sequential_gptq_records_no_gradients(tiny):
+    # on a GPU the model's fused norm, SiLU and rope run only where no gradient is
+    # recorded (layers.fused): GPTQ's and AWQ's layer passes must run under no_grad
+    from tokenloom.plugins.models.loader import load_model
+    from tokenloom.plugins.quant.calibration import quantize_sequentially
+
+    model, _ = load_model(tiny, torch.float32, "cpu")
+    seen: list[bool] = []
+    layer = model.model.layers[0].self_attn.o_proj
+    layer.register_forward_pre_hook(lambda *_: seen.append(torch.is_grad_enabled()))
+    sequences = [[5, 6, 7, 8, 9, 10, 11, 12]] * 2
+    quantize_sequentially(model, sequences, lambda: Int4Grid(32))
+    assert seen and not any(seen)

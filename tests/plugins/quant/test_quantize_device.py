@@ -48,6 +48,8 @@ def _every_pass(tiny, device: str, default: str | None = None) -> dict[str, torc
         )  # fmt: skip
         tune_scales(model, sequences, grids, teacher, steps=3, batch=2, norms=True, codes=0.01)
         out.update({f"learned.{k}": v for k, v in checkpoint_tensors(model, grids, F32).items()})
+        ct = checkpoint_tensors(model, grids, F32, "compressed-tensors")
+        out.update({f"learned-ct.{k}": v for k, v in ct.items()})
 
         model = models[1]
         grids = quantize_sequentially(
@@ -81,6 +83,7 @@ def test_every_pass_makes_its_tensors_on_the_models_device(tiny, monkeypatch):
     assert plain.keys() == strict.keys()
     assert any(k.endswith(".qweight") for k in plain)
     assert any(k.endswith("weight_scale") for k in plain)
+    assert any(k.endswith(".weight_zero_point") for k in plain)
     for key, tensor in plain.items():
         assert strict[key].device.type == "cpu", key
         assert torch.equal(strict[key], tensor), key

@@ -155,6 +155,24 @@ def test_the_tuned_kl_is_the_plain_models(tiny):
     assert after == pytest.approx(sum(plain) / len(plain), rel=1e-5)
 
 
+def test_the_projections_are_put_back_when_the_tuning_fails(tiny):
+    """A grid that names no module fails the tuning; the modules swapped before it get
+    their class's forward back, and the rounding hooks are removed."""
+    from tokenloom.plugins.models.loader import load_model
+
+    model, _ = load_model(tiny, torch.float32, "cpu")
+    sequences = _sequences(count=2)
+    teacher = teacher_log_probs(model, sequences, batch=2)
+    grids = learn_layers(model, sequences, "fp8", iters=0, batch=2)
+    names = list(grids)
+    grids["model.layers.9.mlp.down_proj"] = grids[names[0]]  # no such layer
+    with pytest.raises(AttributeError):
+        tune_scales(model, sequences, grids, teacher, steps=1, batch=2)
+    for name in names:
+        linear = model.get_submodule(name)
+        assert "forward" not in vars(linear) and not linear._forward_pre_hooks, name
+
+
 def _assert_generates(checkpoint) -> None:
     """The written int4 checkpoint loads and greedily generates 8 tokens."""
     from tokenloom import LLM, SamplingParams
