@@ -112,7 +112,9 @@ def _projection_tensors(
             f"{prefix}.weight_packed": pack_columns(codes),
             f"{prefix}.weight_scale": scales[:, rows].t().contiguous(),
             f"{prefix}.weight_zero_point": pack_columns(zeros[:, rows]).t().contiguous(),
-            f"{prefix}.weight_shape": torch.tensor(list(codes.shape), dtype=torch.int64, device="cpu"),
+            f"{prefix}.weight_shape": torch.tensor(
+                list(codes.shape), dtype=torch.int64, device="cpu"
+            ),
         }
     if isinstance(grid, Int4Grid):
         qweight, scales, zeros = grid.packed()
