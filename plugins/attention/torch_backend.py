@@ -4,8 +4,11 @@ Runs on any device. Keys and values are written into the paged cache with one
 vectorised ``index_copy_``; then each request's keys and values are gathered through
 its block table and attended with ``scaled_dot_product_attention`` under a causal mask
 aligned to the end of the sequence (the queries are the request's last tokens).
-It loops over requests on the host, reading ``meta.query_lens_cpu`` and
-``meta.seq_lens_cpu``, so it is meant for correctness and the CPU, not CUDA graphs.
+Decode rows (one query a request) of requests of the same length attend in one call,
+without a mask and without repeating the KV heads; each row's result is still its own
+alone, whatever else is in the batch. It loops over requests on the host, reading
+``meta.query_lens_cpu`` and ``meta.seq_lens_cpu``, so it is meant for correctness and
+the CPU, not CUDA graphs.
 A quantized cache (fp8 / int8, ``kv_quant``) is the reference path of KV
 quantization: quantize on write, dequantize the gathered keys and values, attend.
 """
@@ -56,16 +59,18 @@ def gather_kv(
 ) -> torch.Tensor:  # [seq_len, num_kv_heads, head_dim]
     """The first ``seq_len`` cached tokens of one request, in logical order; a
     quantized cache is dequantized to float32."""
-    block_size = cache.shape[1]
-    num_blocks = -(-seq_len // block_size)
-    ids = block_table[:num_blocks].long()
+    num_blocks = -(-seq_len // cache.shape[1])
+    return gather_blocks(cache, block_table[:num_blocks].long()).flatten(0, 1)[:seq_len]
+
+
+def gather_blocks(cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The cache blocks ``ids`` (int64, any shape): ``[*ids.shape, block_size,
+    num_kv_heads, head_dim]``; a quantized cache is dequantized to float32."""
     if kv_quant.is_quantized(cache.dtype):
-        data = cache.view(torch.uint8)[ids].view(cache.dtype)  # [nb, bs, Hkv, D]
-        scales = kv_quant.scales_of(cache)[ids]  # [nb, bs, Hkv]
-        blocks = kv_quant.dequantize(data, scales, torch.float32)
-    else:
-        blocks = cache.index_select(0, ids)  # [nb, bs, Hkv, D]
-    return blocks.flatten(0, 1)[:seq_len]
+        data = cache.view(torch.uint8)[ids].view(cache.dtype)  # [*ids, bs, Hkv, D]
+        scales = kv_quant.scales_of(cache)[ids]  # [*ids, bs, Hkv]
+        return kv_quant.dequantize(data, scales, torch.float32)
+    return cache.index_select(0, ids.flatten()).view(*ids.shape, *cache.shape[1:])
 
 
 def causal_mask(q_len: int, seq_len: int, device: torch.device) -> torch.Tensor:
@@ -77,7 +82,8 @@ def causal_mask(q_len: int, seq_len: int, device: torch.device) -> torch.Tensor:
 
 
 class TorchAttention(AttentionBackend):
-    """Reference paged attention; GQA through ``repeat_interleave`` of the KV heads."""
+    """Reference paged attention; GQA through ``repeat_interleave`` of the KV heads
+    (decode rows: the query heads of a KV head attend together)."""
 
     name = "torch"
     supports_quantized_kv = True
@@ -106,17 +112,50 @@ class TorchAttention(AttentionBackend):
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.zeros_like(q)
+        decodes: dict[int, tuple[list[int], list[int]]] = {}  # seq_len -> (rows, requests)
         start = 0
         for b, (q_len, seq_len) in enumerate(
             zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)
         ):
             end = start + q_len
-            if q_len > 0 and seq_len > 0:
+            if q_len == 1 and seq_len > 0:
+                rows, requests = decodes.setdefault(seq_len, ([], []))
+                rows.append(start)
+                requests.append(b)
+            elif q_len > 0 and seq_len > 0:
                 out[start:end] = self._attend(
                     q[start:end], k_cache, v_cache, meta.block_tables[b], seq_len, scale
                 )
             start = end
+        for seq_len, (rows, requests) in decodes.items():
+            index = torch.tensor(rows, device=q.device)
+            tables = meta.block_tables[torch.tensor(requests, device=q.device)]
+            out[index] = self._decode(q[index], k_cache, v_cache, tables, seq_len, scale)
         return out
+
+    def _decode(
+        self,
+        q: torch.Tensor,  # [B, num_heads, head_dim]: one query row a request
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,  # [B, max_blocks_per_seq] int32
+        seq_len: int,  # every request's
+        scale: float,
+    ) -> torch.Tensor:  # [B, num_heads, head_dim]
+        """Decode rows of requests of one length, in one call: each row sees all its
+        request's keys (no mask), and the ``group`` query heads of a KV head attend
+        together (no repeated keys). Each request's result is computed alone, whatever
+        else is in the batch."""
+        b, _, d = q.shape
+        ids = block_tables[:, : -(-seq_len // k_cache.shape[1])].long()  # [B, nb]
+        keys, values = (
+            gather_blocks(c, ids).flatten(1, 2)[:, :seq_len].to(q.dtype).transpose(1, 2)
+            for c in (k_cache, v_cache)
+        )  # [B, Hkv, S, D]
+        out = F.scaled_dot_product_attention(
+            q.view(b, self.num_kv_heads, self.group, d), keys, values, scale=scale
+        )  # [B, Hkv, group, D]
+        return out.reshape(b, self.num_heads, d)
 
     def _attend(
         self,

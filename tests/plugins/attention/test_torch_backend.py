@@ -44,6 +44,26 @@ def test_mixed_batch_of_decodes_and_prefills_matches_dense_reference():
     assert relative_error(run(batch), dense_reference(batch)) < FP32_TOLERANCE
 
 
+def test_a_decode_row_is_computed_alone_whatever_the_batch():
+    """Decode rows of one length attend in one call; each row's result is the one it
+    gets alone or beside any other rows, bit for bit (a sample does not depend on
+    what else the engine runs)."""
+    seq_lens = [40, 40, 40, 17]
+    batch = make_batch([1] * 4, seq_lens)
+    backend = TorchAttention(EngineConfig(), model_info(4, 2, 32, torch.float32, "cpu"))
+    out = backend.forward(
+        batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale
+    )
+    assert relative_error(out, dense_reference(batch)) < FP32_TOLERANCE
+    tables = batch.meta.block_tables
+    for rows in ([0], [1], [2], [0, 2], [2, 1], [3]):
+        seq_len = seq_lens[rows[0]]
+        alone = backend._decode(
+            batch.q[rows], batch.k_cache, batch.v_cache, tables[rows], seq_len, batch.scale
+        )
+        assert torch.equal(alone, out[rows]), rows
+
+
 def test_new_keys_and_values_land_in_their_slots():
     batch = make_batch([3, 1], [19, 5])
     run(batch)
