@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from tokenloom.plugins.quant.gptq_checkpoint import compressed_tensors_config
 from tokenloom.plugins.quant.int4 import quantize_int4, unpack_int4
 from tokenloom.plugins.quant.int8 import quantize_int8
 
@@ -29,18 +30,6 @@ def pack_cols(q: torch.Tensor) -> torch.Tensor:
     r, c = q.shape
     shifts = torch.arange(0, 32, 4, dtype=torch.int32)
     return (q.to(torch.int32).view(r, c // 8, 8) << shifts).sum(2, dtype=torch.int32)
-
-
-def ct_config(weights: dict, activations: dict | None, fmt: str) -> dict:
-    group = {"targets": ["Linear"], "weights": weights, "input_activations": activations}
-    return {
-        "quant_method": "compressed-tensors",
-        "format": fmt,
-        "quantization_status": "compressed",
-        "config_groups": {"group_0": group},
-        "ignore": ["lm_head"],
-        "kv_cache_scheme": None,
-    }
 
 
 def write(src: Path, out: Path, tensors: dict, qc: dict | None) -> None:
@@ -62,7 +51,12 @@ def main() -> None:
     proj = [n.removesuffix(".weight") for n, t in tensors.items() if t.dtype == fp8]
     print(len(proj), "fp8 projections")
     fp8_weights = {"type": "float", "num_bits": 8, "strategy": "channel", "symmetric": True}
-    write(src, out / "ct-fp8", dict(tensors), ct_config(fp8_weights, TOKEN_FP8, "float-quantized"))
+    write(
+        src,
+        out / "ct-fp8",
+        dict(tensors),
+        compressed_tensors_config(fp8_weights, TOKEN_FP8, "float-quantized"),
+    )
     dense = {n: t for n, t in tensors.items() if not n.endswith(".weight_scale")}
     for p in proj:
         dense[f"{p}.weight"] = tensors[f"{p}.weight"].float() * tensors[f"{p}.weight_scale"].float()
@@ -86,9 +80,9 @@ def main() -> None:
         i8[f"{p}.weight_shape"] = shape
     int4_weights = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 128}
     int4_weights["symmetric"] = False
-    write(src, out / "ct-int4", i4, ct_config(int4_weights, None, "pack-quantized"))
+    write(src, out / "ct-int4", i4, compressed_tensors_config(int4_weights, None, "pack-quantized"))
     int8_weights = {"type": "int", "num_bits": 8, "strategy": "channel", "symmetric": True}
-    write(src, out / "ct-int8", i8, ct_config(int8_weights, None, "pack-quantized"))
+    write(src, out / "ct-int8", i8, compressed_tensors_config(int8_weights, None, "pack-quantized"))
 
 
 if __name__ == "__main__":

@@ -89,8 +89,15 @@ def _compressed_tensors_config(method: str, group: int) -> dict[str, Any]:
         weights = {"type": "float", "num_bits": 8, "strategy": "channel", "symmetric": True}
         activations = {"type": "float", "num_bits": 8, "strategy": "token", "dynamic": True}
         activations["symmetric"] = True
-    scheme = {"targets": ["Linear"], "weights": weights | {"dynamic": False}}
-    scheme["input_activations"] = activations
+    return compressed_tensors_config(weights | {"dynamic": False}, activations, fmt)
+
+
+def compressed_tensors_config(
+    weights: dict[str, Any], activations: dict[str, Any] | None, fmt: str
+) -> dict[str, Any]:
+    """A compressed-tensors ``quantization_config``: one scheme (``weights``,
+    ``input_activations``) for every ``Linear`` but the LM head, stored ``fmt``."""
+    scheme = {"targets": ["Linear"], "weights": weights, "input_activations": activations}
     return {
         "quant_method": "compressed-tensors",
         "format": fmt,
