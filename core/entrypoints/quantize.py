@@ -170,8 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="cpu",
         choices=("auto", "cpu", "cuda"),
         help="where the model is sampled and quantized: cpu (the default), cuda (the "
-        "current GPU: CUDA_VISIBLE_DEVICES picks it; new, its tests not yet run on a GPU), "
-        "or auto (cuda where there is one, else cpu). float32 either way",
+        "current GPU: CUDA_VISIBLE_DEVICES picks it; its GPU tests have passed only in "
+        "part so far, docs/quantization.md), or auto (cuda where there is one, else "
+        "cpu). float32 either way",
     )
     parser.add_argument(
         "--threads",

@@ -2,7 +2,9 @@
 through its CPU reference path, with issue 12's thresholds: perplexity at most 1%
 above the 16-bit model's for fp8 and int8, at most 5% for int4 (from the file's own
 4-bit blocks, and rounded again by RTN in groups of 128); golden-set token
-agreement reported (and above a floor well below what each method measures).
+agreement reported (and above a floor well below what each method measures). fp8 is
+measured both as quantized at load (RTN) and as ``tokenloom quantize --method fp8``
+writes it (calibrated on a small self-generated sample here).
 
 A subset keeps CI short: the eval text's first passages (the baseline is measured on
 the same subset in the same run) and the golden set's first prompts, against their
@@ -10,6 +12,8 @@ recorded fp32 completions. ``tokenloom eval --quant NAME`` gives the full figure
 (docs/quantization.md)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -30,15 +34,27 @@ NUM_PROMPTS = 10
 # file) with the LM head in int8 (int4's default since session 17); int4-16-bit-head:
 # the blocks alone; int4-rtn: those weights rounded again by RTN into groups of 128
 # (``[plugin.int4] gguf_blocks = false``), what any 16-bit checkpoint gets
+# fp8-calibrated: `tokenloom quantize --method fp8` (GPTQ, then the scale tuning on the
+# model's next-token KL, activations rounded in its loop) on a small sample so that CI
+# stays short; its checkpoint names its format, so it is served with quant left at none
 METHODS = {
     "fp8": ("fp8", {}),
+    "fp8-calibrated": ("none", {}),
     "int8": ("int8", {}),
     "int4": ("int4", {}),
     "int4-16-bit-head": ("int4", {"quant_lm_head": False}),
     "int4-rtn": ("int4", {"plugin": {"int4": {"gguf_blocks": False}}}),
 }
+# 16 sampled sequences of 256 tokens, 16 tuning steps: -0.16% on this subset, about 4
+# minutes on 2 cores. The tuning is what brings it under 1%: on 16 x 128 tokens,
+# GPTQ alone measured +2.12% here, GPTQ and 16 steps +0.73%.
+CALIBRATED = {
+    "fp8-calibrated": ["--method", "fp8", "--calibration-tokens", "4096",
+                       "--tune-scales", "16", "--threads", "2"],
+}  # fmt: skip
 ISSUE_MAX_PPL_INCREASE = {
     "fp8": 0.01,
+    "fp8-calibrated": 0.01,
     "int8": 0.01,
     "int4": 0.05,
     "int4-16-bit-head": 0.05,
@@ -46,9 +62,10 @@ ISSUE_MAX_PPL_INCREASE = {
 }
 # Where the built-in model misses the issue's threshold (docs/quantization.md says
 # why); strict: a method that starts meeting it fails here until this entry goes.
-# GPTQ checkpoints (tokenloom quantize) miss too: fp8 +1.6%, int4 +40.5% on the full text.
+# Calibrated int4 (tokenloom quantize --method int4) misses too: +8.0% at best on the
+# full text, and its recipes take hours on this CPU, so it is not measured here.
 KNOWN_MISSES = {
-    "fp8": "e4m3 weights: +3.5% on the full text (3 mantissa bits; down_proj alone +2.2%)",
+    "fp8": "RTN at load: +4.2% on the full text, +0.9% of it the activations' rounding",
     "int4-rtn": "RTN in groups of 128 of a model already 4-bit in groups of 32: +26%",
 }
 # What each method measured on this subset, with a margin: a regression guard that
@@ -56,6 +73,7 @@ KNOWN_MISSES = {
 # weights up to fp32 rounding, measured +0.0000%; with the int8 head -0.11%).
 MEASURED_MAX_PPL_INCREASE = {
     "fp8": 0.06,
+    "fp8-calibrated": 0.01,
     "int8": 0.01,
     "int4": 0.005,
     "int4-16-bit-head": 0.0005,
@@ -66,6 +84,7 @@ MEASURED_MAX_PPL_INCREASE = {
 # with its int8 head measured 92.3% on this subset
 MIN_AGREEMENT_PCT = {
     "fp8": 30.0,
+    "fp8-calibrated": 30.0,
     "int8": 50.0,
     "int4": 80.0,
     "int4-16-bit-head": 99.0,
@@ -73,13 +92,14 @@ MIN_AGREEMENT_PCT = {
 }
 
 
-def _measure(quant: str, **options: object) -> tuple[float, float]:
+def _measure(quant: str, model: Path | None = None, **options: object) -> tuple[float, float]:
     from tokenloom import LLM
 
     golden = load_golden(GOLDEN_PATH)
     subset = msgspec.structs.replace(golden, prompts=golden.prompts[:NUM_PROMPTS])
     passages = load_passages(TEXT_PATH)[:NUM_PASSAGES]
-    llm = LLM(str(builtin_gguf_path()), dtype="float32", attention="torch", quant=quant, **options)
+    path = model or builtin_gguf_path()
+    llm = LLM(str(path), dtype="float32", attention="torch", quant=quant, **options)
     try:
         ppl = measure_perplexity(llm, passages).perplexity
         agreement = score(subset, run_golden(llm, subset)).token_agreement_pct
@@ -88,18 +108,37 @@ def _measure(quant: str, **options: object) -> tuple[float, float]:
     return ppl, agreement
 
 
+class Measured(dict[str, tuple[float, float]]):
+    """Perplexity and token agreement per method, each measured once; ``none`` first.
+    A calibrated method's checkpoint is written into ``workdir`` when first asked."""
+
+    def __init__(self, workdir: Path) -> None:
+        super().__init__()
+        self.workdir = workdir
+
+    def model_for(self, method: str) -> Path | None:
+        if method not in CALIBRATED:
+            return None
+        from tokenloom.entrypoints.quantize import main
+
+        out = self.workdir / method
+        assert main([*CALIBRATED[method], "--out", str(out)]) == 0
+        return out
+
+
 @pytest.fixture(scope="module")
-def measured() -> dict[str, tuple[float, float]]:
-    """Perplexity and token agreement per method, measured once; ``none`` first."""
+def measured(tmp_path_factory) -> Measured:
+    result = Measured(tmp_path_factory.mktemp("quality"))
     ppl, agreement = _measure("none")
     assert agreement == 100.0  # the recording's own config reproduces it
-    return {"none": (ppl, agreement)}
+    result["none"] = (ppl, agreement)
+    return result
 
 
-def _increase(method: str, measured: dict[str, tuple[float, float]]) -> float:
+def _increase(method: str, measured: Measured) -> float:
     if method not in measured:
         quant, options = METHODS[method]
-        measured[method] = _measure(quant, **options)
+        measured[method] = _measure(quant, measured.model_for(method), **options)
     (ppl, agreement), baseline = measured[method], measured["none"][0]
     print(
         f"{method}: perplexity {ppl:.4f} vs {baseline:.4f} ({ppl / baseline - 1:+.4%}), "

@@ -1,0 +1,71 @@
+"""``scripts/kernel_fingerprint.py``: the Triton kernels a test run launches, recorded
+under the interpreter, compiled for sm_90 without a GPU and hashed, so that two trees'
+machine code can be compared."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import triton
+
+ROOT = Path(__file__).resolve().parents[3]
+SCRIPT = ROOT / "scripts" / "kernel_fingerprint.py"
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+pytestmark = [
+    pytest.mark.skipif(not PTXAS.exists(), reason="Triton's NVIDIA backend is absent"),
+    pytest.mark.slow,
+]
+KV_WRITE = "tokenloom.plugins.attention.triton_kernels.kv_write:_kv_write_quant_kernel"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+
+
+def test_launches_are_recorded_compiled_for_sm90_and_compared(tmp_path):
+    specs, first, second = tmp_path / "specs.pkl", tmp_path / "a.json", tmp_path / "b.json"
+    test = "tests/plugins/attention/test_kv_quant.py::test_triton_kv_write_stores_what_the_reference_stores"
+    rec = _run("record", str(specs), "--", test, "-q")
+    assert rec.returncode == 0, rec.stdout + rec.stderr
+    recorded = pickle.loads(specs.read_bytes())
+    kv = [s for s in recorded.values() if s["kernel"] == KV_WRITE]
+    # the test's fp8 cache in both value layouts and its int8 cache (values as stored:
+    # only fp8 pools transpose them): three specializations of the write
+    assert len(kv) == 3
+    assert sorted((s["signature"]["k_cache_ptr"], s["constexpr_names"]["V_T"]) for s in kv) == [
+        ("*fp8e4nv", False), ("*fp8e4nv", True), ("*i8", False)]  # fmt: skip
+    # Triton's run-time specialization: 16-byte aligned pointers are marked so
+    assert all(["tt.divisibility", 16] in s["attrs"][(0,)] for s in kv)
+    assert all("num_warps" in s["options"] for s in kv)
+
+    for out in (first, second):
+        comp = _run("compile", str(specs), str(out))
+        assert comp.returncode == 0, comp.stdout + comp.stderr
+    prints = json.loads(first.read_text())["kernels"]
+    assert len(prints) == len(recorded)
+    one = next(v for v in prints.values() if v["kernel"] == KV_WRITE)
+    assert len(one["sass_sha256"]) == 64 and one["instructions"] > 50 and one["registers"] > 0
+
+    same = _run("diff", str(first), str(second))  # the same tree compiles to the same SASS
+    assert same.returncode == 0 and " 0 changed, 0 in one tree only" in same.stdout
+
+    data = json.loads(second.read_text())
+    keys = sorted(k for k, v in data["kernels"].items() if v["kernel"] == KV_WRITE)
+    data["kernels"][keys[0]]["sass_sha256"] = "0" * 64
+    data["kernels"][keys[1]]["registers"] += 2
+    del data["kernels"][keys[2]]
+    second.write_text(json.dumps(data))
+    changed = _run("diff", str(first), str(second))
+    assert changed.returncode == 1
+    assert f"changed  {keys[0]}: SASS differs" in changed.stdout
+    assert f"changed  {keys[1]}: SASS same; registers" in changed.stdout
+    assert f"before only  {keys[2]}" in changed.stdout
