@@ -14,7 +14,11 @@ is can be shown to leave its machine code as it is, with no device time.
 
 Run steps 1-2 once per tree: with ``PYTHONPATH`` naming another tree's install (e.g.
 ``pip install --no-deps --target /tmp/before <extracted tree>``) the same commands
-fingerprint that tree. ``diff`` lists kernels whose SASS differs, whose registers,
+fingerprint that tree. Or all of it in one command, a git revision against the working
+tree, each running its own copy of the tests (default ``tests/plugins/attention``):
+
+    python scripts/kernel_fingerprint.py compare REV [-- PYTEST_ARGS]
+ ``diff`` lists kernels whose SASS differs, whose registers,
 spills or shared memory differ, and launches only one tree made; it exits 1 if any.
 
 What it proves: the same machine code for every specialization the tests launch,
@@ -215,6 +219,40 @@ def diff(before_path: Path, after_path: Path) -> int:
     return 1 if changed or only else 0
 
 
+def compare(rev: str, pytest_args: list[str]) -> int:
+    """Fingerprint ``rev`` (extracted and installed into a temporary directory) and the
+    working tree, each recording its own tests' launches, then ``diff`` the two."""
+    root = Path(__file__).resolve().parents[1]
+    work = Path(tempfile.mkdtemp(prefix="fingerprint-"))
+    src, pkg = work / "src", work / "pkg"
+    src.mkdir()
+    archive = subprocess.run(["git", "archive", rev], cwd=root, capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive.stdout, check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+         "--no-compile", "--target", str(pkg), str(src)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    trees = {"before": (src, {**env, "PYTHONPATH": str(pkg)}), "after": (root, env)}
+    for name, (cwd, tree_env) in trees.items():
+        for step in (
+            ["record", str(work / f"{name}.pkl"), "--", *pytest_args],
+            ["compile", str(work / f"{name}.pkl"), str(work / f"{name}.json")],
+        ):
+            done = subprocess.run(
+                [sys.executable, __file__, *step], cwd=cwd, env=tree_env,
+                capture_output=True, text=True,
+            )  # fmt: skip
+            summary = done.stdout.strip().splitlines()[-1:] or [done.stderr.strip()[-300:]]
+            print(f"{name} ({rev if name == 'before' else 'working tree'}): {summary[0]}")
+            if done.returncode != 0 and step[0] == "record":
+                print(done.stdout[-2000:], done.stderr[-2000:])
+                return 2
+    print(f"files in {work}")
+    return diff(work / "before.json", work / "after.json")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -227,7 +265,13 @@ def main() -> int:
     dif = sub.add_parser("diff", help="compare two trees' fingerprints")
     dif.add_argument("before", type=Path)
     dif.add_argument("after", type=Path)
+    cmp = sub.add_parser("compare", help="a git revision against the working tree")
+    cmp.add_argument("rev")
+    cmp.add_argument("pytest_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
+    if args.cmd == "compare":
+        rest = args.pytest_args[1:] if args.pytest_args[:1] == ["--"] else args.pytest_args
+        return compare(args.rev, rest or ["tests/plugins/attention", "-q"])
     if args.cmd == "record":
         rest = args.pytest_args[1:] if args.pytest_args[:1] == ["--"] else args.pytest_args
         return record(args.specs, rest)

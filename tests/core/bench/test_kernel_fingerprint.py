@@ -69,3 +69,20 @@ def test_launches_are_recorded_compiled_for_sm90_and_compared(tmp_path):
     assert f"changed  {keys[0]}: SASS differs" in changed.stdout
     assert f"changed  {keys[1]}: SASS same; registers" in changed.stdout
     assert f"before only  {keys[2]}" in changed.stdout
+
+
+def test_compare_installs_a_revision_and_finds_the_same_machine_code():
+    # HEAD against the working tree, on one test's launches: the kernels a change of
+    # this session's kind (tests, docs, scripts) leaves alone compile to the same SASS
+    test = "tests/plugins/attention/test_kv_quant.py::test_triton_kv_write_stores_what_the_reference_stores"
+    kernels = ROOT / "plugins" / "attention" / "triton_kernels"
+    dirty = subprocess.run(["git", "status", "--porcelain", str(kernels)], cwd=ROOT,
+                           capture_output=True, text=True)  # fmt: skip
+    if dirty.returncode != 0:
+        pytest.skip("not a git checkout")
+    if dirty.stdout.strip():
+        pytest.skip("the attention kernels have uncommitted changes")
+    done = _run("compare", "HEAD", "--", test, "-q")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "before (HEAD): recorded 3 launch specializations" in done.stdout
+    assert "3 launch specializations identical, 0 changed, 0 in one tree only" in done.stdout
