@@ -196,9 +196,24 @@ def compile_all(specs_path: Path, out: Path) -> int:
     return 1 if failed else 0
 
 
+def _by_name(prints: dict[str, dict]) -> dict[str, dict]:
+    """``prints`` keyed by kernel name and specialization, without the module, so that
+    a kernel moved to another module meets itself; a name that two modules share keeps
+    its module."""
+    short = [key.split(":", 1)[1] for key in prints]
+    return {
+        (name if short.count(name) == 1 else key): {**value, "key": key}
+        for key, name in zip(prints, short, strict=True)
+        for value in (prints[key],)
+    }
+
+
 def diff(before_path: Path, after_path: Path) -> int:
-    before = json.loads(before_path.read_text())["kernels"]
-    after = json.loads(after_path.read_text())["kernels"]
+    before = _by_name(json.loads(before_path.read_text())["kernels"])
+    after = _by_name(json.loads(after_path.read_text())["kernels"])
+    moved = [k for k in sorted(before.keys() & after.keys()) if before[k]["key"] != after[k]["key"]]
+    for key in moved:
+        print(f"moved    {key}: {before[key]['kernel']} -> {after[key]['kernel']}")
     fields = ("sass_sha256", "registers", "local_bytes", "shared", "error")
     changed = [k for k in sorted(before.keys() & after.keys())
                if any(before[k].get(f) != after[k].get(f) for f in fields)]  # fmt: skip
@@ -209,13 +224,13 @@ def diff(before_path: Path, after_path: Path) -> int:
             f"{f} {b.get(f)} -> {a.get(f)}" for f in fields[1:] if b.get(f) != a.get(f)
         )
         sass = "differs" if b.get("sass_sha256") != a.get("sass_sha256") else "same"
-        print(f"changed  {key}: SASS {sass}" + (f"; {what}" if what else ""))
+        print(f"changed  {after[key]['key']}: SASS {sass}" + (f"; {what}" if what else ""))
     for key in only:
-        print(f"{'before' if key in before else 'after '} only  {key}")
+        print(f"{'before' if key in before else 'after '} only  {(before | after)[key]['key']}")
     same = len(before.keys() & after.keys()) - len(changed)
     kernels = len({v["kernel"] for v in after.values()})
-    print(f"{same} launch specializations identical, {len(changed)} changed, {len(only)} in one "
-          f"tree only ({kernels} kernels in the after tree)")  # fmt: skip
+    print(f"{same} launch specializations identical ({len(moved)} of them moved), {len(changed)} "
+          f"changed, {len(only)} in one tree only ({kernels} kernels in the after tree)")  # fmt: skip
     return 1 if changed or only else 0
 
 

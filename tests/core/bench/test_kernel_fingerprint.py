@@ -58,6 +58,16 @@ def test_launches_are_recorded_compiled_for_sm90_and_compared(tmp_path):
     same = _run("diff", str(first), str(second))  # the same tree compiles to the same SASS
     assert same.returncode == 0 and " 0 changed, 0 in one tree only" in same.stdout
 
+    # a kernel moved to another module, its machine code the same, meets itself
+    data = json.loads(second.read_text())
+    key = next(k for k, v in data["kernels"].items() if v["kernel"] == KV_WRITE)
+    value = data["kernels"].pop(key)
+    data["kernels"][key.replace(":", "_moved:", 1)] = {**value, "kernel": KV_WRITE + "_moved"}
+    (tmp_path / "moved.json").write_text(json.dumps(data))
+    moved = _run("diff", str(first), str(tmp_path / "moved.json"))
+    assert moved.returncode == 0, moved.stdout
+    assert "(1 of them moved), 0 changed, 0 in one tree only" in moved.stdout
+
     data = json.loads(second.read_text())
     keys = sorted(k for k, v in data["kernels"].items() if v["kernel"] == KV_WRITE)
     data["kernels"][keys[0]]["sass_sha256"] = "0" * 64
@@ -85,4 +95,6 @@ def test_compare_installs_a_revision_and_finds_the_same_machine_code():
     done = _run("compare", "HEAD", "--", test, "-q")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "before (HEAD): recorded 3 launch specializations" in done.stdout
-    assert "3 launch specializations identical, 0 changed, 0 in one tree only" in done.stdout
+    assert (
+        "3 launch specializations identical (0 of them moved), 0 changed, 0 in one" in done.stdout
+    )
