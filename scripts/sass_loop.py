@@ -136,7 +136,7 @@ def _quant_sig(
 
 def preset(name: str, values: list[int]) -> tuple[Any, dict, dict, list[str], int, int, float]:
     """(kernel, signature, constexprs, divisible args, warps, stages, work per thread)."""
-    from tokenloom.plugins.quant.kernels import weight_gemm, weight_gemv, weight_gemv_rows
+    from tokenloom.plugins.quant.kernels import gemm_tile, weight_gemv, weight_gemv_rows
 
     divisible = QUANT_ARGS + ["N", "K", "K_CHUNK", "stride_xm", "stride_ym", "stride_ysplit"]
     if name in ("gemv", "rows"):
@@ -203,7 +203,7 @@ def preset(name: str, values: list[int]) -> tuple[Any, dict, dict, list[str], in
     consts[unit] = 1
     divisible = divisible + ["stride_qn" if unit == "stride_qk" else "stride_qk"]
     return (
-        weight_gemm._weight_gemm_kernel,
+        gemm_tile._weight_gemm_kernel,
         sig,
         consts,
         divisible,

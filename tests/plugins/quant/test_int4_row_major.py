@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenloom.plugins.quant.int4 import dequantize_int4, quantize_int4
-from tokenloom.plugins.quant.kernels import dequant
+from tokenloom.plugins.quant.kernels import dequant, gemm_tile
 from tokenloom.plugins.quant.kernels import weight_gemm as weight_gemm_module
 from tokenloom.plugins.quant.kernels.int4_tiles import int4_row_major
 from tokenloom.plugins.quant.kernels.weight_gemm import GemmConfig, weight_gemm
@@ -55,7 +55,7 @@ def spy(monkeypatch):
     """What reached the kernels: the dot kernel's paths (``SPIED`` and the strides it was
     given), and ``"gemv"`` for each launch of a GEMV over ``[K / 8, N]``."""
     calls: list = []
-    real = weight_gemm_module._weight_gemm_kernel
+    real = gemm_tile._weight_gemm_kernel
     qk = real.arg_names.index("stride_qk")  # stride_qk, stride_qn: passed by position
 
     class Spy:
@@ -73,7 +73,7 @@ def spy(monkeypatch):
 
         return launch
 
-    monkeypatch.setattr(weight_gemm_module, "_weight_gemm_kernel", Spy())
+    monkeypatch.setattr(gemm_tile, "_weight_gemm_kernel", Spy())
     for name in ("launch_gemv", "launch_h2"):
         monkeypatch.setattr(weight_gemm_module, name, gemv(getattr(weight_gemm_module, name)))
     return calls

@@ -149,7 +149,7 @@ def test_the_tuner_offers_it_for_the_n_k_layout_only():
 @pytest.fixture
 def kernels(monkeypatch):
     """The kernels ``weight_gemm`` launches: ``"gemv"`` (``launch_gemv`` or
-    ``launch_h2``), ``"nk"`` (``launch_int8_nk``) or ``"dot"`` (``_launch_gemm``)."""
+    ``launch_h2``), ``"nk"`` (``launch_int8_nk``) or ``"dot"`` (``launch_gemm``)."""
     calls = []
 
     def spy(kind, real):
@@ -163,7 +163,7 @@ def kernels(monkeypatch):
         ("launch_gemv", "gemv"),
         ("launch_h2", "gemv"),
         ("launch_int8_nk", "nk"),
-        ("_launch_gemm", "dot"),
+        ("launch_gemm", "dot"),
     ]:
         monkeypatch.setattr(weight_gemm_module, name, spy(kind, getattr(weight_gemm_module, name)))
     return calls

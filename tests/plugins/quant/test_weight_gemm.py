@@ -331,14 +331,14 @@ def test_the_one_row_gemv_sums_its_splits_in_the_kernel_and_leaves_the_counters_
 ):
     # the last split of each tile adds the others' partials (no split-sum launch); a
     # second call reuses the counters, which every launch leaves at zero
-    from tokenloom.plugins.quant.kernels import weight_gemm as module
+    from tokenloom.plugins.quant.kernels import gemm_tile
     from tokenloom.plugins.quant.kernels.weight_gemv import reduce_counters
 
     class NoLaunch:
         def __getitem__(self, grid):
             raise AssertionError("the split-sum kernel ran")
 
-    monkeypatch.setattr(module, "_split_sum_kernel", NoLaunch())
+    monkeypatch.setattr(gemm_tile, "_split_sum_kernel", NoLaunch())
     torch.manual_seed(0)
     (qweight, scales, zeros, group), w = _quantized(4, 40, 256, torch.float32, 32)
     x = torch.randn(2, 256, device=DEVICE)
