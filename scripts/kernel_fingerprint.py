@@ -30,6 +30,7 @@ code around the launches. Timing still needs the GPU."""
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import hashlib
 import importlib
 import json
@@ -155,37 +156,43 @@ def _sass(cubin: bytes) -> tuple[str, dict[str, int]]:
     }
 
 
-def compile_all(specs_path: Path, out: Path) -> int:
-    if os.environ.get("TRITON_INTERPRET"):
-        sys.exit("compile: unset TRITON_INTERPRET (the kernels must be Triton's JITFunctions)")
+def _compile_one(spec: dict) -> dict:
+    """One launch compiled for sm_90: its SASS hash and resources, or the error."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    module, _, qualname = spec["kernel"].partition(":")
+    try:
+        jit = getattr(importlib.import_module(module), qualname)
+        constexprs = {k: _unplain(v) for k, v in spec["constexprs"].items()}
+        src = ASTSource(jit, spec["signature"], constexprs, spec["attrs"])
+        options = {k: v for k, v in spec["options"].items() if v is not None}
+        compiled = triton.compile(src, target=GPUTarget(*TARGET), options=options)
+        sass, usage = _sass(compiled.asm["cubin"])
+        return {
+            "kernel": spec["kernel"],
+            "sass_sha256": hashlib.sha256(sass.encode()).hexdigest(),
+            "instructions": len(INSTRUCTION.findall(sass)),
+            **usage,
+            "shared": compiled.metadata.shared,
+        }
+    except Exception as exc:  # noqa: BLE001 - a kernel this tree cannot compile
+        return {"kernel": spec["kernel"], "error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+def compile_all(specs_path: Path, out: Path, jobs: int = 0) -> int:
+    """Compile every recorded launch, ``jobs`` processes at once (0: one per core)."""
+    if os.environ.get("TRITON_INTERPRET"):
+        sys.exit("compile: unset TRITON_INTERPRET (the kernels must be Triton's JITFunctions)")
+    import triton
+
     specs = pickle.loads(specs_path.read_bytes())
-    prints: dict[str, dict] = {}
-    for key, spec in sorted(specs.items()):
-        module, _, qualname = spec["kernel"].partition(":")
-        try:
-            jit = getattr(importlib.import_module(module), qualname)
-            src = ASTSource(
-                jit,
-                spec["signature"],
-                {k: _unplain(v) for k, v in spec["constexprs"].items()},
-                spec["attrs"],
-            )
-            options = {k: v for k, v in spec["options"].items() if v is not None}
-            compiled = triton.compile(src, target=GPUTarget(*TARGET), options=options)
-            sass, usage = _sass(compiled.asm["cubin"])
-            prints[key] = {
-                "kernel": spec["kernel"],
-                "sass_sha256": hashlib.sha256(sass.encode()).hexdigest(),
-                "instructions": len(INSTRUCTION.findall(sass)),
-                **usage,
-                "shared": compiled.metadata.shared,
-            }
-        except Exception as exc:  # noqa: BLE001 - a kernel this tree cannot compile
-            prints[key] = {"kernel": spec["kernel"], "error": f"{type(exc).__name__}: {exc}"[:300]}
+    keys = sorted(specs)
+    workers = jobs or os.cpu_count() or 1
+    with concurrent.futures.ProcessPoolExecutor(workers) as pool:
+        results = pool.map(_compile_one, [specs[k] for k in keys], chunksize=4)
+        prints = dict(zip(keys, results, strict=True))
     out.write_text(
         json.dumps({"triton": triton.__version__, "target": TARGET, "kernels": prints}, indent=1)
     )
@@ -277,6 +284,7 @@ def main() -> int:
     comp = sub.add_parser("compile", help="compile the recorded launches for sm_90")
     comp.add_argument("specs", type=Path)
     comp.add_argument("out", type=Path)
+    comp.add_argument("--jobs", type=int, default=0, help="processes (default: one per core)")
     dif = sub.add_parser("diff", help="compare two trees' fingerprints")
     dif.add_argument("before", type=Path)
     dif.add_argument("after", type=Path)
@@ -291,7 +299,7 @@ def main() -> int:
         rest = args.pytest_args[1:] if args.pytest_args[:1] == ["--"] else args.pytest_args
         return record(args.specs, rest)
     if args.cmd == "compile":
-        return compile_all(args.specs, args.out)
+        return compile_all(args.specs, args.out, args.jobs)
     return diff(args.before, args.after)
 
 
