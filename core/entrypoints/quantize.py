@@ -2,8 +2,8 @@
 quantization into a checkpoint that ``--quant int4`` / ``--quant fp8`` load.
 
 Steps: sample calibration text from the model itself (``plugins.quant.calibration``),
-then ``plugins.quant.calibrated``: load the model in float32 on ``--device`` (the CPU
-by default), round its decoder ``Linear`` layers one decoder layer at a time on
+then ``plugins.quant.calibrated``: load the model in float32 on ``--device`` (a GPU
+where there is one, else the CPU), round its decoder ``Linear`` layers one decoder layer at a time on
 the outputs of the layers before them, already quantized, and write the directory. The
 LM head and the embedding stay dense, as at load-time quantization.
 
@@ -167,12 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--device",
-        default="cpu",
+        default="auto",
         choices=("auto", "cpu", "cuda"),
-        help="where the model is sampled and quantized: cpu (the default), cuda (the "
-        "current GPU: CUDA_VISIBLE_DEVICES picks it; its GPU tests have passed only in "
-        "part so far, docs/quantization.md), or auto (cuda where there is one, else "
-        "cpu). float32 either way",
+        help="where the model is sampled and quantized: auto (the default: cuda where "
+        "there is a GPU, else cpu), cuda (the current GPU: CUDA_VISIBLE_DEVICES picks "
+        "it) or cpu. float32 either way; a GPU rounds as the CPU does up to float noise",
     )
     parser.add_argument(
         "--threads",

@@ -101,6 +101,29 @@ def test_a_device_that_is_not_there_is_refused(tiny, tmp_path, capsys):
         assert "--device cuda: no GPU" in capsys.readouterr().err
 
 
+def test_the_default_device_is_a_gpu_where_there_is_one(tiny, tmp_path, monkeypatch):
+    from tokenloom.entrypoints.quantize import main
+    from tokenloom.plugins.quant import calibration
+
+    args = ["--method", "fp8", "--rounding", "gptq", "--tune-scales", "0", "--threads", "1"]
+    args += ["--calibration-tokens", "128", "--seq-len", "64", "--out", str(tmp_path / "q")]
+    assert main([str(tiny), *args]) == 0  # no --device, and here no GPU: the CPU
+    about = json.loads((tmp_path / "q" / "quantize.json").read_text())
+    assert about["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+
+    chosen = []
+
+    def sample(*args, **kwargs):  # the device the sampling is asked to run on, then stop
+        chosen.append(args[-1])
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(calibration, "sample_calibration_tokens", sample)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as if there were one
+    assert main([str(tiny), *args]) == 2
+    assert main([str(tiny), *args, "--device", "cpu"]) == 2
+    assert chosen == ["cuda", "cpu"]
+
+
 def test_a_calibration_cache_of_other_settings_is_a_one_line_error(tiny, tmp_path, capsys):
     from tokenloom.entrypoints.quantize import main
 
