@@ -30,6 +30,7 @@ code around the launches. Timing still needs the GPU."""
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import hashlib
 import importlib
@@ -207,12 +208,12 @@ def _by_name(prints: dict[str, dict]) -> dict[str, dict]:
     """``prints`` keyed by kernel name and specialization, without the module, so that
     a kernel moved to another module meets itself; a name that two modules share keeps
     its module."""
-    short = [key.split(":", 1)[1] for key in prints]
-    return {
-        (name if short.count(name) == 1 else key): {**value, "key": key}
-        for key, name in zip(prints, short, strict=True)
-        for value in (prints[key],)
-    }
+    counts = collections.Counter(key.split(":", 1)[1] for key in prints)
+    by_name = {}
+    for key, value in prints.items():
+        name = key.split(":", 1)[1]
+        by_name[name if counts[name] == 1 else key] = {**value, "key": key}
+    return by_name
 
 
 def diff(before_path: Path, after_path: Path) -> int:
