@@ -41,6 +41,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "int8 yes, fp8 and int4 no)",
     )
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | int8")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens a KV-cache block")
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--proposer", default="none", help="speculative-decoding proposer")
     parser.add_argument("--num-speculative-tokens", type=int, default=0)
@@ -89,6 +90,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         quant=args.quant,
         quant_lm_head=args.quant_lm_head,
         kv_cache_dtype=args.kv_cache_dtype,
+        block_size=args.block_size,
         tensor_parallel_size=args.tensor_parallel_size,
         proposer=args.proposer,
         num_speculative_tokens=args.num_speculative_tokens,

@@ -142,6 +142,13 @@ sweep() {  # sweep N CFG...: the fp8-MMA decode per layer at 128 and 512 rows fo
   done
   python3 scripts/gpu/pick33.py "$OUT" "kern$n" > "$OUT/best$n"; echo "best$n: $(cat "$OUT/best$n")"
 }
+pgk() {  # pgk PAGE TREE: the fp8 decode per layer over pages of PAGE tokens (today's script,
+  # the TREE's package), batches 128 and 512 at context 1,500
+  timeout 150 env PYTHONPATH=/tmp/$2:/tmp/site python3 scripts/gpu/kvq_decode_bench.py --kv fp8 \
+    --batches 128,512 --contexts 1500 --page-size "$1" --json "$OUT/pg-$1-$2.json" \
+    > "$OUT/pg-$1-$2.log" 2>&1 || { echo "pg $1 $2 failed"; tail -3 "$OUT/pg-$1-$2.log"; }
+  sed "s/^/page $1 $2: /" "$OUT/pg-$1-$2.log" | grep batch
+}
 WIDE=(--kv-cache-dtype fp8 --num-prompts 600 --min-len 1000 --max-len 1000 --max-num-seqs 640
       --max-graph-batch 640)
 if [ "${1:-}" = auto40 ]; then  # session 40 in one call on whichever GPU comes: the tests,
@@ -243,6 +250,19 @@ for step in "$@"; do
         -p no:cacheprovider tests/plugins/models/test_fused_ops.py tests/plugins/models/test_pdl.py \
         tests/plugins/quant/test_checkpoints.py > "$OUT/a-t48.log" 2>&1
       echo "t48 rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/a-t48.log" | head -8; tail -1 "$OUT/a-t48.log" ;;
+    pg51)  # session 51: the fp8-MMA decode over pages of 16, 32 and 64 tokens (pages of whole
+      # tiles load one block number a tile), and over pages of 64 with the tree before (a
+      # block number loaded per token)
+      for pg in 16 32 64; do pgk $pg after; done; pgk 64 before; pgk 16 before ;;
+    t51)  # session 51: the decode / prefill / KV-write tests over pages of 16 to 128 tokens
+      timeout ${T51:-240} env PYTHONPATH=/tmp/after:/tmp/site python3 -m pytest -q -rfs \
+        -p no:cacheprovider tests/plugins/attention/test_decode_fp8_mma.py \
+        tests/plugins/attention/test_kv_quant.py > "$OUT/a-t51.log" 2>&1
+      echo "t51 rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/a-t51.log" | head -8; tail -1 "$OUT/a-t51.log" ;;
+    wpg51)  # the issue's workload (fp8 weights + fp8 KV), pages of 16 and of 64 tokens
+      for pg in ${PAGES:-16 64}; do bench throughput fp8w51-page$pg after fp8 "${WIDE[@]}" --block-size $pg; done ;;
+    dpg51)  # the default workload, fp8 weights + fp8 KV, pages of 16 and of 64 tokens
+      for pg in ${PAGES:-16 64}; do bench throughput fp8d51-page$pg after fp8 --kv-cache-dtype fp8 --block-size $pg; done ;;
     t49)  # session 48: tokenloom quantize --device cuda (test_quantize_device.py whole, on the GPU)
       timeout ${T49:-200} env PYTHONPATH=/tmp/after:/tmp/site python3 -m pytest -q -rfs \
         -p no:cacheprovider tests/plugins/quant/test_quantize_device.py > "$OUT/a-t49.log" 2>&1

@@ -8,6 +8,7 @@ the torch reference path on the same quantized cache. The quantized cache reads 
 half the bytes, so a bandwidth-bound decode should take about half the time.
 
     python scripts/gpu/kvq_decode_bench.py [--batches 1,32,128,256] [--contexts 1024,4096]
+        [--page-size 16]
 
 Prints a table and writes JSON to $OUT/kvq_decode_bench.json (or --json PATH).
 """
@@ -29,7 +30,8 @@ from tokenloom.plugins.attention.triton_backend import TritonAttention
 from tokenloom.protocols.components.attention import AttentionMetadata
 from tokenloom.protocols.components.model import ModelInfo
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+BLOCK = 16  # tokens a cache page (the engine's block_size); --page-size sets it
 MODEL_DTYPE = torch.bfloat16
 DTYPES = {"auto": MODEL_DTYPE, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
 L2_ROTATION_BYTES = 512 * 10**6  # KV bytes per replay, well past the 60 MB L2
@@ -54,7 +56,8 @@ def build(
     # enough layers that one replay reads more KV than L2 holds (in the model dtype)
     per_layer = 2 * num_blocks * kv_quant.block_bytes(BLOCK, KV_HEADS, HEAD_DIM, MODEL_DTYPE)
     layers = min(64, max(layers, -(-L2_ROTATION_BYTES // per_layer)))
-    attn = TritonAttention(EngineConfig(max_num_seqs=max(batch, 1)), info(device), **settings)
+    config = EngineConfig(max_num_seqs=max(batch, 1), block_size=BLOCK)
+    attn = TritonAttention(config, info(device), **settings)
     pool, caches = kv_quant.allocate(
         layers, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, DTYPES[kv], torch.device(device),
         v_transposed=attn.fp8_values_transposed,  # the layout the backend reads, as the engine
@@ -128,16 +131,19 @@ def step(
 
 
 def main() -> int:
+    global BLOCK
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batches", default="1,32,128,256")
     parser.add_argument("--contexts", default="1024,4096")
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--page-size", type=int, default=BLOCK, help="tokens a cache page")
     parser.add_argument("--json", default=None)
     parser.add_argument("--kv", default=",".join(DTYPES), help="KV dtypes, of auto,fp8,int8")
     parser.add_argument(
         "--setting", action="append", default=[], help="backend setting NAME=INT (repeatable)"
     )
     args = parser.parse_args()
+    BLOCK = args.page_size
     settings = {k: int(v) for k, v in (s.split("=", 1) for s in args.setting)}
     kvs = args.kv.split(",")
     rows = []
@@ -168,7 +174,8 @@ def main() -> int:
                          if "OUT" in os.environ else None)  # fmt: skip
     if path:
         with open(path, "w", encoding="utf-8") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
+            json.dump({"gpu": torch.cuda.get_device_name(), "page_size": BLOCK, "rows": rows},
+                      f, indent=2)  # fmt: skip
     return 0
 
 

@@ -50,9 +50,21 @@ FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
-def _blocks(table, offs_n, kv_end, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
+def _blocks(
+    table, offs_n, first, kv_end, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+):  # fmt: skip
     """The cache block of each token ``offs_n`` of a tile (0 past the slice's pages if
-    MASKED), and each token's slot in its block."""
+    MASKED), and each token's slot in its block. ``first`` is the tile's first token
+    (``offs_n[0]``, a multiple of ``BLOCK_N``): where a page holds whole tiles, the tile's
+    one block number is a single (scalar) load."""
+    if PAGE_SIZE >= BLOCK_N:
+        page1 = first // PAGE_SIZE
+        if MASKED:  # past the slice's pages (a tile ahead of the last): block 0
+            block1 = tl.load(table + page1, mask=page1 < tl.cdiv(kv_end, PAGE_SIZE), other=0)
+        else:
+            block1 = tl.load(table + page1)
+        return block1.to(tl.int64), offs_n % PAGE_SIZE
     page = offs_n // PAGE_SIZE
     slot = offs_n % PAGE_SIZE
     if MASKED:  # the pages the slice reaches; their tokens past its end are zeroed later
@@ -73,7 +85,7 @@ def _tile(
 ):  # fmt: skip
     """One KV tile (number ``t``) of the online softmax, on ``acc`` = O^T ``[D, H]``."""
     offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
-    block, slot = _blocks(table, offs_n, kv_end, PAGE_SIZE, MASKED)
+    block, slot = _blocks(table, offs_n, t * BLOCK_N, kv_end, PAGE_SIZE, BLOCK_N, MASKED)
     return _tile_at(
         acc, m_i, l_i, offs_n, block, slot, kv_end, qt8, col_scale, k_cache_ptr, v_cache_ptr,
         k_scale_ptr, v_scale_ptr, kv_head, offs_d, stride_cache_block, stride_cache_tok,
@@ -204,10 +216,12 @@ def _decode_fp8_mma_kernel(
     if META_AHEAD:  # each tile's block numbers loaded a tile ahead (loop-carried); the
         # slots stay those of the first tile (tiles of whole pages: the launcher checks)
         offs_n = kv_start + tl.arange(0, BLOCK_N)
-        block, slot = _blocks(table, offs_n, kv_end, PAGE_SIZE, True)
+        block, slot = _blocks(table, offs_n, kv_start, kv_end, PAGE_SIZE, BLOCK_N, True)
         for t in range(kv_start // BLOCK_N, kv_end // BLOCK_N):
             offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
-            block_ahead, _ = _blocks(table, offs_n + BLOCK_N, kv_end, PAGE_SIZE, True)
+            block_ahead, _ = _blocks(
+                table, offs_n + BLOCK_N, (t + 1) * BLOCK_N, kv_end, PAGE_SIZE, BLOCK_N, True
+            )
             acc, m_i, l_i = _tile_at(
                 acc, m_i, l_i, offs_n, block, slot, kv_end, qt8, col_scale, k_cache_ptr,
                 v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, offs_d, stride_cache_block,

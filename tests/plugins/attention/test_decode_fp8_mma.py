@@ -64,14 +64,21 @@ ROW_BOUND = 8e-2
 
 
 @pytest.mark.parametrize(
-    ("splits", "block_n"), [(1, 32), (4, 32), (3, 64), (2, 128), (1, 64), (1, 128)]
-)
-def test_decode_fp8_mma_merges_splits_and_tail_tiles_like_the_reference(splits, block_n):
+    ("splits", "block_n", "page"),
+    [
+        *((s, n, 16) for s, n in [(1, 32), (4, 32), (3, 64), (2, 128), (1, 64), (1, 128)]),
+        # pages that hold whole tiles: one block number a tile (a scalar load), the tile's
+        # slots from the page's start or its middle (page 128, tiles of 32 or 64)
+        (1, 32, 64), (2, 64, 64), (3, 32, 128), (1, 64, 128), (2, 128, 32),
+    ],
+)  # fmt: skip
+def test_decode_fp8_mma_merges_splits_and_tail_tiles_like_the_reference(splits, block_n, page):
     # lengths: one token, a page, a page and one, several tiles and a tail; a padding row
     seq_lens = [1, 16, 17, 150, 77]
     batch = make_batch(
-        [1] * 5, seq_lens, dtype=torch.float16, device=DEVICE, seed=splits, padding_rows=1
-    )
+        [1] * 5, seq_lens, dtype=torch.float16, device=DEVICE, seed=splits, padding_rows=1,
+        block_size=page,
+    )  # fmt: skip
     # request 3's largest scores in its first tile: the later tiles sit far below the
     # running maximum, which their sums must carry
     table3 = batch.meta.block_tables[3].long()

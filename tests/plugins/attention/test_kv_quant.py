@@ -144,10 +144,11 @@ def assert_same_quantized(got, ref, dtype):
     assert differs.float().mean() < 0.01
 
 
+@pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("transposed", [False, True])  # fp8 values [heads, D, tokens]
 @pytest.mark.parametrize("dtype", KV_DTYPES)
-def test_triton_kv_write_stores_what_the_reference_stores(dtype, transposed):
-    batch = make_batch([3, 1, 6], [10, 17, 6], device=DEVICE)
+def test_triton_kv_write_stores_what_the_reference_stores(dtype, transposed, block_size):
+    batch = make_batch([3, 1, 6], [10, 17, 70], device=DEVICE, block_size=block_size)
     ref_k, ref_v = quantized_copy(batch, dtype, transposed)
     k_cache, v_cache = quantized_copy(batch, dtype, transposed)
     write_kv_cache(batch.k, batch.v, ref_k, ref_v, batch.meta.slot_mapping)
@@ -221,11 +222,12 @@ def test_fused_rope_kernel_writes_the_quantized_rotated_keys_and_values(dtype, t
 
 
 def check_triton_against_torch(
-    query_lens, seq_lens, kv_dtype, dtype=torch.float32, v_transposed=False, **settings
-):
-    batch = make_batch(query_lens, seq_lens, dtype=dtype, device=DEVICE)
+    query_lens, seq_lens, kv_dtype, dtype=torch.float32, v_transposed=False, block_size=16,
+    **settings,
+):  # fmt: skip
+    batch = make_batch(query_lens, seq_lens, dtype=dtype, device=DEVICE, block_size=block_size)
     info = model_info(4, 2, 32, dtype, DEVICE)
-    triton_attn = TritonAttention(EngineConfig(), info, **settings)
+    triton_attn = TritonAttention(EngineConfig(block_size=block_size), info, **settings)
     torch_attn = TorchAttention(EngineConfig(), info)
     # the layout the backend asks for (fp8 values transposed with decode_fp8_mma), or
     # transposed anyway (the f16 kernels over it)
@@ -299,6 +301,19 @@ def test_triton_prefill_and_decodes_over_a_quantized_cache_match_the_reference(
     check_triton_against_torch(
         [1, 9, 20], [30, 9, 45], kv_dtype, torch.float16, transposed, decode_fp8_mma=fp8_mma,
         prefill_kv_f16=kv_f16,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("block_size", [32, 64])
+@pytest.mark.parametrize(("fp8_mma", "transposed"), LAYOUTS)
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_pages_of_32_and_64_tokens_prefill_and_decode_like_the_reference(
+    kv_dtype, fp8_mma, transposed, block_size
+):
+    # decodes over several pages and a partial one, then prompts inside and across pages
+    check_triton_against_torch(
+        [1, 1, 9, 20], [150, 70, 9, 45], kv_dtype, torch.float16, transposed,
+        block_size=block_size, max_num_splits=4, decode_fp8_mma=fp8_mma,
     )  # fmt: skip
 
 
