@@ -199,8 +199,9 @@ def compile_all(specs_path: Path, out: Path, jobs: int = 0) -> int:
     )
     failed = [k for k, v in prints.items() if "error" in v]
     print(f"compiled {len(prints) - len(failed)} of {len(prints)} for sm_90 -> {out}")
-    for key in failed:
-        print(f"  {key}: {prints[key]['error']}")
+    for key in failed:  # the error's last line (the compiler's message), not its traceback
+        lines = prints[key]["error"].strip().splitlines() or [""]
+        print(f"  failed {key}: {lines[-1][:300]}")
     return 1 if failed else 0
 
 
@@ -258,6 +259,7 @@ def compare(rev: str, pytest_args: list[str]) -> int:
     )  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     trees = {"before": (src, {**env, "PYTHONPATH": str(pkg)}), "after": (root, env)}
+    compile_failed = False
     for name, (cwd, tree_env) in trees.items():
         for step in (
             ["record", str(work / f"{name}.pkl"), "--", *pytest_args],
@@ -267,13 +269,21 @@ def compare(rev: str, pytest_args: list[str]) -> int:
                 [sys.executable, __file__, *step], cwd=cwd, env=tree_env,
                 capture_output=True, text=True,
             )  # fmt: skip
-            summary = done.stdout.strip().splitlines()[-1:] or [done.stderr.strip()[-300:]]
-            print(f"{name} ({rev if name == 'before' else 'working tree'}): {summary[0]}")
+            lines = done.stdout.strip().splitlines()
+            if step[0] == "compile":  # "compiled N of M", then each failure
+                lines = [line for line in lines if line.startswith(("compiled", "  failed"))]
+            summary = lines[-1:] if step[0] == "record" else lines
+            for line in summary or [done.stderr.strip()[-300:]]:
+                print(f"{name} ({rev if name == 'before' else 'working tree'}): {line}")
             if done.returncode != 0 and step[0] == "record":
                 print(done.stdout[-2000:], done.stderr[-2000:])
                 return 2
+            compile_failed |= done.returncode != 0 and step[0] == "compile"
     print(f"files in {work}")
-    return diff(work / "before.json", work / "after.json")
+    differs = diff(work / "before.json", work / "after.json")
+    if compile_failed:  # a launch that did not compile is no fingerprint: say so last
+        print("some launches failed to compile (above): their kernels are not compared")
+    return max(differs, int(compile_failed))
 
 
 def main() -> int:

@@ -144,7 +144,7 @@ sweep() {  # sweep N CFG...: the fp8-MMA decode per layer at 128 and 512 rows fo
 }
 pgk() {  # pgk PAGE TREE: the fp8 decode per layer over pages of PAGE tokens (today's script,
   # the TREE's package), batches 128 and 512 at context 1,500
-  timeout 150 env PYTHONPATH=/tmp/$2:/tmp/site python3 scripts/gpu/kvq_decode_bench.py --kv fp8 \
+  timeout 150 env PYTHONPATH=/tmp/$2:/tmp/site python3 scripts/gpu/kvq_decode_bench.py --kv ${KV:-fp8} \
     --batches 128,512 --contexts 1500 --page-size "$1" --json "$OUT/pg-$1-$2.json" \
     > "$OUT/pg-$1-$2.log" 2>&1 || { echo "pg $1 $2 failed"; tail -3 "$OUT/pg-$1-$2.log"; }
   sed "s/^/page $1 $2: /" "$OUT/pg-$1-$2.log" | grep batch
@@ -254,6 +254,15 @@ for step in "$@"; do
       # tiles load one block number a tile), and over pages of 64 with the tree before (a
       # block number loaded per token)
       for pg in 16 32 64; do pgk $pg after; done; pgk 64 before; pgk 16 before ;;
+    pg51b)  # the decode per layer (bf16, fp8 and int8 caches) over pages of 16, 64 and 128
+      # tokens (the scalar block number fixed: one return), then the prefill (8 x 1,000)
+      for pg in 16 64 128; do KV=auto,fp8,int8 pgk $pg after; done
+      for pg in 16 64; do
+        timeout 120 env PYTHONPATH=/tmp/after:/tmp/site python3 scripts/gpu/kvq_prefill_bench.py \
+          --kv auto,fp8 --page-size $pg --json "$OUT/pre51-$pg.json" > "$OUT/pre51-$pg.log" 2>&1 \
+          || { echo "pre51 $pg failed"; tail -3 "$OUT/pre51-$pg.log"; }
+        sed "s/^/prefill page $pg: /" "$OUT/pre51-$pg.log" | grep -E "us|failed" | head -4
+      done ;;
     t51)  # session 51: the decode / prefill / KV-write tests over pages of 16 to 128 tokens
       timeout ${T51:-240} env PYTHONPATH=/tmp/after:/tmp/site python3 -m pytest -q -rfs \
         -p no:cacheprovider tests/plugins/attention/test_decode_fp8_mma.py \

@@ -32,16 +32,16 @@ from tokenloom.plugins.attention.torch_backend import TorchAttention
 from tokenloom.plugins.attention.triton_backend import TritonAttention
 from tokenloom.protocols.components.attention import AttentionMetadata
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+BLOCK = 16  # tokens a cache page (the engine's block_size); --page-size sets it
 MODEL_DTYPE = torch.bfloat16
 DEVICE = "cuda"  # --device cpu: a check under TRITON_INTERPRET=1, timed by the wall clock
 DTYPES = {"auto": MODEL_DTYPE, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
 
 def run(num_seqs: int, length: int, kv: str, settings: dict[str, int]) -> dict[str, float]:
-    attn = TritonAttention(
-        EngineConfig(max_num_seqs=num_seqs), info(DEVICE, MODEL_DTYPE), **settings
-    )
+    config = EngineConfig(max_num_seqs=num_seqs, block_size=BLOCK)
+    attn = TritonAttention(config, info(DEVICE, MODEL_DTYPE), **settings)
     blocks_per_seq = -(-length // BLOCK)
     num_blocks = num_seqs * blocks_per_seq + 1
     _, caches = kv_quant.allocate(
@@ -93,6 +93,7 @@ def run(num_seqs: int, length: int, kv: str, settings: dict[str, int]) -> dict[s
 
 
 def main() -> int:
+    global BLOCK
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shapes", default="8x1000", help="NUM_SEQSxLENGTH,...")
     parser.add_argument("--kv", default="auto,fp8", help="KV dtypes, of auto,fp8,int8")
@@ -102,9 +103,11 @@ def main() -> int:
     )  # fmt: skip
     parser.add_argument("--json", default=None)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--page-size", type=int, default=BLOCK, help="tokens a cache page")
     args = parser.parse_args()
     global DEVICE, MODEL_DTYPE
     DEVICE = args.device
+    BLOCK = args.page_size
     if DEVICE == "cpu":  # the interpreter's bf16 products are wrong, its e4m3 too
         MODEL_DTYPE = DTYPES["auto"] = torch.float16
         import sys

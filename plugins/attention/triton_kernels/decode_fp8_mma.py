@@ -58,20 +58,23 @@ def _blocks(
     MASKED), and each token's slot in its block. ``first`` is the tile's first token
     (``offs_n[0]``, a multiple of ``BLOCK_N``): where a page holds whole tiles, the tile's
     one block number is a single (scalar) load."""
+    # one return (Triton's compiler reads every return of a function, taken or not)
     if PAGE_SIZE >= BLOCK_N:
         page1 = first // PAGE_SIZE
         if MASKED:  # past the slice's pages (a tile ahead of the last): block 0
-            block1 = tl.load(table + page1, mask=page1 < tl.cdiv(kv_end, PAGE_SIZE), other=0)
+            block = tl.load(table + page1, mask=page1 < tl.cdiv(kv_end, PAGE_SIZE), other=0)
         else:
-            block1 = tl.load(table + page1)
-        return block1.to(tl.int64), offs_n % PAGE_SIZE
-    page = offs_n // PAGE_SIZE
-    slot = offs_n % PAGE_SIZE
-    if MASKED:  # the pages the slice reaches; their tokens past its end are zeroed later
-        block = tl.load(table + page, mask=page < tl.cdiv(kv_end, PAGE_SIZE), other=0)
+            block = tl.load(table + page1)
         block = block.to(tl.int64)
+        slot = offs_n % PAGE_SIZE
     else:
-        block = tl.load(table + page).to(tl.int64)
+        page = offs_n // PAGE_SIZE
+        slot = offs_n % PAGE_SIZE
+        if MASKED:  # the pages the slice reaches; their tokens past its end are zeroed later
+            block = tl.load(table + page, mask=page < tl.cdiv(kv_end, PAGE_SIZE), other=0)
+            block = block.to(tl.int64)
+        else:
+            block = tl.load(table + page).to(tl.int64)
     return block, slot
 
 
