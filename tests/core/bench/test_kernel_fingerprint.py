@@ -39,10 +39,14 @@ def test_launches_are_recorded_compiled_for_sm90_and_compared(tmp_path):
     recorded = pickle.loads(specs.read_bytes())
     kv = [s for s in recorded.values() if s["kernel"] == KV_WRITE]
     # the test's fp8 cache in both value layouts and its int8 cache (values as stored:
-    # only fp8 pools transpose them): three specializations of the write
-    assert len(kv) == 3
-    assert sorted((s["signature"]["k_cache_ptr"], s["constexpr_names"]["V_T"]) for s in kv) == [
-        ("*fp8e4nv", False), ("*fp8e4nv", True), ("*i8", False)]  # fmt: skip
+    # only fp8 pools transpose them), each over pages of 16 and of 64 tokens: six
+    # specializations of the write
+    assert len(kv) == 6
+    assert sorted(
+        (s["signature"]["k_cache_ptr"], s["constexpr_names"]["V_T"], s["constexpr_names"]["PAGE_SIZE"])
+        for s in kv
+    ) == [("*fp8e4nv", False, 16), ("*fp8e4nv", False, 64), ("*fp8e4nv", True, 16),
+          ("*fp8e4nv", True, 64), ("*i8", False, 16), ("*i8", False, 64)]  # fmt: skip
     # Triton's run-time specialization: 16-byte aligned pointers are marked so
     assert all(["tt.divisibility", 16] in s["attrs"][(0,)] for s in kv)
     assert all("num_warps" in s["options"] for s in kv)
@@ -94,7 +98,7 @@ def test_compare_installs_a_revision_and_finds_the_same_machine_code():
         pytest.skip("the attention kernels have uncommitted changes")
     done = _run("compare", "HEAD", "--", test, "-q")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "before (HEAD): recorded 3 launch specializations" in done.stdout
+    assert "before (HEAD): recorded 6 launch specializations" in done.stdout
     assert (
-        "3 launch specializations identical (0 of them moved), 0 changed, 0 in one" in done.stdout
+        "6 launch specializations identical (0 of them moved), 0 changed, 0 in one" in done.stdout
     )
