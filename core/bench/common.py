@@ -41,7 +41,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "int8 yes, fp8 and int4 no)",
     )
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | int8")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens a KV-cache block")
+    parser.add_argument(
+        "--block-size", type=int, default=0, help="tokens a KV-cache block (0: the engine's)"
+    )
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--proposer", default="none", help="speculative-decoding proposer")
     parser.add_argument("--num-speculative-tokens", type=int, default=0)

@@ -48,7 +48,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     e.add_argument("--max-num-seqs", default="256")
     e.add_argument("--max-num-batched-tokens", default="8192", help="token budget = chunk size")
     e.add_argument("--num-blocks", default="", help="default: the H200's KV pool for the shape")
-    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument(
+        "--block-size",
+        type=int,
+        default=0,
+        help="default: the engine's (64 for an fp8 cache, else 16)",
+    )
     e.add_argument("--max-model-len", type=int, default=None, help="default: the shape's")
     e.add_argument("--max-waiting-requests", type=int, default=100_000)
     e.add_argument("--no-prefix-caching", action="store_true")
@@ -137,7 +142,7 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tokenloom.config import load_config
+    from tokenloom.config import default_block_size, load_config
     from tokenloom.sim import report, workload
     from tokenloom.sim.derived import num_blocks
     from tokenloom.sim.metrics import summarize
@@ -148,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     from tokenloom.sim import quantized
 
     cost = quantized.apply(load_cost_model(args.cost_model), args.quant, args.kv_cache_dtype)
+    args.block_size = args.block_size or default_block_size(args.kv_cache_dtype)
     trace = build_workload(args)
     pm = load_plugins(args.plugin)
     from tokenloom.checkpoints.model_shapes import SHAPES

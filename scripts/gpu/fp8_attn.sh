@@ -263,6 +263,16 @@ for step in "$@"; do
           || { echo "pre51 $pg failed"; tail -3 "$OUT/pre51-$pg.log"; }
         sed "s/^/prefill page $pg: /" "$OUT/pre51-$pg.log" | grep -E "us|failed" | head -4
       done ;;
+    pgab51)  # the fp8 decode over pages of 64 and 32: one block number a tile (after) against
+      # one a token (before, 0af9f0c), twice, interleaved
+      for i in 1 2; do for pg in 64 32; do pgk $pg before; pgk $pg after; done; done ;;
+    ba51)  # fp8 weights + fp8 KV, before (0af9f0c: blocks of 16) / after (blocks of 64 by
+      # default for an fp8 cache): bench latency, then bench throughput (default workload)
+      for kind in latency throughput; do
+        bench $kind fp8kv51-before before fp8 --kv-cache-dtype fp8
+        bench $kind fp8kv51-after after fp8 --kv-cache-dtype fp8
+      done
+      grep -hoE "[0-9]+ KV blocks x [0-9]+ tokens" "${LOGS:-$OUT}"/thr-fp8kv51-*.log ;;
     t51)  # session 51: the decode / prefill / KV-write tests over pages of 16 to 128 tokens
       timeout ${T51:-240} env PYTHONPATH=/tmp/after:/tmp/site python3 -m pytest -q -rfs \
         -p no:cacheprovider tests/plugins/attention/test_decode_fp8_mma.py \

@@ -115,3 +115,17 @@ def test_kv_cache_dtype_takes_vllm_s_fp8_e4m3_and_refuses_e5m2() -> None:
     assert load_config(kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8"
     with pytest.raises(ConfigError, match="kv_cache_dtype: must be one of auto, fp8, int8"):
         EngineConfig(kv_cache_dtype="fp8_e5m2")
+
+
+def test_block_size_defaults_to_64_for_an_fp8_cache_else_16(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    sizes = {
+        kv: load_config(kv_cache_dtype=kv).block_size for kv in ("auto", "fp8", "fp8_e4m3", "int8")
+    }
+    assert sizes == {"auto": 16, "fp8": 64, "fp8_e4m3": 64, "int8": 16}
+    # a size given is kept, from the flags or a file; a negative one still fails
+    assert load_config(kv_cache_dtype="fp8", block_size=16).block_size == 16
+    path = tmp_path / "engine.toml"
+    path.write_text('kv_cache_dtype = "fp8"\nblock_size = 32\n')
+    assert load_config(path).block_size == 32
+    with pytest.raises(ConfigError, match="block_size"):
+        load_config(block_size=-16)

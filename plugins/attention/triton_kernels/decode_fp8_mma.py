@@ -50,31 +50,16 @@ FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
-def _blocks(
-    table, offs_n, first, kv_end, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
-):  # fmt: skip
+def _blocks(table, offs_n, kv_end, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
     """The cache block of each token ``offs_n`` of a tile (0 past the slice's pages if
-    MASKED), and each token's slot in its block. ``first`` is the tile's first token
-    (``offs_n[0]``, a multiple of ``BLOCK_N``): where a page holds whole tiles, the tile's
-    one block number is a single (scalar) load."""
-    # one return (Triton's compiler reads every return of a function, taken or not)
-    if PAGE_SIZE >= BLOCK_N:
-        page1 = first // PAGE_SIZE
-        if MASKED:  # past the slice's pages (a tile ahead of the last): block 0
-            block = tl.load(table + page1, mask=page1 < tl.cdiv(kv_end, PAGE_SIZE), other=0)
-        else:
-            block = tl.load(table + page1)
+    MASKED), and each token's slot in its block."""
+    page = offs_n // PAGE_SIZE
+    slot = offs_n % PAGE_SIZE
+    if MASKED:  # the pages the slice reaches; their tokens past its end are zeroed later
+        block = tl.load(table + page, mask=page < tl.cdiv(kv_end, PAGE_SIZE), other=0)
         block = block.to(tl.int64)
-        slot = offs_n % PAGE_SIZE
     else:
-        page = offs_n // PAGE_SIZE
-        slot = offs_n % PAGE_SIZE
-        if MASKED:  # the pages the slice reaches; their tokens past its end are zeroed later
-            block = tl.load(table + page, mask=page < tl.cdiv(kv_end, PAGE_SIZE), other=0)
-            block = block.to(tl.int64)
-        else:
-            block = tl.load(table + page).to(tl.int64)
+        block = tl.load(table + page).to(tl.int64)
     return block, slot
 
 
@@ -88,7 +73,7 @@ def _tile(
 ):  # fmt: skip
     """One KV tile (number ``t``) of the online softmax, on ``acc`` = O^T ``[D, H]``."""
     offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
-    block, slot = _blocks(table, offs_n, t * BLOCK_N, kv_end, PAGE_SIZE, BLOCK_N, MASKED)
+    block, slot = _blocks(table, offs_n, kv_end, PAGE_SIZE, MASKED)
     return _tile_at(
         acc, m_i, l_i, offs_n, block, slot, kv_end, qt8, col_scale, k_cache_ptr, v_cache_ptr,
         k_scale_ptr, v_scale_ptr, kv_head, offs_d, stride_cache_block, stride_cache_tok,
@@ -219,12 +204,10 @@ def _decode_fp8_mma_kernel(
     if META_AHEAD:  # each tile's block numbers loaded a tile ahead (loop-carried); the
         # slots stay those of the first tile (tiles of whole pages: the launcher checks)
         offs_n = kv_start + tl.arange(0, BLOCK_N)
-        block, slot = _blocks(table, offs_n, kv_start, kv_end, PAGE_SIZE, BLOCK_N, True)
+        block, slot = _blocks(table, offs_n, kv_end, PAGE_SIZE, True)
         for t in range(kv_start // BLOCK_N, kv_end // BLOCK_N):
             offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
-            block_ahead, _ = _blocks(
-                table, offs_n + BLOCK_N, (t + 1) * BLOCK_N, kv_end, PAGE_SIZE, BLOCK_N, True
-            )
+            block_ahead, _ = _blocks(table, offs_n + BLOCK_N, kv_end, PAGE_SIZE, True)
             acc, m_i, l_i = _tile_at(
                 acc, m_i, l_i, offs_n, block, slot, kv_end, qt8, col_scale, k_cache_ptr,
                 v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, offs_d, stride_cache_block,
