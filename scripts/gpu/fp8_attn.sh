@@ -273,6 +273,9 @@ for step in "$@"; do
         bench $kind fp8kv51-after after fp8 --kv-cache-dtype fp8
       done
       grep -hoE "[0-9]+ KV blocks x [0-9]+ tokens" "${LOGS:-$OUT}"/thr-fp8kv51-*.log ;;
+    rv51)  # ba51's bench latency in the reverse order (after, then before)
+      bench latency fp8kv51-after2 after fp8 --kv-cache-dtype fp8
+      bench latency fp8kv51-before2 before fp8 --kv-cache-dtype fp8 ;;
     t51)  # session 51: the decode / prefill / KV-write tests over pages of 16 to 128 tokens
       timeout ${T51:-240} env PYTHONPATH=/tmp/after:/tmp/site python3 -m pytest -q -rfs \
         -p no:cacheprovider tests/plugins/attention/test_decode_fp8_mma.py \
