@@ -136,6 +136,7 @@ sweep() {  # sweep N CFG...: the fp8-MMA decode per layer at 128 and 512 rows fo
     done
     timeout 120 env PYTHONPATH=/tmp/after:/tmp/site python3 scripts/gpu/kvq_decode_bench.py \
       --kv fp8 --contexts 1500 --batches 128,512 --json "$OUT/kern$n-$tag.json" "${S[@]}" \
+      --page-size ${PAGE:-16} \
       > "$OUT/kern$n-$tag.log" 2>&1 || { echo "kern$n $tag failed"; tail -3 "$OUT/kern$n-$tag.log"; }
     echo "$tag ${S[*]}" >> "$OUT/kern$n-settings.txt"
     sed "s/^/kern$n $tag: /" "$OUT/kern$n-$tag.log" | grep batch
@@ -273,6 +274,10 @@ for step in "$@"; do
         bench $kind fp8kv51-after after fp8 --kv-cache-dtype fp8
       done
       grep -hoE "[0-9]+ KV blocks x [0-9]+ tokens" "${LOGS:-$OUT}"/thr-fp8kv51-*.log ;;
+    sw51)  # the fp8-MMA decode's settings over pages of 64 (the fp8 cache's default since
+      # session 51): MMA_DECODE's (bn 64, 3 stages, 128 registers, block numbers ahead, the
+      # fold) against more stages, 128-token tiles, no block numbers ahead, no cap
+      PAGE=64 sweep 51 "" st=4 st=5 bn=128 ma=0 st=4,ma=0 r=0 ;;
     rv51)  # ba51's bench latency in the reverse order (after, then before)
       bench latency fp8kv51-after2 after fp8 --kv-cache-dtype fp8
       bench latency fp8kv51-before2 before fp8 --kv-cache-dtype fp8 ;;
