@@ -277,7 +277,9 @@ for step in "$@"; do
     sw51)  # the fp8-MMA decode's settings over pages of 64 (the fp8 cache's default since
       # session 51): MMA_DECODE's (bn 64, 3 stages, 128 registers, block numbers ahead, the
       # fold) against more stages, 128-token tiles, no block numbers ahead, no cap
-      PAGE=64 sweep 51 "" st=4 st=5 bn=128 ma=0 st=4,ma=0 r=0 ;;
+      # (a tile key set drops all of MMA_DECODE's, so each names all three)
+      PAGE=64 sweep 51 "" bn=64,st=4,r=128 bn=64,st=5,r=128 bn=128,st=3,r=128 ma=0 \
+        bn=64,st=4,r=128,ma=0 bn=64,st=3,r=0 ;;
     rv51)  # ba51's bench latency in the reverse order (after, then before)
       bench latency fp8kv51-after2 after fp8 --kv-cache-dtype fp8
       bench latency fp8kv51-before2 before fp8 --kv-cache-dtype fp8 ;;
