@@ -96,3 +96,37 @@ def test_triton_engine_with_an_int8_cache_generates_what_the_reference_does(tiny
         llm.engine.shutdown()
     assert tokens["triton"] == tokens["torch"]
     assert all(len(t) == 6 for t in tokens["torch"])
+
+
+def test_an_fp8_cache_s_blocks_of_64_generate_what_blocks_of_16_do(tiny_model_factory):
+    # An fp8 cache's default blocks (64 tokens, session 51) through the engine: a prompt
+    # that shares 100 tokens with an earlier one (prefix-cache hits in whole blocks: 96
+    # tokens in blocks of 16, 64 in blocks of 64), prefills chunked across page edges
+    # (48 tokens a step), decodes that cross them. The same tokens as blocks of 16: the
+    # attention reads the same values from other pages.
+    from tokenloom import LLM, SamplingParams
+
+    model = str(tiny_model_factory("llama"))
+    shared = [(7 * i) % 200 + 3 for i in range(150)]
+    prompts = [shared + [11, 12, 13], shared[:100] + [21] * 40, [5, 6, 7, 8] * 25]
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    tokens, cached = {}, {}
+    for block_size in (16, 0):  # 0: the default
+        llm = LLM(
+            model=model,
+            dtype="float32" if DEVICE == "cpu" else "bfloat16",
+            kv_cache_dtype="fp8",
+            block_size=block_size,
+            max_num_batched_tokens=48,
+            kv_cache_memory_gb=0.02,
+        )
+        size = llm.engine.kv_cache.block_size
+        outs = llm.generate(prompts[:1], greedy, use_tqdm=False)  # fills the prefix cache
+        outs += llm.generate(prompts[1:], greedy, use_tqdm=False)
+        llm.engine.shutdown()
+        tokens[size] = [o.outputs[0].token_ids for o in outs]
+        cached[size] = [o.num_cached_tokens for o in outs]
+    assert sorted(tokens) == [16, 64]
+    assert cached == {16: [0, 96, 0], 64: [0, 64, 0]}
+    assert tokens[64] == tokens[16]
+    assert all(len(t) == 40 for t in tokens[16])
