@@ -157,6 +157,18 @@ def _sass(cubin: bytes) -> tuple[str, dict[str, int]]:
     }
 
 
+def _error_text(exc: BaseException) -> str:
+    """A compile failure as text: the outermost error, then the one it was raised from, and
+    so on (Triton's ``CompilationError`` wraps the error at the call site's line in one
+    at the callee's; the innermost names what went wrong)."""
+    parts, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        parts.append(f"{type(exc).__name__}: {exc}")
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    return "\n".join(parts)[-4000:]
+
+
 def _compile_one(spec: dict) -> dict:
     """One launch compiled for sm_90: its SASS hash and resources, or the error."""
     import triton
@@ -179,7 +191,7 @@ def _compile_one(spec: dict) -> dict:
             "shared": compiled.metadata.shared,
         }
     except Exception as exc:  # noqa: BLE001 - a kernel this tree cannot compile
-        return {"kernel": spec["kernel"], "error": f"{type(exc).__name__}: {exc}"[:300]}
+        return {"kernel": spec["kernel"], "error": _error_text(exc)}
 
 
 def compile_all(specs_path: Path, out: Path, jobs: int = 0) -> int:
@@ -199,9 +211,11 @@ def compile_all(specs_path: Path, out: Path, jobs: int = 0) -> int:
     )
     failed = [k for k, v in prints.items() if "error" in v]
     print(f"compiled {len(prints) - len(failed)} of {len(prints)} for sm_90 -> {out}")
-    for key in failed:  # the error's last line (the compiler's message), not its traceback
+    for key in failed:  # the compiler's message (its last line naming an error), not the
+        # traceback or the source excerpt around it
         lines = prints[key]["error"].strip().splitlines() or [""]
-        print(f"  failed {key}: {lines[-1][:300]}")
+        named = [line.strip() for line in lines if re.search(r"\w+(Error|Exception)\b", line)]
+        print(f"  failed {key}: {(named or lines)[-1][:300]}")
     return 1 if failed else 0
 
 

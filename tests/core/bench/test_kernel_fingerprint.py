@@ -102,3 +102,24 @@ def test_compare_installs_a_revision_and_finds_the_same_machine_code():
     assert (
         "6 launch specializations identical (0 of them moved), 0 changed, 0 in one" in done.stdout
     )
+
+
+def test_every_attention_kernel_launch_of_its_tests_compiles_for_sm90(tmp_path):
+    # The interpreter runs kernels the GPU's compiler rejects: session 51's first scalar
+    # block number had two returns of different types under a constexpr `if`, which the
+    # interpreter ran and Triton's compiler refused, only for pages of whole tiles. Every
+    # launch the fp8-MMA decode's and the quantized cache's tests make (page sizes, folds,
+    # block numbers ahead, cache dtypes and value layouts) compiles for sm_90 here.
+    specs, prints = tmp_path / "specs.pkl", tmp_path / "prints.json"
+    tests = [
+        "tests/plugins/attention/test_decode_fp8_mma.py",
+        "tests/plugins/attention/test_kv_quant.py",
+    ]
+    rec = _run("record", str(specs), "--", *tests, "-q")
+    assert rec.returncode == 0, rec.stdout[-2000:] + rec.stderr[-2000:]
+    recorded = pickle.loads(specs.read_bytes())
+    pages = {s["constexpr_names"].get("PAGE_SIZE") for s in recorded.values()}
+    assert {16, 32, 64, 128} <= pages  # the tests reach every page size they name
+    comp = _run("compile", str(specs), str(prints))
+    assert comp.returncode == 0, comp.stdout[-3000:]
+    assert f"compiled {len(recorded)} of {len(recorded)} for sm_90" in comp.stdout
