@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from tokenloom.config import ConfigError, EngineConfig
+from tokenloom.config import ConfigError, EngineConfig, default_block_size
 from tokenloom.entrypoints.cli import add_config_flags, config_from_args
 from tokenloom.entrypoints.plan_bytes import (
     INT4_GROUP,
@@ -166,9 +166,14 @@ def advise(plan: Plan, config: EngineConfig, gpu_memory_gb: float | None) -> lis
         fields = {k: v for k, v in change.items() if getattr(config, k) != v}
         if len(fields) != len(change):
             continue
+        settings = dict(fields)
+        if "kv_cache_dtype" in fields and config.block_size == default_block_size(
+            config.kv_cache_dtype
+        ):  # a block size left at its default follows the cache (64 tokens for fp8)
+            settings["block_size"] = default_block_size(fields["kv_cache_dtype"])
         try:
             other = make_plan(
-                msgspec.structs.replace(config, **fields), gpu_memory_gb, advice=False
+                msgspec.structs.replace(config, **settings), gpu_memory_gb, advice=False
             )
         except ValueError:  # e.g. heads that twice the GPUs cannot split
             continue
