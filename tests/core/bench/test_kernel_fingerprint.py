@@ -123,3 +123,42 @@ def test_every_attention_kernel_launch_of_its_tests_compiles_for_sm90(tmp_path):
     comp = _run("compile", str(specs), str(prints))
     assert comp.returncode == 0, comp.stdout[-3000:]
     assert f"compiled {len(recorded)} of {len(recorded)} for sm_90" in comp.stdout
+
+
+Q, M = "tests/plugins/quant", "tests/plugins/models"
+# the other kernels' tests in two groups, and the kernels each group must reach
+KERNEL_GROUPS = {
+    "weight-gemm": (
+        [f"{Q}/test_weight_gemm.py", f"{Q}/test_dequant.py", f"{Q}/test_fp8_gemv.py",
+         f"{Q}/test_fp8_quant.py", f"{Q}/test_gemv_small_groups.py"],
+        {"_dequant_kernel", "_fp8_gemv_kernel", "_per_token_fp8_kernel", "_split_sum_kernel",
+         "_weight_gemm_kernel", "_weight_gemv_kernel", "_weight_gemv_rows_kernel"},
+    ),
+    "gemv-norm-sampling": (
+        [f"{M}/test_fused_ops.py", f"{M}/test_fused_gemv.py", f"{M}/test_skinny_gemm.py",
+         f"{M}/test_fp8_fold_quant.py", "tests/plugins/executor/test_graph_inputs.py",
+         "tests/plugins/executor/sampling", f"{Q}/test_int4_gemv_nk.py",
+         f"{Q}/test_int4_gemv_mma.py", f"{Q}/test_int4_gemv_h2.py", f"{Q}/test_int8_gemv_nk.py",
+         f"{Q}/test_int4_qkv_rope.py"],
+        {"_int4_gemv_nk_kernel", "_int4_gemv_mma_kernel", "_int4_gemv_h2_kernel",
+         "_int8_gemv_nk_kernel", "_norm_gemv_kernel", "_add_rms_norm_kernel", "_gemv_kernel",
+         "_skinny_gemm_kernel", "_silu_and_mul_kernel", "_silu_and_mul_fp8_kernel",
+         "_gather_columns_kernel", "_qk_norm_rope_kernel", "_gumbel_max_kernel",
+         "_reduce_splits_kernel", "_scatter_decode_inputs_kernel"},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("group", sorted(KERNEL_GROUPS))
+def test_every_launch_of_the_other_kernels_tests_compiles_for_sm90(group, tmp_path):
+    # The same guard over the weight GEMMs / GEMVs, the fused norms, SiLU, rope and
+    # GEMVs, sampling and graph-input kernels (about 160 and 345 specializations)
+    tests, kernels = KERNEL_GROUPS[group]
+    specs, prints = tmp_path / "specs.pkl", tmp_path / "prints.json"
+    rec = _run("record", str(specs), "--", *tests, "-q")
+    assert rec.returncode == 0, rec.stdout[-2000:] + rec.stderr[-2000:]
+    recorded = pickle.loads(specs.read_bytes())
+    assert kernels <= {s["kernel"].rpartition(":")[2] for s in recorded.values()}
+    comp = _run("compile", str(specs), str(prints))
+    assert comp.returncode == 0, comp.stdout[-3000:]
+    assert f"compiled {len(recorded)} of {len(recorded)} for sm_90" in comp.stdout
