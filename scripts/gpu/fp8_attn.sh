@@ -208,6 +208,14 @@ if [ "${1:-}" = auto49 ]; then  # session 49: t49 again (its two premises fixed)
   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && QS="none int4" && \
     set -- t49 wide42 l47
 fi
+if [ "${1:-}" = auto51 ]; then  # session 51: on an H200 the workload with blocks of 16
+  # and of 64 (an fp8 cache's default since session 51), then bench latency bf16 / int4;
+  # elsewhere the attention and KV tests over pages of 16 to 128 (t51)
+  export LOGS=/tmp/benchlogs; mkdir -p "$LOGS"
+  set -- t51
+  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && QS="none int4" && \
+    set -- wpg51 l47
+fi
 if [ "${1:-}" = auto48 ]; then  # session 48: quantize --device cuda's tests (t49), bench
   # latency bf16 / int4 before (.snap/before.tar = 1fbef6c) / after (the model's fused ops
   # now also ask that no gradient be recorded); on an H200 then the workload, else
