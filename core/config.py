@@ -24,9 +24,11 @@ class ConfigError(ValueError):
     """A config value is invalid; the message names the field."""
 
 
-def default_block_size(kv_cache_dtype: str) -> int:
-    """``block_size = 0``'s value: 64 tokens for an fp8 cache, else 16."""
-    return 64 if kv_cache_dtype in ("fp8", "fp8_e4m3") else 16
+def default_block_size(kv_cache_dtype: str, num_blocks: int | None = None) -> int:
+    """``block_size = 0``'s value: 64 tokens for an fp8 cache sized from memory, else 16
+    (a pool of ``num_blocks`` given keeps the 16-token blocks it was sized in: four times
+    the tokens would be four times the memory)."""
+    return 64 if kv_cache_dtype in ("fp8", "fp8_e4m3") and num_blocks is None else 16
 
 
 class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -53,8 +55,9 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     proposer: str = "none"
     frontends: list[str] = msgspec.field(default_factory=lambda: ["openai"])
     # KV cache and scheduling
-    # tokens a KV block (a page). 0: 64 for an fp8 cache, whose fp8-MMA decode reads pages
-    # of 64 about 10% faster than pages of 16 (session 51, docs/quantization.md), else 16
+    # tokens a KV block (a page). 0: 64 for an fp8 cache sized from memory (no num_blocks),
+    # whose fp8-MMA decode reads pages of 64 about 10% faster than pages of 16 (session
+    # 51, docs/quantization.md), else 16
     block_size: int = 0
     num_blocks: int | None = None  # None: sized from memory
     kv_cache_memory_gb: float = 1.0  # CPU budget for the KV pool
@@ -110,7 +113,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             self.kv_cache_dtype = "fp8"
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.block_size == 0:
-            self.block_size = default_block_size(self.kv_cache_dtype)
+            self.block_size = default_block_size(self.kv_cache_dtype, self.num_blocks)
         _choice("distributed_backend", self.distributed_backend, DISTRIBUTED_BACKENDS)
         _at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
         _at_least("block_size", self.block_size, 1)

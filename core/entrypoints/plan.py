@@ -168,9 +168,9 @@ def advise(plan: Plan, config: EngineConfig, gpu_memory_gb: float | None) -> lis
             continue
         settings = dict(fields)
         if "kv_cache_dtype" in fields and config.block_size == default_block_size(
-            config.kv_cache_dtype
+            config.kv_cache_dtype, config.num_blocks
         ):  # a block size left at its default follows the cache (64 tokens for fp8)
-            settings["block_size"] = default_block_size(fields["kv_cache_dtype"])
+            settings["block_size"] = default_block_size(fields["kv_cache_dtype"], config.num_blocks)
         try:
             other = make_plan(
                 msgspec.structs.replace(config, **settings), gpu_memory_gb, advice=False
@@ -180,7 +180,7 @@ def advise(plan: Plan, config: EngineConfig, gpu_memory_gb: float | None) -> lis
         if other.fits:
             flags = " ".join(_flag(k, v) for k, v in fields.items())
             advice.append(
-                f"{flags}: {other.num_kv_blocks:,} blocks, "
+                f"{flags}: {other.num_kv_blocks:,} blocks of {other.block_size} tokens, "
                 f"{other.max_concurrency_at_full_length:,} requests at full length"
             )
     return advice

@@ -153,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     from tokenloom.sim import quantized
 
     cost = quantized.apply(load_cost_model(args.cost_model), args.quant, args.kv_cache_dtype)
-    args.block_size = args.block_size or default_block_size(args.kv_cache_dtype)
+    args.block_size = args.block_size or default_block_size(
+        args.kv_cache_dtype, int(args.num_blocks.split(",")[0]) if args.num_blocks.strip() else None
+    )
     trace = build_workload(args)
     pm = load_plugins(args.plugin)
     from tokenloom.checkpoints.model_shapes import SHAPES

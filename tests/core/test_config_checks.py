@@ -122,6 +122,8 @@ def test_block_size_defaults_to_64_for_an_fp8_cache_else_16(tmp_path) -> None:  
         kv: load_config(kv_cache_dtype=kv).block_size for kv in ("auto", "fp8", "fp8_e4m3", "int8")
     }
     assert sizes == {"auto": 16, "fp8": 64, "fp8_e4m3": 64, "int8": 16}
+    # a pool of blocks given keeps the 16 tokens a block it was sized in
+    assert load_config(kv_cache_dtype="fp8", num_blocks=100).block_size == 16
     # a size given is kept, from the flags or a file; a negative one still fails
     assert load_config(kv_cache_dtype="fp8", block_size=16).block_size == 16
     path = tmp_path / "engine.toml"

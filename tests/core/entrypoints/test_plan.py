@@ -86,9 +86,9 @@ def test_a_setting_that_cannot_fit_says_which_changes_would(capsys):
     # an fp8 cache's advice counts the blocks that setting gets (64 tokens each by default)
     fp8 = plan_of("llama-3-8b", gpu_gib=16, quant="fp8", kv_cache_dtype="fp8")
     assert fp8.block_size == 64
-    assert f"--quant fp8 --kv-cache-dtype fp8: {fp8.num_kv_blocks:,} blocks" in "\n".join(
-        plan.advice
-    )
+    advice = "\n".join(plan.advice)
+    assert f"--quant fp8 --kv-cache-dtype fp8: {fp8.num_kv_blocks:,} blocks of 64 tokens" in advice
+    assert "--quant fp8: " in advice and " blocks of 16 tokens" in advice
     too_long = plan_of("llama-3-8b", gpu_gib=24, max_model_len=65536)
     assert not too_long.fits and too_long.num_kv_blocks > 0
     assert too_long.advice[0].startswith(f"--max-model-len {too_long.kv_tokens} ")
