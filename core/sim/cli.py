@@ -153,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     from tokenloom.sim import quantized
 
     cost = quantized.apply(load_cost_model(args.cost_model), args.quant, args.kv_cache_dtype)
+    given_blocks = _ints(args.num_blocks)
     args.block_size = args.block_size or default_block_size(
-        args.kv_cache_dtype, int(args.num_blocks.split(",")[0]) if args.num_blocks.strip() else None
+        args.kv_cache_dtype, given_blocks[0] if given_blocks else None
     )
     trace = build_workload(args)
     pm = load_plugins(args.plugin)
