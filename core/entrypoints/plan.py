@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -74,9 +74,19 @@ class Plan:
     advice: list[str] = field(default_factory=list)
 
 
-def make_plan(config: EngineConfig, gpu_memory_gb: float | None, advice: bool = True) -> Plan:
+# The config again with some fields changed, from whatever the user gave.
+Remake = Callable[[dict[str, Any]], EngineConfig]
+
+
+def make_plan(
+    config: EngineConfig,
+    gpu_memory_gb: float | None,
+    advice: bool = True,
+    remake: Remake | None = None,
+) -> Plan:
     """The budget of ``config`` on one GPU of ``gpu_memory_gb`` GiB (default: the
-    local GPU's total memory); when it does not fit, with ``advice``."""
+    local GPU's total memory); when it does not fit, with ``advice`` (each alternative's
+    config made by ``remake``: see ``advise``)."""
     from tokenloom.engine.engine_core import resolve_quant
     from tokenloom.plugin_manager import PluginManager
     from tokenloom.plugins.attention import kv_quant
@@ -137,7 +147,7 @@ def make_plan(config: EngineConfig, gpu_memory_gb: float | None, advice: bool = 
         fits=blocks >= blocks_per_seq,
     )
     if advice and not plan.fits:
-        plan.advice = advise(plan, config, gpu_memory_gb)
+        plan.advice = advise(plan, config, gpu_memory_gb, remake)
     return plan
 
 
@@ -152,10 +162,16 @@ ALTERNATIVES: tuple[dict[str, Any], ...] = (
 )
 
 
-def advise(plan: Plan, config: EngineConfig, gpu_memory_gb: float | None) -> list[str]:
+def advise(
+    plan: Plan, config: EngineConfig, gpu_memory_gb: float | None, remake: Remake | None = None
+) -> list[str]:
     """What to change so that one request of full length fits: the shortest length
     that fits as is, then each alternative (and twice the GPUs) that fits, with the
-    requests it holds at full length."""
+    requests it holds at full length. ``remake(changes)`` makes each alternative's
+    config from the user's own inputs (``main``'s: a block size the user left at 0
+    then follows the new cache's default, one given stays); without it, ``config``
+    with the changes, and a block size equal to its cache's default taken as left
+    at it (a resolved config keeps no mark of which fields were given)."""
     advice = []
     if plan.kv_tokens > 0:
         advice.append(f"--max-model-len {plan.kv_tokens} (the KV cache holds that many tokens)")
@@ -166,15 +182,9 @@ def advise(plan: Plan, config: EngineConfig, gpu_memory_gb: float | None) -> lis
         fields = {k: v for k, v in change.items() if getattr(config, k) != v}
         if len(fields) != len(change):
             continue
-        settings = dict(fields)
-        if "kv_cache_dtype" in fields and config.block_size == default_block_size(
-            config.kv_cache_dtype, config.num_blocks
-        ):  # a block size left at its default follows the cache (64 tokens for fp8)
-            settings["block_size"] = default_block_size(fields["kv_cache_dtype"], config.num_blocks)
         try:
-            other = make_plan(
-                msgspec.structs.replace(config, **settings), gpu_memory_gb, advice=False
-            )
+            changed = remake(fields) if remake is not None else _changed(config, fields)
+            other = make_plan(changed, gpu_memory_gb, advice=False)
         except ValueError:  # e.g. heads that twice the GPUs cannot split
             continue
         if other.fits:
@@ -184,6 +194,17 @@ def advise(plan: Plan, config: EngineConfig, gpu_memory_gb: float | None) -> lis
                 f"{other.max_concurrency_at_full_length:,} requests at full length"
             )
     return advice
+
+
+def _changed(config: EngineConfig, fields: dict[str, Any]) -> EngineConfig:
+    """``config`` with ``fields``; a block size at its cache's default follows the new
+    cache's (64 tokens for fp8)."""
+    settings = dict(fields)
+    if "kv_cache_dtype" in fields and config.block_size == default_block_size(
+        config.kv_cache_dtype, config.num_blocks
+    ):
+        settings["block_size"] = default_block_size(fields["kv_cache_dtype"], config.num_blocks)
+    return msgspec.structs.replace(config, **settings)
 
 
 def _flag(name: str, value: Any) -> str:
@@ -259,8 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit status 0 when one request of full length fits, 1 when not, 2 on errors."""
     args = build_parser().parse_args(argv)
+
+    def remake(changes: dict[str, Any]) -> EngineConfig:  # the same flags and file, changed
+        return config_from_args(argparse.Namespace(**{**vars(args), **changes}))
+
     try:
-        plan = make_plan(config_from_args(args), args.gpu_memory_gb)
+        plan = make_plan(config_from_args(args), args.gpu_memory_gb, remake=remake)
     except (ConfigError, ValueError, OSError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

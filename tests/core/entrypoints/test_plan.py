@@ -95,6 +95,25 @@ def test_a_setting_that_cannot_fit_says_which_changes_would(capsys):
     assert plan_of("llama-3-8b", gpu_gib=24, max_model_len=too_long.kv_tokens).fits
 
 
+def test_the_cli_s_advice_keeps_a_block_size_the_user_gave(capsys):
+    # the advice remakes each alternative from the user's own flags: a block size left
+    # out follows the fp8 cache's default (64), one given stays, even at 16 (the bf16
+    # cache's default, which a resolved config cannot tell from "left out")
+    argv = ["plan", "llama-3-8b", "--gpu-memory-gb", "16", "--json"]
+    fp8 = {bs: plan_of("llama-3-8b", gpu_gib=16, quant="fp8", kv_cache_dtype="fp8",
+                       block_size=bs) for bs in (16, 64)}  # fmt: skip
+    assert fp8[16].num_kv_blocks != fp8[64].num_kv_blocks
+    for given, block_size in (([], 64), (["--block-size", "16"], 16)):
+        assert cli_main([*argv, *given]) == 1
+        advice = "\n".join(json.loads(capsys.readouterr().out)["advice"])
+        line = f"--quant fp8 --kv-cache-dtype fp8: {fp8[block_size].num_kv_blocks:,} blocks"
+        assert f"{line} of {block_size} tokens" in advice
+    assert cli_main([*argv, "--block-size", "32"]) == 1  # given, and not any default
+    advice = "\n".join(json.loads(capsys.readouterr().out)["advice"])
+    assert "--quant fp8 --kv-cache-dtype fp8: " in advice and " of 32 tokens" in advice
+    assert " of 16 tokens" not in advice and " of 64 tokens" not in advice
+
+
 def test_cli_reads_a_model_directory_and_prints_json(tmp_path, capsys):
     model_dir = write_shape_dir("qwen3-0.6b", tmp_path / "qwen3")
     argv = ["plan", str(model_dir), "--gpu-memory-gb", "80", "-tp", "2", "--json"]
