@@ -10,6 +10,7 @@ tokenizer (many rejections). With async scheduling: test_async_speculation.py.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tokenloom.checkpoints.tiny_models import ARCHS
 from tokenloom.config import load_config
@@ -237,3 +238,27 @@ def test_seeded_sampling_with_penalties_min_tokens_and_logprobs_repeats(tiny_mod
     assert len(logprobs["r0"]) == len(first["r0"])
     assert all(value <= 0.0 for value in logprobs["r0"])
     assert engine.scheduler.spec_accepted_total > 0
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
+def test_a_draft_beside_an_8_bit_target_cache_in_pages_of_64_is_identical(
+    tiny_model_factory, kv_cache_dtype: str
+) -> None:
+    """An fp8 cache's pages hold 64 tokens by default (session 51); the draft keeps a
+    16-bit pool in the target's page size and its own attention over it. Output past
+    a page's end (up to 89 tokens a request) equals the 8-bit target's own greedy
+    output without speculation, and the draft (the target's weights) is accepted as
+    the target is."""
+    model = tiny_model_factory("llama")
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    cache = {"kv_cache_dtype": kv_cache_dtype, "block_size": 64, "num_blocks": 24}
+    plain, _, _ = generate(model, params, **cache)
+    spec, engine, _ = generate(
+        model, params, proposer="draft", draft_model=str(model), num_speculative_tokens=3, **cache
+    )
+    assert spec == plain
+    assert max(len(p) + len(t) for p, t in zip(PROMPTS, plain.values(), strict=True)) > 64
+    proposer = engine.executor.spec.proposer
+    assert proposer.block_size == 64 and proposer.kv_caches[0][0].dtype == torch.float32
+    scheduler = engine.scheduler
+    assert scheduler.spec_accepted_total >= 0.9 * scheduler.spec_proposed_total > 0
