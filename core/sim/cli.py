@@ -152,10 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     from tokenloom.sim import quantized
 
-    cost = quantized.apply(load_cost_model(args.cost_model), args.quant, args.kv_cache_dtype)
     given_blocks = _ints(args.num_blocks)
     args.block_size = args.block_size or default_block_size(
         args.kv_cache_dtype, given_blocks[0] if given_blocks else None
+    )
+    cost = quantized.apply(
+        load_cost_model(args.cost_model), args.quant, args.kv_cache_dtype, args.block_size
     )
     trace = build_workload(args)
     pm = load_plugins(args.plugin)

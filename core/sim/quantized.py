@@ -19,11 +19,16 @@ against:
   activations' quantization took 7.0 ms at 512 rows (6.3 + 0.72) where the bf16
   coefficients predict 6.39 at the fp8 rate, so ``gemm`` and ``flops`` grow by
   ``FP8_GEMM_FACTOR``.
+- **page size**: an fp8 cache's blocks hold 64 tokens by default since session 51; the
+  fp8-MMA decode then took 600.3 us a layer at 512 x 1,500 against 663.5 at pages of 16
+  (128: 637.9), measured on an H100 (session 51; the H200 has not run it):
+  ``FP8_PAGE_GAIN`` scales the ``kv`` coefficient by page size. Other page sizes are
+  refused, as the unmeasured settings below are.
 
 Checked against the engine (``tests/core/sim/test_quantized.py``): issue 12's workload
 (600 x 1,000 in / 1,000 out at once, fp8 weights and KV, 114,348 blocks) at
 ``max_num_seqs`` 640 with 640-row graphs, measured 13,265 and 13,463 out tok/s with the
-fp8-MMA decode (session 32, two calls); simulated 13,099 (-1.3%, -2.7%). With
+fp8-MMA decode (session 32, two calls, pages of 16); simulated 13,099 (-1.3%, -2.7%). With
 ``FP8_KV_FACTOR_F16`` (the f16-converting kernel), measured 12,023 at 512 and 12,756 at
 640 (session 9), 12,879 and 12,801 at 640 (session 32); simulated 11,792 and 12,408.
 
@@ -44,11 +49,18 @@ FP8_KV_FACTOR_F16 = (21.9 / 12.4) / (11.68 / 12.20)
 FP8_MMA_GAIN = 601.9 / 665.1
 FP8_KV_FACTOR = FP8_KV_FACTOR_F16 * FP8_MMA_GAIN
 FP8_GEMM_FACTOR = (6.3 + 0.72) / 6.39
+FP8_PAGE_GAIN = {16: 1.0, 64: 600.3 / 663.5, 128: 637.9 / 663.5}  # H100, session 51
 H200_GIB = 139.80  # total memory the engine's start-up log reports on the H200
 
 
-def apply(cost: CostModel, quant: str = "none", kv_cache_dtype: str = "auto") -> CostModel:
-    """``cost`` for fp8 weights and/or an fp8 KV cache (see the module docstring)."""
+def apply(
+    cost: CostModel, quant: str = "none", kv_cache_dtype: str = "auto", block_size: int = 0
+) -> CostModel:
+    """``cost`` for fp8 weights and/or an fp8 KV cache in blocks of ``block_size``
+    tokens (0: the engine's default for that cache; see the module docstring)."""
+    from tokenloom.config import default_block_size
+
+    block_size = block_size or default_block_size(kv_cache_dtype)
     if quant not in QUANTS:
         raise ValueError(f"the simulator models --quant {' | '.join(QUANTS)}, not {quant!r}")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -69,9 +81,15 @@ def apply(cost: CostModel, quant: str = "none", kv_cache_dtype: str = "auto") ->
         coefficients["flops"] = coefficients.get("flops", 0.0) * FP8_GEMM_FACTOR
         notes.append("fp8 weights")
     if kv_cache_dtype == "fp8":
+        if block_size not in FP8_PAGE_GAIN:
+            raise ValueError(
+                f"the simulator models an fp8 cache in blocks of "
+                f"{' | '.join(map(str, FP8_PAGE_GAIN))} tokens, not {block_size}"
+            )
         shape = structs.replace(shape, kv_bytes_per_token=shape.kv_bytes_per_token / 2)
         coefficients["kv"] = coefficients.get("kv", 0.0) * FP8_KV_FACTOR
-        notes.append("fp8 KV cache")
+        coefficients["kv"] *= FP8_PAGE_GAIN[block_size]
+        notes.append(f"fp8 KV cache in blocks of {block_size}")
     if not notes:
         return cost
     source = f"{cost.source}; {', '.join(notes)} per tokenloom.sim.quantized"
