@@ -25,7 +25,9 @@ default on a GPU, off under the interpreter), ``prefill_block_m``, ``prefill_blo
 ``prefill_num_warps``, ``prefill_num_stages``, ``prefill_kv_f16`` (an fp8 cache's
 prefill products in f16 for 16-bit queries), ``prefill_fresh_16bit`` (with an 8-bit
 cache, the prefill of the requests at a batch's end that have no cached prefix, over
-their own 16-bit keys and values; off until measured). An 8-bit cache's decode takes
+their own 16-bit keys and values; off until measured), ``prefill_fp8_mma`` (an fp8
+cache's prefill with fp8 products over its transposed value blocks, so only where
+``decode_fp8_mma`` stores them so; ``prefill.py``'s ``KV_MMA8``). An 8-bit cache's decode takes
 ``QUANT_DECODE`` for the stages and register cap unless they are set (the fp8-MMA decode
 ``MMA_DECODE``'s tile, stages and cap), and an fp8 cache's prefill ``FP8_PREFILL``'s
 tiles unless a prefill tile key is set.
@@ -170,6 +172,7 @@ class TritonAttention(AttentionBackend):
         self.prefill_num_stages = int(defaults["prefill_num_stages"])
         self.prefill_kv_f16 = bool(defaults["prefill_kv_f16"])
         self.prefill_fresh_16bit = bool(defaults["prefill_fresh_16bit"])
+        self.prefill_fp8_mma = bool(defaults["prefill_fp8_mma"])
         # the prefill's tiles by whether the cache is fp8 (FP8_PREFILL where measured);
         # read here once: the prefill_* attributes set later change nothing
         self.prefill_tiles = prefill_tiles(settings, defaults, measured)
@@ -348,6 +351,7 @@ class TritonAttention(AttentionBackend):
             num_warps=tiles["prefill_num_warps"],
             num_stages=tiles["prefill_num_stages"],
             kv_f16=self.prefill_kv_f16,
+            fp8_mma=self.prefill_fp8_mma,
             first_seq=first_seq,
         )
 

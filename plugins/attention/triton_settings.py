@@ -32,6 +32,7 @@ class TritonSettings(msgspec.Struct, forbid_unknown_fields=True):
     prefill_num_stages: int | None = None
     prefill_kv_f16: int | None = None
     prefill_fresh_16bit: int | None = None
+    prefill_fp8_mma: int | None = None
 
 
 # Tiny tiles: the interpreter runs each program in Python.
@@ -56,6 +57,7 @@ INTERPRETER_DEFAULTS = {
     "prefill_num_stages": 1,
     "prefill_kv_f16": 1,
     "prefill_fresh_16bit": 0,
+    "prefill_fp8_mma": 0,
 }
 
 
@@ -109,6 +111,9 @@ def cuda_defaults(head_dim: int) -> dict[str, int]:
         # keys and values in the prefill (the bf16 tile ran at twice the fp8 tile's rate,
         # session 37), as vLLM's prefill does; written in session 38, not yet measured
         "prefill_fresh_16bit": 0,
+        # an fp8 cache's prefill with both products in fp8 on the tensor cores, over its
+        # transposed value blocks (prefill.py, KV_MMA8; session 52): opt-in, unmeasured
+        "prefill_fp8_mma": 0,
     }
 
 

@@ -8,7 +8,8 @@ torch reference backend, for ``tokenloom eval`` on the CPU (session 28):
 scale; ``p``: the probabilities times the value's per-token scale rounded to e4m3, with a
 scale per query row (its max at 448), before the product with the raw fp8 values; ``t``
 (session 29, instead of ``p``): the shipped kernel's rounding (``decode_fp8_mma.py``), in
-tiles of 128 tokens: p relative to the tile's own maximum per query row, times the value
+tiles of 128 tokens (``TL_EMU_TILE``: another size; session 52's fp8-MMA prefill takes
+64): p relative to the tile's own maximum per query row, times the value
 scales over their largest in the tile times 448, rounded to e4m3; any other value (e.g.
 ``x``): the emulated computation without either rounding. Python
 imports ``sitecustomize`` at start-up in every process, the engine's included; without
@@ -77,7 +78,8 @@ if os.environ.get("TL_EMU"):
         if "p" in modes:
             pv = _round_rows(pv)
         if "t" in modes:
-            pv = _round_tiles(scores, m, vs.t()[:, None, :])
+            tile = int(os.environ.get("TL_EMU_TILE", "128"))
+            pv = _round_tiles(scores, m, vs.t()[:, None, :], tile)
         out = torch.einsum("hqs,shd->hqd", pv, vd) / denom
         return out.transpose(0, 1).to(q.dtype)
 

@@ -208,6 +208,15 @@ if [ "${1:-}" = auto49 ]; then  # session 49: t49 again (its two premises fixed)
   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && QS="none int4" && \
     set -- t49 wide42 l47
 fi
+if [ "${1:-}" = auto52 ]; then  # session 52: on an H200 the workload on today's
+  # defaults (blocks of 64), the fp8-MMA prefill per layer, the workload with it, then bench
+  # latency bf16 / int4; elsewhere the fp8-MMA prefill per layer, its GPU tests and the
+  # default workload with it off / on
+  export LOGS=/tmp/benchlogs; mkdir -p "$LOGS"
+  set -- pre52 t52 fp52
+  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && QS="none int4" && \
+    set -- wide52 pre52 widem52 l47
+fi
 if [ "${1:-}" = auto51 ]; then  # session 51: on an H200 the workload with blocks of 16
   # and of 64 (an fp8 cache's default since session 51), then bench latency bf16 / int4;
   # elsewhere the attention and KV tests over pages of 16 to 128 (t51)
@@ -298,6 +307,34 @@ for step in "$@"; do
       echo "t51 rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/a-t51.log" | head -8; tail -1 "$OUT/a-t51.log" ;;
     wpg51)  # the workload (fp8 weights + fp8 KV), pages of 16 and of 64 tokens
       for pg in ${PAGES:-16 64}; do bench throughput fp8w51-page$pg after fp8 "${WIDE[@]}" --block-size $pg; done ;;
+    pre52)  # session 52: the prefill attention per layer over an fp8 cache, f16 products (the
+      # default) against fp8 ones (prefill_fp8_mma=1), pages of 16 and 64, bf16 cache beside
+      for pg in 64 16; do
+        timeout 150 env PYTHONPATH=/tmp/after:/tmp/site python3 scripts/gpu/kvq_prefill_bench.py \
+          --shapes 8x1000,2x4000 --kv auto,fp8 --page-size $pg --variant mma:prefill_fp8_mma=1 \
+          --json "$OUT/pre52-page$pg.json" > "$OUT/pre52-page$pg.log" 2>&1 || echo "pre52 $pg failed"
+        sed "s/^/pre52 page $pg: /" "$OUT/pre52-page$pg.log" | grep -E " us |failed"
+      done ;;
+    t52)  # session 52: the fp8 cache's attention tests on the GPU (the fp8-MMA prefill's among them)
+      timeout ${T52:-240} env PYTHONPATH=/tmp/after:/tmp/site python3 -m pytest -q -rfs \
+        -p no:cacheprovider tests/plugins/attention/test_kv_quant.py \
+        tests/plugins/attention/test_decode_fp8_mma.py > "$OUT/a-t52.log" 2>&1
+      echo "t52 rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/a-t52.log" | head -8; tail -1 "$OUT/a-t52.log" ;;
+    fp52)  # the default workload, fp8 + fp8 KV: the fp8-MMA prefill off / on (PAIRS pairs)
+      for i in $(seq ${PAIRS:-2}); do
+        bench throughput fp8p52-off$i after fp8 --kv-cache-dtype fp8
+        bench throughput fp8p52-mma$i after fp8 --kv-cache-dtype fp8 \
+          --plugin-option triton.prefill_fp8_mma=1
+      done ;;
+    wide52)  # the workload on today's defaults (an fp8 cache in blocks of 64)
+      bench throughput fp8w52 after fp8 "${WIDE[@]}" ;;
+    widem52)  # the same with the fp8-MMA prefill
+      bench throughput fp8w52-mma after fp8 "${WIDE[@]}" --plugin-option triton.prefill_fp8_mma=1 ;;
+    ipg52)  # session 52: bf16 weights + an int8 cache, the default workload, blocks of 16 and
+      # of 64 alternated (PAIRS pairs): is 64 worth an int8 cache's default too?
+      for i in $(seq ${PAIRS:-2}); do for pg in 16 64; do
+        bench throughput int8kv-page$pg-$i after none --kv-cache-dtype int8 --block-size $pg
+      done; done ;;
     dpg51)  # the default workload, fp8 weights + fp8 KV, pages of 16 and of 64 tokens
       for pg in ${PAGES:-16 64}; do bench throughput fp8d51-page$pg after fp8 --kv-cache-dtype fp8 --block-size $pg; done ;;
     t49)  # session 48: tokenloom quantize --device cuda (test_quantize_device.py whole, on the GPU)

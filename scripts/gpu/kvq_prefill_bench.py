@@ -77,7 +77,10 @@ def run(num_seqs: int, length: int, kv: str, settings: dict[str, int]) -> dict[s
         q, k, v, k_cache, v_cache, meta, scale
     )
     error = float((out.double() - ref.double()).norm() / ref.double().norm())
-    assert error < 4e-2, f"{kv} {num_seqs}x{length} {settings}: relative error {error:.3g}"
+    # fp8 products (prefill_fp8_mma) round q and p * v_scale to e4m3: about 4% on random
+    # data, as the fp8-MMA decode (tests/plugins/attention/test_kv_quant.py)
+    bound = 8e-2 if kv == "fp8" and settings.get("prefill_fp8_mma") else 4e-2
+    assert error < bound, f"{kv} {num_seqs}x{length} {settings}: relative error {error:.3g}"
     if DEVICE == "cuda":
         ms = triton.testing.do_bench(
             lambda: attn.forward(q, k, v, k_cache, v_cache, meta, scale), warmup=25, rep=200,

@@ -26,6 +26,20 @@ value row's absolute maximum may reach 448 * 65504 / 512, 57k, as in the decode)
 cache keeps the queries' dtype: Triton converts int8 to bf16 with integer tricks, and its
 f16 conversion (``I2F.F16.S16``) compiled to more instructions (929 against 829 a tile,
 offline) and spilled.
+
+``KV_MMA8`` (``prefill_fp8_mma``, session 52): an fp8 cache whose values are stored
+transposed (``V_T``) is multiplied in fp8 on the tensor cores, with no conversion of the
+cache at all, as the fp8-MMA decode does (``decode_fp8_mma.py``) and as FlashAttention-3's
+fp8 forward does. Here the query rows are the MMA's M side (64 a tile), as Hopper's fp8
+MMA wants, and both operands are K-major as stored: K ``[N, D]`` (D contiguous) for
+``q . K^T``, V^T ``[D, N]`` (tokens contiguous) for ``P . V``.
+- Each query row enters as e4m3 scaled by its own absolute maximum (to 448); the
+  scores undo it with the keys' per-token scales.
+- ``P`` is taken relative to the tile's own row maximum (its largest is 1 in every
+  tile, so a far larger earlier score, an attention sink, does not push a later tile's
+  probabilities into e4m3's subnormals) and times each value's scale over the tile's
+  largest (times 448), rounded to e4m3; both are undone on the tile's product. The
+  softmax sums use the unrounded probabilities.
 """
 
 from __future__ import annotations
@@ -36,6 +50,8 @@ import triton.language as tl
 
 from tokenloom.plugins.attention import kv_quant
 from tokenloom.plugins.attention.triton_kernels.decode import P_LIFT
+
+FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
@@ -85,6 +101,7 @@ def _attend_tile(
     V_T: tl.constexpr,  # values stored [heads, D, tokens] per page (kv_quant.v_transposed)
     KV_F16: tl.constexpr,  # an fp8 cache's values enter both dots as f16 (q too)
     P_LIFT: tl.constexpr,
+    KV_MMA8: tl.constexpr = False,  # both dots in fp8 (q e4m3 already; needs V_T)
 ):
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < seq_len
@@ -103,7 +120,9 @@ def _attend_tile(
         mask=mask_n[None, :] & mask_d[:, None],
         other=0.0,
     )  # [BLOCK_D, BLOCK_N]
-    if KV_F16:
+    if KV_MMA8:
+        qk = tl.dot(q, k) * row_scale[:, None]
+    elif KV_F16:
         qk = tl.dot(q, k.to(tl.float16)) * row_scale[:, None]
     else:
         qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
@@ -113,10 +132,17 @@ def _attend_tile(
     if CAUSAL:
         visible = (offs_n[None, :] <= query_pos[:, None]) & mask_n[None, :]
         qk = tl.where(visible, qk, float("-inf"))  # [BLOCK_M, BLOCK_N]
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_tile = tl.max(qk, 1)
+    m_new = tl.maximum(m_i, m_tile)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    if KV_MMA8:  # p relative to the tile's own row maximum (a row all masked: zeros)
+        m_tile = tl.where(m_tile == float("-inf"), m_new, m_tile)
+        p = tl.exp2(qk - m_tile[:, None])
+        p_scale = tl.exp2(m_tile - m_new)  # [BLOCK_M]: the tile's p back to m_new's
+        l_i = l_i * alpha + tl.sum(p, 1) * p_scale
+    else:
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
     if V_T:
         v_tok = block * stride_cache_block + (offs_n % PAGE_SIZE)
         v_ptrs = v_cache_ptr + (v_tok + scale_head_off * (HEAD_DIM * PAGE_SIZE))[:, None]
@@ -133,10 +159,16 @@ def _attend_tile(
     if KV_QUANT:
         s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * stride_scale_tok
         v_scale = tl.load(v_scale_ptr + s_off + scale_head_off, mask=mask_n, other=0.0)
+        if KV_MMA8:  # the values' scales over the tile's largest, times e4m3's largest
+            v_max = tl.maximum(tl.max(v_scale, 0), 1e-30)
+            v_scale = v_scale * (FP8_MAX / v_max)
+            p_scale = p_scale * (v_max / FP8_MAX)
         if KV_F16:  # p * scale in f16, lifted into its normal range (undone at the end)
             v_scale = v_scale * P_LIFT
         p = p * v_scale[None, :]
-    if KV_F16:
+    if KV_MMA8:
+        pv = tl.dot(p.to(tl.float8e4nv), v) * p_scale[:, None]
+    elif KV_F16:
         pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
     else:
         pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
@@ -179,6 +211,7 @@ def _prefill_kernel(
     V_T: tl.constexpr = False,
     KV_F16: tl.constexpr = False,
     P_LIFT: tl.constexpr = 1.0,
+    KV_MMA8: tl.constexpr = False,
 ):
     head = tl.program_id(0)
     tile = tl.program_id(1)
@@ -213,6 +246,12 @@ def _prefill_kernel(
         q_shrink = tl.minimum(32768.0 / tl.maximum(tl.max(tl.abs(qf), 1), 1e-30), 1.0)
         q = (qf * q_shrink[:, None]).to(tl.float16)
         row_scale = row_scale / q_shrink
+    if KV_MMA8:  # each row as e4m3 over its own absolute maximum; the scores undo it
+        qf = q.to(tl.float32)
+        q_max = tl.maximum(tl.max(tl.abs(qf), 1), 1e-30)
+        q_lift = FP8_MAX / q_max
+        q = (qf * q_lift[:, None]).to(tl.float8e4nv)
+        row_scale = row_scale * (q_max / FP8_MAX)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -228,7 +267,7 @@ def _prefill_kernel(
             stride_cache_block, stride_cache_tok, query_pos, seq_len, scale_log2,
             row_scale, offs_d, mask_d, k_scale_ptr, v_scale_ptr, head // GROUP, stride_scale_block,
             stride_scale_tok, BLOCK_N, PAGE_SIZE, False, DOT_PRECISION, KV_QUANT, HEAD_DIM,
-            V_T, KV_F16, P_LIFT,
+            V_T, KV_F16, P_LIFT, KV_MMA8,
         )  # fmt: skip
     for n0 in range(unmasked_end, causal_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
@@ -236,7 +275,7 @@ def _prefill_kernel(
             stride_cache_block, stride_cache_tok, query_pos, seq_len, scale_log2,
             row_scale, offs_d, mask_d, k_scale_ptr, v_scale_ptr, head // GROUP, stride_scale_block,
             stride_scale_tok, BLOCK_N, PAGE_SIZE, True, DOT_PRECISION, KV_QUANT, HEAD_DIM,
-            V_T, KV_F16, P_LIFT,
+            V_T, KV_F16, P_LIFT, KV_MMA8,
         )  # fmt: skip
 
     # Padding rows (seq_len 0) saw no key: write zeros, not NaN.
@@ -265,13 +304,17 @@ def prefill_attention(
     num_stages: int = 2,
     first_seq: int = 0,
     kv_f16: bool = True,
+    fp8_mma: bool = False,
 ) -> None:
     """Launch the prefill kernel for requests ``first_seq:`` of these tables (their
     rows of ``q`` from ``query_start_loc``). The grid counts ``q``'s rows from
     ``first_seq`` on, exact when the requests before them have one query token each;
     where they have more, or rows of ``q`` follow the last request, the surplus tiles
     exit at once. No host sync: the grid comes from shapes and ``first_seq`` only. ``kv_f16``: an fp8 cache's products in f16 where the queries are
-    16-bit (else in the queries' dtype)."""
+    16-bit (else in the queries' dtype). ``fp8_mma``: an fp8 cache's products in fp8
+    (``KV_MMA8``) where its values are stored transposed, the queries are 16-bit and
+    ``block_n`` and the head size are 32 or more (it then takes precedence over
+    ``kv_f16``)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_tokens = q.shape[0] - first_seq
     num_seqs = seq_lens.shape[0] - first_seq
@@ -282,6 +325,9 @@ def prefill_attention(
     k_scales = kv_quant.scales_of(k_cache) if quantized else k_cache
     v_scales = kv_quant.scales_of(v_cache) if quantized else v_cache
     grid = (num_heads, num_tokens // block_m + num_seqs)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
+    # Triton's fp8 dots take K >= 32: head_dim for q . K^T, the KV tile for P . V
+    mma8 = fp8 and fp8_mma and kv_quant.v_transposed(v_cache) and min(block_n, head_dim) >= 32
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -314,8 +360,9 @@ def prefill_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         KV_QUANT=quantized,
         V_T=kv_quant.v_transposed(v_cache),
-        KV_F16=k_cache.dtype == torch.float8_e4m3fn and kv_f16 and q.dtype != torch.float32,
+        KV_F16=fp8 and kv_f16 and not mma8,
         P_LIFT=P_LIFT.get(k_cache.dtype, 1.0),
+        KV_MMA8=mma8,
         num_warps=num_warps,
         num_stages=num_stages,
     )

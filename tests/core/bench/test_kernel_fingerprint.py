@@ -120,6 +120,13 @@ def test_every_attention_kernel_launch_of_its_tests_compiles_for_sm90(tmp_path):
     recorded = pickle.loads(specs.read_bytes())
     pages = {s["constexpr_names"].get("PAGE_SIZE") for s in recorded.values()}
     assert {16, 32, 64, 128} <= pages  # the tests reach every page size they name
+    # and the fp8-MMA prefill (session 52), at pages of 16 and 64
+    mma_pages = {
+        s["constexpr_names"].get("PAGE_SIZE")
+        for s in recorded.values()
+        if s["constexpr_names"].get("KV_MMA8")
+    }
+    assert {16, 64} <= mma_pages
     comp = _run("compile", str(specs), str(prints))
     assert comp.returncode == 0, comp.stdout[-3000:]
     assert f"compiled {len(recorded)} of {len(recorded)} for sm_90" in comp.stdout

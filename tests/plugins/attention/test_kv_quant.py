@@ -243,16 +243,26 @@ def check_triton_against_torch(
     )
     reference = torch_attn.forward(batch.q, batch.k, batch.v, ref_k, ref_v, batch.meta, batch.scale)
     assert torch.isfinite(out).all()
-    fp8_mma = kv_dtype == torch.float8_e4m3fn and triton_attn.decode_fp8_mma
+    fp8 = kv_dtype == torch.float8_e4m3fn
+    fp8_mma = fp8 and triton_attn.decode_fp8_mma
+    # the prefill's fp8 products (prefill_fp8_mma) need 16-bit queries and values
+    # stored transposed
+    prefill_mma = (
+        fp8
+        and triton_attn.prefill_fp8_mma
+        and transposed
+        and dtype != torch.float32
+        and triton_attn.prefill_tiles[True]["prefill_block_n"] >= 32
+    )
     agreement = FP8_MMA_AGREEMENT if fp8_mma else AGREEMENT[dtype]
     decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
     error = relative_error(out[:decodes], reference[:decodes].double().cpu())
     assert error < agreement
-    if decodes < out.shape[0]:  # the prefill kernel's rows (f16 arithmetic)
+    if decodes < out.shape[0]:  # the prefill kernel's rows (f16 arithmetic, or fp8)
         prefill = relative_error(out[decodes:], reference[decodes:].double().cpu())
-        assert prefill < AGREEMENT[dtype]
+        assert prefill < (FP8_MMA_AGREEMENT if prefill_mma else AGREEMENT[dtype])
     assert relative_error(out, dense_reference(batch)) < QUANT_ERROR[kv_dtype] + (
-        agreement if fp8_mma else 0
+        FP8_MMA_AGREEMENT if fp8_mma or prefill_mma else 0
     )
     return error
 
@@ -343,3 +353,73 @@ def test_the_f16_prefill_holds_bf16_queries_beyond_f16_range():
     assert torch.isfinite(out).all()
     assert relative_error(out, reference.double().cpu()) < 2e-2  # bf16 outputs
     assert relative_error(out[3:4], reference[3:4].double().cpu()) < 2e-2
+
+
+# the fp8-MMA prefill (its fp8 dots take K >= 32: KV tiles of 32 under the interpreter)
+MMA_PREFILL = {"decode_fp8_mma": 1, "prefill_fp8_mma": 1, "prefill_block_n": 32}
+
+
+def _prefill_out(batch, info, block_size, **settings):
+    """The Triton backend's output over an fp8 cache in the layout it asks for."""
+    attn = TritonAttention(EngineConfig(block_size=block_size), info, **settings)
+    k_cache, v_cache = quantized_copy(batch, torch.float8_e4m3fn, attn.fp8_values_transposed)
+    write_kv_cache(batch.k, batch.v, k_cache, v_cache, batch.meta.slot_mapping)
+    attn.prepare(batch.meta)
+    return attn.forward(
+        batch.q, batch.k, batch.v, k_cache, v_cache, batch.meta, batch.scale, kv_written=True
+    )
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_the_fp8_mma_prefill_matches_the_reference(block_size):
+    """``prefill_fp8_mma``: an fp8 cache's prefill with both products in fp8 (q and
+    ``p * v_scale`` rounded to e4m3), over pages of 16 and 64, prompts with a cached
+    prefix and without, inside a page and across pages, beside decodes."""
+    query_lens, seq_lens = [1, 9, 20, 70], [30, 9, 45, 150]
+    check_triton_against_torch(
+        query_lens, seq_lens, torch.float8_e4m3fn, torch.float16, True, block_size=block_size,
+        decode_fp8_mma=1, prefill_fp8_mma=1, prefill_block_n=32,
+    )  # fmt: skip
+    # it is the fp8 path: not the f16 products' result (those agree to 3e-3)
+    batch = make_batch(query_lens, seq_lens, dtype=torch.float16, device=DEVICE,
+                       block_size=block_size)  # fmt: skip
+    info = model_info(4, 2, 32, torch.float16, DEVICE)
+    mma = _prefill_out(batch, info, block_size, **MMA_PREFILL)
+    f16 = _prefill_out(batch, info, block_size, **{**MMA_PREFILL, "prefill_fp8_mma": 0})
+    assert relative_error(mma[1:], f16[1:].double().cpu()) > 1e-3
+    assert torch.equal(mma[:1], f16[:1])  # the decode row is the decode kernel's either way
+
+
+def test_the_fp8_mma_prefill_keeps_keys_far_below_an_attention_sink():
+    """A sink key at position 0 scores 12 nats above every other key (whose own scores
+    spread by about a quarter of a nat), and the first KV tile's values are zero, so the
+    output is the later tiles' alone, each probability about 6e-6 of the sink's. Taken
+    relative to the running maximum, p * 448 falls into e4m3's subnormals (steps of
+    2^-9, about the values themselves: 30-40% off); taken relative to each tile's own
+    maximum it keeps e4m3's relative precision. The sink's score is exact in e4m3 (one
+    channel, each row's and the key's largest), so the queries' rounding does not move
+    its weight."""
+    dtype, block_size, head_dim = torch.float16, 16, 32
+    batch = make_batch([20], [300], dtype=dtype, device=DEVICE, block_size=block_size)
+    batch.q.clamp_(-4, 4)
+    batch.q[..., 0] = 8.0  # every row's largest: 448 in e4m3, exactly
+    batch.k_cache *= 0.25  # the other keys' scores within about a quarter of a nat
+    batch.k *= 0.25
+    first = int(batch.meta.block_tables[0, 0])
+    batch.k_cache[first, 0] = 0
+    batch.k_cache[first, 0, :, 0] = 12.0 / (8.0 * batch.scale)  # q . k x scale = 12
+    tile = MMA_PREFILL["prefill_block_n"]  # the first KV tile's values: all zero
+    for page in range(tile // block_size):
+        batch.v_cache[int(batch.meta.block_tables[0, page])] = 0
+    batch.full_k[0][0] = batch.k_cache[first, 0].cpu()
+    batch.full_v[0][:tile] = 0
+    info = model_info(4, 2, head_dim, dtype, DEVICE)
+    out = _prefill_out(batch, info, block_size, **MMA_PREFILL)
+    ref_k, ref_v = quantized_copy(batch, torch.float8_e4m3fn)
+    write_kv_cache(batch.k, batch.v, ref_k, ref_v, batch.meta.slot_mapping)
+    reference = TorchAttention(EngineConfig(), info).forward(
+        batch.q, batch.k, batch.v, ref_k, ref_v, batch.meta, batch.scale
+    )
+    magnitude = float(reference.double().abs().mean())
+    assert 1e-6 < magnitude < 1e-3  # the later tiles' small share, not the sink's
+    assert relative_error(out, reference.double().cpu()) < 5e-2
