@@ -33,6 +33,7 @@ class TritonSettings(msgspec.Struct, forbid_unknown_fields=True):
     prefill_kv_f16: int | None = None
     prefill_fresh_16bit: int | None = None
     prefill_fp8_mma: int | None = None
+    prefill_meta_ahead: int | None = None
 
 
 # Tiny tiles: the interpreter runs each program in Python.
@@ -58,6 +59,7 @@ INTERPRETER_DEFAULTS = {
     "prefill_kv_f16": 1,
     "prefill_fresh_16bit": 0,
     "prefill_fp8_mma": 0,
+    "prefill_meta_ahead": 0,
 }
 
 
@@ -114,6 +116,8 @@ def cuda_defaults(head_dim: int) -> dict[str, int]:
         # an fp8 cache's prefill with both products in fp8 on the tensor cores, over its
         # transposed value blocks (prefill.py, KV_MMA8; session 52): opt-in, unmeasured
         "prefill_fp8_mma": 0,
+        # the prefill's unmasked tiles' blocks and scales a tile ahead (session 52): opt-in
+        "prefill_meta_ahead": 0,
     }
 
 

@@ -102,12 +102,18 @@ def _attend_tile(
     KV_F16: tl.constexpr,  # an fp8 cache's values enter both dots as f16 (q too)
     P_LIFT: tl.constexpr,
     KV_MMA8: tl.constexpr = False,  # both dots in fp8 (q e4m3 already; needs V_T)
+    GIVEN: tl.constexpr = False,  # the tile's blocks and scales loaded by the caller:
+    block_in=None,  # (_tile_meta, a tile ahead)
+    k_s_in=None,
+    v_s_in=None,
 ):
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < seq_len
     # With V_T, page-wide masks keep V^T's 16-token rows whole (no byte gathers); the
     # tiles before the causal ones hold only tokens of the sequence: no mask at all.
-    if V_T and not CAUSAL:
+    if GIVEN:
+        block = block_in
+    elif V_T and not CAUSAL:
         block = tl.load(table + offs_n // PAGE_SIZE).to(tl.int64)
     elif V_T:
         page_ok = offs_n // PAGE_SIZE < tl.cdiv(seq_len, PAGE_SIZE)
@@ -126,7 +132,9 @@ def _attend_tile(
         qk = tl.dot(q, k.to(tl.float16)) * row_scale[:, None]
     else:
         qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
-    if KV_QUANT:
+    if KV_QUANT and GIVEN:
+        qk = qk * k_s_in[None, :]
+    elif KV_QUANT:
         s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * stride_scale_tok
         qk = qk * tl.load(k_scale_ptr + s_off + scale_head_off, mask=mask_n, other=0.0)[None, :]
     if CAUSAL:
@@ -157,8 +165,11 @@ def _attend_tile(
     else:
         v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
     if KV_QUANT:
-        s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * stride_scale_tok
-        v_scale = tl.load(v_scale_ptr + s_off + scale_head_off, mask=mask_n, other=0.0)
+        if GIVEN:
+            v_scale = v_s_in
+        else:
+            s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * stride_scale_tok
+            v_scale = tl.load(v_scale_ptr + s_off + scale_head_off, mask=mask_n, other=0.0)
         if KV_MMA8:  # the values' scales over the tile's largest, times e4m3's largest
             v_max = tl.maximum(tl.max(v_scale, 0), 1e-30)
             v_scale = v_scale * (FP8_MAX / v_max)
@@ -174,6 +185,27 @@ def _attend_tile(
         pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
+
+
+@triton.jit
+def _tile_meta(
+    table, n0, end, k_scale_ptr, v_scale_ptr, scale_head_off, stride_scale_block,
+    stride_scale_tok, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_QUANT: tl.constexpr,
+):  # fmt: skip
+    """The blocks and (``KV_QUANT``) the keys' and values' scales of the tile at ``n0``,
+    for ``_attend_tile(GIVEN=True)``; tokens from ``end`` on read block 0 and scales 0
+    (a tile ahead of the last one, never attended)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    inside = offs_n < end
+    block = tl.load(table + offs_n // PAGE_SIZE, mask=inside, other=0).to(tl.int64)
+    if KV_QUANT:
+        s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * stride_scale_tok
+        k_s = tl.load(k_scale_ptr + s_off + scale_head_off, mask=inside, other=0.0)
+        v_s = tl.load(v_scale_ptr + s_off + scale_head_off, mask=inside, other=0.0)
+    else:
+        k_s = tl.zeros([BLOCK_N], tl.float32)
+        v_s = tl.zeros([BLOCK_N], tl.float32)
+    return block, k_s, v_s
 
 
 @triton.jit(do_not_specialize=["num_seqs", "first_seq", "stride_bt"])
@@ -212,6 +244,7 @@ def _prefill_kernel(
     KV_F16: tl.constexpr = False,
     P_LIFT: tl.constexpr = 1.0,
     KV_MMA8: tl.constexpr = False,
+    AHEAD: tl.constexpr = False,
 ):
     head = tl.program_id(0)
     tile = tl.program_id(1)
@@ -261,14 +294,33 @@ def _prefill_kernel(
     # Keys before the tile's first query position are visible to every row: no mask.
     unmasked_end = ((prefix + row0) // BLOCK_N) * BLOCK_N
     causal_end = tl.minimum(prefix + row0 + BLOCK_M, seq_len)
-    for n0 in range(0, unmasked_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, table, head_off,
-            stride_cache_block, stride_cache_tok, query_pos, seq_len, scale_log2,
-            row_scale, offs_d, mask_d, k_scale_ptr, v_scale_ptr, head // GROUP, stride_scale_block,
-            stride_scale_tok, BLOCK_N, PAGE_SIZE, False, DOT_PRECISION, KV_QUANT, HEAD_DIM,
-            V_T, KV_F16, P_LIFT, KV_MMA8,
+    if AHEAD:  # each unmasked tile's blocks and scales loaded a tile ahead (loop-carried)
+        block, k_s, v_s = _tile_meta(
+            table, 0, unmasked_end, k_scale_ptr, v_scale_ptr, head // GROUP,
+            stride_scale_block, stride_scale_tok, BLOCK_N, PAGE_SIZE, KV_QUANT,
         )  # fmt: skip
+        for n0 in range(0, unmasked_end, BLOCK_N):
+            block_next, k_s_next, v_s_next = _tile_meta(
+                table, n0 + BLOCK_N, unmasked_end, k_scale_ptr, v_scale_ptr, head // GROUP,
+                stride_scale_block, stride_scale_tok, BLOCK_N, PAGE_SIZE, KV_QUANT,
+            )  # fmt: skip
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, table, head_off,
+                stride_cache_block, stride_cache_tok, query_pos, seq_len, scale_log2,
+                row_scale, offs_d, mask_d, k_scale_ptr, v_scale_ptr, head // GROUP,
+                stride_scale_block, stride_scale_tok, BLOCK_N, PAGE_SIZE, False, DOT_PRECISION,
+                KV_QUANT, HEAD_DIM, V_T, KV_F16, P_LIFT, KV_MMA8, True, block, k_s, v_s,
+            )  # fmt: skip
+            block, k_s, v_s = block_next, k_s_next, v_s_next
+    else:
+        for n0 in range(0, unmasked_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, table, head_off,
+                stride_cache_block, stride_cache_tok, query_pos, seq_len, scale_log2,
+                row_scale, offs_d, mask_d, k_scale_ptr, v_scale_ptr, head // GROUP,
+                stride_scale_block, stride_scale_tok, BLOCK_N, PAGE_SIZE, False, DOT_PRECISION,
+                KV_QUANT, HEAD_DIM, V_T, KV_F16, P_LIFT, KV_MMA8,
+            )  # fmt: skip
     for n0 in range(unmasked_end, causal_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, table, head_off,
@@ -305,6 +357,7 @@ def prefill_attention(
     first_seq: int = 0,
     kv_f16: bool = True,
     fp8_mma: bool = False,
+    meta_ahead: bool = False,
 ) -> None:
     """Launch the prefill kernel for requests ``first_seq:`` of these tables (their
     rows of ``q`` from ``query_start_loc``). The grid counts ``q``'s rows from
@@ -314,7 +367,8 @@ def prefill_attention(
     16-bit (else in the queries' dtype). ``fp8_mma``: an fp8 cache's products in fp8
     (``KV_MMA8``) where its values are stored transposed, the queries are 16-bit and
     ``block_n`` and the head size are 32 or more (it then takes precedence over
-    ``kv_f16``)."""
+    ``kv_f16``). ``meta_ahead``: the unmasked tiles' blocks and scales loaded a tile
+    ahead, in registers."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_tokens = q.shape[0] - first_seq
     num_seqs = seq_lens.shape[0] - first_seq
@@ -363,6 +417,7 @@ def prefill_attention(
         KV_F16=fp8 and kv_f16 and not mma8,
         P_LIFT=P_LIFT.get(k_cache.dtype, 1.0),
         KV_MMA8=mma8,
+        AHEAD=meta_ahead,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -127,6 +127,7 @@ def test_every_attention_kernel_launch_of_its_tests_compiles_for_sm90(tmp_path):
         if s["constexpr_names"].get("KV_MMA8")
     }
     assert {16, 64} <= mma_pages
+    assert any(s["constexpr_names"].get("AHEAD") for s in recorded.values())
     comp = _run("compile", str(specs), str(prints))
     assert comp.returncode == 0, comp.stdout[-3000:]
     assert f"compiled {len(recorded)} of {len(recorded)} for sm_90" in comp.stdout
