@@ -213,7 +213,7 @@ if [ "${1:-}" = auto52 ]; then  # session 52: on an H200 the issue's workload on
   # latency bf16 / int4; elsewhere the fp8-MMA prefill per layer, its GPU tests and the
   # default workload with it off / on
   export LOGS=/tmp/benchlogs; mkdir -p "$LOGS"
-  set -- pre52 t52 fp52
+  set -- pre52 fp52 t52
   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && QS="none int4" && \
     set -- wide52 pre52 widem52 l47
 fi
