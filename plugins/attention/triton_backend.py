@@ -28,7 +28,8 @@ cache, the prefill of the requests at a batch's end that have no cached prefix, 
 their own 16-bit keys and values; off until measured), ``prefill_fp8_mma`` (an fp8
 cache's prefill with fp8 products over its transposed value blocks, so only where
 ``decode_fp8_mma`` stores them so; ``prefill.py``'s ``KV_MMA8``), ``prefill_meta_ahead``
-(the prefill's unmasked tiles' blocks and scales loaded a tile ahead). An 8-bit cache's decode takes
+(1: the prefill's unmasked tiles' blocks and scales loaded a tile ahead; 2: the blocks
+only). An 8-bit cache's decode takes
 ``QUANT_DECODE`` for the stages and register cap unless they are set (the fp8-MMA decode
 ``MMA_DECODE``'s tile, stages and cap), and an fp8 cache's prefill ``FP8_PREFILL``'s
 tiles unless a prefill tile key is set.
@@ -174,7 +175,7 @@ class TritonAttention(AttentionBackend):
         self.prefill_kv_f16 = bool(defaults["prefill_kv_f16"])
         self.prefill_fresh_16bit = bool(defaults["prefill_fresh_16bit"])
         self.prefill_fp8_mma = bool(defaults["prefill_fp8_mma"])
-        self.prefill_meta_ahead = bool(defaults["prefill_meta_ahead"])
+        self.prefill_meta_ahead = int(defaults["prefill_meta_ahead"])
         # the prefill's tiles by whether the cache is fp8 (FP8_PREFILL where measured);
         # read here once: the prefill_* attributes set later change nothing
         self.prefill_tiles = prefill_tiles(settings, defaults, measured)

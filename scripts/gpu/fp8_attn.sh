@@ -307,19 +307,21 @@ for step in "$@"; do
       echo "t51 rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/a-t51.log" | head -8; tail -1 "$OUT/a-t51.log" ;;
     wpg51)  # the issue's workload (fp8 weights + fp8 KV), pages of 16 and of 64 tokens
       for pg in ${PAGES:-16 64}; do bench throughput fp8w51-page$pg after fp8 "${WIDE[@]}" --block-size $pg; done ;;
-    pre52)  # session 52: the prefill attention per layer over an fp8 cache: f16 products (the
-      # default) against fp8 ones (prefill_fp8_mma), each with blocks and scales a tile ahead
-      # (prefill_meta_ahead) and fp8 at 3 stages; pages of 64 (bf16 cache beside) and 16
-      V=(--variant mma:prefill_fp8_mma=1 --variant ahead:prefill_meta_ahead=1
-               --variant mma_ahead:prefill_fp8_mma=1,prefill_meta_ahead=1
-               --variant mma_st3:prefill_fp8_mma=1,prefill_num_stages=3)
-      for pg in 64 16; do
-        shapes=8x1000,2x4000 kvs=auto,fp8
-        [ $pg = 16 ] && shapes=8x1000 kvs=fp8
-        timeout 240 env PYTHONPATH=/tmp/after:/tmp/site python3 scripts/gpu/kvq_prefill_bench.py \
-          --shapes $shapes --kv $kvs --page-size $pg "${V[@]}" \
-          --json "$OUT/pre52-page$pg.json" > "$OUT/pre52-page$pg.log" 2>&1 || echo "pre52 $pg failed"
-        sed "s/^/pre52 page $pg: /" "$OUT/pre52-page$pg.log" | grep -E " us |failed"
+    pre52)  # session 52: the prefill attention per layer over an fp8 cache in pages of 64: f16
+      # products (the default) against fp8 ones (prefill_fp8_mma), each with the unmasked
+      # tiles' blocks and scales (ahead=1) or blocks only (=2) a tile ahead, fp8 at 3 stages;
+      # a bf16 cache's default beside
+      V=(--variant mma:prefill_fp8_mma=1 --variant ahead1:prefill_meta_ahead=1
+         --variant ahead2:prefill_meta_ahead=2
+         --variant mma_ahead1:prefill_fp8_mma=1,prefill_meta_ahead=1
+         --variant mma_ahead2:prefill_fp8_mma=1,prefill_meta_ahead=2
+         --variant mma_st3:prefill_fp8_mma=1,prefill_num_stages=3)
+      for kv in auto fp8; do
+        [ $kv = auto ] && vs=() || vs=("${V[@]}")
+        timeout 300 env PYTHONPATH=/tmp/after:/tmp/site python3 scripts/gpu/kvq_prefill_bench.py \
+          --shapes 8x1000,2x4000 --kv $kv --page-size 64 "${vs[@]}" \
+          --json "$OUT/pre52-$kv.json" > "$OUT/pre52-$kv.log" 2>&1 || echo "pre52 $kv failed"
+        sed "s/^/pre52: /" "$OUT/pre52-$kv.log" | grep -E " us |failed"
       done ;;
     t52)  # session 52: the fp8 cache's attention tests on the GPU (the fp8-MMA prefill's among them)
       timeout ${T52:-240} env PYTHONPATH=/tmp/after:/tmp/site python3 -m pytest -q -rfs \

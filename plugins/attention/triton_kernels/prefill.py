@@ -102,8 +102,8 @@ def _attend_tile(
     KV_F16: tl.constexpr,  # an fp8 cache's values enter both dots as f16 (q too)
     P_LIFT: tl.constexpr,
     KV_MMA8: tl.constexpr = False,  # both dots in fp8 (q e4m3 already; needs V_T)
-    GIVEN: tl.constexpr = False,  # the tile's blocks and scales loaded by the caller:
-    block_in=None,  # (_tile_meta, a tile ahead)
+    GIVEN: tl.constexpr = 0,  # 1: the tile's blocks and scales loaded by the caller
+    block_in=None,  # (_tile_meta, a tile ahead); 2: its blocks only
     k_s_in=None,
     v_s_in=None,
 ):
@@ -132,7 +132,7 @@ def _attend_tile(
         qk = tl.dot(q, k.to(tl.float16)) * row_scale[:, None]
     else:
         qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
-    if KV_QUANT and GIVEN:
+    if KV_QUANT and GIVEN == 1:
         qk = qk * k_s_in[None, :]
     elif KV_QUANT:
         s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * stride_scale_tok
@@ -165,7 +165,7 @@ def _attend_tile(
     else:
         v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
     if KV_QUANT:
-        if GIVEN:
+        if GIVEN == 1:
             v_scale = v_s_in
         else:
             s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * stride_scale_tok
@@ -191,14 +191,15 @@ def _attend_tile(
 def _tile_meta(
     table, n0, end, k_scale_ptr, v_scale_ptr, scale_head_off, stride_scale_block,
     stride_scale_tok, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_QUANT: tl.constexpr,
+    SCALES: tl.constexpr,
 ):  # fmt: skip
-    """The blocks and (``KV_QUANT``) the keys' and values' scales of the tile at ``n0``,
-    for ``_attend_tile(GIVEN=True)``; tokens from ``end`` on read block 0 and scales 0
-    (a tile ahead of the last one, never attended)."""
+    """The blocks and (``KV_QUANT`` and ``SCALES``) the keys' and values' scales of the
+    tile at ``n0``, for ``_attend_tile(GIVEN=...)``; tokens from ``end`` on read block 0
+    and scales 0 (a tile ahead of the last one, never attended)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     inside = offs_n < end
     block = tl.load(table + offs_n // PAGE_SIZE, mask=inside, other=0).to(tl.int64)
-    if KV_QUANT:
+    if KV_QUANT and SCALES:
         s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * stride_scale_tok
         k_s = tl.load(k_scale_ptr + s_off + scale_head_off, mask=inside, other=0.0)
         v_s = tl.load(v_scale_ptr + s_off + scale_head_off, mask=inside, other=0.0)
@@ -244,7 +245,7 @@ def _prefill_kernel(
     KV_F16: tl.constexpr = False,
     P_LIFT: tl.constexpr = 1.0,
     KV_MMA8: tl.constexpr = False,
-    AHEAD: tl.constexpr = False,
+    AHEAD: tl.constexpr = 0,
 ):
     head = tl.program_id(0)
     tile = tl.program_id(1)
@@ -294,22 +295,22 @@ def _prefill_kernel(
     # Keys before the tile's first query position are visible to every row: no mask.
     unmasked_end = ((prefix + row0) // BLOCK_N) * BLOCK_N
     causal_end = tl.minimum(prefix + row0 + BLOCK_M, seq_len)
-    if AHEAD:  # each unmasked tile's blocks and scales loaded a tile ahead (loop-carried)
+    if AHEAD:  # each unmasked tile's blocks (1: and scales) loaded a tile ahead, carried
         block, k_s, v_s = _tile_meta(
             table, 0, unmasked_end, k_scale_ptr, v_scale_ptr, head // GROUP,
-            stride_scale_block, stride_scale_tok, BLOCK_N, PAGE_SIZE, KV_QUANT,
+            stride_scale_block, stride_scale_tok, BLOCK_N, PAGE_SIZE, KV_QUANT, AHEAD == 1,
         )  # fmt: skip
         for n0 in range(0, unmasked_end, BLOCK_N):
             block_next, k_s_next, v_s_next = _tile_meta(
                 table, n0 + BLOCK_N, unmasked_end, k_scale_ptr, v_scale_ptr, head // GROUP,
-                stride_scale_block, stride_scale_tok, BLOCK_N, PAGE_SIZE, KV_QUANT,
+                stride_scale_block, stride_scale_tok, BLOCK_N, PAGE_SIZE, KV_QUANT, AHEAD == 1,
             )  # fmt: skip
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, table, head_off,
                 stride_cache_block, stride_cache_tok, query_pos, seq_len, scale_log2,
                 row_scale, offs_d, mask_d, k_scale_ptr, v_scale_ptr, head // GROUP,
                 stride_scale_block, stride_scale_tok, BLOCK_N, PAGE_SIZE, False, DOT_PRECISION,
-                KV_QUANT, HEAD_DIM, V_T, KV_F16, P_LIFT, KV_MMA8, True, block, k_s, v_s,
+                KV_QUANT, HEAD_DIM, V_T, KV_F16, P_LIFT, KV_MMA8, AHEAD, block, k_s, v_s,
             )  # fmt: skip
             block, k_s, v_s = block_next, k_s_next, v_s_next
     else:
@@ -357,7 +358,7 @@ def prefill_attention(
     first_seq: int = 0,
     kv_f16: bool = True,
     fp8_mma: bool = False,
-    meta_ahead: bool = False,
+    meta_ahead: int = 0,
 ) -> None:
     """Launch the prefill kernel for requests ``first_seq:`` of these tables (their
     rows of ``q`` from ``query_start_loc``). The grid counts ``q``'s rows from
@@ -367,8 +368,9 @@ def prefill_attention(
     16-bit (else in the queries' dtype). ``fp8_mma``: an fp8 cache's products in fp8
     (``KV_MMA8``) where its values are stored transposed, the queries are 16-bit and
     ``block_n`` and the head size are 32 or more (it then takes precedence over
-    ``kv_f16``). ``meta_ahead``: the unmasked tiles' blocks and scales loaded a tile
-    ahead, in registers."""
+    ``kv_f16``). ``meta_ahead``: the unmasked tiles' blocks (1: and scales; 2: blocks
+    only, the scales' loads then left to Triton's pipeliner) loaded a tile ahead, in
+    registers."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_tokens = q.shape[0] - first_seq
     num_seqs = seq_lens.shape[0] - first_seq

@@ -427,18 +427,20 @@ def test_the_fp8_mma_prefill_keeps_keys_far_below_an_attention_sink():
 
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("fp8_mma", [0, 1])
-def test_the_prefill_s_blocks_and_scales_a_tile_ahead_change_no_result(fp8_mma, block_size):
-    """``prefill_meta_ahead``: the unmasked tiles' blocks and scales come from registers
-    loaded a tile earlier; the arithmetic is the same, so the output is, to the bit
-    (the last tile's look-ahead past the unmasked tiles reads block 0 and is dropped)."""
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_the_prefill_s_blocks_and_scales_a_tile_ahead_change_no_result(ahead, fp8_mma, block_size):
+    """``prefill_meta_ahead``: the unmasked tiles' blocks and scales (2: blocks only) come
+    from registers loaded a tile earlier; the arithmetic is the same, so the output is,
+    to the bit (the last tile's look-ahead past the unmasked tiles reads block 0 and is
+    dropped)."""
     batch = make_batch([1, 9, 20, 70], [30, 9, 45, 150], dtype=torch.float16, device=DEVICE,
                        block_size=block_size)  # fmt: skip
     info = model_info(4, 2, 32, torch.float16, DEVICE)
     settings = {**MMA_PREFILL, "prefill_fp8_mma": fp8_mma}
     plain = _prefill_out(batch, info, block_size, **settings)
-    ahead = _prefill_out(batch, info, block_size, **settings, prefill_meta_ahead=1)
-    assert torch.equal(plain, ahead)
+    early = _prefill_out(batch, info, block_size, **settings, prefill_meta_ahead=ahead)
+    assert torch.equal(plain, early)
     check_triton_against_torch(
         [1, 9, 20, 70], [30, 9, 45, 150], torch.float8_e4m3fn, torch.float16, True,
-        block_size=block_size, **settings, prefill_meta_ahead=1,
+        block_size=block_size, **settings, prefill_meta_ahead=ahead,
     )  # fmt: skip
