@@ -209,13 +209,12 @@ if [ "${1:-}" = auto49 ]; then  # session 49: t49 again (its two premises fixed)
     set -- t49 wide42 l47
 fi
 if [ "${1:-}" = auto52 ]; then  # session 52: on an H200 the issue's workload on today's
-  # defaults (blocks of 64), the fp8-MMA prefill per layer, the workload with it, then bench
-  # latency bf16 / int4; elsewhere the fp8-MMA prefill per layer, its GPU tests and the
-  # default workload with it off / on
+  # defaults, the prefill per layer, bench latency bf16 / int4; elsewhere the prefill per
+  # layer with the defaults after (pre52b) and bench latency / throughput before / after
   export LOGS=/tmp/benchlogs; mkdir -p "$LOGS"
-  set -- pre52 fp52 t52
+  set -- pre52b ba52
   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && QS="none int4" && \
-    set -- wide52 pre52 widem52 l47
+    set -- wide52 pre52b l47
 fi
 if [ "${1:-}" = auto51 ]; then  # session 51: on an H200 the issue's workload with blocks of 16
   # and of 64 (an fp8 cache's default since session 51), then bench latency bf16 / int4;
@@ -322,6 +321,29 @@ for step in "$@"; do
           --shapes 8x1000,2x4000 --kv $kv --page-size 64 "${vs[@]}" \
           --json "$OUT/pre52-$kv.json" > "$OUT/pre52-$kv.log" 2>&1 || echo "pre52 $kv failed"
         sed "s/^/pre52: /" "$OUT/pre52-$kv.log" | grep -E " us |failed"
+      done ;;
+    pre52b)  # session 52, the defaults after: an fp8 cache (pages of 64) and an int8 cache (pages
+      # of 16, its default) with the blocks and scales ahead (now the default) against
+      # without (noahead), fp8 with the fp8-MMA prefill beside
+      for kv in fp8 int8; do
+        pg=64; vs=(--variant noahead:prefill_meta_ahead=0 --variant mma:prefill_fp8_mma=1)
+        [ $kv = int8 ] && pg=16 vs=(--variant noahead:prefill_meta_ahead=0)
+        timeout 200 env PYTHONPATH=/tmp/after:/tmp/site python3 scripts/gpu/kvq_prefill_bench.py \
+          --shapes 8x1000,2x4000 --kv $kv --page-size $pg "${vs[@]}" \
+          --json "$OUT/pre52b-$kv.json" > "$OUT/pre52b-$kv.log" 2>&1 || echo "pre52b $kv failed"
+        sed "s/^/pre52b: /" "$OUT/pre52b-$kv.log" | grep -E " us |failed"
+      done ;;
+    ba52)  # session 52: bench latency and throughput before (.snap/before.tar = 18c57be) / after
+      # (the 8-bit caches' prefill loads its blocks and scales a tile ahead), fp8 weights +
+      # fp8 KV, then bf16 weights + int8 KV; pairs in both orders (ORDERS)
+      for kv in ${KVS:-fp8 int8}; do
+        q=fp8; [ $kv = int8 ] && q=none
+        for kind in latency throughput; do
+          for o in ${ORDERS:-1}; do
+            if [ $o = 1 ]; then trees="before after"; else trees="after before"; fi
+            for t in $trees; do bench $kind ${kv}kv52-$t$o $t $q --kv-cache-dtype $kv; done
+          done
+        done
       done ;;
     t52)  # session 52: the fp8 cache's attention tests on the GPU (the fp8-MMA prefill's among them)
       timeout ${T52:-240} env PYTHONPATH=/tmp/after:/tmp/site python3 -m pytest -q -rfs \

@@ -368,9 +368,9 @@ def prefill_attention(
     16-bit (else in the queries' dtype). ``fp8_mma``: an fp8 cache's products in fp8
     (``KV_MMA8``) where its values are stored transposed, the queries are 16-bit and
     ``block_n`` and the head size are 32 or more (it then takes precedence over
-    ``kv_f16``). ``meta_ahead``: the unmasked tiles' blocks (1: and scales; 2: blocks
-    only, the scales' loads then left to Triton's pipeliner) loaded a tile ahead, in
-    registers."""
+    ``kv_f16``). ``meta_ahead``: an 8-bit cache's unmasked tiles' blocks (1: and scales;
+    2: blocks only, the scales' loads then left to Triton's pipeliner) loaded a tile
+    ahead, in registers (a 16-bit cache has no scales: never)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_tokens = q.shape[0] - first_seq
     num_seqs = seq_lens.shape[0] - first_seq
@@ -419,7 +419,7 @@ def prefill_attention(
         KV_F16=fp8 and kv_f16 and not mma8,
         P_LIFT=P_LIFT.get(k_cache.dtype, 1.0),
         KV_MMA8=mma8,
-        AHEAD=meta_ahead,
+        AHEAD=meta_ahead if quantized else 0,
         num_warps=num_warps,
         num_stages=num_stages,
     )

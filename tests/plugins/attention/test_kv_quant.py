@@ -359,10 +359,10 @@ def test_the_f16_prefill_holds_bf16_queries_beyond_f16_range():
 MMA_PREFILL = {"decode_fp8_mma": 1, "prefill_fp8_mma": 1, "prefill_block_n": 32}
 
 
-def _prefill_out(batch, info, block_size, **settings):
-    """The Triton backend's output over an fp8 cache in the layout it asks for."""
+def _prefill_out(batch, info, block_size, kv_dtype=torch.float8_e4m3fn, **settings):
+    """The Triton backend's output over an 8-bit cache in the layout it asks for."""
     attn = TritonAttention(EngineConfig(block_size=block_size), info, **settings)
-    k_cache, v_cache = quantized_copy(batch, torch.float8_e4m3fn, attn.fp8_values_transposed)
+    k_cache, v_cache = quantized_copy(batch, kv_dtype, attn.fp8_values_transposed)
     write_kv_cache(batch.k, batch.v, k_cache, v_cache, batch.meta.slot_mapping)
     attn.prepare(batch.meta)
     return attn.forward(
@@ -425,10 +425,15 @@ def test_the_fp8_mma_prefill_keeps_keys_far_below_an_attention_sink():
     assert relative_error(out, reference.double().cpu()) < 5e-2
 
 
+AHEAD_CACHES = [(torch.float8_e4m3fn, 0), (torch.float8_e4m3fn, 1), (torch.int8, 0)]
+
+
 @pytest.mark.parametrize("block_size", [16, 64])
-@pytest.mark.parametrize("fp8_mma", [0, 1])
+@pytest.mark.parametrize(("kv_dtype", "fp8_mma"), AHEAD_CACHES)
 @pytest.mark.parametrize("ahead", [1, 2])
-def test_the_prefill_s_blocks_and_scales_a_tile_ahead_change_no_result(ahead, fp8_mma, block_size):
+def test_the_prefill_s_blocks_and_scales_a_tile_ahead_change_no_result(
+    ahead, kv_dtype, fp8_mma, block_size
+):
     """``prefill_meta_ahead``: the unmasked tiles' blocks and scales (2: blocks only) come
     from registers loaded a tile earlier; the arithmetic is the same, so the output is,
     to the bit (the last tile's look-ahead past the unmasked tiles reads block 0 and is
@@ -437,10 +442,10 @@ def test_the_prefill_s_blocks_and_scales_a_tile_ahead_change_no_result(ahead, fp
                        block_size=block_size)  # fmt: skip
     info = model_info(4, 2, 32, torch.float16, DEVICE)
     settings = {**MMA_PREFILL, "prefill_fp8_mma": fp8_mma}
-    plain = _prefill_out(batch, info, block_size, **settings)
-    early = _prefill_out(batch, info, block_size, **settings, prefill_meta_ahead=ahead)
+    plain = _prefill_out(batch, info, block_size, kv_dtype, **settings, prefill_meta_ahead=0)
+    early = _prefill_out(batch, info, block_size, kv_dtype, **settings, prefill_meta_ahead=ahead)
     assert torch.equal(plain, early)
     check_triton_against_torch(
-        [1, 9, 20, 70], [30, 9, 45, 150], torch.float8_e4m3fn, torch.float16, True,
+        [1, 9, 20, 70], [30, 9, 45, 150], kv_dtype, torch.float16, True,
         block_size=block_size, **settings, prefill_meta_ahead=ahead,
     )  # fmt: skip
