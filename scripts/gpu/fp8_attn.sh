@@ -209,12 +209,13 @@ if [ "${1:-}" = auto49 ]; then  # session 49: t49 again (its two premises fixed)
     set -- t49 wide42 l47
 fi
 if [ "${1:-}" = auto52 ]; then  # session 52: on an H200 the workload on today's
-  # defaults, the prefill per layer, bench latency bf16 / int4; elsewhere the prefill per
-  # layer with the defaults after (pre52b) and bench latency / throughput before / after
+  # defaults, fp8 + fp8 KV bench latency / throughput before / after, bench latency bf16 /
+  # int4, the prefill per layer; elsewhere the prefill per layer with the defaults after
+  # (pre52b) and bench latency / throughput before / after (KVS, ORDERS)
   export LOGS=/tmp/benchlogs; mkdir -p "$LOGS"
   set -- pre52b ba52
   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && QS="none int4" && \
-    set -- wide52 pre52b l47
+    KVS=${KVS:-fp8} && set -- wide52 ba52 l47 pre52b
 fi
 if [ "${1:-}" = auto51 ]; then  # session 51: on an H200 the workload with blocks of 16
   # and of 64 (an fp8 cache's default since session 51), then bench latency bf16 / int4;
