@@ -125,8 +125,9 @@ def cuda_defaults(head_dim: int) -> dict[str, int]:
         # pages of 64 at Llama-3-8B heads, 645.0 -> 578.7 us a layer at 8 x 1,000 tokens,
         # 1,740.0 -> 1,445.5 at 2 x 4,000 (the same arithmetic, to the bit). 2 (the blocks
         # only, the scales left to Triton's pipeliner) measured no gain. 16-bit caches
-        # have no scales and never take it
-        "prefill_meta_ahead": 1,
+        # have no scales and never take it. Opt-in until bench latency / throughput run
+        # with it (no GPU started for them in session 52: scripts/gpu/fp8_attn.sh ah52)
+        "prefill_meta_ahead": 0,
     }
 
 

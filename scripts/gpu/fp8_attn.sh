@@ -209,13 +209,13 @@ if [ "${1:-}" = auto49 ]; then  # session 49: t49 again (its two premises fixed)
     set -- t49 wide42 l47
 fi
 if [ "${1:-}" = auto52 ]; then  # session 52: on an H200 the issue's workload on today's
-  # defaults, fp8 + fp8 KV bench latency / throughput before / after, bench latency bf16 /
-  # int4, the prefill per layer; elsewhere the prefill per layer with the defaults after
-  # (pre52b) and bench latency / throughput before / after (KVS, ORDERS)
+  # defaults, fp8 + fp8 KV bench latency / throughput with the prefill's look-ahead off /
+  # on, bench latency bf16 / int4, the prefill per layer; elsewhere the benches off / on
+  # (ah52, KVS) and the prefill per layer (pre52b)
   export LOGS=/tmp/benchlogs; mkdir -p "$LOGS"
-  set -- pre52b ba52
+  set -- ah52 pre52b
   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && QS="none int4" && \
-    KVS=${KVS:-fp8} && set -- wide52 ba52 l47 pre52b
+    KVS=${KVS:-fp8} && set -- wide52 ah52 l47 pre52b
 fi
 if [ "${1:-}" = auto51 ]; then  # session 51: on an H200 the issue's workload with blocks of 16
   # and of 64 (an fp8 cache's default since session 51), then bench latency bf16 / int4;
@@ -324,11 +324,12 @@ for step in "$@"; do
         sed "s/^/pre52: /" "$OUT/pre52-$kv.log" | grep -E " us |failed"
       done ;;
     pre52b)  # session 52, the defaults after: an fp8 cache (pages of 64) and an int8 cache (pages
-      # of 16, its default) with the blocks and scales ahead (now the default) against
-      # without (noahead), fp8 with the fp8-MMA prefill beside
+      # of 16, its default) with the blocks and scales ahead against without (the
+      # default), fp8 with the fp8-MMA prefill and both beside
       for kv in fp8 int8; do
-        pg=64; vs=(--variant noahead:prefill_meta_ahead=0 --variant mma:prefill_fp8_mma=1)
-        [ $kv = int8 ] && pg=16 vs=(--variant noahead:prefill_meta_ahead=0)
+        pg=64; vs=(--variant ahead:prefill_meta_ahead=1 --variant mma:prefill_fp8_mma=1
+                   --variant mma_ahead:prefill_fp8_mma=1,prefill_meta_ahead=1)
+        [ $kv = int8 ] && pg=16 vs=(--variant ahead:prefill_meta_ahead=1)
         timeout 200 env PYTHONPATH=/tmp/after:/tmp/site python3 scripts/gpu/kvq_prefill_bench.py \
           --shapes 8x1000,2x4000 --kv $kv --page-size $pg "${vs[@]}" \
           --json "$OUT/pre52b-$kv.json" > "$OUT/pre52b-$kv.log" 2>&1 || echo "pre52b $kv failed"
@@ -344,6 +345,16 @@ for step in "$@"; do
             if [ $o = 1 ]; then trees="before after"; else trees="after before"; fi
             for t in $trees; do bench $kind ${kv}kv52-$t$o $t $q --kv-cache-dtype $kv; done
           done
+        done
+      done ;;
+    ah52)  # session 52: bench latency and throughput, the 8-bit caches' prefill look-ahead off
+      # (the default) / on (prefill_meta_ahead=1), fp8 weights + fp8 KV, then bf16 + int8 KV
+      for kv in ${KVS:-fp8 int8}; do
+        q=fp8; [ $kv = int8 ] && q=none
+        for kind in latency throughput; do
+          bench $kind ${kv}kv52-off after $q --kv-cache-dtype $kv
+          bench $kind ${kv}kv52-ahead after $q --kv-cache-dtype $kv \
+            --plugin-option triton.prefill_meta_ahead=1
         done
       done ;;
     t52)  # session 52: the fp8 cache's attention tests on the GPU (the fp8-MMA prefill's among them)
