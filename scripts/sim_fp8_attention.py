@@ -9,7 +9,9 @@ A scale of 1 is the f16-converting kernel (1.77x its KV floor, ``tokenloom.sim.
 quantized.FP8_KV_FACTOR_F16``); 0.905 the fp8-MMA decode, the engine's default since
 session 32 (the lab's default, ``FP8_KV_FACTOR``); 0.565 puts it at its KV floor by session
 8's ratio (1.77 x 0.565 = 1.0; the lab, whose bf16 ``kv`` coefficient is 1.02, then
-charges 1.06x). The printed "x its KV floor" is that ratio, 1.77 x the scale.
+charges 1.06x). The printed "x its KV floor" is that ratio, 1.77 x the scale. Pages of
+16 tokens, where these scales were measured (the lab models pages of 64 with
+``FP8_PAGE_GAIN`` on top, session 52).
 
 ``--overlap`` (session 34) is a what-if, not a model: every step costs its KV reads or
 its GEMMs, whichever is longer, instead of their sum (the other hidden under it), as if
@@ -44,7 +46,8 @@ def simulate(scale: float, batched_tokens: str) -> float:
         "--num-requests", "600", "--request-rate", "inf", "--prompt-len", "1000",
         "--output-len", "1000", "--length-dist", "fixed", "--quant", "fp8",
         "--kv-cache-dtype", "fp8", "--max-num-seqs", "640", "--max-graph-batch", "640",
-        "--max-num-batched-tokens", batched_tokens, "--no-plots", "--out", out,
+        "--max-num-batched-tokens", batched_tokens, "--block-size", "16",
+        "--no-plots", "--out", out,
     ])  # fmt: skip
     with open(f"{out}/sim.json", encoding="utf-8") as f:
         return float(json.load(f)["runs"][0]["output_token_throughput"])
