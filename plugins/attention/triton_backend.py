@@ -27,9 +27,9 @@ prefill products in f16 for 16-bit queries), ``prefill_fresh_16bit`` (with an 8-
 cache, the prefill of the requests at a batch's end that have no cached prefix, over
 their own 16-bit keys and values; off until measured), ``prefill_fp8_mma`` (an fp8
 cache's prefill with fp8 products over its transposed value blocks, so only where
-``decode_fp8_mma`` stores them so; ``prefill.py``'s ``KV_MMA8``), ``prefill_meta_ahead``
-(1: the prefill's unmasked tiles' blocks and scales loaded a tile ahead; 2: the blocks
-only). An 8-bit cache's decode takes
+``decode_fp8_mma`` stores them so; ``prefill.py``'s ``KV_MMA8``; off, with a warning,
+where it cannot apply), ``prefill_meta_ahead`` (0 or 1: an 8-bit cache's prefill loads its
+unmasked tiles' blocks and scales a tile ahead). An 8-bit cache's decode takes
 ``QUANT_DECODE`` for the stages and register cap unless they are set (the fp8-MMA decode
 ``MMA_DECODE``'s tile, stages and cap), and an fp8 cache's prefill ``FP8_PREFILL``'s
 tiles unless a prefill tile key is set.
@@ -174,11 +174,27 @@ class TritonAttention(AttentionBackend):
         self.prefill_num_stages = int(defaults["prefill_num_stages"])
         self.prefill_kv_f16 = bool(defaults["prefill_kv_f16"])
         self.prefill_fresh_16bit = bool(defaults["prefill_fresh_16bit"])
-        self.prefill_fp8_mma = bool(defaults["prefill_fp8_mma"])
-        self.prefill_meta_ahead = int(defaults["prefill_meta_ahead"])
+        if defaults["prefill_meta_ahead"] not in (0, 1):
+            raise ValueError(
+                f"plugin.triton.prefill_meta_ahead: 0 or 1, not {defaults['prefill_meta_ahead']}"
+            )
+        self.prefill_meta_ahead = bool(defaults["prefill_meta_ahead"])
         # the prefill's tiles by whether the cache is fp8 (FP8_PREFILL where measured);
         # read here once: the prefill_* attributes set later change nothing
         self.prefill_tiles = prefill_tiles(settings, defaults, measured)
+        # the fp8-MMA prefill reads the values transposed (as the fp8-MMA decode asks) with
+        # 16-bit queries, and Triton's fp8 dots take K >= 32 (head_dim, the KV tile)
+        mma_prefill_ok = (
+            self.fp8_values_transposed
+            and model_info.dtype != torch.float32
+            and min(self.head_dim, self.prefill_tiles[True]["prefill_block_n"]) >= 32
+        )
+        if settings.get("prefill_fp8_mma") and not mma_prefill_ok:
+            log.warning(
+                "plugin.triton.prefill_fp8_mma: off (needs decode_fp8_mma's transposed "
+                "values, 16-bit queries, head_dim and an fp8 cache's prefill_block_n >= 32)"
+            )
+        self.prefill_fp8_mma = bool(defaults["prefill_fp8_mma"]) and mma_prefill_ok
         # the split-KV decode's partials and counters, one set per micro-batch lane
         self.scratch = DecodeScratch(
             self.num_heads, self.num_kv_heads, self.head_dim, self.max_num_seqs, self.device,

@@ -123,9 +123,9 @@ def cuda_defaults(head_dim: int) -> dict[str, int]:
         # an 8-bit cache's prefill loads its unmasked tiles' blocks and scales a tile ahead,
         # in registers (prefill.py, AHEAD; session 52): on one H100 over an fp8 cache in
         # pages of 64 at Llama-3-8B heads, 645.0 -> 578.7 us a layer at 8 x 1,000 tokens,
-        # 1,740.0 -> 1,445.5 at 2 x 4,000 (the same arithmetic, to the bit). 2 (the blocks
-        # only, the scales left to Triton's pipeliner) measured no gain; an int8 cache in
-        # pages of 16: 534.1 -> 469.1 / 1,595.1 -> 1,339.1. Benches off / on (same H100):
+        # 1,740.0 -> 1,445.5 at 2 x 4,000 (the same arithmetic, to the bit); an int8 cache
+        # in pages of 16: 534.1 -> 469.1 / 1,595.1 -> 1,339.1 (carrying the blocks alone,
+        # the scales left to Triton's pipeliner, gained nothing). Benches off / on (same H100):
         # fp8 + fp8 KV latency 3.9207 / 3.9204 ms, throughput 12,195.6 / 12,229.6 out
         # tok/s; bf16 + int8 KV 5.3781 / 5.3753 ms, 9,237.7 / 9,234.7. 16-bit caches have
         # no scales and never take it

@@ -55,6 +55,8 @@
 #   ao45    session 45: the act-order gather's cost at one row (scripts/gpu/act_order_bench.py)
 #   t47     session 45: test_checkpoints.py on the GPU (compressed-tensors among them)
 #   auto46  session 46: on an H200 wide42, freshw42, ao45; elsewhere ao45, t47
+#   auto53  session 53: on an H200 wide52 l47 t53 (the workload, bench latency bf16 / int4,
+#           the 8-bit caches' tests); elsewhere t53 pre52b
 #   auto49  session 49: t49 (its two premises fixed); on an H200 then wide42 and l47
 #           (bf16, int4)
 #   auto48  session 48: t49 (quantize --device cuda's tests), ba46l, then wide42 on an H200,
@@ -208,6 +210,14 @@ if [ "${1:-}" = auto49 ]; then  # session 49: t49 again (its two premises fixed)
   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && QS="none int4" && \
     set -- t49 wide42 l47
 fi
+if [ "${1:-}" = auto53 ]; then  # session 53: on an H200 the issue's workload on today's
+  # defaults, bench latency bf16 / int4, then the 8-bit caches' tests; elsewhere the tests
+  # and the prefill per layer
+  export LOGS=/tmp/benchlogs; mkdir -p "$LOGS"
+  set -- t53 pre52b
+  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && QS="none int4" && \
+    set -- wide52 l47 t53
+fi
 if [ "${1:-}" = auto52 ]; then  # session 52: on an H200 the issue's workload on today's
   # defaults, fp8 + fp8 KV bench latency / throughput with the prefill's look-ahead off /
   # on, bench latency bf16 / int4, the prefill per layer; elsewhere the benches off / on
@@ -305,16 +315,22 @@ for step in "$@"; do
         -p no:cacheprovider tests/plugins/attention/test_decode_fp8_mma.py \
         tests/plugins/attention/test_kv_quant.py > "$OUT/a-t51.log" 2>&1
       echo "t51 rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/a-t51.log" | head -8; tail -1 "$OUT/a-t51.log" ;;
+    t53)  # session 53: the 8-bit caches' tests (the prefill's tile helpers moved to
+      # prefill_tile.py, prefill_meta_ahead=2 removed; the fp8-MMA prefill at 64 x 64 tiles)
+      timeout ${T53:-300} env PYTHONPATH=/tmp/after:/tmp/site python3 -m pytest -q -s -rfs \
+        -p no:cacheprovider tests/plugins/attention/test_kv_quant.py \
+        tests/plugins/attention/test_kv_quant_prefill.py \
+        tests/plugins/attention/test_kv_quant_gpu.py > "$OUT/a-t53.log" 2>&1
+      echo "t53 rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/a-t53.log" | head -8; tail -1 "$OUT/a-t53.log"
+      grep -E "fp8-MMA prefill, pages" "$OUT/a-t53.log" ;;
     wpg51)  # the issue's workload (fp8 weights + fp8 KV), pages of 16 and of 64 tokens
       for pg in ${PAGES:-16 64}; do bench throughput fp8w51-page$pg after fp8 "${WIDE[@]}" --block-size $pg; done ;;
     pre52)  # session 52: the prefill attention per layer over an fp8 cache in pages of 64: f16
       # products (the default) against fp8 ones (prefill_fp8_mma), each with the unmasked
-      # tiles' blocks and scales (ahead=1) or blocks only (=2) a tile ahead, fp8 at 3 stages;
-      # a bf16 cache's default beside
+      # tiles' blocks and scales a tile ahead, fp8 at 3 stages; a bf16 cache's default beside
+      # (session 52 also ran the blocks alone ahead, prefill_meta_ahead=2, since removed)
       V=(--variant mma:prefill_fp8_mma=1 --variant ahead1:prefill_meta_ahead=1
-         --variant ahead2:prefill_meta_ahead=2
          --variant mma_ahead1:prefill_fp8_mma=1,prefill_meta_ahead=1
-         --variant mma_ahead2:prefill_fp8_mma=1,prefill_meta_ahead=2
          --variant mma_st3:prefill_fp8_mma=1,prefill_num_stages=3)
       for kv in auto fp8; do
         [ $kv = auto ] && vs=() || vs=("${V[@]}")

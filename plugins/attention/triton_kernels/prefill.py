@@ -50,163 +50,12 @@ import triton.language as tl
 
 from tokenloom.plugins.attention import kv_quant
 from tokenloom.plugins.attention.triton_kernels.decode import P_LIFT
-
-FP8_MAX = tl.constexpr(448.0)
-
-
-@triton.jit
-def _find_sequence(query_start_loc_ptr, base, num_seqs, tile, BLOCK_M: tl.constexpr):
-    # The last b with (query_start_loc[b] - base) // BLOCK_M + b <= tile.
-    lo = base * 0  # an int32 tensor, as the loop needs
-    hi = lo + num_seqs - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        first_tile = (tl.load(query_start_loc_ptr + mid) - base) // BLOCK_M + mid
-        take = first_tile <= tile
-        lo = tl.where(take, mid, lo)
-        hi = tl.where(take, hi, mid - 1)
-    return lo
-
-
-@triton.jit
-def _attend_tile(
-    q,
-    acc,
-    m_i,
-    l_i,
-    n0,
-    k_cache_ptr,
-    v_cache_ptr,
-    table,
-    head_off,
-    stride_cache_block,
-    stride_cache_tok,
-    query_pos,
-    seq_len,
-    scale_log2,
-    row_scale,  # [BLOCK_M] scale_log2 over a KV_F16 query's shrink (else unused)
-    offs_d,
-    mask_d,
-    k_scale_ptr,
-    v_scale_ptr,
-    scale_head_off,  # kv_head: scales are [num_blocks, PAGE_SIZE, num_kv_heads]
-    stride_scale_block,
-    stride_scale_tok,
-    BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    KV_QUANT: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    V_T: tl.constexpr,  # values stored [heads, D, tokens] per page (kv_quant.v_transposed)
-    KV_F16: tl.constexpr,  # an fp8 cache's values enter both dots as f16 (q too)
-    P_LIFT: tl.constexpr,
-    KV_MMA8: tl.constexpr = False,  # both dots in fp8 (q e4m3 already; needs V_T)
-    GIVEN: tl.constexpr = 0,  # 1: the tile's blocks and scales loaded by the caller
-    block_in=None,  # (_tile_meta, a tile ahead); 2: its blocks only
-    k_s_in=None,
-    v_s_in=None,
-):
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < seq_len
-    # With V_T, page-wide masks keep V^T's 16-token rows whole (no byte gathers); the
-    # tiles before the causal ones hold only tokens of the sequence: no mask at all.
-    if GIVEN:
-        block = block_in
-    elif V_T and not CAUSAL:
-        block = tl.load(table + offs_n // PAGE_SIZE).to(tl.int64)
-    elif V_T:
-        page_ok = offs_n // PAGE_SIZE < tl.cdiv(seq_len, PAGE_SIZE)
-        block = tl.load(table + offs_n // PAGE_SIZE, mask=page_ok, other=0).to(tl.int64)
-    else:
-        block = tl.load(table + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
-    tok = block * stride_cache_block + (offs_n % PAGE_SIZE) * stride_cache_tok + head_off
-    k = tl.load(
-        k_cache_ptr + tok[None, :] + offs_d[:, None],
-        mask=mask_n[None, :] & mask_d[:, None],
-        other=0.0,
-    )  # [BLOCK_D, BLOCK_N]
-    if KV_MMA8:
-        qk = tl.dot(q, k) * row_scale[:, None]
-    elif KV_F16:
-        qk = tl.dot(q, k.to(tl.float16)) * row_scale[:, None]
-    else:
-        qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
-    if KV_QUANT and GIVEN == 1:
-        qk = qk * k_s_in[None, :]
-    elif KV_QUANT:
-        s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * stride_scale_tok
-        qk = qk * tl.load(k_scale_ptr + s_off + scale_head_off, mask=mask_n, other=0.0)[None, :]
-    if CAUSAL:
-        visible = (offs_n[None, :] <= query_pos[:, None]) & mask_n[None, :]
-        qk = tl.where(visible, qk, float("-inf"))  # [BLOCK_M, BLOCK_N]
-    m_tile = tl.max(qk, 1)
-    m_new = tl.maximum(m_i, m_tile)
-    alpha = tl.exp2(m_i - m_new)
-    if KV_MMA8:  # p relative to the tile's own row maximum (a row all masked: zeros)
-        m_tile = tl.where(m_tile == float("-inf"), m_new, m_tile)
-        p = tl.exp2(qk - m_tile[:, None])
-        p_scale = tl.exp2(m_tile - m_new)  # [BLOCK_M]: the tile's p back to m_new's
-        l_i = l_i * alpha + tl.sum(p, 1) * p_scale
-    else:
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-    if V_T:
-        v_tok = block * stride_cache_block + (offs_n % PAGE_SIZE)
-        v_ptrs = v_cache_ptr + (v_tok + scale_head_off * (HEAD_DIM * PAGE_SIZE))[:, None]
-        v_ptrs += offs_d[None, :] * PAGE_SIZE
-    else:
-        v_ptrs = v_cache_ptr + tok[:, None] + offs_d[None, :]
-    if V_T:  # [BLOCK_N, BLOCK_D]; in a causal tile, slots past the end zeroed (0 * NaN)
-        v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
-        if CAUSAL:
-            v = tl.where(mask_n[:, None], v.to(tl.uint8, bitcast=True), 0)
-            v = v.to(v_cache_ptr.dtype.element_ty, bitcast=True)
-    else:
-        v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-    if KV_QUANT:
-        if GIVEN == 1:
-            v_scale = v_s_in
-        else:
-            s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * stride_scale_tok
-            v_scale = tl.load(v_scale_ptr + s_off + scale_head_off, mask=mask_n, other=0.0)
-        if KV_MMA8:  # the values' scales over the tile's largest, times e4m3's largest
-            v_max = tl.maximum(tl.max(v_scale, 0), 1e-30)
-            v_scale = v_scale * (FP8_MAX / v_max)
-            p_scale = p_scale * (v_max / FP8_MAX)
-        if KV_F16:  # p * scale in f16, lifted into its normal range (undone at the end)
-            v_scale = v_scale * P_LIFT
-        p = p * v_scale[None, :]
-    if KV_MMA8:
-        pv = tl.dot(p.to(tl.float8e4nv), v) * p_scale[:, None]
-    elif KV_F16:
-        pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
-    else:
-        pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-    acc = acc * alpha[:, None] + pv
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _tile_meta(
-    table, n0, end, k_scale_ptr, v_scale_ptr, scale_head_off, stride_scale_block,
-    stride_scale_tok, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_QUANT: tl.constexpr,
-    SCALES: tl.constexpr,
-):  # fmt: skip
-    """The blocks and (``KV_QUANT`` and ``SCALES``) the keys' and values' scales of the
-    tile at ``n0``, for ``_attend_tile(GIVEN=...)``; tokens from ``end`` on read block 0
-    and scales 0 (a tile ahead of the last one, never attended)."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    inside = offs_n < end
-    block = tl.load(table + offs_n // PAGE_SIZE, mask=inside, other=0).to(tl.int64)
-    if KV_QUANT and SCALES:
-        s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * stride_scale_tok
-        k_s = tl.load(k_scale_ptr + s_off + scale_head_off, mask=inside, other=0.0)
-        v_s = tl.load(v_scale_ptr + s_off + scale_head_off, mask=inside, other=0.0)
-    else:
-        k_s = tl.zeros([BLOCK_N], tl.float32)
-        v_s = tl.zeros([BLOCK_N], tl.float32)
-    return block, k_s, v_s
+from tokenloom.plugins.attention.triton_kernels.prefill_tile import (
+    FP8_MAX,
+    attend_tile,
+    find_sequence,
+    tile_meta,
+)
 
 
 @triton.jit(do_not_specialize=["num_seqs", "first_seq", "stride_bt"])
@@ -245,7 +94,7 @@ def _prefill_kernel(
     KV_F16: tl.constexpr = False,
     P_LIFT: tl.constexpr = 1.0,
     KV_MMA8: tl.constexpr = False,
-    AHEAD: tl.constexpr = 0,
+    AHEAD: tl.constexpr = False,
 ):
     head = tl.program_id(0)
     tile = tl.program_id(1)
@@ -254,7 +103,7 @@ def _prefill_kernel(
     block_tables_ptr += first_seq.to(tl.int64) * stride_bt
     num_seqs -= first_seq
     base = tl.load(query_start_loc_ptr)
-    seq = _find_sequence(query_start_loc_ptr, base, num_seqs, tile, BLOCK_M)
+    seq = find_sequence(query_start_loc_ptr, base, num_seqs, tile, BLOCK_M)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     row0 = (tile - ((q_start - base) // BLOCK_M + seq)) * BLOCK_M  # request-local first row
@@ -295,17 +144,17 @@ def _prefill_kernel(
     # Keys before the tile's first query position are visible to every row: no mask.
     unmasked_end = ((prefix + row0) // BLOCK_N) * BLOCK_N
     causal_end = tl.minimum(prefix + row0 + BLOCK_M, seq_len)
-    if AHEAD:  # each unmasked tile's blocks (1: and scales) loaded a tile ahead, carried
-        block, k_s, v_s = _tile_meta(
+    if AHEAD:  # each unmasked tile's blocks and scales loaded a tile ahead, carried
+        block, k_s, v_s = tile_meta(
             table, 0, unmasked_end, k_scale_ptr, v_scale_ptr, head // GROUP,
-            stride_scale_block, stride_scale_tok, BLOCK_N, PAGE_SIZE, KV_QUANT, AHEAD == 1,
+            stride_scale_block, stride_scale_tok, BLOCK_N, PAGE_SIZE, KV_QUANT,
         )  # fmt: skip
         for n0 in range(0, unmasked_end, BLOCK_N):
-            block_next, k_s_next, v_s_next = _tile_meta(
+            block_next, k_s_next, v_s_next = tile_meta(
                 table, n0 + BLOCK_N, unmasked_end, k_scale_ptr, v_scale_ptr, head // GROUP,
-                stride_scale_block, stride_scale_tok, BLOCK_N, PAGE_SIZE, KV_QUANT, AHEAD == 1,
+                stride_scale_block, stride_scale_tok, BLOCK_N, PAGE_SIZE, KV_QUANT,
             )  # fmt: skip
-            acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i = attend_tile(
                 q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, table, head_off,
                 stride_cache_block, stride_cache_tok, query_pos, seq_len, scale_log2,
                 row_scale, offs_d, mask_d, k_scale_ptr, v_scale_ptr, head // GROUP,
@@ -315,7 +164,7 @@ def _prefill_kernel(
             block, k_s, v_s = block_next, k_s_next, v_s_next
     else:
         for n0 in range(0, unmasked_end, BLOCK_N):
-            acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i = attend_tile(
                 q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, table, head_off,
                 stride_cache_block, stride_cache_tok, query_pos, seq_len, scale_log2,
                 row_scale, offs_d, mask_d, k_scale_ptr, v_scale_ptr, head // GROUP,
@@ -323,7 +172,7 @@ def _prefill_kernel(
                 KV_QUANT, HEAD_DIM, V_T, KV_F16, P_LIFT, KV_MMA8,
             )  # fmt: skip
     for n0 in range(unmasked_end, causal_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
+        acc, m_i, l_i = attend_tile(
             q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, table, head_off,
             stride_cache_block, stride_cache_tok, query_pos, seq_len, scale_log2,
             row_scale, offs_d, mask_d, k_scale_ptr, v_scale_ptr, head // GROUP, stride_scale_block,
@@ -358,7 +207,7 @@ def prefill_attention(
     first_seq: int = 0,
     kv_f16: bool = True,
     fp8_mma: bool = False,
-    meta_ahead: int = 0,
+    meta_ahead: bool = False,
 ) -> None:
     """Launch the prefill kernel for requests ``first_seq:`` of these tables (their
     rows of ``q`` from ``query_start_loc``). The grid counts ``q``'s rows from
@@ -368,9 +217,8 @@ def prefill_attention(
     16-bit (else in the queries' dtype). ``fp8_mma``: an fp8 cache's products in fp8
     (``KV_MMA8``) where its values are stored transposed, the queries are 16-bit and
     ``block_n`` and the head size are 32 or more (it then takes precedence over
-    ``kv_f16``). ``meta_ahead``: an 8-bit cache's unmasked tiles' blocks (1: and scales;
-    2: blocks only, the scales' loads then left to Triton's pipeliner) loaded a tile
-    ahead, in registers (a 16-bit cache has no scales: never)."""
+    ``kv_f16``). ``meta_ahead``: an 8-bit cache's unmasked tiles' blocks and scales loaded
+    a tile ahead, in registers (a 16-bit cache has no scales: never)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_tokens = q.shape[0] - first_seq
     num_seqs = seq_lens.shape[0] - first_seq
@@ -419,7 +267,7 @@ def prefill_attention(
         KV_F16=fp8 and kv_f16 and not mma8,
         P_LIFT=P_LIFT.get(k_cache.dtype, 1.0),
         KV_MMA8=mma8,
-        AHEAD=meta_ahead if quantized else 0,
+        AHEAD=meta_ahead and quantized,
         num_warps=num_warps,
         num_stages=num_stages,
     )

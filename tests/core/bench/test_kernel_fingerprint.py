@@ -114,6 +114,7 @@ def test_every_attention_kernel_launch_of_its_tests_compiles_for_sm90(tmp_path):
     tests = [
         "tests/plugins/attention/test_decode_fp8_mma.py",
         "tests/plugins/attention/test_kv_quant.py",
+        "tests/plugins/attention/test_kv_quant_prefill.py",
     ]
     rec = _run("record", str(specs), "--", *tests, "-q")
     assert rec.returncode == 0, rec.stdout[-2000:] + rec.stderr[-2000:]

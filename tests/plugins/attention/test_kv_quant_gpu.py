@@ -15,7 +15,7 @@ from test_kv_quant import FP8_MMA_AGREEMENT, QUANT_ERROR, assert_same_quantized,
 
 from tokenloom.config import EngineConfig
 from tokenloom.plugins.attention import kv_quant
-from tokenloom.plugins.attention.torch_backend import TorchAttention
+from tokenloom.plugins.attention.torch_backend import TorchAttention, write_kv_cache
 from tokenloom.plugins.attention.triton_backend import TritonAttention
 
 pytestmark = pytest.mark.gpu
@@ -209,6 +209,45 @@ def test_an_fp8_cache_takes_its_own_prefill_tiles_unless_a_prefill_tile_key_is_s
     chosen = TritonAttention(EngineConfig(), info, prefill_num_warps=4)
     assert chosen.prefill_tiles[True] == chosen.prefill_tiles[False]
     assert chosen.prefill_tiles[True]["prefill_num_warps"] == 4
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_the_fp8_mma_prefill_at_a_user_s_tiles_matches_the_reference(block_size):
+    """``prefill_fp8_mma=1`` as a user sets it: ``FP8_PREFILL``'s 64 x 64 tiles at 2
+    stages with the blocks and scales a tile ahead, at Llama-3-8B heads (the CPU tests set
+    a 32-token tile key, so they run neither these tiles nor these stages)."""
+    from tokenloom.plugins.attention.triton_settings import FP8_PREFILL
+
+    fp8 = torch.float8_e4m3fn
+    batch = make_batch(
+        [1, 300, 129, 1, 64, 700], [999, 300, 600, 1000, 64, 1500], num_heads=HEADS,
+        num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.bfloat16, device="cuda",
+        block_size=block_size,
+    )  # fmt: skip
+    info = model_info(HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, "cuda")
+    out = {}
+    for mma in (0, 1):
+        attn = TritonAttention(EngineConfig(block_size=block_size), info, prefill_fp8_mma=mma)
+        assert attn.prefill_tiles[True] == FP8_PREFILL and attn.prefill_meta_ahead
+        assert attn.prefill_fp8_mma == bool(mma)
+        k_cache, v_cache = quantized_copy(batch, fp8, attn.fp8_values_transposed)
+        write_kv_cache(batch.k, batch.v, k_cache, v_cache, batch.meta.slot_mapping)
+        attn.prepare(batch.meta)
+        out[mma] = attn.forward(
+            batch.q, batch.k, batch.v, k_cache, v_cache, batch.meta, batch.scale,
+            kv_written=True,
+        )  # fmt: skip
+    ref_k, ref_v = quantized_copy(batch, fp8)
+    write_kv_cache(batch.k, batch.v, ref_k, ref_v, batch.meta.slot_mapping)
+    ref = TorchAttention(EngineConfig(), info).forward(
+        batch.q, batch.k, batch.v, ref_k, ref_v, batch.meta, batch.scale
+    )
+    torch.cuda.synchronize()
+    error = relative_error(out[1], ref.double().cpu())
+    print(f"fp8-MMA prefill, pages of {block_size}: {error:.4f} vs the reference")
+    assert error < FP8_MMA_AGREEMENT
+    prompts = slice(1, 1 + 300 + 129)  # the first two prompts' rows: the prefill kernel's
+    assert relative_error(out[1][prompts], out[0][prompts].double().cpu()) > 1e-3
 
 
 def test_the_fp8_mma_decode_takes_its_own_tiles_unless_one_of_their_keys_is_set():
