@@ -323,6 +323,22 @@ for step in "$@"; do
         tests/plugins/attention/test_kv_quant_gpu.py > "$OUT/a-t53.log" 2>&1
       echo "t53 rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/a-t53.log" | head -8; tail -1 "$OUT/a-t53.log"
       grep -E "fp8-MMA prefill, pages" "$OUT/a-t53.log" ;;
+    i8pg53)  # session 53: an int8 cache in pages of 16 (its default) against 64 (an fp8
+      # cache's since session 51): the decode per layer at 1,500 tokens, bench throughput
+      # (bf16 weights, two interleaved pairs) and bench latency
+      for pg in 16 64; do
+        timeout 150 env PYTHONPATH=/tmp/after:/tmp/site python3 scripts/gpu/kvq_decode_bench.py \
+          --kv int8 --batches 1,128,512 --contexts 1500 --page-size $pg \
+          --json "$OUT/i8pg53-kern$pg.json" > "$OUT/i8pg53-kern$pg.log" 2>&1 \
+          || { echo "i8pg53 kern $pg failed"; tail -3 "$OUT/i8pg53-kern$pg.log"; }
+        sed "s/^/i8pg53 kern page $pg: /" "$OUT/i8pg53-kern$pg.log" | grep batch
+      done
+      for i in 1 2; do
+        for pg in 16 64; do
+          bench throughput int8kv53-page$pg-$i after none --kv-cache-dtype int8 --block-size $pg
+        done
+      done
+      for pg in 16 64; do bench latency int8kv53-page$pg after none --kv-cache-dtype int8 --block-size $pg; done ;;
     wpg51)  # the workload (fp8 weights + fp8 KV), pages of 16 and of 64 tokens
       for pg in ${PAGES:-16 64}; do bench throughput fp8w51-page$pg after fp8 "${WIDE[@]}" --block-size $pg; done ;;
     pre52)  # session 52: the prefill attention per layer over an fp8 cache in pages of 64: f16
