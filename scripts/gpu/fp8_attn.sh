@@ -367,6 +367,33 @@ for step in "$@"; do
           --json "$OUT/pre52b-$kv.json" > "$OUT/pre52b-$kv.log" 2>&1 || echo "pre52b $kv failed"
         sed "s/^/pre52b: /" "$OUT/pre52b-$kv.log" | grep -E " us |failed"
       done ;;
+    sck53)  # session 53: an 8-bit cache's scales stored head-major in each block (a head's
+      # tokens adjacent), before (.snap/before.tar) / after: the decode per layer (fp8 in
+      # pages of 64, int8 in pages of 16: their defaults) and the prefill per layer
+      for t in before after; do
+        src=.; [ $t = before ] && src=/tmp/before_src
+        for kv in fp8 int8; do
+          pg=64; [ $kv = int8 ] && pg=16
+          timeout 150 env PYTHONPATH=/tmp/$t:/tmp/site python3 $src/scripts/gpu/kvq_decode_bench.py \
+            --kv $kv --batches 128,512 --contexts 1500 --page-size $pg \
+            --json "$OUT/sck53-dec-$kv-$t.json" > "$OUT/sck53-dec-$kv-$t.log" 2>&1 \
+            || { echo "sck53 decode $kv $t failed"; tail -3 "$OUT/sck53-dec-$kv-$t.log"; }
+          sed "s/^/sck53 decode $t: /" "$OUT/sck53-dec-$kv-$t.log" | grep batch
+          timeout 150 env PYTHONPATH=/tmp/$t:/tmp/site python3 $src/scripts/gpu/kvq_prefill_bench.py \
+            --shapes 8x1000,2x4000 --kv $kv --page-size $pg \
+            --json "$OUT/sck53-pre-$kv-$t.json" > "$OUT/sck53-pre-$kv-$t.log" 2>&1 \
+            || { echo "sck53 prefill $kv $t failed"; tail -3 "$OUT/sck53-pre-$kv-$t.log"; }
+          sed "s/^/sck53 prefill $t: /" "$OUT/sck53-pre-$kv-$t.log" | grep -E " us "
+        done
+      done ;;
+    ba53)  # session 53: bench latency and throughput before (.snap/before.tar) / after (the
+      # scales head-major), fp8 weights + fp8 KV, then bf16 weights + int8 KV
+      for kv in ${KVS:-fp8 int8}; do
+        q=fp8; [ $kv = int8 ] && q=none
+        for kind in latency throughput; do
+          for t in before after; do bench $kind ${kv}kv53-$t $t $q --kv-cache-dtype $kv; done
+        done
+      done ;;
     ba52)  # session 52: bench latency and throughput before (.snap/before.tar = 18c57be) / after
       # (the 8-bit caches' prefill loads its blocks and scales a tile ahead), fp8 weights +
       # fp8 KV, then bf16 weights + int8 KV; pairs in both orders (ORDERS)

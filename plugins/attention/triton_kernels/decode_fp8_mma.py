@@ -43,10 +43,8 @@ import triton
 import triton.language as tl
 
 from tokenloom.plugins.attention import kv_quant
-from tokenloom.plugins.attention.triton_kernels.decode_tile import finish_split, kv_slice
+from tokenloom.plugins.attention.triton_kernels.decode_tile import FP8_MAX, finish_split, kv_slice
 from tokenloom.plugins.models.pdl import launch_options, release, wait
-
-FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit

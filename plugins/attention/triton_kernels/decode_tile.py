@@ -18,6 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+FP8_MAX = tl.constexpr(448.0)  # e4m3's largest finite value
+
 
 @triton.jit
 def _split_length(seq_len, num_splits, min_split, BLOCK_N: tl.constexpr):

@@ -50,8 +50,8 @@ import triton.language as tl
 
 from tokenloom.plugins.attention import kv_quant
 from tokenloom.plugins.attention.triton_kernels.decode import P_LIFT
+from tokenloom.plugins.attention.triton_kernels.decode_tile import FP8_MAX
 from tokenloom.plugins.attention.triton_kernels.prefill_tile import (
-    FP8_MAX,
     attend_tile,
     find_sequence,
     tile_meta,

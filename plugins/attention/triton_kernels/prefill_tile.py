@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FP8_MAX = tl.constexpr(448.0)
+from tokenloom.plugins.attention.triton_kernels.decode_tile import FP8_MAX
 
 
 @triton.jit
