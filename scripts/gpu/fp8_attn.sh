@@ -386,6 +386,29 @@ for step in "$@"; do
           sed "s/^/sck53 prefill $t: /" "$OUT/sck53-pre-$kv-$t.log" | grep -E " us "
         done
       done ;;
+    lean53)  # session 53 with little device time left: the scales' layout before / after,
+      # bench throughput then bench latency (one run each) for fp8 + fp8 KV and bf16 + int8
+      # KV, then the decode per layer at 512 rows and the prefill at 8 x 1,000 (fp8 in pages
+      # of 64, int8 in pages of 16), as far as the call's time goes
+      for kind in throughput latency; do
+        for kv in fp8 int8; do
+          q=fp8; [ $kv = int8 ] && q=none
+          for t in before after; do
+            [ $kind = latency ] && r=(--runs 1) || r=()
+            bench $kind ${kv}kv53-$t $t $q --kv-cache-dtype $kv ${r[@]+"${r[@]}"}
+          done
+        done
+      done
+      for kv in fp8 int8; do
+        pg=64; [ $kv = int8 ] && pg=16
+        for t in before after; do
+          src=.; [ $t = before ] && src=/tmp/before_src
+          timeout 60 env PYTHONPATH=/tmp/$t:/tmp/site python3 $src/scripts/gpu/kvq_decode_bench.py \
+            --kv $kv --batches 512 --contexts 1500 --page-size $pg 2>&1 | grep batch | sed "s/^/lean53 decode $t: /"
+          timeout 60 env PYTHONPATH=/tmp/$t:/tmp/site python3 $src/scripts/gpu/kvq_prefill_bench.py \
+            --shapes 8x1000 --kv $kv --page-size $pg 2>&1 | grep -E " us " | sed "s/^/lean53 prefill $t: /"
+        done
+      done ;;
     ba53)  # session 53: bench latency and throughput before (.snap/before.tar) / after (the
       # scales head-major), fp8 weights + fp8 KV, then bf16 weights + int8 KV
       for kv in ${KVS:-fp8 int8}; do
