@@ -91,20 +91,6 @@ def test_quantized_pool_views_are_disjoint_and_blocks_are_16_byte_aligned():
     assert v_cache.data_ptr() == pool[1, 1].data_ptr()
 
 
-def test_a_block_s_scales_are_stored_head_major():
-    """Each block's scales are ``[heads, tokens]`` (session 53): one KV head's scales over
-    a page's tokens are adjacent, which the kernels read as runs (``scales_of``'s view
-    still indexes ``[block, token, head]``)."""
-    blocks, page, heads, dim = 3, 16, 4, 8
-    pool, [(k_cache, _)] = kv_quant.allocate(1, blocks, page, heads, dim, torch.int8, torch.device("cpu"))  # fmt: skip
-    scales = kv_quant.scales_of(k_cache)
-    assert scales.shape == (blocks, page, heads) and scales.stride()[1:] == (1, page)
-    values = torch.arange(blocks * page * heads, dtype=torch.float32).view(blocks, page, heads)
-    scales.copy_(values)
-    raw = pool[0, 0, :, page * heads * dim :].contiguous().view(torch.float32)  # [blocks, ...]
-    assert torch.equal(raw[:, : heads * page], values.transpose(1, 2).reshape(blocks, -1))
-
-
 def test_unquantized_pool_is_the_plain_contiguous_layout():
     pool, caches = kv_quant.allocate(2, 5, 4, 3, 8, torch.bfloat16, torch.device("cpu"))
     assert pool.shape == (2, 2, 5, 4, 3, 8) and caches[0][0].is_contiguous()
