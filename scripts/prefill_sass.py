@@ -1,13 +1,13 @@
 """The prefill attention kernel (``prefill.py``) compiled for sm_90 offline, over an 8-bit
-cache at Llama-3-8B heads with the production tiles (64 x 64, 4 warps, 2 stages, bf16
-queries): its hottest loop's instructions, its global loads (``LDG``: plain, the pipeliner
+cache at Llama-3-8B heads with the tiles each cache gets on CUDA (64 x 64, 4 warps; 2
+stages for fp8, ``FP8_PREFILL``, 3 for int8, ``cuda_defaults``; bf16 queries): its hottest loop's instructions, its global loads (``LDG``: plain, the pipeliner
 leaves them in the loop; ``LDGSTS``: copies to shared memory) and its registers.
 
     python scripts/prefill_sass.py fp8|int8 PAGE_SIZE AHEAD
 
-Session 53: the int8 prefill's loop (pages of 16, the look-ahead on) held 44 plain loads,
+Session 53: the int8 prefill's loop (pages of 16, the look-ahead on) held 44 scalar loads,
 its scales' one at a time; with the scales head-major (scripts/gpu/session53-scales-head-
-major.patch) 9. Run it with ``PYTHONPATH`` naming another tree's install to compare trees.
+major.patch) 12 scalar and 16 two-wide. Run it with ``PYTHONPATH`` naming another tree's install to compare trees.
 """
 
 import collections
@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sass_loop import compile_sm90, hottest_loop  # noqa: E402
 
 from tokenloom.plugins.attention.triton_kernels import prefill  # noqa: E402
+from tokenloom.plugins.attention.triton_settings import FP8_PREFILL, cuda_defaults  # noqa: E402
 
 
 def main() -> None:
@@ -38,12 +39,15 @@ def main() -> None:
     # stride, nor a token-major scale's token stride: the number of KV heads)
     odd = ("stride_bt", "stride_scale_tok")
     divisible = [n for n, t in sig.items() if t.startswith("*") or (n.startswith("stride") and n not in odd)]  # fmt: skip
-    sass, res, _ = compile_sm90(fn, sig, consts, divisible, 4, 2)
+    tiles = FP8_PREFILL if fp8 else cuda_defaults(128)
+    assert tiles["prefill_block_m"] == tiles["prefill_block_n"] == 64
+    stages = tiles["prefill_num_stages"]
+    sass, res, _ = compile_sm90(fn, sig, consts, divisible, tiles["prefill_num_warps"], stages)
     loop = hottest_loop(sass)
     ops = collections.Counter(op for _, op in loop)
     loads = {op: n for op, n in ops.items() if op.startswith("LDG")}
     regs = res.split("REG:")[1].split()[0]
-    print(f"{kv}, pages of {page}, look-ahead {ahead}: loop {len(loop)} instructions, "
+    print(f"{kv}, pages of {page}, look-ahead {ahead}, {stages} stages: loop {len(loop)} instructions, "
           f"{regs} registers, loads {loads}")  # fmt: skip
 
 

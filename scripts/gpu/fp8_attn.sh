@@ -55,6 +55,8 @@
 #   ao45    session 45: the act-order gather's cost at one row (scripts/gpu/act_order_bench.py)
 #   t47     session 45: test_checkpoints.py on the GPU (compressed-tensors among them)
 #   auto46  session 46: on an H200 wide42, freshw42, ao45; elsewhere ao45, t47
+#   t53     session 53: the 8-bit caches' tests (test_kv_quant*.py) on the GPU
+#   i8pg53  an int8 cache in pages of 16 against 64: decode per layer, benches
 #   sck53 / ba53 / lean53 / thr53: session 53's head-major scales (not landed: no device time
 #           was left to time them), before / after: first `git archive HEAD > .snap/before.tar`,
 #           then `git apply scripts/gpu/session53-scales-head-major.patch` (the working tree is

@@ -115,6 +115,26 @@ def test_the_prefill_s_blocks_and_scales_a_tile_ahead_change_no_result(
     )  # fmt: skip
 
 
+def test_the_prefill_settings_reach_the_launcher(monkeypatch):
+    """The look-ahead and the fp8 products as set reach ``prefill_attention`` (the
+    equality test above would also pass if they were dropped on the way)."""
+    from tokenloom.plugins.attention import triton_backend
+
+    seen, original = [], triton_backend.prefill_attention
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["meta_ahead"], kwargs["fp8_mma"]))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "prefill_attention", spy)
+    batch = make_batch([9, 20], [9, 45], dtype=torch.float16, device=DEVICE)
+    info = model_info(4, 2, 32, torch.float16, DEVICE)
+    for ahead, mma in [(0, 0), (1, 0), (1, 1)]:
+        settings = {**MMA_PREFILL, "prefill_fp8_mma": mma, "prefill_meta_ahead": ahead}
+        _prefill_out(batch, info, 16, **settings)
+    assert seen == [(False, False), (True, False), (True, True)]
+
+
 def test_the_prefill_settings_refuse_or_warn_where_they_cannot_apply(caplog):
     """``prefill_meta_ahead`` takes 0 or 1; ``prefill_fp8_mma`` asked for where it cannot
     apply (fp32 queries, values not transposed, 16-token KV tiles) is off, with a warning
@@ -130,11 +150,13 @@ def test_the_prefill_settings_refuse_or_warn_where_they_cannot_apply(caplog):
     ]
     for info, settings in where_not:
         caplog.clear()
-        with caplog.at_level(logging.WARNING):
+        with caplog.at_level(logging.WARNING, logger="tokenloom.attention"):
             attn = TritonAttention(EngineConfig(), info, **settings)
         assert not attn.prefill_fp8_mma, settings
         assert "prefill_fp8_mma: off" in caplog.text, settings
     caplog.clear()
-    with caplog.at_level(logging.WARNING):  # not asked for: no warning
+    with caplog.at_level(
+        logging.WARNING, logger="tokenloom.attention"
+    ):  # not asked for: no warning
         TritonAttention(EngineConfig(), model_info(4, 2, 32, torch.float32, DEVICE))
     assert "prefill_fp8_mma" not in caplog.text
