@@ -57,11 +57,11 @@
 #   auto46  session 46: on an H200 wide42, freshw42, ao45; elsewhere ao45, t47
 #   t53     session 53: the 8-bit caches' tests (test_kv_quant*.py) on the GPU
 #   i8pg53  an int8 cache in pages of 16 against 64: decode per layer, benches
-#   sck53 / ba53 / lean53 / thr53: session 53's head-major scales (not landed: no device time
+#   sck53 / ba53 / lean53: session 53's head-major scales (not landed: no device time
 #           was left to time them), before / after: first `git archive HEAD > .snap/before.tar`,
 #           then `git apply scripts/gpu/session53-scales-head-major.patch` (the working tree is
 #           the after); sck53 the decode and prefill per layer, ba53 bench latency and
-#           throughput, lean53 / thr53 shorter forms
+#           throughput, lean53 a shorter form
 #   auto53  session 53: on an H200 wide52 l47 t53 (the workload, bench latency bf16 / int4,
 #           the 8-bit caches' tests); elsewhere t53 pre52b
 #   auto49  session 49: t49 (its two premises fixed); on an H200 then wide42 and l47
@@ -391,20 +391,6 @@ for step in "$@"; do
             --json "$OUT/sck53-pre-$kv-$t.json" > "$OUT/sck53-pre-$kv-$t.log" 2>&1 \
             || { echo "sck53 prefill $kv $t failed"; tail -3 "$OUT/sck53-pre-$kv-$t.log"; }
           sed "s/^/sck53 prefill $t: /" "$OUT/sck53-pre-$kv-$t.log" | grep -E " us "
-        done
-      done ;;
-    thr53)  # lean53's bench throughput alone (fp8 + fp8 KV, bf16 + int8 KV, before / after),
-      # then the decode per layer at 512 rows, as far as the call's time goes
-      for kv in fp8 int8; do
-        q=fp8; [ $kv = int8 ] && q=none
-        for t in before after; do bench throughput ${kv}kv53-$t $t $q --kv-cache-dtype $kv; done
-      done
-      for kv in fp8 int8; do
-        pg=64; [ $kv = int8 ] && pg=16
-        for t in before after; do
-          src=.; [ $t = before ] && src=/tmp/before_src
-          timeout 60 env PYTHONPATH=/tmp/$t:/tmp/site python3 $src/scripts/gpu/kvq_decode_bench.py \
-            --kv $kv --batches 512 --contexts 1500 --page-size $pg 2>&1 | grep batch | sed "s/^/thr53 decode $t: /"
         done
       done ;;
     lean53)  # session 53 with little device time left: the scales' layout before / after,
