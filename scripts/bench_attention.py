@@ -25,13 +25,14 @@ import sys
 import traceback
 from typing import Any
 
+import msgspec
 import torch
 import torch.nn.functional as F
 import triton.testing
 
 from tokenloom.config import EngineConfig
 from tokenloom.plugins.attention.torch_backend import TorchAttention
-from tokenloom.plugins.attention.triton_backend import SETTINGS, TritonAttention
+from tokenloom.plugins.attention.triton_backend import TritonAttention
 from tokenloom.protocols.components.attention import AttentionMetadata
 from tokenloom.protocols.components.model import ModelInfo
 
@@ -213,6 +214,14 @@ def bench_mixed(attn: TritonAttention, decodes: int, ctx: int, chunk: int, dtype
     }
 
 
+def resolved_settings(attn: TritonAttention) -> dict[str, Any]:
+    """The backend's resolved settings for the JSON (the prefill tiles by cache kind)."""
+    settings = msgspec.structs.asdict(attn.resolved)
+    tiles = settings.pop("prefill_tiles")
+    settings["prefill_tiles"] = {"fp8": tiles[True], "other": tiles[False]}
+    return settings
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="1,8,32,128,256")
@@ -244,7 +253,7 @@ def main() -> int:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "dtype": args.dtype,
-        "settings": {name: getattr(attn, name) for name in SETTINGS},
+        "settings": resolved_settings(attn),
         "copy_gbps": copy_gbps,
         "decode": [],
         "prefill": [],

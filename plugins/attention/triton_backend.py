@@ -53,15 +53,7 @@ from tokenloom.plugins.attention.triton_kernels.decode import decode_attention
 from tokenloom.plugins.attention.triton_kernels.decode_rope import DecodeRope
 from tokenloom.plugins.attention.triton_kernels.kv_write import write_kv
 from tokenloom.plugins.attention.triton_kernels.prefill import prefill_attention
-from tokenloom.plugins.attention.triton_settings import (
-    INTERPRETER_DEFAULTS,
-    QUANT_DECODE,
-    SETTINGS,
-    TritonSettings,
-    cuda_defaults,
-    mma_decode_tiles,
-    prefill_tiles,
-)
+from tokenloom.plugins.attention.triton_settings import TritonSettings, resolve
 from tokenloom.plugins.models import rope_ops
 from tokenloom.plugins.models.pdl import pdl_on
 from tokenloom.protocols.components.attention import (
@@ -109,97 +101,33 @@ class TritonAttention(AttentionBackend):
         self.max_num_seqs = config.max_num_seqs
         settings = _plugin_settings(config)
         settings.update(overrides)
-        unknown = set(settings) - set(SETTINGS)
-        if unknown:
-            raise ValueError(f"plugin.triton: unknown settings {sorted(unknown)}")
-
         self._fp8_ok = True
         if interpreted:
             self.num_sms = 4
-            defaults = dict(INTERPRETER_DEFAULTS)
         else:
             self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             # Triton reads fp8 e4m3 on sm_89 (Ada, Hopper) or later only
             self._fp8_ok = torch.cuda.get_device_capability(self.device) >= (8, 9)
-            defaults = cuda_defaults(self.head_dim)
-        defaults.update(settings)
-        self.max_num_splits = int(defaults["max_num_splits"])
-        self.decode_block_n = int(defaults["decode_block_n"])
-        self.decode_num_stages = int(defaults["decode_num_stages"])
-        self.decode_programs_per_sm = int(defaults["decode_programs_per_sm"])
-        self.decode_min_split_tokens = int(defaults["decode_min_split_tokens"])
-        self.decode_num_warps = int(defaults["decode_num_warps"])
-        self.decode_kv_asm = bool(defaults["decode_kv_asm"]) and not interpreted  # no PTX there
-        self.decode_heads_first = bool(defaults["decode_heads_first"])
-        self.decode_maxnreg = int(defaults["decode_maxnreg"])
-        self.decode_rope_min_batch = int(defaults["decode_rope_min_batch"])
-        self.decode_prefetch_max_batch = int(defaults["decode_prefetch_max_batch"])
-        # the fp8-MMA decode, where the model's shape allows it, and the layout it reads;
-        # its own stages and register cap (QUANT_DECODE was tuned for the f16 kernel)
-        group = self.num_heads // self.num_kv_heads
-        shape_ok = decode_fp8_mma.supports_shape(self.head_dim, group, config.block_size)
-        if settings.get("decode_fp8_mma") and not shape_ok:  # asked for, not the default
-            log.warning(
-                "plugin.triton.decode_fp8_mma: off for head_dim %d, %d query heads per KV "
-                "head, block_size %d (needs a power of two >= 32, <= 16, a multiple of 16)",
-                self.head_dim, group, config.block_size,
-            )  # fmt: skip
-        self.decode_fp8_mma = bool(defaults["decode_fp8_mma"]) and shape_ok
-        self.fp8_values_transposed = self.decode_fp8_mma
-        if (
-            not interpreted
-            and not pdl_on(self.device)
-            and "decode_prefetch_max_batch" not in settings
-        ):
-            self.decode_prefetch_max_batch = 0  # nothing to overlap: only its registers
-        # QUANT_DECODE where it was measured (CUDA, head_dim <= 128, 16-bit queries) and
-        # the user set neither of its keys: a cap on its own, with two stages, only spills
-        measured = not interpreted and self.head_dim <= 128 and model_info.dtype != torch.float32
-        quant = QUANT_DECODE if measured and not set(QUANT_DECODE) & set(settings) else {}
-        # the fp8-MMA decode's own tiles (MMA_DECODE where measured)
-        (
-            self.mma_decode_block_n,
-            self.mma_decode_num_stages,
-            self.mma_decode_maxnreg,
-            self.mma_decode_meta_ahead,
-        ) = mma_decode_tiles(settings, defaults, measured, interpreted)
-        # the fold where it was measured (as MMA_DECODE), or wherever the user asks for it
-        fold_measured = measured or "decode_fp8_fold" in settings
-        self.mma_decode_fold = bool(defaults["decode_fp8_fold"]) and fold_measured
-        self.quant_decode_num_stages = int(quant.get("decode_num_stages", self.decode_num_stages))
-        self.quant_decode_maxnreg = int(quant.get("decode_maxnreg", self.decode_maxnreg))
-        self.prefill_block_m = int(defaults["prefill_block_m"])
-        self.prefill_block_n = int(defaults["prefill_block_n"])
-        self.prefill_num_warps = int(defaults["prefill_num_warps"])
-        self.prefill_num_stages = int(defaults["prefill_num_stages"])
-        self.prefill_kv_f16 = bool(defaults["prefill_kv_f16"])
-        self.prefill_fresh_16bit = bool(defaults["prefill_fresh_16bit"])
-        if defaults["prefill_meta_ahead"] not in (0, 1):
-            raise ValueError(
-                f"plugin.triton.prefill_meta_ahead: 0 or 1, not {defaults['prefill_meta_ahead']}"
-            )
-        self.prefill_meta_ahead = bool(defaults["prefill_meta_ahead"])
-        # the prefill's tiles by whether the cache is fp8 (FP8_PREFILL where measured);
-        # read here once: the prefill_* attributes set later change nothing
-        self.prefill_tiles = prefill_tiles(settings, defaults, measured)
-        # the fp8-MMA prefill reads the values transposed (as the fp8-MMA decode asks) with
-        # 16-bit queries, and Triton's fp8 dots take K >= 32 (head_dim, the KV tile)
-        mma_prefill_ok = (
-            self.fp8_values_transposed
-            and model_info.dtype != torch.float32
-            and min(self.head_dim, self.prefill_tiles[True]["prefill_block_n"]) >= 32
+        self.resolved = resolve(
+            settings,
+            head_dim=self.head_dim,
+            group=self.num_heads // self.num_kv_heads,
+            block_size=config.block_size,
+            fp32_queries=model_info.dtype == torch.float32,
+            interpreted=interpreted,
+            pdl=interpreted or pdl_on(self.device),
         )
-        if settings.get("prefill_fp8_mma") and not mma_prefill_ok:
-            log.warning(
-                "plugin.triton.prefill_fp8_mma: off (needs decode_fp8_mma's transposed "
-                "values, 16-bit queries, head_dim and an fp8 cache's prefill_block_n >= 32)"
-            )
-        self.prefill_fp8_mma = bool(defaults["prefill_fp8_mma"]) and mma_prefill_ok
         # the split-KV decode's partials and counters, one set per micro-batch lane
         self.scratch = DecodeScratch(
             self.num_heads, self.num_kv_heads, self.head_dim, self.max_num_seqs, self.device,
             self.num_splits,
         )  # fmt: skip
+
+    @property
+    def fp8_values_transposed(self) -> bool:
+        """An fp8 cache's value blocks stored transposed (the fp8-MMA decode reads them so);
+        the model runner lays the cache out by it."""
+        return self.resolved.decode_fp8_mma
 
     def num_splits(self, batch: int) -> int:
         """KV splits for a decode batch of ``batch`` requests: enough programs for
@@ -207,8 +135,8 @@ class TritonAttention(AttentionBackend):
         ``max_num_splits``. Depends on the batch size only (a shape), never on
         sequence lengths, so a graph captured for one batch size stays valid."""
         programs = batch * self.num_kv_heads
-        wanted = max(1, -(-self.decode_programs_per_sm * self.num_sms // programs))
-        return min(self.max_num_splits, 1 << (wanted - 1).bit_length())
+        wanted = max(1, -(-self.resolved.decode_programs_per_sm * self.num_sms // programs))
+        return min(self.resolved.max_num_splits, 1 << (wanted - 1).bit_length())
 
     def decode_block_n_for(self, batch: int, quantized: bool = False) -> int:
         """KV tile of the decode kernel. Small batches run the most splits and each
@@ -216,11 +144,11 @@ class TritonAttention(AttentionBackend):
         An 8-bit cache moves half the bytes per token: 128-token tiles (64 for heads
         above 128) keep each tile's bytes up, which measured 1.5x faster at 512 x 1,500
         on the H200 than 32-token ones (docs/performance.md)."""
-        if self.decode_block_n:
-            return self.decode_block_n
+        if self.resolved.decode_block_n:
+            return self.resolved.decode_block_n
         if quantized and not is_interpreted():
             return 128 if self.head_dim <= 128 else 64
-        if self.head_dim <= 128 and self.num_splits(batch) >= self.max_num_splits:
+        if self.head_dim <= 128 and self.num_splits(batch) >= self.resolved.max_num_splits:
             return 64
         return 32
 
@@ -228,7 +156,11 @@ class TritonAttention(AttentionBackend):
         """The decode kernel's first KV tile before the PDL wait (``decode_tile.py``): up to
         ``decode_prefetch_max_batch`` requests, no rope in the kernel (it writes the new
         token), 16-bit caches (an 8-bit tile spills under ``QUANT_DECODE``'s cap)."""
-        return num_decodes <= self.decode_prefetch_max_batch and not quantized and rope is None
+        return (
+            num_decodes <= self.resolved.decode_prefetch_max_batch
+            and not quantized
+            and rope is None
+        )
 
     def _rope_in_decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
@@ -240,7 +172,7 @@ class TritonAttention(AttentionBackend):
         the interpreter does not check it)."""
         return (
             meta.decode_only
-            and q.shape[0] >= self.decode_rope_min_batch
+            and q.shape[0] >= self.resolved.decode_rope_min_batch
             and not kv_quant.is_quantized(k_cache.dtype)
             and k_cache.is_contiguous()
             and v_cache.is_contiguous()
@@ -261,7 +193,7 @@ class TritonAttention(AttentionBackend):
                     break
                 num_decodes += 1
             meta.extra["num_leading_decodes"] = num_decodes
-            if self.prefill_fresh_16bit:
+            if self.resolved.prefill_fresh_16bit:
                 fresh_prefill.find_fresh(meta, num_decodes)
         if num_decodes:
             self.scratch.get(num_decodes, int(meta.extra.get("lane", 0)))
@@ -303,8 +235,8 @@ class TritonAttention(AttentionBackend):
             quantized = kv_quant.is_quantized(k_cache.dtype)
             lane = int(meta.extra.get("lane", 0))
             part_out, part_lse, counters = self.scratch.get(num_decodes, lane)
-            decode = decode_attention
-            if self.decode_fp8_mma and decode_fp8_mma.supports(q, k_cache, v_cache):
+            decode, r = decode_attention, self.resolved
+            if r.decode_fp8_mma and decode_fp8_mma.supports(q, k_cache, v_cache):
                 decode = self._decode_fp8_mma
             decode(
                 q[:num_decodes],
@@ -319,12 +251,12 @@ class TritonAttention(AttentionBackend):
                 scale,
                 num_splits=self.num_splits(num_decodes),
                 block_n=self.decode_block_n_for(num_decodes, quantized),
-                min_split_tokens=self.decode_min_split_tokens,
-                num_warps=self.decode_num_warps,
-                num_stages=self.quant_decode_num_stages if quantized else self.decode_num_stages,
-                kv_asm=self.decode_kv_asm,
-                heads_first=self.decode_heads_first,
-                maxnreg=self.quant_decode_maxnreg if quantized else self.decode_maxnreg,
+                min_split_tokens=r.decode_min_split_tokens,
+                num_warps=r.decode_num_warps,
+                num_stages=r.quant_decode_num_stages if quantized else r.decode_num_stages,
+                kv_asm=r.decode_kv_asm,
+                heads_first=r.decode_heads_first,
+                maxnreg=r.quant_decode_maxnreg if quantized else r.decode_maxnreg,
                 rope=decode_rope,
                 prefetch=self._prefetch(num_decodes, quantized, decode_rope),
             )
@@ -355,7 +287,8 @@ class TritonAttention(AttentionBackend):
     ) -> None:  # fmt: skip
         """``prefill_attention`` for requests ``first_seq:`` of these tables, with the
         cache dtype's tiles."""
-        tiles = self.prefill_tiles[k_cache.dtype == torch.float8_e4m3fn]
+        r = self.resolved
+        tiles = r.prefill_tiles[k_cache.dtype == torch.float8_e4m3fn]
         prefill_attention(
             q,
             k_cache,
@@ -369,9 +302,9 @@ class TritonAttention(AttentionBackend):
             block_n=tiles["prefill_block_n"],
             num_warps=tiles["prefill_num_warps"],
             num_stages=tiles["prefill_num_stages"],
-            kv_f16=self.prefill_kv_f16,
-            fp8_mma=self.prefill_fp8_mma,
-            meta_ahead=self.prefill_meta_ahead,
+            kv_f16=r.prefill_kv_f16,
+            fp8_mma=r.prefill_fp8_mma,
+            meta_ahead=r.prefill_meta_ahead,
             first_seq=first_seq,
         )
 
@@ -381,13 +314,14 @@ class TritonAttention(AttentionBackend):
         own stages and register cap."""
         for name in ("kv_asm", "rope", "prefetch"):
             options.pop(name)
-        if self.mma_decode_block_n:
-            options["block_n"] = self.mma_decode_block_n
+        r = self.resolved
+        if r.mma_decode_block_n:
+            options["block_n"] = r.mma_decode_block_n
         options.update(
-            num_stages=self.mma_decode_num_stages,
-            maxnreg=self.mma_decode_maxnreg,
-            meta_ahead=self.mma_decode_meta_ahead,
-            fold=self.mma_decode_fold,
+            num_stages=r.mma_decode_num_stages,
+            maxnreg=r.mma_decode_maxnreg,
+            meta_ahead=r.mma_decode_meta_ahead,
+            fold=r.mma_decode_fold,
         )
         decode_fp8_mma.decode_fp8_mma(*args, **options)
 

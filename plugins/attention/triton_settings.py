@@ -5,7 +5,14 @@ tiles (``MMA_DECODE``) and an fp8 cache's prefill tiles (``FP8_PREFILL``)."""
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import msgspec
+
+from tokenloom.plugins.attention.triton_kernels import decode_fp8_mma
+
+log = logging.getLogger("tokenloom.attention")
 
 
 class TritonSettings(msgspec.Struct, forbid_unknown_fields=True):
@@ -203,3 +210,120 @@ def prefill_tiles(
 
 
 SETTINGS: tuple[str, ...] = TritonSettings.__struct_fields__
+
+
+class Resolved(msgspec.Struct):
+    """What the backend launches with (``resolve``): the device's defaults under the
+    user's keys, the measured tables where they apply, and the shape checks done. The
+    16-bit decode reads ``decode_*``; an 8-bit cache's f16 decode ``quant_decode_*`` for
+    its stages and cap; the fp8-MMA decode ``mma_decode_*`` (block_n 0: the backend's
+    ``decode_block_n_for``); the prefill ``prefill_tiles`` by whether the cache is fp8."""
+
+    max_num_splits: int
+    decode_block_n: int
+    decode_num_stages: int
+    decode_programs_per_sm: int
+    decode_min_split_tokens: int
+    decode_num_warps: int
+    decode_kv_asm: bool
+    decode_heads_first: bool
+    decode_maxnreg: int
+    decode_rope_min_batch: int
+    decode_prefetch_max_batch: int
+    decode_fp8_mma: bool  # also the fp8 cache's layout: values stored transposed
+    quant_decode_num_stages: int
+    quant_decode_maxnreg: int
+    mma_decode_block_n: int
+    mma_decode_num_stages: int
+    mma_decode_maxnreg: int
+    mma_decode_meta_ahead: bool
+    mma_decode_fold: bool
+    prefill_tiles: dict[bool, dict[str, int]]
+    prefill_kv_f16: bool
+    prefill_fresh_16bit: bool
+    prefill_fp8_mma: bool
+    prefill_meta_ahead: bool
+
+
+def resolve(
+    settings: dict[str, Any],
+    *,
+    head_dim: int,
+    group: int,
+    block_size: int,
+    fp32_queries: bool,
+    interpreted: bool,
+    pdl: bool,
+) -> Resolved:
+    """The backend's ``Resolved`` settings from the keys the user set (``settings``), for
+    a model of ``head_dim`` with ``group`` query heads per KV head, pages of
+    ``block_size``, under the interpreter or on CUDA (``pdl``: programmatic dependent
+    launch there). A setting that cannot apply is turned off with a warning; an unknown
+    key or a ``prefill_meta_ahead`` other than 0 / 1 raises ValueError."""
+    unknown = set(settings) - set(SETTINGS)
+    if unknown:
+        raise ValueError(f"plugin.triton: unknown settings {sorted(unknown)}")
+    table = dict(INTERPRETER_DEFAULTS) if interpreted else cuda_defaults(head_dim)
+    table.update(settings)
+    if table["prefill_meta_ahead"] not in (0, 1):
+        raise ValueError(
+            f"plugin.triton.prefill_meta_ahead: 0 or 1, not {table['prefill_meta_ahead']}"
+        )
+    # the fp8-MMA decode, where the model's shape allows it, and the layout it reads
+    shape_ok = decode_fp8_mma.supports_shape(head_dim, group, block_size)
+    if settings.get("decode_fp8_mma") and not shape_ok:  # asked for, not the default
+        log.warning(
+            "plugin.triton.decode_fp8_mma: off for head_dim %d, %d query heads per KV "
+            "head, block_size %d (needs a power of two >= 32, <= 16, a multiple of 16)",
+            head_dim, group, block_size,
+        )  # fmt: skip
+    mma = bool(table["decode_fp8_mma"]) and shape_ok
+    prefetch = int(table["decode_prefetch_max_batch"])
+    if not interpreted and not pdl and "decode_prefetch_max_batch" not in settings:
+        prefetch = 0  # nothing to overlap: only its registers
+    # QUANT_DECODE where it was measured (CUDA, head_dim <= 128, 16-bit queries) and the
+    # user set neither of its keys: a cap on its own, with two stages, only spills
+    measured = not interpreted and head_dim <= 128 and not fp32_queries
+    quant = QUANT_DECODE if measured and not set(QUANT_DECODE) & set(settings) else {}
+    # the fp8-MMA decode's own tiles (MMA_DECODE where measured; QUANT_DECODE was tuned
+    # for the f16 kernel), and its fold where measured or wherever the user asks for it
+    mma_tiles = mma_decode_tiles(settings, table, measured, interpreted)
+    fold = bool(table["decode_fp8_fold"]) and (measured or "decode_fp8_fold" in settings)
+    # the prefill's tiles by whether the cache is fp8 (FP8_PREFILL where measured)
+    tiles = prefill_tiles(settings, table, measured)
+    # the fp8-MMA prefill reads the values transposed (as the fp8-MMA decode asks) with
+    # 16-bit queries, and Triton's fp8 dots take K >= 32 (head_dim, the KV tile)
+    mma_prefill_ok = (
+        mma and not fp32_queries and min(head_dim, tiles[True]["prefill_block_n"]) >= 32
+    )
+    if settings.get("prefill_fp8_mma") and not mma_prefill_ok:
+        log.warning(
+            "plugin.triton.prefill_fp8_mma: off (needs decode_fp8_mma's transposed "
+            "values, 16-bit queries, head_dim and an fp8 cache's prefill_block_n >= 32)"
+        )
+    return Resolved(
+        max_num_splits=int(table["max_num_splits"]),
+        decode_block_n=int(table["decode_block_n"]),
+        decode_num_stages=int(table["decode_num_stages"]),
+        decode_programs_per_sm=int(table["decode_programs_per_sm"]),
+        decode_min_split_tokens=int(table["decode_min_split_tokens"]),
+        decode_num_warps=int(table["decode_num_warps"]),
+        decode_kv_asm=bool(table["decode_kv_asm"]) and not interpreted,  # no PTX there
+        decode_heads_first=bool(table["decode_heads_first"]),
+        decode_maxnreg=int(table["decode_maxnreg"]),
+        decode_rope_min_batch=int(table["decode_rope_min_batch"]),
+        decode_prefetch_max_batch=prefetch,
+        decode_fp8_mma=mma,
+        quant_decode_num_stages=int(quant.get("decode_num_stages", table["decode_num_stages"])),
+        quant_decode_maxnreg=int(quant.get("decode_maxnreg", table["decode_maxnreg"])),
+        mma_decode_block_n=mma_tiles[0],
+        mma_decode_num_stages=mma_tiles[1],
+        mma_decode_maxnreg=mma_tiles[2],
+        mma_decode_meta_ahead=mma_tiles[3],
+        mma_decode_fold=fold,
+        prefill_tiles=tiles,
+        prefill_kv_f16=bool(table["prefill_kv_f16"]),
+        prefill_fresh_16bit=bool(table["prefill_fresh_16bit"]),
+        prefill_fp8_mma=bool(table["prefill_fp8_mma"]) and mma_prefill_ok,
+        prefill_meta_ahead=bool(table["prefill_meta_ahead"]),
+    )

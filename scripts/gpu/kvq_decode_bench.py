@@ -98,7 +98,7 @@ def build(
     )  # same cache, same new token (written twice, same values)
     error = float((out.double() - ref.double()).norm() / ref.double().norm())
     # fp8 with fp8 products (decode_fp8_mma) rounds q and p too: test_kv_quant's bound
-    bound = 8e-2 if kv == "fp8" and attn.decode_fp8_mma else 4e-2
+    bound = 8e-2 if kv == "fp8" and attn.resolved.decode_fp8_mma else 4e-2
     assert error < bound, f"{kv} batch {batch} context {context}: relative error {error:.3g}"
 
     def layer(k_cache: torch.Tensor, v_cache: torch.Tensor) -> Callable[[], None]:

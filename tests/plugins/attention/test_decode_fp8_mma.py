@@ -309,7 +309,7 @@ def test_the_setting_is_off_with_a_warning_for_shapes_the_kernel_cannot_take(cap
     info = model_info(4, 2, 16, torch.float16, DEVICE)  # head_dim 16: an 8-bit dot's K < 32
     with caplog.at_level("WARNING", logger="tokenloom.attention"):
         attn = TritonAttention(EngineConfig(), info, decode_fp8_mma=1)
-    assert not attn.decode_fp8_mma and not attn.fp8_values_transposed
+    assert not attn.resolved.decode_fp8_mma and not attn.fp8_values_transposed
     assert "decode_fp8_mma: off for head_dim 16" in caplog.text
     pages_of_8 = TritonAttention(
         EngineConfig(block_size=8), model_info(4, 2, 32, torch.float16, DEVICE), decode_fp8_mma=1
@@ -328,10 +328,10 @@ def test_the_backend_s_mma_tiles_reach_the_launcher(monkeypatch):
     info = model_info(4, 2, 32, torch.float16, DEVICE)
     attn = TritonAttention(EngineConfig(), info, decode_fp8_mma=1)
     options = dict(block_n=128, num_stages=2, maxnreg=0, kv_asm=True, rope=None, prefetch=False)
-    attn.mma_decode_block_n = 0  # none chosen: the decode's own block (decode_block_n_for)
+    attn.resolved.mma_decode_block_n = 0  # none chosen: the decode's own block (decode_block_n_for)
     attn._decode_fp8_mma(**options)
-    attn.mma_decode_block_n, attn.mma_decode_num_stages = 64, 3
-    attn.mma_decode_maxnreg, attn.mma_decode_meta_ahead = 128, True
+    attn.resolved.mma_decode_block_n, attn.resolved.mma_decode_num_stages = 64, 3
+    attn.resolved.mma_decode_maxnreg, attn.resolved.mma_decode_meta_ahead = 128, True
     attn._decode_fp8_mma(**options)
     picked = [(kw["block_n"], kw["num_stages"], kw["maxnreg"], kw["meta_ahead"]) for kw in seen]
     assert picked[0][0] == 128

@@ -244,15 +244,15 @@ def check_triton_against_torch(
     reference = torch_attn.forward(batch.q, batch.k, batch.v, ref_k, ref_v, batch.meta, batch.scale)
     assert torch.isfinite(out).all()
     fp8 = kv_dtype == torch.float8_e4m3fn
-    fp8_mma = fp8 and triton_attn.decode_fp8_mma
+    fp8_mma = fp8 and triton_attn.resolved.decode_fp8_mma
     # the prefill's fp8 products (prefill_fp8_mma) need 16-bit queries and values
     # stored transposed
     prefill_mma = (
         fp8
-        and triton_attn.prefill_fp8_mma
+        and triton_attn.resolved.prefill_fp8_mma
         and transposed
         and dtype != torch.float32
-        and triton_attn.prefill_tiles[True]["prefill_block_n"] >= 32
+        and triton_attn.resolved.prefill_tiles[True]["prefill_block_n"] >= 32
     )
     agreement = FP8_MMA_AGREEMENT if fp8_mma else AGREEMENT[dtype]
     decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
@@ -340,7 +340,7 @@ def test_the_f16_prefill_holds_bf16_queries_beyond_f16_range():
     batch.scale /= factor
     info = model_info(4, 2, 32, torch.bfloat16, DEVICE)
     attn = TritonAttention(EngineConfig(), info)
-    assert attn.prefill_kv_f16
+    assert attn.resolved.prefill_kv_f16
     k_cache, v_cache = quantized_copy(batch, kv_dtype, attn.fp8_values_transposed)
     ref_k, ref_v = quantized_copy(batch, kv_dtype)
     write_kv_cache(batch.k, batch.v, k_cache, v_cache, batch.meta.slot_mapping)

@@ -204,11 +204,11 @@ def test_an_fp8_cache_takes_its_own_prefill_tiles_unless_a_prefill_tile_key_is_s
     info = model_info(HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, "cuda")
     attn = TritonAttention(EngineConfig(), info)
     plain = {key: cuda_defaults(HEAD_DIM)[key] for key in FP8_PREFILL}
-    assert attn.prefill_tiles == {False: plain, True: FP8_PREFILL}
+    assert attn.resolved.prefill_tiles == {False: plain, True: FP8_PREFILL}
     # any prefill tile key set by the user: every cache takes the settings as given
     chosen = TritonAttention(EngineConfig(), info, prefill_num_warps=4)
-    assert chosen.prefill_tiles[True] == chosen.prefill_tiles[False]
-    assert chosen.prefill_tiles[True]["prefill_num_warps"] == 4
+    assert chosen.resolved.prefill_tiles[True] == chosen.resolved.prefill_tiles[False]
+    assert chosen.resolved.prefill_tiles[True]["prefill_num_warps"] == 4
 
 
 @pytest.mark.parametrize("block_size", [16, 64])
@@ -228,8 +228,8 @@ def test_the_fp8_mma_prefill_at_a_user_s_tiles_matches_the_reference(block_size)
     out = {}
     for mma in (0, 1):
         attn = TritonAttention(EngineConfig(block_size=block_size), info, prefill_fp8_mma=mma)
-        assert attn.prefill_tiles[True] == FP8_PREFILL and attn.prefill_meta_ahead
-        assert attn.prefill_fp8_mma == bool(mma)
+        assert attn.resolved.prefill_tiles[True] == FP8_PREFILL and attn.resolved.prefill_meta_ahead
+        assert attn.resolved.prefill_fp8_mma == bool(mma)
         k_cache, v_cache = quantized_copy(batch, fp8, attn.fp8_values_transposed)
         write_kv_cache(batch.k, batch.v, k_cache, v_cache, batch.meta.slot_mapping)
         attn.prepare(batch.meta)
@@ -255,15 +255,15 @@ def test_the_fp8_mma_decode_takes_its_own_tiles_unless_one_of_their_keys_is_set(
 
     info = model_info(HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, "cuda")
     attn = TritonAttention(EngineConfig(), info)
-    assert attn.mma_decode_block_n == MMA_DECODE["decode_block_n"]
-    assert attn.mma_decode_num_stages == MMA_DECODE["decode_num_stages"]
-    assert attn.mma_decode_maxnreg == MMA_DECODE["decode_maxnreg"]
-    assert attn.mma_decode_meta_ahead
+    assert attn.resolved.mma_decode_block_n == MMA_DECODE["decode_block_n"]
+    assert attn.resolved.mma_decode_num_stages == MMA_DECODE["decode_num_stages"]
+    assert attn.resolved.mma_decode_maxnreg == MMA_DECODE["decode_maxnreg"]
+    assert attn.resolved.mma_decode_meta_ahead
     chosen = TritonAttention(EngineConfig(), info, decode_num_stages=2)
-    assert (chosen.mma_decode_block_n, chosen.mma_decode_num_stages) == (0, 2)
-    assert chosen.mma_decode_maxnreg == 0
-    assert not chosen.mma_decode_meta_ahead  # the CUDA default without MMA_DECODE's tiles
+    assert (chosen.resolved.mma_decode_block_n, chosen.resolved.mma_decode_num_stages) == (0, 2)
+    assert chosen.resolved.mma_decode_maxnreg == 0
+    assert not chosen.resolved.mma_decode_meta_ahead  # the CUDA default without MMA_DECODE's tiles
     # the metadata lookahead alone keeps the tiles
     ahead_off = TritonAttention(EngineConfig(), info, decode_fp8_meta_ahead=0)
-    assert ahead_off.mma_decode_block_n == MMA_DECODE["decode_block_n"]
-    assert not ahead_off.mma_decode_meta_ahead
+    assert ahead_off.resolved.mma_decode_block_n == MMA_DECODE["decode_block_n"]
+    assert not ahead_off.resolved.mma_decode_meta_ahead

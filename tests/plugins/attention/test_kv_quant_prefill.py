@@ -142,7 +142,7 @@ def test_the_prefill_settings_refuse_or_warn_where_they_cannot_apply(caplog):
     info16 = model_info(4, 2, 32, torch.float16, DEVICE)
     with pytest.raises(ValueError, match="prefill_meta_ahead: 0 or 1, not 2"):
         TritonAttention(EngineConfig(), info16, prefill_meta_ahead=2)
-    assert TritonAttention(EngineConfig(), info16, **MMA_PREFILL).prefill_fp8_mma
+    assert TritonAttention(EngineConfig(), info16, **MMA_PREFILL).resolved.prefill_fp8_mma
     where_not = [
         (model_info(4, 2, 32, torch.float32, DEVICE), MMA_PREFILL),
         (info16, {**MMA_PREFILL, "decode_fp8_mma": 0}),
@@ -152,7 +152,7 @@ def test_the_prefill_settings_refuse_or_warn_where_they_cannot_apply(caplog):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="tokenloom.attention"):
             attn = TritonAttention(EngineConfig(), info, **settings)
-        assert not attn.prefill_fp8_mma, settings
+        assert not attn.resolved.prefill_fp8_mma, settings
         assert "prefill_fp8_mma: off" in caplog.text, settings
     caplog.clear()
     with caplog.at_level(

@@ -139,14 +139,14 @@ def test_a_minimum_split_length_keeps_short_kv_in_fewer_programs(min_split):
 def test_kv_within_the_minimum_split_skips_the_partials():
     batch = make_batch([1, 1, 1], [150, 37, 3], device=DEVICE)
     triton_attn, _ = backends(4, 2, 32, torch.float32, max_num_splits=4)
-    triton_attn.decode_min_split_tokens = 160  # 150 tokens in one program
+    triton_attn.resolved.decode_min_split_tokens = 160  # 150 tokens in one program
     part_out, part_lse, _ = triton_attn.scratch.get(3)
     part_out.fill_(7.0)
     part_lse.fill_(7.0)
     out = forward(triton_attn, batch)
     assert relative_error(out, dense_reference(batch)) < TOLERANCE[torch.float32]
     assert bool((part_out == 7.0).all()) and bool((part_lse == 7.0).all())
-    triton_attn.decode_min_split_tokens = 0  # 48 tokens per split: partials written
+    triton_attn.resolved.decode_min_split_tokens = 0  # 48 tokens per split: partials written
     forward(triton_attn, batch)
     assert not bool((part_lse == 7.0).all())
 
@@ -242,7 +242,7 @@ def test_the_first_tile_read_before_the_wait_gives_the_same_bits(kv_dtype, min_s
     or a quantized cache, and a padding row stays zero."""
     # the kernel serves 8-bit caches too, though the backend offers it 16-bit ones only
     monkeypatch.setattr(TritonAttention, "_prefetch",
-                        lambda self, n, quantized, rope: n <= self.decode_prefetch_max_batch)  # fmt: skip
+                        lambda self, n, quantized, rope: n <= self.resolved.decode_prefetch_max_batch)  # fmt: skip
     batch = make_batch([1] * 5, [150, 17, 1, 16, 5], num_heads=8, num_kv_heads=2,
                        head_dim=32, dtype=torch.float16, padding_rows=1, device=DEVICE)  # fmt: skip
     settings = [
@@ -274,7 +274,7 @@ def test_the_backend_prefetches_over_16_bit_caches_without_rope_up_to_its_batch(
     assert not attn._prefetch(5, False, None)
     assert not attn._prefetch(4, True, None)  # an 8-bit tile spills under QUANT_DECODE's cap
     assert not attn._prefetch(4, False, object())  # rope in the kernel writes the new token
-    default = backends(4, 2, 32, torch.float32)[0].decode_prefetch_max_batch
+    default = backends(4, 2, 32, torch.float32)[0].resolved.decode_prefetch_max_batch
     if triton_backend.is_interpreted():  # the interpreter overlaps nothing
         assert default == 0
     else:  # on CUDA the measured default where PDL overlaps the kernels, else 0
@@ -298,9 +298,8 @@ def test_an_fp8_cache_prefills_with_its_own_tiles(monkeypatch):
                         lambda *a, **kw: seen.append(kw) or real(*a, **kw))  # fmt: skip
     batch = make_batch([5, 3], [9, 3], device=DEVICE)
     attn, _ = backends(4, 2, 32, torch.float32)
-    plain = attn.prefill_tiles[False]
-    assert plain["prefill_block_m"] == attn.prefill_block_m
-    attn.prefill_tiles[True] = dict(plain, prefill_block_m=2 * plain["prefill_block_m"])
+    plain = attn.resolved.prefill_tiles[False]
+    attn.resolved.prefill_tiles[True] = dict(plain, prefill_block_m=2 * plain["prefill_block_m"])
     forward(attn, batch)
     assert seen[-1]["block_m"] == plain["prefill_block_m"]
     for kv_dtype, block_m in ((torch.int8, plain["prefill_block_m"]),
