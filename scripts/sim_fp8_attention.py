@@ -7,7 +7,8 @@ fp8 decode kernel would give, before it runs on a GPU.
 
 A scale of 1 is the f16-converting kernel (1.77x its KV floor, ``tokenloom.sim.
 quantized.FP8_KV_FACTOR_F16``); 0.905 the fp8-MMA decode, the engine's default since
-session 32 (the lab's default, ``FP8_KV_FACTOR``); 0.565 puts it at its KV floor by session
+session 32; 0.813 today's (session 37's tiles and session 38's fold on top: the lab's
+default, ``FP8_KV_FACTOR``; 0.736 with pages of 64); 0.565 puts it at its KV floor by session
 8's ratio (1.77 x 0.565 = 1.0; the lab, whose bf16 ``kv`` coefficient is 1.02, then
 charges 1.06x). The printed "x its KV floor" is that ratio, 1.77 x the scale. Pages of
 16 tokens, where these scales were measured (the lab models pages of 64 with
