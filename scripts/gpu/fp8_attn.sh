@@ -62,6 +62,12 @@
 #           then `git apply scripts/gpu/session53-scales-head-major.patch` (the working tree is
 #           the after); sck53 the decode and prefill per layer, ba53 bench latency and
 #           throughput, lean53 a shorter form
+#   auto54  session 54 (never ran: no machine started, then none was lent): first `git
+#           archive HEAD > .snap/before.tar && git apply
+#           scripts/gpu/session53-scales-head-major.patch`. On an H200 wideb54 lb54 (the
+#           issue's workload, bench latency bf16 / int4, on main = .snap/before.tar), then
+#           in a second call ba53 t54; elsewhere ba53 t54 (the head-major scales before /
+#           after; t54 the attention backend's GPU tests on the patched tree)
 #   auto53  session 53: on an H200 wide52 l47 t53 (the workload, bench latency bf16 / int4,
 #           the 8-bit caches' tests); elsewhere t53 pre52b
 #   auto49  session 49: t49 (its two premises fixed); on an H200 then wide42 and l47
@@ -217,6 +223,15 @@ if [ "${1:-}" = auto49 ]; then  # session 49: t49 again (its two premises fixed)
   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && QS="none int4" && \
     set -- t49 wide42 l47
 fi
+if [ "${1:-}" = auto54 ]; then  # session 54: .snap/before.tar = main, the tree = main with
+  # session 53's head-major scales applied. On an H200 the issue's workload and bench latency
+  # bf16 / int4 on main (the H200 figures the issue asks for); elsewhere the scales' layout
+  # before / after (ba53: bench latency and throughput, fp8 + fp8 KV and bf16 + int8 KV)
+  export LOGS=/tmp/benchlogs; mkdir -p "$LOGS"
+  set -- ba53 t54
+  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && QS="none int4" && \
+    set -- wideb54 lb54
+fi
 if [ "${1:-}" = auto53 ]; then  # session 53: on an H200 the issue's workload on today's
   # defaults, bench latency bf16 / int4, then the 8-bit caches' tests; elsewhere the tests
   # and the prefill per layer
@@ -330,6 +345,16 @@ for step in "$@"; do
         tests/plugins/attention/test_kv_quant_gpu.py > "$OUT/a-t53.log" 2>&1
       echo "t53 rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/a-t53.log" | head -8; tail -1 "$OUT/a-t53.log"
       grep -E "fp8-MMA prefill, pages" "$OUT/a-t53.log" ;;
+    t54)  # session 54: the attention backend's GPU tests (its settings resolved in
+      # triton_settings.resolve; with the tree's head-major scales where applied)
+      timeout ${T54:-420} env PYTHONPATH=/tmp/after:/tmp/site python3 -m pytest -q -s -rfs \
+        -p no:cacheprovider tests/plugins/attention/test_kv_quant.py \
+        tests/plugins/attention/test_kv_quant_prefill.py \
+        tests/plugins/attention/test_kv_quant_gpu.py tests/plugins/attention/test_triton_resolve.py \
+        tests/plugins/attention/test_decode_fp8_mma.py tests/plugins/attention/test_triton_backend.py \
+        > "$OUT/a-t54.log" 2>&1
+      echo "t54 rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/a-t54.log" | head -8; tail -1 "$OUT/a-t54.log"
+      grep -E "fp8-MMA prefill, pages" "$OUT/a-t54.log" ;;
     i8pg53)  # session 53: an int8 cache in pages of 16 (its default) against 64 (an fp8
       # cache's since session 51): the decode per layer at 1,500 tokens, bench throughput
       # (bf16 weights, two interleaved pairs) and bench latency
@@ -457,6 +482,10 @@ for step in "$@"; do
         bench throughput fp8p52-mma$i after fp8 --kv-cache-dtype fp8 \
           --plugin-option triton.prefill_fp8_mma=1
       done ;;
+    wideb54)  # the issue's workload on main (.snap/before.tar)
+      bench throughput fp8w54 before fp8 "${WIDE[@]}" ;;
+    lb54)  # bench latency on main (.snap/before.tar), QS
+      for q in ${QS:-none int4 int8}; do bench latency $q-main54 before $q; done ;;
     wide52)  # the issue's workload on today's defaults (an fp8 cache in blocks of 64)
       bench throughput fp8w52 after fp8 "${WIDE[@]}" ;;
     widem52)  # the same with the fp8-MMA prefill
