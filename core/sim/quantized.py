@@ -31,9 +31,9 @@ against:
 Checked against the engine (``tests/core/sim/test_quantized.py``): issue 12's workload
 (600 x 1,000 in / 1,000 out at once, fp8 weights and KV, 114,348 blocks) at
 ``max_num_seqs`` 640 with 640-row graphs, pages of 16. Today's decode (session 38, three
-calls on one H200) measured 14,089, 14,094 and 14,117 out tok/s; simulated 13,844 (-1.7%
+calls on one H200) measured 14,089, 14,093 and 14,117 out tok/s; simulated 13,844 (-1.7%
 to -1.9%). Session 37's (without the fold; 13,627 and 13,658 on the same machine)
-simulates 13,395. Session 32's fp8-MMA decode measured 13,265 and 13,463 (two calls);
+simulates 13,382 (-1.8%, -2.0%). Session 32's fp8-MMA decode measured 13,265 and 13,463 (two calls);
 simulated 13,099. With ``FP8_KV_FACTOR_F16`` (the f16-converting kernel), measured 12,023
 at 512 and 12,756 at 640 (session 9), 12,879 and 12,801 at 640 (session 32); simulated
 11,792 and 12,408. In blocks of 64 (the default) the lab gives 14,541 (not yet measured

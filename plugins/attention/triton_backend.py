@@ -11,8 +11,8 @@ the host, and the decode scratch buffers are allocated once at their largest siz
 so decode steps can be captured in CUDA graphs. An fp8 / int8 cache (``kv_quant``) is
 quantized by the write and dequantized inside both attention kernels.
 
-Settings (``[plugin.triton]`` in the config, or keyword arguments), defaults in
-``__init__``: ``max_num_splits``, ``decode_block_n``, ``decode_num_stages``,
+Settings (``[plugin.triton]`` in the config, or keyword arguments), their defaults and
+the measured tables in ``triton_settings.py`` (``resolve``, kept as ``self.resolved``): ``max_num_splits``, ``decode_block_n``, ``decode_num_stages``,
 ``decode_programs_per_sm``, ``decode_min_split_tokens``, ``decode_num_warps``,
 ``decode_kv_asm`` (an 8-bit cache converted by PTX helpers), ``decode_rope_min_batch``
 (rope inside the decode kernel from this batch up), ``decode_prefetch_max_batch`` (the
@@ -38,7 +38,6 @@ Without a GPU the kernels run under ``TRITON_INTERPRET=1`` with small tiles.
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
 
@@ -64,8 +63,6 @@ from tokenloom.protocols.components.attention import (
 from tokenloom.protocols.components.model import ModelInfo
 from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
-
-log = logging.getLogger("tokenloom.attention")
 
 
 def is_interpreted() -> bool:

@@ -217,7 +217,9 @@ class Resolved(msgspec.Struct):
     user's keys, the measured tables where they apply, and the shape checks done. The
     16-bit decode reads ``decode_*``; an 8-bit cache's f16 decode ``quant_decode_*`` for
     its stages and cap; the fp8-MMA decode ``mma_decode_*`` (block_n 0: the backend's
-    ``decode_block_n_for``); the prefill ``prefill_tiles`` by whether the cache is fp8."""
+    ``decode_block_n_for``); the prefill ``prefill_tiles`` by whether the cache is fp8.
+    The launches read it each time (tests change fields to steer them); ``decode_fp8_mma``
+    is also the fp8 cache's layout, which the model runner allocates once."""
 
     max_num_splits: int
     decode_block_n: int

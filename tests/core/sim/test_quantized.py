@@ -88,7 +88,7 @@ KERNELS = {
     ("kernel", "seqs", "measured"),
     [
         ("today", 640, 14_089),  # session 38, one H200, three calls (docs/quantization.md)
-        ("today", 640, 14_094),
+        ("today", 640, 14_093),
         ("today", 640, 14_117),
         ("tiles", 640, 13_627),  # the same machine, decode_fp8_fold=0, two calls
         ("tiles", 640, 13_658),
@@ -108,22 +108,24 @@ def test_issue_12_workload_within_five_percent_of_the_h200(
 
 
 @pytest.mark.parametrize(
-    ("after", "before", "gain"),
+    ("after", "before", "gain", "within"),
     [
         # session 32, one H200, the same calls with decode_fp8_mma on and off: 13,463 /
         # 12,879 and 13,265 / 12,801, a gain of 3.6-4.5%
-        ("mma", "f16", 1.04),
+        ("mma", "f16", 1.04, 0.02),
         # session 38, one H200, decode_fp8_fold on and off: 14,089 / 13,627 and 14,093 /
         # 13,658, a gain of 3.2-3.4%
-        ("today", "tiles", 1.033),
+        ("today", "tiles", 1.033, 0.01),
     ],
 )
-def test_each_decode_kernel_s_gain_matches_the_h200_s(tmp_path, monkeypatch, after, before, gain):
+def test_each_decode_kernel_s_gain_matches_the_h200_s(
+    tmp_path, monkeypatch, after, before, gain, within
+):
     monkeypatch.setattr(quantized, "FP8_KV_FACTOR", KERNELS[after])
     new = _simulated(tmp_path, after)
     monkeypatch.setattr(quantized, "FP8_KV_FACTOR", KERNELS[before])
     old = _simulated(tmp_path, before)
-    assert abs(new / old - gain) < 0.02
+    assert abs(new / old - gain) < within
 
 
 def test_blocks_of_64_gain_about_what_the_h100_measured(tmp_path):
