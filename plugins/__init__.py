@@ -13,7 +13,7 @@ BUILTIN_PLUGINS = (
     "tokenloom.plugins.proposer.none",
     "tokenloom.plugins.proposer.ngram",
     "tokenloom.plugins.proposer.draft",
-    "tokenloom.plugins.executor.model_runner",
+    "tokenloom.plugins.executor.plugin",
     "tokenloom.plugins.models",
     "tokenloom.plugins.frontends.openai",
     "tokenloom.plugins.frontends.zmq",

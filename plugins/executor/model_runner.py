@@ -34,8 +34,6 @@ from tokenloom.plugins.models import parallel
 from tokenloom.protocols.components.attention import ForwardContext
 from tokenloom.protocols.components.executor import DoneStep, Executor, PendingStep
 from tokenloom.protocols.components.model import ModelInfo
-from tokenloom.protocols.components.registry import ComponentSpec
-from tokenloom.protocols.hookspecs import hookimpl
 from tokenloom.protocols.step import StepInput, StepOutput
 
 if TYPE_CHECKING:
@@ -337,26 +335,3 @@ class ModelRunner(Executor):
         self.verify_graphs = {}
         self.kv_caches = []
         self._kv = None
-
-
-def make_executor(config: EngineConfig, plugins: PluginManager) -> Executor:
-    """The ``model`` executor: this runner on one device, or, with
-    ``tensor_parallel_size`` > 1, rank 0 of a tensor-parallel group of them."""
-    if config.tensor_parallel_size > 1:
-        from tokenloom.plugins.executor.parallel.executor import TensorParallelExecutor
-
-        return TensorParallelExecutor(config, plugins)
-    return ModelRunner(config, plugins)
-
-
-@hookimpl
-def tokenloom_register_components() -> list[ComponentSpec]:
-    return [
-        ComponentSpec(
-            "executor",
-            "model",
-            make_executor,
-            "model runner, CUDA graphs, tensor parallel",
-            settings=ModelExecutorSettings,
-        )
-    ]

@@ -1,7 +1,7 @@
 """The tensor-parallel executor: rank 0 in the engine-core, ranks 1..N-1 in workers.
 
 Built instead of the single-device ``ModelRunner`` when ``tensor_parallel_size`` > 1
-(``plugins.executor.model_runner.make_executor``). Rank 0 is an ordinary
+(``plugins.executor.plugin.make_executor``). Rank 0 is an ordinary
 ``ModelRunner`` built for its shard, in this process; ``WorkerPool`` starts and watches
 the other ranks. Per step the ``StepInput`` is encoded once and published on the
 ``worker-steps`` socket, then rank 0 runs it; the ranks meet in the collectives of the
