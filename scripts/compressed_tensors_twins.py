@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tokenloom.plugins.quant.gptq_checkpoint import compressed_tensors_config
-from tokenloom.plugins.quant.int4 import quantize_int4, unpack_int4
+from tokenloom.plugins.quant.int4 import quantize_int4
+from tokenloom.plugins.quant.int4_pack import unpack_int4
 from tokenloom.plugins.quant.int8 import quantize_int8
 
 TOKEN_FP8 = {"type": "float", "num_bits": 8, "strategy": "token", "dynamic": True}

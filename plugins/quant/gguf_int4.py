@@ -140,7 +140,7 @@ class GGUFBlocks:
         the model dtype on its device, from the file's blocks; None when the layer's
         weights are of another type."""
         from tokenloom.plugins.models.gguf.tensors import unpermute_rope
-        from tokenloom.plugins.quant.int4 import pack_int4
+        from tokenloom.plugins.quant.int4_pack import pack_int4
 
         found = self.parts.get(id(layer))
         if found is None:

@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from tokenloom.plugins.quant.fp8 import FP8, FP8_MAX
-from tokenloom.plugins.quant.int4 import pack_int4
+from tokenloom.plugins.quant.int4_pack import pack_int4
 
 DAMPING = 0.01  # fraction of the mean diagonal of H added to it (H is often singular)
 BLOCK = 128  # columns per lazy update

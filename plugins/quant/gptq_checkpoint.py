@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from tokenloom.plugins.quant.gptq import Fp8Grid, Grid, Int4Grid
-from tokenloom.plugins.quant.int4 import PACK
+from tokenloom.plugins.quant.int4_pack import PACK
 
 FBGEMM_ACTIVATION_SCALE_UB = 1200.0  # the format's usual bound (read, not applied here)
 FORMATS = ("gptq", "compressed-tensors")  # int4 as GPTQ and fp8 as fbgemm_fp8, or both as CT

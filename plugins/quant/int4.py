@@ -38,6 +38,7 @@ from tokenloom.plugins.quant.common import (
     keep,
     quantization_config,
 )
+from tokenloom.plugins.quant.int4_pack import pack_int4, unpack_int4
 from tokenloom.protocols.components.quant import LinearKernel, QkvRope
 from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
@@ -48,24 +49,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 GROUP_SIZE = 128
-PACK = 8  # 4-bit values per int32
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """``q [K, N]`` of values 0..15 -> ``[K / 8, N]`` int32, row ``8 i + j`` in nibble ``j``."""
-    k, n = q.shape
-    if k % PACK:
-        raise ValueError(f"int4: the input size {k} is no multiple of {PACK}")
-    q = q.to(torch.int32).view(k // PACK, PACK, n)
-    shifts = torch.arange(0, 4 * PACK, 4, dtype=torch.int32, device=q.device)[None, :, None]
-    return (q << shifts).sum(dim=1, dtype=torch.int32)  # bits never overlap: sum == or
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """The inverse of ``pack_int4``: ``[K / 8, N]`` int32 -> ``[K, N]`` int32 in 0..15."""
-    rows, n = packed.shape
-    shifts = torch.arange(0, 4 * PACK, 4, dtype=torch.int32, device=packed.device)
-    return ((packed[:, None, :] >> shifts[None, :, None]) & 0xF).reshape(rows * PACK, n)
 
 
 def quantize_int4(

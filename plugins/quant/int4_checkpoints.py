@@ -38,7 +38,7 @@ from tokenloom.plugins.quant.common import (
     prepare_checkpoint_layers,
     weight_parts,
 )
-from tokenloom.plugins.quant.int4 import PACK, pack_int4, unpack_int4
+from tokenloom.plugins.quant.int4_pack import PACK, pack_int4, unpack_int4
 
 if TYPE_CHECKING:
     from tokenloom.plugins.quant.compressed_tensors import Scheme

@@ -32,7 +32,7 @@ def emulate(x, qweight, scales, zeros, group=128, xshift=4, center=8, flush_word
     """The kernel's arithmetic: every fma.rn.f16x2 rounds once to f16 (computed in f64,
     then rounded), two chains per column flushed to fp32 every ``flush_words`` words,
     the fp32 epilogue ``s (P - (z - 8) xs)`` per tile."""
-    from tokenloom.plugins.quant.int4 import unpack_int4
+    from tokenloom.plugins.quant.int4_pack import unpack_int4
 
     q = unpack_int4(qweight).double()  # [K, N]
     xs = x.to(torch.bfloat16).double() * 2.0**-xshift  # exact: a power of two

@@ -15,8 +15,9 @@ from safetensors.torch import load_file, save_file
 from tokenloom import LLM, SamplingParams
 from tokenloom.plugins.models import parallel
 from tokenloom.plugins.models.loader import load_model
-from tokenloom.plugins.quant.int4 import dequantize_int4, quantize_int4, unpack_int4
+from tokenloom.plugins.quant.int4 import dequantize_int4, quantize_int4
 from tokenloom.plugins.quant.int4_checkpoints import AWQ_ORDER, unpack_columns
+from tokenloom.plugins.quant.int4_pack import unpack_int4
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12)

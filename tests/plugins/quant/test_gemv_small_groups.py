@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenloom.plugins.quant.int4 import Int4Kernel, dequantize_int4, pack_int4
+from tokenloom.plugins.quant.int4 import Int4Kernel, dequantize_int4
+from tokenloom.plugins.quant.int4_pack import pack_int4
 from tokenloom.plugins.quant.kernels.dispatch import BUCKETS, bucket, candidates
 from tokenloom.plugins.quant.kernels.weight_gemm import GemmConfig, weight_gemm
 from tokenloom.plugins.quant.kernels.weight_gemv import gemv_fits

@@ -13,8 +13,9 @@ import torch
 from tokenloom import LLM, SamplingParams
 from tokenloom.plugins.quant.gptq import Fp8Grid, Int4Grid, gptq, output_error
 from tokenloom.plugins.quant.gptq_checkpoint import pack_columns
-from tokenloom.plugins.quant.int4 import dequantize_int4, quantize_int4, unpack_int4
+from tokenloom.plugins.quant.int4 import dequantize_int4, quantize_int4
 from tokenloom.plugins.quant.int4_checkpoints import unpack_columns
+from tokenloom.plugins.quant.int4_pack import unpack_int4
 
 GRIDS = {"int4": lambda: Int4Grid(32), "fp8": Fp8Grid}
 
