@@ -122,7 +122,7 @@ class ModelRunner(Executor):
     def _choose_skinny_gemms(self) -> None:
         """The small-batch kernels per linear layer, measured on this GPU
         (``SkinnyDispatch.tune``)."""
-        from tokenloom.plugins.models.skinny_gemm import SkinnyDispatch
+        from tokenloom.plugins.models.skinny_dispatch import SkinnyDispatch
 
         started = time.perf_counter()
         summary = SkinnyDispatch().tune(self.model)

@@ -32,7 +32,6 @@ runs in one process).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -47,10 +46,6 @@ from tokenloom.protocols.components.quant import Fp8Rows, PermutedRows, QkvRope
 FUSED_VERSION = 1  # part of its tuning key: bump when the kernel or its configs change
 # (BLOCK_N, BLOCK_K, num_warps): wider tiles than the plain GEMV's, to amortize the row
 FUSED_CONFIGS = [(8, 512, 4), (16, 512, 4), (16, 256, 4), (32, 256, 4), (32, 512, 8), (64, 256, 8)]
-
-
-def fused_offered() -> bool:
-    return os.environ.get("TOKENLOOM_FUSED_NORM_GEMV", "1") != "0"
 
 
 @triton.jit

@@ -61,6 +61,12 @@ LinearParallel = Literal["replicated", "column", "row"]
 DEFERRED = ContextVar("tokenloom_deferred_linear_weights", default=False)
 
 
+def fused_offered() -> bool:
+    """``TOKENLOOM_FUSED_NORM_GEMV=0`` keeps the one-row GEMV with the norm folded in
+    (``fused_gemv``) out of the choice and out of the forward pass."""
+    return os.environ.get("TOKENLOOM_FUSED_NORM_GEMV", "1") != "0"
+
+
 class Linear(nn.Module):
     """``y = x W^T (+ b)``; ``output_sizes`` splits the rows into merged projections.
 
@@ -191,8 +197,6 @@ class Linear(nn.Module):
     def fuses_norm(self, x: torch.Tensor) -> bool:
         """Whether ``fused_gemv.norm_and_project`` folds the norm before this layer (and SiLU after
         it) into its one-row GEMV for ``x`` (``plugins.models.fused_gemv``)."""
-        from tokenloom.plugins.models.fused_gemv import fused_offered
-
         return (
             self.fused is not None
             and self.kernel is None

@@ -113,7 +113,7 @@ def test_a_model_decodes_the_same_logits_with_the_fused_norms(
 
 
 def test_the_fused_gemv_is_never_chosen_off_the_gpu():
-    from tokenloom.plugins.models.skinny_gemm import SkinnyDispatch
+    from tokenloom.plugins.models.skinny_dispatch import SkinnyDispatch
 
     w = torch.randn(16, 32, dtype=torch.bfloat16)  # a tunable dtype: only the device rules it out
     assert SkinnyDispatch().choose_fused(w, (8, 512, 4), False) is None
@@ -140,7 +140,7 @@ def test_tune_sets_each_layers_kernels_from_the_dispatch(tiny_model_factory, mon
     """``SkinnyDispatch.tune`` asks, per linear layer, for the skinny GEMM, the one-row
     GEMV and (where the model declared it) the folded norm, and for the LM head's GEMV."""
     from tokenloom.plugins.models.layers import Embedding
-    from tokenloom.plugins.models.skinny_gemm import SkinnyDispatch
+    from tokenloom.plugins.models.skinny_dispatch import SkinnyDispatch
 
     model, _ = load_model(tiny_model_factory("qwen3"), torch.float32, "cpu")
     dispatch = SkinnyDispatch()

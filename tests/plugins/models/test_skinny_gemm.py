@@ -96,13 +96,13 @@ def test_linear_uses_the_gemv_only_for_one_row(monkeypatch):
 
 
 def test_the_gemv_is_never_chosen_off_the_gpu():
-    from tokenloom.plugins.models.skinny_gemm import SkinnyDispatch
+    from tokenloom.plugins.models.skinny_dispatch import SkinnyDispatch
 
     assert SkinnyDispatch().choose_gemv(torch.randn(16, 32), None) is None
 
 
 def test_choices_are_measured_once_then_read_back_from_the_cache_file(tmp_path, monkeypatch):
-    from tokenloom.plugins.models import skinny_gemm as module
+    from tokenloom.plugins.models import skinny_dispatch as module
 
     monkeypatch.setenv("TOKENLOOM_CACHE", str(tmp_path))
     monkeypatch.setattr(module, "_DECIDED", {})
