@@ -1,4 +1,5 @@
-"""Executor plugin ``model``: runs the model on flat batches and samples on the device.
+"""The ``model`` executor (``plugin.py`` registers it): runs the model on flat batches and
+samples on the device.
 
 One process, one device; under tensor parallelism each rank runs one of these on its
 own shard (``group``; see ``plugins.executor.parallel``). Per step: build the flat
