@@ -62,7 +62,8 @@
 #           then `git apply scripts/gpu/session53-scales-head-major.patch` (the working tree is
 #           the after); sck53 the decode and prefill per layer, ba53 bench latency and
 #           throughput, lean53 a shorter form
-#   auto54  session 54 (never ran: no machine started, then none was lent): first `git
+#   auto54  session 54 (ran once on an H100: ba53 no regression, t54 an illegal memory
+#           access in the prefill with the patch applied, docs/quantization.md): first `git
 #           archive HEAD > .snap/before.tar && git apply
 #           scripts/gpu/session53-scales-head-major.patch`. On an H200 wideb54 lb54 (the
 #           issue's workload, bench latency bf16 / int4, on main = .snap/before.tar), then
