@@ -6,8 +6,8 @@ leaves them in the loop; ``LDGSTS``: copies to shared memory) and its registers.
     python scripts/prefill_sass.py fp8|int8 PAGE_SIZE AHEAD
 
 Session 53: the int8 prefill's loop (pages of 16, the look-ahead on) held 44 scalar loads,
-its scales' one at a time; with the scales head-major (scripts/gpu/session53-scales-head-
-major.patch) 12 scalar and 16 two-wide. Run it with ``PYTHONPATH`` naming another tree's install to compare trees.
+its scales' one at a time; with the scales head-major (landed in session 55) 12 scalar
+and 16 two-wide. Run it with ``PYTHONPATH`` naming another tree's install to compare trees.
 """
 
 import collections
@@ -32,7 +32,7 @@ def main() -> None:
     consts = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, PAGE_SIZE=page,
                   DOT_PRECISION="tf32", KV_QUANT=True, V_T=fp8, KV_F16=fp8,
                   P_LIFT=512.0 if fp8 else 128.0, KV_MMA8=False, AHEAD=bool(ahead))  # fmt: skip
-    if "SCALE_RUN" in fn.arg_names:  # the head-major scales' tree
+    if "SCALE_RUN" in fn.arg_names:  # a tree with head-major scales (session 55 on)
         consts["SCALE_RUN"] = 16 if page % 16 == 0 else 1
     sig = {name: types.get(name, "i32") for name in fn.arg_names if name not in consts}
     # pointers and strides divisible by 16 as at Llama-3-8B shapes (not the table's row

@@ -11,8 +11,11 @@ logprob more, see docs/quantization.md.)
 
 Each block of a quantized pool holds its data, then its scales:
 ``[block_size, num_kv_heads, head_dim]`` of fp8/int8 followed by
-``[block_size, num_kv_heads]`` fp32 (the block padded to 16 bytes). The cache a layer
-sees is the data view ``[num_blocks, block_size, num_kv_heads, head_dim]`` (strided:
+``[num_kv_heads, block_size]`` fp32 (the block padded to 16 bytes). The scales are
+head-major (built in session 53, landed in 55; token-major before) so that a kernel
+reading one KV head's tokens reads its scales contiguously: a tile's scales are whole
+sectors, and vector loads where Triton is told of the runs, rather than one 4-byte scale
+out of each 32-byte sector of eight heads. The cache a layer sees is the data view ``[num_blocks, block_size, num_kv_heads, head_dim]`` (strided:
 one block every ``block_bytes``); ``scales_of(cache)`` gives the scale view of the same
 memory, so the caches still travel as plain tensors through the model, CUDA graphs
 and the attention interface. Unquantized pools are allocated exactly as before.
@@ -102,16 +105,18 @@ def v_transposed(cache: torch.Tensor) -> bool:
 
 
 def scales_of(cache: torch.Tensor) -> torch.Tensor:  # [num_blocks, block_size, num_kv_heads]
-    """The fp32 scale view of a quantized cache from ``allocate`` (same memory)."""
+    """The fp32 scale view of a quantized cache from ``allocate`` (same memory), indexed
+    ``[block, token, head]``; stored ``[head, token]`` in each block (strides ``(block,
+    1, block_size)``)."""
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape
     block_stride = cache.stride(0)
     scales = torch.as_strided(
         cache.view(torch.uint8),
-        (num_blocks, block_size, num_kv_heads, SCALE_BYTES),
-        (block_stride, num_kv_heads * SCALE_BYTES, SCALE_BYTES, 1),
+        (num_blocks, num_kv_heads, block_size, SCALE_BYTES),
+        (block_stride, block_size * SCALE_BYTES, SCALE_BYTES, 1),
         cache.storage_offset() + block_size * num_kv_heads * head_dim,
     )
-    return scales.view(torch.float32).squeeze(-1)
+    return scales.view(torch.float32).squeeze(-1).transpose(1, 2)
 
 
 def quantize(

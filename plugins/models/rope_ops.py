@@ -206,7 +206,7 @@ def _write_quantized_kv(
     mask = heads[:, None] < NUM_K
     block, offset = slot // PAGE_SIZE, slot % PAGE_SIZE
     dst = block * stride_cache_block + (offset * NUM_K + heads[:, None]) * (2 * HALF) + cols
-    dst_scale = block * stride_scale_block + offset * NUM_K + heads
+    dst_scale = block * stride_scale_block + heads * PAGE_SIZE + offset  # [heads, tokens]
     src = v_ptr + token * stride_vt + heads[:, None] * stride_vh + cols
     v1 = tl.load(src, mask=mask, other=0.0)
     v2 = tl.load(src + HALF, mask=mask, other=0.0)

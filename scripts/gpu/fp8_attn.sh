@@ -62,6 +62,12 @@
 #           then `git apply scripts/gpu/session53-scales-head-major.patch` (the working tree is
 #           the after); sck53 the decode and prefill per layer, ba53 bench latency and
 #           throughput, lean53 a shorter form
+#   (session 55 landed the head-major scales with the prefill look-ahead's fix: the patch
+#   file is gone; sck53 / ba53 / t54 compare any .snap/before.tar with the tree)
+#   auto55  session 55: the head-major patch with its look-ahead fixed (applied as auto54's):
+#           t54 (its GPU tests, the poisoned-table test among them), then on an H200 lb54
+#           (bench latency bf16 / int4 on main), elsewhere ba53 with KVS=fp8; the second
+#           call (auto55b) ba53 KVS=int8, and on an H200 wideb54
 #   auto54  session 54 (ran once on an H100: ba53 no regression, t54 an illegal memory
 #           access in the prefill with the patch applied, docs/quantization.md): first `git
 #           archive HEAD > .snap/before.tar && git apply
@@ -223,6 +229,17 @@ if [ "${1:-}" = auto49 ]; then  # session 49: t49 again (its two premises fixed)
   set -- t49
   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && QS="none int4" && \
     set -- t49 wide42 l47
+fi
+if [ "${1:-}" = auto55 ] || [ "${1:-}" = auto55b ]; then  # session 55 (see the header)
+  export LOGS=/tmp/benchlogs; mkdir -p "$LOGS"
+  h200=0; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && h200=1
+  if [ "$1" = auto55 ]; then
+    export KVS=fp8; set -- t54 ba53
+    [ $h200 = 1 ] && QS="none int4" && set -- t54 lb54
+  else
+    export KVS=int8; set -- ba53
+    [ $h200 = 1 ] && set -- wideb54
+  fi
 fi
 if [ "${1:-}" = auto54 ]; then  # session 54: .snap/before.tar = main, the tree = main with
   # session 53's head-major scales applied. On an H200 the issue's workload and bench latency

@@ -95,7 +95,10 @@ def _tile_at(
     # runs of 16 tokens from a multiple of 16 (pages of 16k, blocks of 16k bytes): the
     # axis analysis cannot see it through loop-carried block numbers (META_AHEAD)
     v_tok = tl.max_contiguous(tl.multiple_of(v_tok, 16), 16)
-    s_off = block * stride_scale_block + slot * NUM_KV_HEADS + kv_head
+    # the scales [heads, tokens] per block: runs of 16 from a multiple of 16 as v_tok's
+    # (a block's stride and its scales' offset are multiples of 16 floats for pages of 16k)
+    s_off = block * stride_scale_block + kv_head * PAGE_SIZE + slot
+    s_off = tl.max_contiguous(tl.multiple_of(s_off, 16), 16)
     k_ptrs = k_cache_ptr + k_tok[:, None] + offs_d[None, :]  # [N, D]
     v_ptrs = v_cache_ptr + v_tok[None, :] + offs_d[:, None] * PAGE_SIZE  # [D, N]
     k = tl.load(k_ptrs)

@@ -49,7 +49,7 @@ def kv_tokens(table, offs_n, mask_n, head_off, kv_head, stride_cache_block, stri
     whose d stride is ``PAGE_SIZE``: ``kv_quant.v_transposed``) and in the scales."""
     block = tl.load(table + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
     tok = block * stride_cache_block + (offs_n % PAGE_SIZE) * stride_cache_tok + head_off
-    s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * NUM_KV_HEADS + kv_head
+    s_off = block * stride_scale_block + kv_head * PAGE_SIZE + offs_n % PAGE_SIZE
     if V_T:
         v_tok = block * stride_cache_block + (offs_n % PAGE_SIZE) + kv_head * (HEAD_DIM * PAGE_SIZE)
     else:

@@ -71,7 +71,8 @@ def _kv_write_quant_kernel(
     mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
     block, offset = slot // PAGE_SIZE, slot % PAGE_SIZE
     dst = block * stride_cache_block + (offset * NUM_KV_HEADS + heads) * HEAD_DIM + dims
-    dst_scale = block * stride_scale_block + offset * NUM_KV_HEADS + tl.arange(0, HEADS_P2)
+    # scales [heads, tokens] per block (kv_quant.scales_of)
+    dst_scale = block * stride_scale_block + tl.arange(0, HEADS_P2) * PAGE_SIZE + offset
     mask_scale = tl.arange(0, HEADS_P2) < NUM_KV_HEADS
     row = token.to(tl.int64)
     key = tl.load(k_ptr + row * stride_k_tok + heads * stride_k_head + dims, mask=mask, other=0.0)

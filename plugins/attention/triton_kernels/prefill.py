@@ -80,7 +80,6 @@ def _prefill_kernel(
     k_scale_ptr,
     v_scale_ptr,
     stride_scale_block,
-    stride_scale_tok,
     scale_log2,  # softmax scale * log2(e)
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -95,6 +94,7 @@ def _prefill_kernel(
     P_LIFT: tl.constexpr = 1.0,
     KV_MMA8: tl.constexpr = False,
     AHEAD: tl.constexpr = False,
+    SCALE_RUN: tl.constexpr = 1,
 ):
     head = tl.program_id(0)
     tile = tl.program_id(1)
@@ -144,31 +144,36 @@ def _prefill_kernel(
     # Keys before the tile's first query position are visible to every row: no mask.
     unmasked_end = ((prefix + row0) // BLOCK_N) * BLOCK_N
     causal_end = tl.minimum(prefix + row0 + BLOCK_M, seq_len)
-    if AHEAD:  # each unmasked tile's blocks and scales loaded a tile ahead, carried
-        block, k_s, v_s = tile_meta(
-            table, 0, unmasked_end, k_scale_ptr, v_scale_ptr, head // GROUP,
-            stride_scale_block, stride_scale_tok, BLOCK_N, PAGE_SIZE, KV_QUANT,
-        )  # fmt: skip
-        for n0 in range(0, unmasked_end, BLOCK_N):
-            block_next, k_s_next, v_s_next = tile_meta(
-                table, n0 + BLOCK_N, unmasked_end, k_scale_ptr, v_scale_ptr, head // GROUP,
-                stride_scale_block, stride_scale_tok, BLOCK_N, PAGE_SIZE, KV_QUANT,
+    if AHEAD:  # each unmasked tile's blocks and scales loaded a tile ahead, carried; the
+        # last one's look-ahead loads it again (dropped). The loads are unmasked, so they
+        # read only the sequence's own pages: none at all with no unmasked tile (the table
+        # past a short prompt's pages is another row's, or past the table's end)
+        if unmasked_end > 0:
+            last = unmasked_end - BLOCK_N
+            block, k_s, v_s = tile_meta(
+                table, 0, k_scale_ptr, v_scale_ptr, head // GROUP, stride_scale_block, BLOCK_N,
+                PAGE_SIZE, KV_QUANT, SCALE_RUN,
             )  # fmt: skip
-            acc, m_i, l_i = attend_tile(
-                q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, table, head_off,
-                stride_cache_block, stride_cache_tok, query_pos, seq_len, scale_log2,
-                row_scale, offs_d, mask_d, k_scale_ptr, v_scale_ptr, head // GROUP,
-                stride_scale_block, stride_scale_tok, BLOCK_N, PAGE_SIZE, False, DOT_PRECISION,
-                KV_QUANT, HEAD_DIM, V_T, KV_F16, P_LIFT, KV_MMA8, AHEAD, block, k_s, v_s,
-            )  # fmt: skip
-            block, k_s, v_s = block_next, k_s_next, v_s_next
+            for n0 in range(0, unmasked_end, BLOCK_N):
+                block_next, k_s_next, v_s_next = tile_meta(
+                    table, tl.minimum(n0 + BLOCK_N, last), k_scale_ptr, v_scale_ptr,
+                    head // GROUP, stride_scale_block, BLOCK_N, PAGE_SIZE, KV_QUANT, SCALE_RUN,
+                )  # fmt: skip
+                acc, m_i, l_i = attend_tile(
+                    q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, table, head_off,
+                    stride_cache_block, stride_cache_tok, query_pos, seq_len, scale_log2,
+                    row_scale, offs_d, mask_d, k_scale_ptr, v_scale_ptr, head // GROUP,
+                    stride_scale_block, BLOCK_N, PAGE_SIZE, False, DOT_PRECISION,
+                    KV_QUANT, HEAD_DIM, V_T, KV_F16, P_LIFT, KV_MMA8, AHEAD, block, k_s, v_s,
+                )  # fmt: skip
+                block, k_s, v_s = block_next, k_s_next, v_s_next
     else:
         for n0 in range(0, unmasked_end, BLOCK_N):
             acc, m_i, l_i = attend_tile(
                 q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, table, head_off,
                 stride_cache_block, stride_cache_tok, query_pos, seq_len, scale_log2,
                 row_scale, offs_d, mask_d, k_scale_ptr, v_scale_ptr, head // GROUP,
-                stride_scale_block, stride_scale_tok, BLOCK_N, PAGE_SIZE, False, DOT_PRECISION,
+                stride_scale_block, BLOCK_N, PAGE_SIZE, False, DOT_PRECISION,
                 KV_QUANT, HEAD_DIM, V_T, KV_F16, P_LIFT, KV_MMA8,
             )  # fmt: skip
     for n0 in range(unmasked_end, causal_end, BLOCK_N):
@@ -176,7 +181,7 @@ def _prefill_kernel(
             q, acc, m_i, l_i, n0, k_cache_ptr, v_cache_ptr, table, head_off,
             stride_cache_block, stride_cache_tok, query_pos, seq_len, scale_log2,
             row_scale, offs_d, mask_d, k_scale_ptr, v_scale_ptr, head // GROUP, stride_scale_block,
-            stride_scale_tok, BLOCK_N, PAGE_SIZE, True, DOT_PRECISION, KV_QUANT, HEAD_DIM,
+            BLOCK_N, PAGE_SIZE, True, DOT_PRECISION, KV_QUANT, HEAD_DIM,
             V_T, KV_F16, P_LIFT, KV_MMA8,
         )  # fmt: skip
 
@@ -229,6 +234,11 @@ def prefill_attention(
     k_scales = kv_quant.scales_of(k_cache) if quantized else k_cache
     v_scales = kv_quant.scales_of(v_cache) if quantized else v_cache
     grid = (num_heads, num_tokens // block_m + num_seqs)
+    # a head's scales in runs of 16 tokens from a multiple of 16 (kv_quant.scales_of): the
+    # look-ahead loads them as vectors where pages and the blocks' stride are whole runs
+    page_size = k_cache.shape[1]
+    runs = quantized and page_size % 16 == 0 and block_n % 16 == 0
+    scale_run = 16 if runs and k_scales.stride(0) % 16 == 0 else 1
     fp8 = k_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
     # Triton's fp8 dots take K >= 32: head_dim for q . K^T, the KV tile for P . V
     mma8 = fp8 and fp8_mma and kv_quant.v_transposed(v_cache) and min(block_n, head_dim) >= 32
@@ -253,7 +263,6 @@ def prefill_attention(
         k_scales,
         v_scales,
         k_scales.stride(0) if quantized else 0,
-        k_scales.stride(1) if quantized else 0,
         scale * 1.4426950408889634,
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
@@ -268,6 +277,7 @@ def prefill_attention(
         P_LIFT=P_LIFT.get(k_cache.dtype, 1.0),
         KV_MMA8=mma8,
         AHEAD=meta_ahead and quantized,
+        SCALE_RUN=scale_run,
         num_warps=num_warps,
         num_stages=num_stages,
     )

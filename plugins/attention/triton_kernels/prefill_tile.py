@@ -51,9 +51,8 @@ def attend_tile(
     mask_d,
     k_scale_ptr,
     v_scale_ptr,
-    scale_head_off,  # kv_head: scales are [num_blocks, PAGE_SIZE, num_kv_heads]
+    kv_head,  # scales are [heads, PAGE_SIZE] per block (kv_quant.scales_of)
     stride_scale_block,
-    stride_scale_tok,
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -97,8 +96,8 @@ def attend_tile(
     if KV_QUANT and GIVEN:
         qk = qk * k_s_in[None, :]
     elif KV_QUANT:
-        s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * stride_scale_tok
-        qk = qk * tl.load(k_scale_ptr + s_off + scale_head_off, mask=mask_n, other=0.0)[None, :]
+        s_off = block * stride_scale_block + kv_head * PAGE_SIZE + offs_n % PAGE_SIZE
+        qk = qk * tl.load(k_scale_ptr + s_off, mask=mask_n, other=0.0)[None, :]
     if CAUSAL:
         visible = (offs_n[None, :] <= query_pos[:, None]) & mask_n[None, :]
         qk = tl.where(visible, qk, float("-inf"))  # [BLOCK_M, BLOCK_N]
@@ -115,7 +114,7 @@ def attend_tile(
         l_i = l_i * alpha + tl.sum(p, 1)
     if V_T:
         v_tok = block * stride_cache_block + (offs_n % PAGE_SIZE)
-        v_ptrs = v_cache_ptr + (v_tok + scale_head_off * (HEAD_DIM * PAGE_SIZE))[:, None]
+        v_ptrs = v_cache_ptr + (v_tok + kv_head * (HEAD_DIM * PAGE_SIZE))[:, None]
         v_ptrs += offs_d[None, :] * PAGE_SIZE
     else:
         v_ptrs = v_cache_ptr + tok[:, None] + offs_d[None, :]
@@ -130,8 +129,8 @@ def attend_tile(
         if GIVEN:
             v_scale = v_s_in
         else:
-            s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * stride_scale_tok
-            v_scale = tl.load(v_scale_ptr + s_off + scale_head_off, mask=mask_n, other=0.0)
+            s_off = block * stride_scale_block + kv_head * PAGE_SIZE + offs_n % PAGE_SIZE
+            v_scale = tl.load(v_scale_ptr + s_off, mask=mask_n, other=0.0)
         if KV_MMA8:  # the values' scales over the tile's largest, times e4m3's largest
             v_max = tl.maximum(tl.max(v_scale, 0), 1e-30)
             v_scale = v_scale * (FP8_MAX / v_max)
@@ -151,19 +150,21 @@ def attend_tile(
 
 @triton.jit
 def tile_meta(
-    table, n0, end, k_scale_ptr, v_scale_ptr, scale_head_off, stride_scale_block,
-    stride_scale_tok, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_QUANT: tl.constexpr,
+    table, n0, k_scale_ptr, v_scale_ptr, kv_head, stride_scale_block, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, KV_QUANT: tl.constexpr, SCALE_RUN: tl.constexpr,
 ):  # fmt: skip
-    """The blocks and (``KV_QUANT``) the keys' and values' scales of the tile at ``n0``,
-    for ``attend_tile(GIVEN=True)``; tokens from ``end`` on read block 0 and scales 0 (a
-    tile ahead of the last one, never attended)."""
+    """The blocks and (``KV_QUANT``) the keys' and values' scales of the tile at ``n0``, a
+    tile of the sequence's own tokens (no mask), for ``attend_tile(GIVEN=True)``. A
+    ``SCALE_RUN`` over 1: each head's scales run that many tokens from a multiple of it
+    (pages and block strides in whole runs), which lets Triton load them as vectors."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    inside = offs_n < end
-    block = tl.load(table + offs_n // PAGE_SIZE, mask=inside, other=0).to(tl.int64)
+    block = tl.load(table + offs_n // PAGE_SIZE).to(tl.int64)
     if KV_QUANT:
-        s_off = block * stride_scale_block + (offs_n % PAGE_SIZE) * stride_scale_tok
-        k_s = tl.load(k_scale_ptr + s_off + scale_head_off, mask=inside, other=0.0)
-        v_s = tl.load(v_scale_ptr + s_off + scale_head_off, mask=inside, other=0.0)
+        s_off = block * stride_scale_block + kv_head * PAGE_SIZE + offs_n % PAGE_SIZE
+        if SCALE_RUN > 1:
+            s_off = tl.max_contiguous(tl.multiple_of(s_off, SCALE_RUN), SCALE_RUN)
+        k_s = tl.load(k_scale_ptr + s_off)
+        v_s = tl.load(v_scale_ptr + s_off)
     else:
         k_s = tl.zeros([BLOCK_N], tl.float32)
         v_s = tl.zeros([BLOCK_N], tl.float32)

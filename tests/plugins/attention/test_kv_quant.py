@@ -12,6 +12,8 @@ values measured below 1% (int8) and 4% (fp8) relative on random data.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from paged_batches import dense_reference, make_batch, model_info, relative_error
@@ -89,6 +91,20 @@ def test_quantized_pool_views_are_disjoint_and_blocks_are_16_byte_aligned():
     assert int(pool[1, 0].sum()) == 5 * (96 + 12 * sum(torch.tensor([2.0]).view(torch.uint8)))
     assert int(pool[0].sum()) == 0 and int(pool[1, 1].sum()) == 0
     assert v_cache.data_ptr() == pool[1, 1].data_ptr()
+
+
+def test_a_block_s_scales_are_stored_head_major():
+    """Each block's scales are ``[heads, tokens]`` (session 53): one KV head's scales over
+    a page's tokens are adjacent, which the kernels read as runs (``scales_of``'s view
+    still indexes ``[block, token, head]``)."""
+    blocks, page, heads, dim = 3, 16, 4, 8
+    pool, [(k_cache, _)] = kv_quant.allocate(1, blocks, page, heads, dim, torch.int8, torch.device("cpu"))  # fmt: skip
+    scales = kv_quant.scales_of(k_cache)
+    assert scales.shape == (blocks, page, heads) and scales.stride()[1:] == (1, page)
+    values = torch.arange(blocks * page * heads, dtype=torch.float32).view(blocks, page, heads)
+    scales.copy_(values)
+    raw = pool[0, 0, :, page * heads * dim :].contiguous().view(torch.float32)  # [blocks, ...]
+    assert torch.equal(raw[:, : heads * page], values.transpose(1, 2).reshape(blocks, -1))
 
 
 def test_unquantized_pool_is_the_plain_contiguous_layout():
@@ -221,9 +237,21 @@ def test_fused_rope_kernel_writes_the_quantized_rotated_keys_and_values(dtype, t
     assert_same_quantized(v_cache, ref_v, dtype)
 
 
+def poisoned(meta, page):
+    """``meta`` with every table entry past its sequence's pages set to a block far
+    outside any cache: a kernel that reads one faults (a wild address), where the zeros
+    of ``make_batch``'s padding would pass unseen. The tables are exactly as wide as the
+    longest sequence's pages, as the engine's are, so a read past the last row's pages
+    leaves the tensor."""
+    tables = meta.block_tables.clone()
+    for row, seq_len in enumerate(meta.seq_lens_cpu):
+        tables[row, -(-seq_len // page) :] = 2**30
+    return dataclasses.replace(meta, block_tables=tables)
+
+
 def check_triton_against_torch(
     query_lens, seq_lens, kv_dtype, dtype=torch.float32, v_transposed=False, block_size=16,
-    **settings,
+    poison=False, **settings,
 ):  # fmt: skip
     batch = make_batch(query_lens, seq_lens, dtype=dtype, device=DEVICE, block_size=block_size)
     info = model_info(4, 2, 32, dtype, DEVICE)
@@ -237,9 +265,10 @@ def check_triton_against_torch(
     # The reference writes both caches (the Triton write is checked above; the
     # interpreter's fp8 rounding differs from the GPU's), so the kernels read the same KV.
     write_kv_cache(batch.k, batch.v, k_cache, v_cache, batch.meta.slot_mapping)
-    triton_attn.prepare(batch.meta)
+    meta = poisoned(batch.meta, block_size) if poison else batch.meta
+    triton_attn.prepare(meta)
     out = triton_attn.forward(
-        batch.q, batch.k, batch.v, k_cache, v_cache, batch.meta, batch.scale, kv_written=True
+        batch.q, batch.k, batch.v, k_cache, v_cache, meta, batch.scale, kv_written=True
     )
     reference = torch_attn.forward(batch.q, batch.k, batch.v, ref_k, ref_v, batch.meta, batch.scale)
     assert torch.isfinite(out).all()
@@ -311,6 +340,19 @@ def test_triton_prefill_and_decodes_over_a_quantized_cache_match_the_reference(
     check_triton_against_torch(
         [1, 9, 20], [30, 9, 45], kv_dtype, torch.float16, transposed, decode_fp8_mma=fp8_mma,
         prefill_kv_f16=kv_f16,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("ahead", [0, 1])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_no_kernel_reads_a_table_entry_past_a_sequence_s_pages(kv_dtype, ahead):
+    # prompts shorter than a prefill tile (no unmasked tile: the look-ahead must load
+    # nothing), across tiles, and decodes; every padding entry points far outside the
+    # cache (session 55: the head-major scales' unmasked look-ahead read tile 0's table
+    # entries for a 9-token prompt, past the table's end on the GPU)
+    check_triton_against_torch(
+        [1, 9, 20, 40], [30, 9, 45, 100], kv_dtype, torch.float16, poison=True,
+        prefill_meta_ahead=ahead, prefill_block_n=32,
     )  # fmt: skip
 
 
