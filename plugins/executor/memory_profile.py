@@ -4,21 +4,38 @@ mirrors this rule)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
+from tokenloom.config import EngineConfig
+from tokenloom.protocols.components.model import ModelInfo
 from tokenloom.protocols.sampling import SamplingParams
 from tokenloom.protocols.step import NewRequestData, ScheduledChunk, StepInput
-
-if TYPE_CHECKING:
-    from tokenloom.plugins.executor.model_runner import ModelRunner
 
 GiB = 1 << 30
 
 
+class ProfiledRunner(Protocol):
+    """What the profile needs of an executor (``ModelRunner`` is one): a pool it can
+    make and drop, a step it can run, and where to report the memory it found."""
+
+    @property
+    def config(self) -> EngineConfig: ...
+    @property
+    def info(self) -> ModelInfo: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def memory(self) -> dict[str, float]: ...  # GiB, updated in place
+
+    def init_kv_cache(self, num_blocks: int, block_size: int, capture: bool = True) -> None: ...
+    def free_kv_cache(self) -> None: ...
+    def execute(self, step: StepInput) -> Any: ...
+
+
 @torch.inference_mode()
-def profile_num_blocks(runner: ModelRunner, block_size: int, per_block: int) -> int:
+def profile_num_blocks(runner: ProfiledRunner, block_size: int, per_block: int) -> int:
     """Run a forward pass at the largest token budget, measure the peak, and give
     the rest of ``gpu_memory_utilization`` to the KV pool."""
     cfg = runner.config
@@ -46,8 +63,7 @@ def profile_num_blocks(runner: ModelRunner, block_size: int, per_block: int) -> 
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     profile_kv = blocks_needed * per_block
-    runner.kv_caches = []
-    runner._kv = None
+    runner.free_kv_cache()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     other = total - free - torch.cuda.memory_reserved()

@@ -334,5 +334,9 @@ class ModelRunner(Executor):
     def shutdown(self) -> None:
         self.graphs = None
         self.verify_graphs = {}
+        self.free_kv_cache()
+
+    def free_kv_cache(self) -> None:
+        """Drop the KV pool (the memory profile's trial pool; shutdown)."""
         self.kv_caches = []
         self._kv = None
