@@ -24,7 +24,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -74,6 +74,7 @@ from tokenloom.plugins.frontends.openai.schemas import (
     request_params,
     sampling_params,
 )
+from tokenloom.plugins.frontends.openai.state import ServerState
 from tokenloom.plugins.frontends.openai.streaming import (
     DONE,
     EventStreamResponse,
@@ -82,9 +83,6 @@ from tokenloom.plugins.frontends.openai.streaming import (
 )
 from tokenloom.protocols.components.errors import EngineDeadError, EngineError, QueueFullError
 from tokenloom.protocols.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from tokenloom.plugins.frontends.openai.frontend import OpenAIFrontend
 
 T = TypeVar("T")
 Prompts = list[tuple[str | None, list[int]]]
@@ -111,7 +109,7 @@ def engine_error(exc: BaseException) -> RequestError:
 class OpenAIApp:
     """Route handlers; state (engine, tokenizer, metrics) lives on the frontend."""
 
-    def __init__(self, frontend: OpenAIFrontend) -> None:
+    def __init__(self, frontend: ServerState) -> None:
         self.frontend = frontend
         self.texts = fmt.TokenTexts(frontend.tokenizer)
         self.max_body_bytes = int(frontend.config.max_request_body_mb * 1024 * 1024)

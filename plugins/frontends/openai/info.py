@@ -27,12 +27,12 @@ import tokenloom
 from tokenloom.plugins.frontends.metrics import CONTENT_TYPE
 from tokenloom.plugins.frontends.openai.openapi import openapi_document
 from tokenloom.plugins.frontends.openai.schemas import RequestError
+from tokenloom.plugins.frontends.openai.state import ServerState
 from tokenloom.protocols.components.errors import EngineDeadError, EngineError
 from tokenloom.protocols.outputs import EngineStats
 
 if TYPE_CHECKING:
     from tokenloom.plugins.frontends.openai.fast_lane import Pacer
-    from tokenloom.plugins.frontends.openai.frontend import OpenAIFrontend
 
 _encode = msgspec.json.Encoder().encode
 
@@ -65,7 +65,7 @@ def unauthorized(api_key: str | None, request: Request) -> Response | None:
 
 
 class InfoRoutes:
-    def __init__(self, frontend: OpenAIFrontend) -> None:
+    def __init__(self, frontend: ServerState) -> None:
         self.frontend = frontend
         card = {
             "id": frontend.model_name,
