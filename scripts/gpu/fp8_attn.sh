@@ -68,6 +68,8 @@
 #           t54 (its GPU tests, the poisoned-table test among them), then on an H200 lb54
 #           (bench latency bf16 / int4 on main), elsewhere ba53 with KVS=fp8; the second
 #           call (auto55b) ba53 KVS=int8, and on an H200 wideb54
+#   ncu55   session 55: ncu over the int8 decode (128 rows x 1,500, pages of 16), token-major
+#           scales (.snap/tok.tar: git archive 0599390) against the tree's head-major, twice
 #   auto54  session 54 (ran once on an H100: ba53 no regression, t54 an illegal memory
 #           access in the prefill with the patch applied, docs/quantization.md): first `git
 #           archive HEAD > .snap/before.tar && git apply
@@ -363,6 +365,19 @@ for step in "$@"; do
         tests/plugins/attention/test_kv_quant_gpu.py > "$OUT/a-t53.log" 2>&1
       echo "t53 rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/a-t53.log" | head -8; tail -1 "$OUT/a-t53.log"
       grep -E "fp8-MMA prefill, pages" "$OUT/a-t53.log" ;;
+    ncu55)  # session 55: where the head-major scales' int8 decode loss goes (see the header)
+      rm -rf /tmp/tok_src && mkdir -p /tmp/tok_src && tar -xf .snap/tok.tar -C /tmp/tok_src
+      inst /tmp/tok_src /tmp/tok
+      for t in tok after tok after; do
+        timeout 110 env PYTHONPATH=/tmp/$t:/tmp/site ncu --clock-control none -k regex:_decode_kernel \
+          -s 5 -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --metrics \
+          lts__t_sector_hit_rate.pct,dram__bytes_read.sum,lts__t_sectors_op_read.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum \
+          python3 scripts/gpu/kvq_decode_bench.py --kv int8 --contexts 1500 --batches 128 \
+          --page-size 16 > "$OUT/ncu55-$t.log" 2>&1
+        echo "ncu55 $t rc=$?"
+        grep -E " Duration|L2 Hit Rate|dram__bytes_read.sum|lts__t_sectors_op_read|l1tex__t_sectors_pipe" \
+          "$OUT/ncu55-$t.log" | sed "s/^/$t /"
+      done ;;
     t54)  # session 54: the attention backend's GPU tests (its settings resolved in
       # triton_settings.resolve; with the tree's head-major scales where applied)
       timeout ${T54:-420} env PYTHONPATH=/tmp/after:/tmp/site python3 -m pytest -q -s -rfs \
