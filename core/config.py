@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
+
+if TYPE_CHECKING:
+    from tokenloom.protocols.sampling import SamplingParams
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -175,6 +178,23 @@ def plugin_settings(config: EngineConfig, name: str, settings: type[S]) -> S:
         if message.endswith("unknown setting"):
             message += f"; known: {', '.join(settings.__struct_fields__) or '(none)'}"
         raise ConfigError(message) from exc
+
+
+def speculation_configured(config: EngineConfig) -> bool:
+    """Whether the engine speculates at all: a proposer and ``num_speculative_tokens``."""
+    return config.num_speculative_tokens > 0 and config.proposer != "none"
+
+
+def speculative_tokens(config: EngineConfig, params: SamplingParams) -> int:
+    """How many drafts a request verifies per step: its own setting, capped by (and
+    defaulting to) the engine's ``num_speculative_tokens``; 0 (no speculation) without
+    a proposer. The engine (which steps run synchronously) and the executor (which
+    requests it drafts for) both ask this."""
+    if not speculation_configured(config):
+        return 0
+    own = params.num_speculative_tokens
+    limit = config.num_speculative_tokens
+    return limit if own is None else min(own, limit)
 
 
 def field_names() -> tuple[str, ...]:

@@ -30,8 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from tokenloom.config import ConfigError, EngineConfig
-from tokenloom.plugins.executor.speculative import speculation_configured, speculative_tokens
+from tokenloom.config import ConfigError, EngineConfig, speculation_configured, speculative_tokens
 from tokenloom.protocols.control import Ready
 from tokenloom.protocols.outputs import EngineStats, TokenDelta
 from tokenloom.protocols.requests import GenerateRequest

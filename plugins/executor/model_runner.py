@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tokenloom.config import EngineConfig
+from tokenloom.config import EngineConfig, speculation_configured
 from tokenloom.plugins.attention import kv_quant
 from tokenloom.plugins.executor import staging
 from tokenloom.plugins.executor.batch import BatchBuilder, FlatBatch
@@ -29,7 +29,7 @@ from tokenloom.plugins.executor.cuda_graphs import DecodeGraphs
 from tokenloom.plugins.executor.memory_profile import profile_num_blocks
 from tokenloom.plugins.executor.prompt_logprobs import PromptLogprobs
 from tokenloom.plugins.executor.settings import ModelExecutorSettings
-from tokenloom.plugins.executor.speculative import SpeculativeDecoder, speculation_configured
+from tokenloom.plugins.executor.speculative import SpeculativeDecoder
 from tokenloom.plugins.executor.verify_graphs import VerifyGraphs, verify_batch_sizes
 from tokenloom.plugins.models import parallel
 from tokenloom.protocols.components.attention import ForwardContext

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from tokenloom.config import EngineConfig
+from tokenloom.config import EngineConfig, speculative_tokens
 from tokenloom.plugins.executor.prompt_logprobs import to_host as prompt_values_to_host
 from tokenloom.plugins.executor.sampling.rejection import (
     greedy_verify,
@@ -40,25 +40,7 @@ from tokenloom.plugins.executor.sampling.sampler import Sampler
 from tokenloom.plugins.executor.staging import upload
 from tokenloom.protocols.components.proposer import Proposer
 from tokenloom.protocols.outputs import TopLogprobs
-from tokenloom.protocols.sampling import SamplingParams
 from tokenloom.protocols.step import NewRequestData, ScheduledChunk, StepOutput
-
-
-def speculation_configured(config: EngineConfig) -> bool:
-    """Whether the engine speculates at all: a proposer and ``num_speculative_tokens``."""
-    return config.num_speculative_tokens > 0 and config.proposer != "none"
-
-
-def speculative_tokens(config: EngineConfig, params: SamplingParams) -> int:
-    """How many drafts a request verifies per step: its own setting, capped by (and
-    defaulting to) the engine's ``num_speculative_tokens``; 0 (no speculation) without
-    a proposer. The engine (which steps run synchronously) and the executor (which
-    requests it drafts for) both ask this."""
-    if not speculation_configured(config):
-        return 0
-    own = params.num_speculative_tokens
-    limit = config.num_speculative_tokens
-    return limit if own is None else min(own, limit)
 
 
 class SpeculativeDecoder:

@@ -6,12 +6,19 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from tokenloom.config import ConfigError, load_config, plugin_settings
+from tokenloom.config import (
+    ConfigError,
+    load_config,
+    plugin_settings,
+    speculation_configured,
+    speculative_tokens,
+)
 from tokenloom.engine.engine_core import Engine, resolve_config
 from tokenloom.plugin_manager import PluginError, PluginManager
 from tokenloom.plugins.scheduler.continuous import ContinuousScheduler
 from tokenloom.protocols.components.registry import ComponentSpec
 from tokenloom.protocols.hookspecs import hookimpl
+from tokenloom.protocols.sampling import SamplingParams
 
 
 class AgingSettings(msgspec.Struct, forbid_unknown_fields=True):
@@ -131,3 +138,16 @@ def test_block_size_defaults_to_64_for_an_fp8_cache_else_16(tmp_path) -> None:  
     assert load_config(path).block_size == 32
     with pytest.raises(ConfigError, match="block_size"):
         load_config(block_size=-16)
+
+
+def test_a_request_s_drafts_are_its_own_capped_by_the_engine_s_and_none_without_a_proposer():
+    # the engine core and the executor both ask the config (neither asks the other)
+    spec = load_config(None, proposer="ngram", num_speculative_tokens=4)
+    assert speculation_configured(spec)
+    assert speculative_tokens(spec, SamplingParams()) == 4  # the engine's by default
+    assert speculative_tokens(spec, SamplingParams(num_speculative_tokens=2)) == 2
+    assert speculative_tokens(spec, SamplingParams(num_speculative_tokens=9)) == 4
+    assert speculative_tokens(spec, SamplingParams(num_speculative_tokens=0)) == 0
+    for plain in (load_config(None, num_speculative_tokens=4), load_config(None, proposer="ngram")):
+        assert not speculation_configured(plain)
+        assert speculative_tokens(plain, SamplingParams(num_speculative_tokens=3)) == 0
