@@ -30,9 +30,9 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from tokenloom import LLM, SamplingParams
-from tokenloom.bench.throughput import make_workload
 from tokenloom.checkpoints.model_shapes import write_shape_dir
 from tokenloom.protocols.requests import GenerateRequest
+from tokenloom.sim.workload import make_workload
 
 
 def parse(value: str):

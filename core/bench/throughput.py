@@ -8,7 +8,6 @@ transformers ``generate`` on the same model, device and workload in the same run
 from __future__ import annotations
 
 import argparse
-import random
 import time
 from typing import Any
 
@@ -19,18 +18,7 @@ from tokenloom.bench.common import (
     spec_summary,
     write_json,
 )
-
-
-def make_workload(
-    num: int, low: int, high: int, vocab: int, seed: int
-) -> list[tuple[list[int], int]]:
-    rng = random.Random(seed)
-    top = min(vocab, 32000) - 1
-    work = []
-    for _ in range(num):
-        n_in, n_out = rng.randint(low, high), rng.randint(low, high)
-        work.append(([rng.randint(10, top) for _ in range(n_in)], n_out))
-    return work
+from tokenloom.sim.workload import make_workload
 
 
 def run_tokenloom(llm: Any, passes: list[list[tuple[list[int], int]]]) -> dict[str, Any]:

@@ -94,12 +94,11 @@ def mixed_step() -> StepFeatures:
 
 def simulated_throughput(model: CostModel, kv_gib: float) -> float:
     """Output tokens/s of ``tokenloom bench throughput``'s workload, simulated."""
-    from tokenloom.bench.throughput import make_workload
     from tokenloom.config import EngineConfig
     from tokenloom.plugin_manager import PluginManager
     from tokenloom.sim.metrics import summarize
     from tokenloom.sim.simulator import simulate
-    from tokenloom.sim.workload import TraceRequest
+    from tokenloom.sim.workload import TraceRequest, make_workload
 
     work = make_workload(256, 100, 1024, 32000, 0)
     trace = [TraceRequest(0.0, len(ids), n) for ids, n in work]

@@ -26,6 +26,21 @@ import msgspec
 AZURE_CODE_TRACE = "azure-llm-2023-code.csv"  # shipped beside this module, in data/
 
 
+def make_workload(
+    num: int, low: int, high: int, vocab: int, seed: int
+) -> list[tuple[list[int], int]]:
+    """``tokenloom bench throughput``'s offline workload: ``num`` requests of random
+    token ids, input and output lengths uniform in ``low..high`` (the lab simulates the
+    same requests: ``sim.derived.simulated_throughput``)."""
+    rng = random.Random(seed)
+    top = min(vocab, 32000) - 1
+    work = []
+    for _ in range(num):
+        n_in, n_out = rng.randint(low, high), rng.randint(low, high)
+        work.append(([rng.randint(10, top) for _ in range(n_in)], n_out))
+    return work
+
+
 class TraceRequest(msgspec.Struct, omit_defaults=True):
     """One request of a workload; also one line of a recorded trace (JSONL)."""
 
