@@ -15,10 +15,11 @@ Each block of a quantized pool holds its data, then its scales:
 head-major (built in session 53, landed in 55; token-major before) so that a kernel
 reading one KV head's tokens reads its scales contiguously: a tile's scales are whole
 sectors, and vector loads where Triton is told of the runs, rather than one 4-byte scale
-out of each 32-byte sector of eight heads. The cache a layer sees is the data view ``[num_blocks, block_size, num_kv_heads, head_dim]`` (strided:
-one block every ``block_bytes``); ``scales_of(cache)`` gives the scale view of the same
-memory, so the caches still travel as plain tensors through the model, CUDA graphs
-and the attention interface. Unquantized pools are allocated exactly as before.
+out of each 32-byte sector of eight heads. The cache a layer sees is the data view
+``[num_blocks, block_size, num_kv_heads, head_dim]`` (strided: one block every
+``block_bytes``); ``scales_of(cache)`` gives the scale view of the same memory, so the
+caches still travel as plain tensors through the model, CUDA graphs and the attention
+interface. Unquantized pools are allocated exactly as before.
 
 An fp8 pool may store each block's **values transposed**, ``[num_kv_heads, head_dim,
 block_size]`` (``allocate(..., v_transposed=True)``, asked by the attention backend's

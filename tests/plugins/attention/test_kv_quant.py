@@ -98,7 +98,8 @@ def test_a_block_s_scales_are_stored_head_major():
     a page's tokens are adjacent, which the kernels read as runs (``scales_of``'s view
     still indexes ``[block, token, head]``)."""
     blocks, page, heads, dim = 3, 16, 4, 8
-    pool, [(k_cache, _)] = kv_quant.allocate(1, blocks, page, heads, dim, torch.int8, torch.device("cpu"))  # fmt: skip
+    cpu = torch.device("cpu")
+    pool, [(k_cache, _)] = kv_quant.allocate(1, blocks, page, heads, dim, torch.int8, cpu)
     scales = kv_quant.scales_of(k_cache)
     assert scales.shape == (blocks, page, heads) and scales.stride()[1:] == (1, page)
     values = torch.arange(blocks * page * heads, dtype=torch.float32).view(blocks, page, heads)
